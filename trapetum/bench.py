@@ -1,0 +1,233 @@
+"""Benchmark harness: CUDA-graph replays timed with CUDA events, L2-rotated weights, medians.
+
+Every timing of a Trapetum kernel is taken in the same process and run as torch fp16
+``x @ W.t()`` on the same shape, timed the same way, and reported as a ratio.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Callable
+
+import torch
+
+from .codebook import random_codebook_tensor
+from .gemv import MAX_FUSED_BATCH, LutGemv, max_rel_err, reference
+
+METHOD = "CUDA-graph replay, CUDA events, median, weights rotated past L2"
+
+
+def l2_bytes() -> int:
+    p = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return int(getattr(p, "L2_cache_size", 50 * 2**20))
+
+
+def copies_for(bytes_one: int, factor: int = 4, cap: int = 256) -> int:
+    """How many copies of a working set make it `factor` x the L2 (at least 2)."""
+    return max(2, min(cap, math.ceil(factor * l2_bytes() / max(bytes_one, 1))))
+
+
+def time_graph(launchers: list[Callable[[], None]], launches: int = 20, replays: int = 30, warmup: int = 3) -> float:
+    """Median milliseconds of one launch: `launches` calls (cycling through `launchers`) per graph replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in launchers[: min(len(launchers), 3)]:  # compile and load modules outside the capture
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    n = max(launches, len(launchers))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(n):
+            launchers[i % len(launchers)]()
+    for _ in range(warmup):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / n)
+    del g
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 2 * 2**30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = time_graph([lambda: dst.copy_(src)], launches=5, replays=20)
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def fp16_launchers(n_in: int, n_out: int, batch: int, seed: int = 0):
+    """torch fp16 x @ W.t() on rotated copies of W (the cuBLAS baseline)."""
+    k = copies_for(n_in * n_out * 2)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    Ws = [torch.randn(n_out, n_in, device="cuda", dtype=torch.float16, generator=g) * 0.02 for _ in range(k)]
+    x = torch.randn(batch, n_in, device="cuda", dtype=torch.float16, generator=g)
+    y = torch.empty(batch, n_out, device="cuda", dtype=torch.float16)
+    # torch.mm with out= is what nn.Linear's batch-1 path runs (cuBLAS GEMV/GEMM), minus the allocation.
+    return [lambda W=W: torch.mm(x, W.t(), out=y) for W in Ws], (Ws, x, y)
+
+
+def lut_launchers(n_in: int, n_out: int, K: int, batch: int, variant: str = "lut", seed: int = 0):
+    """Rotated copies of one random codebook weight, each bound to the same x and y."""
+    ct = random_codebook_tensor(n_out, n_in, K, seed=seed, device="cuda")
+    k = copies_for(ct.nbytes)
+    gemvs = [LutGemv(ct, variant=variant) for _ in range(k)]
+    x = torch.randn(batch, n_in, device="cuda", dtype=torch.float16)
+    y = torch.empty(batch, n_out, device="cuda", dtype=torch.float16)
+    return [g.bind(x, y) for g in gemvs], (gemvs, x, y)
+
+
+def check_kernel(n_in: int, n_out: int, K: int, batch: int, variant: str, seed: int, device="cuda") -> float:
+    """Max relative error of one kernel against float64, on fresh inputs, with y poisoned first.
+
+    Raises AssertionError if any output was left unwritten (still NaN) or is not finite.
+    """
+    ct = random_codebook_tensor(n_out, n_in, K, seed=seed, device=device)
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    x = torch.randn(batch, n_in, generator=g).half().to(device)
+    y = torch.full((batch, n_out), float("nan"), dtype=torch.float16, device=device)
+    LutGemv(ct, device=device, variant=variant)(x, out=y)
+    if device != "cpu":
+        torch.cuda.synchronize()
+    if not torch.isfinite(y).all():
+        raise AssertionError(f"{variant} K={K} batch={batch} {n_in}x{n_out}: {int((~torch.isfinite(y)).sum())} outputs unwritten or non-finite")
+    return max_rel_err(y, reference(x, ct))
+
+
+def gemv_record(kernel: str, K: int | None, batch: int, n_in: int, n_out: int, ms: float, fp16_ms: float, nbytes: int, err: float | None, **extra) -> dict:
+    return {
+        "kernel": kernel,
+        "K": K,
+        "batch": batch,
+        "in_features": n_in,
+        "out_features": n_out,
+        "time_ms": ms,
+        "fp16_ms": fp16_ms,
+        "speedup": fp16_ms / ms,
+        "gbps": nbytes / (ms * 1e-3) / 1e9,
+        "max_rel_err": err,
+        "method": METHOD,
+        **extra,
+    }
+
+
+def fused_or_dispatch(batch: int) -> str:
+    return "fused" if batch <= MAX_FUSED_BATCH else "dequant+cublas"
+
+
+# -- the gemv chapter's suite ----------------------------------------------------------------
+SCHEMES = {16: "4-bit K=16", 64: "uint8 K=64", 256: "uint8 K=256"}
+TOLERANCE = 2e-3  # fp16 output rounding is 2^-11 of the largest output; fp32 accumulation adds far less
+
+
+def correctness_sweep(shapes, Ks=(16, 64, 256), batches=(1, 2, 3, 8, 16), variants=("lut", "lut32", "naive"), seed=0, progress=True) -> list[dict]:
+    """Every kernel on fresh random inputs against float64, outputs poisoned first. Raises on any failure."""
+    from tqdm.auto import tqdm
+
+    jobs = [(s, K, b, v) for s in shapes for K in Ks for b in batches for v in variants if not (v == "naive" and s[0] * s[1] > 2**24)]
+    recs, failures = [], []
+    for i, ((n_in, n_out), K, b, v) in enumerate(tqdm(jobs, desc="correctness", disable=not progress)):
+        try:
+            err = check_kernel(n_in, n_out, K, b, v, seed=seed + i)
+            ok = err <= TOLERANCE
+        except AssertionError as e:
+            err, ok = float("nan"), False
+            failures.append(str(e))
+        recs.append({"kernel": v, "K": K, "scheme": SCHEMES[K], "batch": b, "in_features": n_in, "out_features": n_out, "max_rel_err": err, "passed": ok})
+        if not ok:
+            failures.append(f"{v} K={K} batch={b} {n_in}x{n_out}: max rel err {err:.3g} > {TOLERANCE}")
+    if failures:
+        raise AssertionError("correctness sweep failed:\n" + "\n".join(failures))
+    return recs
+
+
+def time_lut(n_in, n_out, K, batch, variant, fp16_ms, seed=0) -> dict:
+    launchers, keep = lut_launchers(n_in, n_out, K, batch, variant, seed=seed)
+    ms = time_graph(launchers)
+    g = keep[0][0]
+    err = check_kernel(n_in, n_out, K, batch, variant, seed=seed + 7)
+    nbytes = g.ct.nbytes + 2 * batch * (n_in + n_out)
+    plan = g._plans[batch][1]
+    del launchers, keep
+    torch.cuda.empty_cache()
+    return gemv_record(variant, K, batch, n_in, n_out, ms, fp16_ms, nbytes, err, scheme=SCHEMES[K],
+                       ksplit=getattr(plan, "ksplit", None), warps=getattr(plan, "warps", None))
+
+
+def time_fp16(n_in, n_out, batch) -> float:
+    launchers, keep = fp16_launchers(n_in, n_out, batch)
+    ms = time_graph(launchers)
+    del launchers, keep
+    torch.cuda.empty_cache()
+    return ms
+
+
+def time_dequant_cublas(n_in, n_out, K, batch, fp16_ms, seed=0) -> dict:
+    """The large-batch path: dequantize to fp16 on the device, then cuBLAS."""
+    ct = random_codebook_tensor(n_out, n_in, K, seed=seed, device="cuda")
+    gs = [LutGemv(ct, variant="naive") for _ in range(2)]
+    W = torch.empty(n_out, n_in, dtype=torch.float16, device="cuda")
+    x = torch.randn(batch, n_in, device="cuda", dtype=torch.float16)
+    y = torch.empty(batch, n_out, device="cuda", dtype=torch.float16)
+
+    def run(g):
+        return lambda: (g.dequantize(out=W), torch.mm(x, W.t(), out=y))
+
+    ms = time_graph([run(g) for g in gs], launches=10)
+    ref = reference(x.cpu(), ct.to("cpu"))
+    run(gs[0])()
+    torch.cuda.synchronize()
+    err = max_rel_err(y, ref)
+    nbytes = ct.nbytes + 2 * batch * (n_in + n_out)
+    return gemv_record("dequant+cublas", K, batch, n_in, n_out, ms, fp16_ms, nbytes, err, scheme=SCHEMES[K])
+
+
+def gemv_suite(table_shape=(4096, 4096), layer_shapes=((3072, 768), (4096, 4096), (11008, 4096), (4096, 11008)),
+               large_shapes=((4096, 14336), (14336, 4096), (8192, 28672), (16384, 53248)),
+               batch_shape=(4096, 14336), batches=(1, 2, 4, 8, 16, 32, 64), Ks=(16, 64, 256), progress=True) -> list[dict]:
+    """The chapter's three grids plus the batch sweep; fp16 timed beside every shape. Returns records."""
+    from tqdm.auto import tqdm
+
+    recs = []
+    fp16 = {}
+
+    def base(n_in, n_out, b):
+        if (n_in, n_out, b) not in fp16:
+            fp16[(n_in, n_out, b)] = time_fp16(n_in, n_out, b)
+            recs.append(gemv_record("torch fp16", None, b, n_in, n_out, fp16[(n_in, n_out, b)], fp16[(n_in, n_out, b)], 2 * n_in * n_out + 2 * b * (n_in + n_out), None, scheme="dense fp16", grid="baseline"))
+        return fp16[(n_in, n_out, b)]
+
+    jobs = [("table", table_shape, K, 1, v) for K in Ks for v in ("lut", "lut32", "naive")]
+    jobs += [("layers", s, 16, 1, "lut") for s in layer_shapes]
+    jobs += [("bandwidth", s, K, 1, "lut") for s in large_shapes for K in Ks]
+    jobs += [("batch", batch_shape, 16, b, "lut" if b <= MAX_FUSED_BATCH else "dequant+cublas") for b in batches]
+    done = set()
+    for grid, (n_in, n_out), K, b, v in tqdm(jobs, desc="timings", disable=not progress):
+        f = base(n_in, n_out, b)
+        key = (n_in, n_out, K, b, v)
+        if key in done:
+            prev = next(r for r in recs if (r["in_features"], r["out_features"], r["K"], r["batch"], r["kernel"]) == key)
+            recs.append({**prev, "grid": grid})
+            continue
+        done.add(key)
+        r = time_dequant_cublas(n_in, n_out, K, b, f) if v == "dequant+cublas" else time_lut(n_in, n_out, K, b, v, f)
+        r["grid"] = grid
+        recs.append(r)
+        if progress:
+            print(f"{grid:9s} {v:15s} K={K:<3d} b={b:<2d} {n_in:>5d}x{n_out:<5d} {r['time_ms']*1e3:8.2f} us  fp16 {f*1e3:8.2f} us  {r['speedup']:.2f}x  {r['gbps']:.0f} GB/s  err {r['max_rel_err']:.1e}", flush=True)
+    # Where the fused kernel would sit at large batches too: the crossover the dispatch is based on.
+    for b in batches:
+        if b > MAX_FUSED_BATCH:
+            continue
+        r = next(r for r in recs if r.get("grid") == "batch" and r["batch"] == b)
+        r["path"] = "fused"
+    return recs

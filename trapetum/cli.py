@@ -1,0 +1,47 @@
+"""Command line: ``trapetum gemv`` measures the GEMV chapter on this machine's GPU."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _gemv(args) -> int:
+    import torch
+
+    from . import bench, results
+    from .gemv import NoGPUError
+
+    if not torch.cuda.is_available():
+        raise NoGPUError("`trapetum gemv` measures on a CUDA GPU and none is visible; the book renders recorded data without one")
+    t0 = time.time()
+    shapes = [(256, 96), (1024, 1000), (4096, 4096), (3072, 768), (2048, 14336)]
+    checks = bench.correctness_sweep(shapes, progress=not args.quiet)
+    print(f"correctness: {len(checks)} checks passed in {time.time() - t0:.0f} s", flush=True)
+    copy = bench.copy_bandwidth()
+    print(f"copy bandwidth: {copy:.0f} GB/s", flush=True)
+    recs = bench.gemv_suite(progress=not args.quiet)
+    for r in recs:
+        r["copy_gbps"] = copy
+    for c in checks:
+        c["grid"] = "correctness"
+    prov = results.provenance(command=args.command or " ".join(sys.argv), copy_gbps=copy, seconds=round(time.time() - t0, 1))
+    path = results.save("gemv", recs + checks, prov, folder=args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="trapetum", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("gemv", help="correctness sweep, then the GEMV timings; writes <out>/<gpu>/gemv.json")
+    g.add_argument("--out", default=None, help="results folder (default: the repository's data/)")
+    g.add_argument("--command", default=None, help="the command to record in the provenance")
+    g.add_argument("--quiet", action="store_true")
+    g.set_defaults(func=_gemv)
+    args = p.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

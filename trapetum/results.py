@@ -1,0 +1,173 @@
+"""Results files: the contract every measuring notebook of the book follows.
+
+One JSON file per measuring run, ``data/<gpu-slug>/<name>.json``, holding
+
+* ``provenance``: GPU, driver, CUDA, torch, numba, numba-cuda, git commit, date, command;
+* ``records``: a flat list of dicts, one per measurement, so ``pandas.DataFrame(records)``
+  reads it directly.
+
+A new run never silently overwrites an older one: the older file is moved aside to
+``<name>.<its date>.json`` and the move is reported.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pandas as pd
+
+PACKAGE_ROOT = Path(__file__).resolve().parent
+REPO_ROOT = PACKAGE_ROOT.parent
+DATA_DIR = REPO_ROOT / "data"
+
+FORMAT_VERSION = 1
+
+
+class ResultsFileError(ValueError):
+    """A results file is missing its provenance or records, or is not JSON."""
+
+
+def slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    s = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    if not s:
+        raise ValueError(f"cannot make a folder name from {name!r}")
+    return s
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def gpu_info() -> dict:
+    """Name, driver, CUDA runtime and SM count of the current GPU (None fields without one)."""
+    info = {"gpu": None, "driver": None, "cuda": None, "sm_count": None, "l2_bytes": None}
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return info
+    info["cuda"] = torch.version.cuda
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        info["gpu"] = p.name
+        info["sm_count"] = p.multi_processor_count
+        info["l2_bytes"] = getattr(p, "L2_cache_size", None)
+        info["compute_capability"] = f"{p.major}.{p.minor}"
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            drv = pynvml.nvmlSystemGetDriverVersion()
+            info["driver"] = drv.decode() if isinstance(drv, bytes) else drv
+        except Exception:  # noqa: BLE001 - NVML is optional provenance, never fatal
+            pass
+    return info
+
+
+def provenance(command: str | None = None, **extra) -> dict:
+    """Everything a reader needs to trace a number back to the run that produced it."""
+    # The device machine gets a copy of the tree without .git: the caller passes the commit in.
+    commit = _git("rev-parse", "HEAD") or os.environ.get("TRAPETUM_GIT_COMMIT")
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    prov = {
+        **gpu_info(),
+        "torch": _version("torch"),
+        "numba": _version("numba"),
+        "numba_cuda": _version("numba-cuda"),
+        "numpy": _version("numpy"),
+        "trapetum": _version("trapetum"),
+        "python": platform.python_version(),
+        "git_commit": commit,
+        "git_dirty": bool(dirty) if dirty is not None else None,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": command if command is not None else " ".join(shlex.quote(a) for a in sys.argv),
+        "format_version": FORMAT_VERSION,
+    }
+    prov.update(extra)
+    return prov
+
+
+def _clean(v):
+    # JSON has no NaN/Inf: store them as null so every reader parses the file.
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if hasattr(v, "item") and not isinstance(v, (list, dict, str)):
+        return _clean(v.item())
+    return v
+
+
+def save(name: str, records: list[dict], prov: dict, folder: Path | str | None = None) -> Path:
+    """Write ``<folder>/<gpu-slug>/<name>.json``; an older file is moved aside, not overwritten."""
+    if not records:
+        raise ValueError("refusing to write a results file with no records")
+    if not isinstance(prov, dict) or "date" not in prov or "command" not in prov:
+        raise ValueError("provenance must come from trapetum.results.provenance()")
+    gpu = prov.get("gpu") or "cpu"
+    out_dir = Path(folder if folder is not None else DATA_DIR) / slug(gpu)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    if path.exists():
+        try:
+            old_date = json.loads(path.read_text())["provenance"]["date"]
+        except Exception:  # noqa: BLE001 - a broken old file still must not be lost
+            old_date = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        stamp = re.sub(r"[^0-9T]", "", old_date)[:15]
+        aside = out_dir / f"{name}.{stamp}.json"
+        n = 1
+        while aside.exists():
+            aside = out_dir / f"{name}.{stamp}-{n}.json"
+            n += 1
+        path.rename(aside)
+        print(f"results: kept the previous run as {aside}")
+    clean = [{k: _clean(v) for k, v in r.items()} for r in records]
+    path.write_text(json.dumps({"provenance": prov, "records": clean}, indent=1) + "\n")
+    return path
+
+
+def read(path: Path | str) -> tuple[dict, pd.DataFrame]:
+    """Read one results file; raise ResultsFileError if it does not follow the contract."""
+    path = Path(path)
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ResultsFileError(f"{path}: not a readable JSON results file ({e})") from e
+    if not isinstance(d, dict) or not isinstance(d.get("records"), list) or not isinstance(d.get("provenance"), dict):
+        raise ResultsFileError(f"{path}: a results file needs a 'provenance' dict and a 'records' list")
+    return d["provenance"], pd.DataFrame(d["records"])
+
+
+def load(name: str, folder: Path | str | None = None) -> pd.DataFrame:
+    """All GPUs' latest ``<name>.json`` as one DataFrame, with gpu/driver/date/commit columns."""
+    root = Path(folder if folder is not None else DATA_DIR)
+    frames = []
+    for path in sorted(root.glob(f"*/{name}.json")):
+        prov, df = read(path)
+        if df.empty:
+            continue
+        for key in ("gpu", "driver", "cuda", "torch", "numba_cuda", "git_commit", "date"):
+            df[key] = prov.get(key)
+        df["gpu_slug"] = path.parent.name
+        frames.append(df)
+    if not frames:
+        return pd.DataFrame()
+    return pd.concat(frames, ignore_index=True)
