@@ -354,6 +354,8 @@ class LutGemv:
         if device is None:
             device = "cpu" if SIM else "cuda"
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if not SIM and self.device.type != "cuda":
             raise ValueError(f"LutGemv runs on a CUDA device, got {self.device}")
         ct.validate()
