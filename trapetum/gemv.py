@@ -329,12 +329,14 @@ def plan_launch(n_out: int, nchunks: int, K: int, B: int, sms: int, warps: int |
         raise ValueError(f"K={K}, batch {B}: the block's shared memory does not fit {SMEM_BUDGET} bytes")
     # Smallest K-split that (a) fits x in shared memory and (b) gives ~4 blocks an SM,
     # without slicing K so thin that a warp has fewer than 2 chunks to stream.
-    min_split_smem = math.ceil(nchunks * cpb * B * 4 / x_budget)
+    cps_max = x_budget // (B * cpb * 4)
+    min_split_smem = math.ceil(nchunks / cps_max)
     want = math.ceil(4 * sms / rbs)
     max_split = max(1, nchunks // (2 * warps))
     ksplit = max(min_split_smem, min(want, max_split), 1)
     cps = math.ceil(nchunks / ksplit)
     ksplit = math.ceil(nchunks / cps)
+    assert static + B * cps * cpb * 4 <= SMEM_BUDGET
     return LaunchPlan(warps, ksplit, cps, B * cps * cpb * 4)
 
 
