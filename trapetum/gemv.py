@@ -63,6 +63,11 @@ if SIM:
     def load_byte_offset(a, off):
         return a[off // 4]
 
+    @cuda.jit(device=True)
+    def half2_to_float2(w):
+        h = np.array([w]).astype(np.int32).view(np.float16)
+        return np.float32(h[0]), np.float32(h[1])
+
 else:
     from llvmlite import ir
     from numba import types
@@ -96,6 +101,21 @@ else:
             i8p = builder.bitcast(ary.data, ir.IntType(8).as_pointer())
             ptr = builder.gep(i8p, [builder.zext(args[1], ir.IntType(64))])
             return builder.load(builder.bitcast(ptr, context.get_data_type(aty.dtype).as_pointer()), align=4)
+
+        return sig, codegen
+
+    @intrinsic
+    def half2_to_float2(typingctx, w):
+        """The two fp16 values packed in a 32-bit word (low half first), as fp32."""
+        sig = types.UniTuple(types.float32, 2)(w)
+
+        def codegen(context, builder, sig, args):
+            v = args[0]
+            if v.type.width != 32:
+                v = builder.trunc(v, ir.IntType(32))
+            h2 = builder.bitcast(v, ir.VectorType(ir.HalfType(), 2))
+            f = [builder.fpext(builder.extract_element(h2, ir.Constant(ir.IntType(32), k)), ir.FloatType()) for k in range(2)]
+            return context.make_tuple(builder, sig.return_type, f)
 
         return sig, codegen
 
@@ -147,7 +167,12 @@ _kernel_cache: dict = {}
 
 
 def lut_kernel(K: int, B: int, warps: int, wide: bool = True):
-    """The tiled LUT-GEMV kernel for codebook size K and batch B (compiled on first use)."""
+    """The tiled LUT-GEMV kernel for codebook size K and batch B (compiled on first use).
+
+    Arguments: x32 (B, in/2) int32 view of fp16 x; tiled int32 codes; cbt32 (row-blocks, K*16)
+    int32 view of the fp16 [code][lane] codebooks; y (B, out) fp16; ws (ksplit, B, out_pad) fp32;
+    counters (row-blocks,) int32; n_out; nchunks (16-byte chunks a row); cps (chunks a K-slice).
+    """
     key = ("lut", K, B, warps, wide)
     if key in _kernel_cache:
         return _kernel_cache[key]
@@ -155,17 +180,34 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True):
     cpb = CHUNK_BYTES * (2 if K == 16 else 1)  # columns a 16-byte chunk covers
     nt = warps * 32
     lut_size = K * 32
+    lut_quads = K * 4  # 16-byte pieces of the block's fp16 codebooks
+    quads_per_thread = -(-lut_quads // nt)
+    buf_size = quads_per_thread * 4
     load = load16 if wide else load4
+    zero = int32(0)
+
+    @cuda.jit(device=True)
+    def chunk(tiled, base, j, j1):
+        # base = index of (row-block, chunk 0, lane); chunks are 32 lanes x 4 words apart.
+        if j < j1:
+            return load(tiled, base + j * 128)
+        return zero, zero, zero, zero
+
+    @cuda.jit(device=True)
+    def dot_chunk(c, lut, lane4, xs, col, ncols, acc):
+        dot_word(c[0], lut, lane4, xs, col, ncols, acc)
+        dot_word(c[1], lut, lane4, xs, col + per_word, ncols, acc)
+        dot_word(c[2], lut, lane4, xs, col + 2 * per_word, ncols, acc)
+        dot_word(c[3], lut, lane4, xs, col + 3 * per_word, ncols, acc)
 
     @cuda.jit
-    def kernel(x, tiled, cbt, y, ws, counters, n_out, nchunks, cps):
+    def kernel(x32, tiled, cbt32, y, ws, counters, n_out, nchunks, cps):
         lut = cuda.shared.array(lut_size, float32)  # [code][lane]: a warp's lookups hit 32 banks
         red = cuda.shared.array((warps, B, 32), float32)
         last = cuda.shared.array(1, int32)
         xs = cuda.shared.array(0, float32)  # dynamic: B x (cps * cpb)
         tid = cuda.threadIdx.x
         warp = tid // 32
-        lane = tid % 32
         lane4 = uint32(cuda.laneid) << uint32(2)
         rb = cuda.blockIdx.x
         split = cuda.blockIdx.y
@@ -173,55 +215,68 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True):
         j0 = split * cps
         j1 = min(j0 + cps, nchunks)
         ncols = (j1 - j0) * cpb
-        c0 = j0 * cpb
-        for t in range(tid, K * 32, nt):
-            lut[t] = float32(cbt[rb, t // 32, t % 32])
-        for t in range(tid, B * ncols, nt):
-            b = t // ncols
-            xs[t] = float32(x[b, c0 + t - b * ncols])
+
+        # Start streaming codes before anything waits: the first two chunks of this warp.
+        base = (rb * nchunks * 32 + cuda.laneid) * 4
+        j = j0 + warp
+        a = chunk(tiled, base, j, j1)
+        b = chunk(tiled, base, j + warps, j1)
+
+        # Codebooks -> fp32 LUT: every 16-byte load issued before the first store waits on one.
+        buf = cuda.local.array(buf_size, int32)
+        cbrow = cbt32[rb]
+        for r in range(quads_per_thread):
+            q = tid + r * nt
+            if q < lut_quads:
+                buf[4 * r], buf[4 * r + 1], buf[4 * r + 2], buf[4 * r + 3] = load16(cbrow, q * 4)
+        for r in range(quads_per_thread):
+            q = tid + r * nt
+            if q < lut_quads:
+                for h in range(4):
+                    lut[q * 8 + 2 * h], lut[q * 8 + 2 * h + 1] = half2_to_float2(buf[4 * r + h])
+        # This block's slice of x -> fp32, 8 values a 16-byte load.
+        xq = ncols // 8
+        xbase = j0 * (cpb // 2)
+        for t in range(tid, B * xq, nt):
+            bb = t // xq
+            q = t - bb * xq
+            w0, w1, w2, w3 = load16(x32[bb], xbase + q * 4)
+            o = bb * ncols + q * 8
+            xs[o], xs[o + 1] = half2_to_float2(w0)
+            xs[o + 2], xs[o + 3] = half2_to_float2(w1)
+            xs[o + 4], xs[o + 5] = half2_to_float2(w2)
+            xs[o + 6], xs[o + 7] = half2_to_float2(w3)
         cuda.syncthreads()
 
         acc = cuda.local.array(B, float32)
-        for b in range(B):
-            acc[b] = 0.0
-        # Two chunks a trip, both loads issued before either is used: more bytes in flight.
-        j = j0 + warp
-        while j + warps < j1:
-            a0, a1, a2, a3 = load(tiled, ((rb * nchunks + j) * 32 + lane) * 4)
-            b0, b1, b2, b3 = load(tiled, ((rb * nchunks + j + warps) * 32 + lane) * 4)
-            col = (j - j0) * cpb
-            dot_word(a0, lut, lane4, xs, col, ncols, acc)
-            dot_word(a1, lut, lane4, xs, col + per_word, ncols, acc)
-            dot_word(a2, lut, lane4, xs, col + 2 * per_word, ncols, acc)
-            dot_word(a3, lut, lane4, xs, col + 3 * per_word, ncols, acc)
-            col += warps * cpb
-            dot_word(b0, lut, lane4, xs, col, ncols, acc)
-            dot_word(b1, lut, lane4, xs, col + per_word, ncols, acc)
-            dot_word(b2, lut, lane4, xs, col + 2 * per_word, ncols, acc)
-            dot_word(b3, lut, lane4, xs, col + 3 * per_word, ncols, acc)
-            j += 2 * warps
-        if j < j1:
-            a0, a1, a2, a3 = load(tiled, ((rb * nchunks + j) * 32 + lane) * 4)
-            col = (j - j0) * cpb
-            dot_word(a0, lut, lane4, xs, col, ncols, acc)
-            dot_word(a1, lut, lane4, xs, col + per_word, ncols, acc)
-            dot_word(a2, lut, lane4, xs, col + 2 * per_word, ncols, acc)
-            dot_word(a3, lut, lane4, xs, col + 3 * per_word, ncols, acc)
+        for bb in range(B):
+            acc[bb] = 0.0
+        # Software pipeline: the next two chunks are in flight while the current two are used.
+        while j < j1:
+            jn = j + 2 * warps
+            na = chunk(tiled, base, jn, j1)
+            nb = chunk(tiled, base, jn + warps, j1)
+            dot_chunk(a, lut, lane4, xs, (j - j0) * cpb, ncols, acc)
+            if j + warps < j1:
+                dot_chunk(b, lut, lane4, xs, (j + warps - j0) * cpb, ncols, acc)
+            a = na
+            b = nb
+            j = jn
 
-        for b in range(B):
-            red[warp, b, lane] = acc[b]
+        for bb in range(B):
+            red[warp, bb, cuda.laneid] = acc[bb]
         cuda.syncthreads()
-        row = rb * 32 + lane
+        row = rb * 32 + cuda.laneid
         if warp == 0:
-            for b in range(B):
+            for bb in range(B):
                 s = float32(0.0)
                 for w in range(warps):
-                    s += red[w, b, lane]
+                    s += red[w, bb, cuda.laneid]
                 if nsplit == 1:
                     if row < n_out:
-                        y[b, row] = s
+                        y[bb, row] = s
                 else:
-                    ws[split, b, row] = s
+                    ws[split, bb, row] = s
         if nsplit > 1:
             cuda.threadfence()
             cuda.syncthreads()
@@ -229,13 +284,13 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True):
                 last[0] = 1 if cuda.atomic.add(counters, rb, 1) == nsplit - 1 else 0
             cuda.syncthreads()
             if last[0] == 1 and warp == 0:
-                for b in range(B):
+                for bb in range(B):
                     s = float32(0.0)
                     for sp in range(nsplit):
-                        s += load_cg(ws, sp, b, row)
+                        s += load_cg(ws, sp, bb, row)
                     if row < n_out:
-                        y[b, row] = s
-                if lane == 0:
+                        y[bb, row] = s
+                if cuda.laneid == 0:
                     counters[rb] = 0
 
     _kernel_cache[key] = kernel
@@ -321,7 +376,7 @@ class LaunchPlan:
 def plan_launch(n_out: int, nchunks: int, K: int, B: int, sms: int, warps: int | None = None) -> LaunchPlan:
     """Grid shape: enough blocks to keep every SM streaming, inside the shared-memory budget."""
     cpb = CHUNK_BYTES * (2 if K == 16 else 1)
-    warps = warps or (8 if K < 256 else 4)
+    warps = warps or 8
     rbs = -(-n_out // ROW_BLOCK)
     static = K * 32 * 4 + warps * B * 32 * 4 + 16
     x_budget = SMEM_BUDGET - static
@@ -372,9 +427,10 @@ class LutGemv:
             self._cb = _as_kernel_array(self.ct.codebook)
         else:
             tiled, cbt = tile(self.ct)
-            self._tiled_t, self._cbt_t = tiled, cbt  # keep torch owners alive under the views
+            cbt32 = cbt.reshape(cbt.shape[0], -1).view(torch.int32)
+            self._tiled_t, self._cbt_t = tiled, cbt32  # keep torch owners alive under the views
             self._tiled = _as_kernel_array(tiled)
-            self._cbt = _as_kernel_array(cbt)
+            self._cbt = _as_kernel_array(cbt32)
         self._plans: dict[int, tuple] = {}
 
     @property
@@ -393,6 +449,8 @@ class LutGemv:
             raise ValueError(f"x must have shape ({self.n_in},) or (batch, {self.n_in}), got {tuple(x.shape)}")
         if not x.is_contiguous():
             raise ValueError("x must be contiguous (call .contiguous() first)")
+        if x.data_ptr() % 16:
+            raise ValueError("x must be 16-byte aligned (the kernels read it 16 bytes at a time); pass a fresh tensor, not an offset view")
         x2 = x.reshape(1, -1) if x.dim() == 1 else x
         if not 1 <= x2.shape[0] <= MAX_FUSED_BATCH:
             raise ValueError(f"fused kernels take batch 1..{MAX_FUSED_BATCH}, got {x2.shape[0]} (use QLinear's dispatch)")
@@ -427,7 +485,8 @@ class LutGemv:
         if out.device != x2.device:
             raise ValueError(f"out is on {out.device}, x on {x2.device}")
         kern, plan, _owners, views = self._prepare(B)
-        xa, ya = _as_kernel_array(x2), _as_kernel_array(out)
+        ya = _as_kernel_array(out)
+        xa = _as_kernel_array(x2 if self.variant == "naive" else x2.view(torch.int32))
         if self.variant == "naive":
             threads = 128
             cfg = (-(-self.n_out // threads), threads)
