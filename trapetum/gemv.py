@@ -376,11 +376,14 @@ class LaunchPlan:
 def plan_launch(n_out: int, nchunks: int, K: int, B: int, sms: int, warps: int | None = None) -> LaunchPlan:
     """Grid shape: enough blocks to keep every SM streaming, inside the shared-memory budget."""
     cpb = CHUNK_BYTES * (2 if K == 16 else 1)
-    warps = warps or 8
     rbs = -(-n_out // ROW_BLOCK)
-    static = K * 32 * 4 + warps * B * 32 * 4 + 16
-    x_budget = SMEM_BUDGET - static
-    if x_budget < B * cpb * 4 * warps:
+    for w in ([warps] if warps else [8, 4]):  # fewer warps when the LUT and batch leave no room
+        static = K * 32 * 4 + w * B * 32 * 4 + 16
+        x_budget = SMEM_BUDGET - static
+        if x_budget >= B * cpb * 4 * w:
+            warps = w
+            break
+    else:
         raise ValueError(f"K={K}, batch {B}: the block's shared memory does not fit {SMEM_BUDGET} bytes")
     # Smallest K-split that (a) fits x in shared memory and (b) gives ~4 blocks an SM,
     # without slicing K so thin that a warp has fewer than 2 chunks to stream.
