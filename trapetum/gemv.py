@@ -147,18 +147,20 @@ def _make_device_functions(K: int, B: int):
         return packed_row[i]
 
     @cuda.jit(device=True)
-    def dot_word(w, lut, lane4, xs, xi, ncols, acc):
-        # One 32-bit word: per_word codes of consecutive columns, the first at xs[xi].
-        # lane4 = 4 * lane, so the byte offset of lut[code][lane] is code << 7 | lane4.
-        w = uint32(w)
+    def dot_word(cur, q, lut, lane4, xs, xi, ncols, acc, RB, lut_stride):
+        # Word q of each of the RB row-blocks' current chunks: per_word codes of the same columns,
+        # the first at xs[xi]. Each x value is read from shared memory once and used RB times.
         for g in range(per_word // 4):
-            v0 = load_byte_offset(lut, (((w >> uint32(bits * (4 * g))) & mask) << uint32(7)) | lane4)
-            v1 = load_byte_offset(lut, (((w >> uint32(bits * (4 * g + 1))) & mask) << uint32(7)) | lane4)
-            v2 = load_byte_offset(lut, (((w >> uint32(bits * (4 * g + 2))) & mask) << uint32(7)) | lane4)
-            v3 = load_byte_offset(lut, (((w >> uint32(bits * (4 * g + 3))) & mask) << uint32(7)) | lane4)
             for b in range(B):
                 x0, x1, x2, x3 = sload4(xs, xi + b * ncols + 4 * g)
-                acc[b] = cuda.fma(v3, x3, cuda.fma(v2, x2, cuda.fma(v1, x1, cuda.fma(v0, x0, acc[b]))))
+                for r in range(RB):
+                    w = uint32(cur[4 * r + q])
+                    base = uint32(r * lut_stride)
+                    v0 = load_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g))) & mask) << uint32(7)) | lane4))
+                    v1 = load_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g + 1))) & mask) << uint32(7)) | lane4))
+                    v2 = load_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g + 2))) & mask) << uint32(7)) | lane4))
+                    v3 = load_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g + 3))) & mask) << uint32(7)) | lane4))
+                    acc[r * B + b] = cuda.fma(v3, x3, cuda.fma(v2, x2, cuda.fma(v1, x1, cuda.fma(v0, x0, acc[r * B + b]))))
 
     return code_at, dot_word, per_word
 
@@ -166,74 +168,95 @@ def _make_device_functions(K: int, B: int):
 _kernel_cache: dict = {}
 
 
-def lut_kernel(K: int, B: int, warps: int, wide: bool = True):
+def row_blocks_per_block(K: int, B: int) -> int:
+    """How many 32-row blocks a thread block streams side by side, sharing each x read.
+
+    More row-blocks cut shared-memory reads of x (one a code at RB = 1) but cost LUT space
+    (RB x K x 128 bytes) and registers (RB x B accumulators, 8 RB words of codes in flight).
+    """
+    if K == 256:
+        return 1
+    if K == 64:
+        return 2 if B <= 4 else 1
+    return 4 if B <= 2 else (2 if B <= 8 else 1)
+
+
+def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = None):
     """The tiled LUT-GEMV kernel for codebook size K and batch B (compiled on first use).
 
-    Arguments: x32 (B, in/2) int32 view of fp16 x; tiled int32 codes; cbt32 (row-blocks, K*16)
-    int32 view of the fp16 [code][lane] codebooks; y (B, out) fp16; ws (ksplit, B, out_pad) fp32;
-    counters (row-blocks,) int32; n_out; nchunks (16-byte chunks a row); cps (chunks a K-slice).
+    A block owns RB row-blocks (RB x 32 rows) and one K-slice. Arguments: x32 (B, in/2) int32
+    view of fp16 x; tiled int32 codes; cbt32 (row-blocks, K*16) int32 view of the fp16
+    [code][lane] codebooks; y (B, out) fp16; ws (ksplit, B, out_pad) fp32; counters (blocks,)
+    int32; n_out; rbs (row-blocks); nchunks (16-byte chunks a row); cps (chunks a K-slice).
     """
-    key = ("lut", K, B, warps, wide)
+    RB = RB or row_blocks_per_block(K, B)
+    key = ("lut", K, B, warps, wide, RB)
     if key in _kernel_cache:
         return _kernel_cache[key]
     _, dot_word, per_word = _make_device_functions(K, B)
     cpb = CHUNK_BYTES * (2 if K == 16 else 1)  # columns a 16-byte chunk covers
     nt = warps * 32
-    lut_size = K * 32
-    lut_quads = K * 4  # 16-byte pieces of the block's fp16 codebooks
+    lut_stride = K * 128  # bytes of one row-block's [code][lane] fp32 table
+    lut_size = RB * K * 32
+    lut_quads = RB * K * 4  # 16-byte pieces of the block's fp16 codebooks
+    quads_per_rb = K * 4
     quads_per_thread = -(-lut_quads // nt)
     buf_size = quads_per_thread * 4
+    nreg = RB * 4
+    nacc = RB * B
     load = load16 if wide else load4
     zero = int32(0)
 
     @cuda.jit(device=True)
-    def chunk(tiled, base, j, j1):
+    def chunk(tiled, base, j, j1, ok):
         # base = index of (row-block, chunk 0, lane); chunks are 32 lanes x 4 words apart.
-        if j < j1:
+        if ok and j < j1:
             return load(tiled, base + j * 128)
         return zero, zero, zero, zero
 
     @cuda.jit(device=True)
-    def dot_chunk(c, lut, lane4, xs, col, ncols, acc):
-        dot_word(c[0], lut, lane4, xs, col, ncols, acc)
-        dot_word(c[1], lut, lane4, xs, col + per_word, ncols, acc)
-        dot_word(c[2], lut, lane4, xs, col + 2 * per_word, ncols, acc)
-        dot_word(c[3], lut, lane4, xs, col + 3 * per_word, ncols, acc)
+    def fetch(dst, tiled, rb0, rbs, nchunks, j, j1):
+        for r in range(RB):
+            base = ((rb0 + r) * nchunks * 32 + cuda.laneid) * 4
+            dst[4 * r], dst[4 * r + 1], dst[4 * r + 2], dst[4 * r + 3] = chunk(tiled, base, j, j1, rb0 + r < rbs)
 
     @cuda.jit
-    def kernel(x32, tiled, cbt32, y, ws, counters, n_out, nchunks, cps):
-        lut = cuda.shared.array(lut_size, float32)  # [code][lane]: a warp's lookups hit 32 banks
-        red = cuda.shared.array((warps, B, 32), float32)
+    def kernel(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, cps):
+        lut = cuda.shared.array(lut_size, float32)  # [row-block][code][lane]: a warp's lookups hit 32 banks
+        red = cuda.shared.array((warps, nacc, 32), float32)
         last = cuda.shared.array(1, int32)
         xs = cuda.shared.array(0, float32)  # dynamic: B x (cps * cpb)
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane4 = uint32(cuda.laneid) << uint32(2)
-        rb = cuda.blockIdx.x
+        blk = cuda.blockIdx.x
+        rb0 = blk * RB
         split = cuda.blockIdx.y
         nsplit = cuda.gridDim.y
         j0 = split * cps
         j1 = min(j0 + cps, nchunks)
         ncols = (j1 - j0) * cpb
 
-        # Start streaming codes before anything waits: the first two chunks of this warp.
-        base = (rb * nchunks * 32 + cuda.laneid) * 4
+        # Start streaming codes before anything waits: this warp's first chunk of each row-block.
         j = j0 + warp
-        a = chunk(tiled, base, j, j1)
-        b = chunk(tiled, base, j + warps, j1)
+        cur = cuda.local.array(nreg, int32)
+        nxt = cuda.local.array(nreg, int32)
+        fetch(cur, tiled, rb0, rbs, nchunks, j, j1)
 
         # Codebooks -> fp32 LUT: every 16-byte load issued before the first store waits on one.
         buf = cuda.local.array(buf_size, int32)
-        cbrow = cbt32[rb]
-        for r in range(quads_per_thread):
-            q = tid + r * nt
-            if q < lut_quads:
-                buf[4 * r], buf[4 * r + 1], buf[4 * r + 2], buf[4 * r + 3] = load16(cbrow, q * 4)
-        for r in range(quads_per_thread):
-            q = tid + r * nt
+        for i in range(quads_per_thread):
+            q = tid + i * nt
+            r = q // quads_per_rb
+            if q < lut_quads and rb0 + r < rbs:
+                buf[4 * i], buf[4 * i + 1], buf[4 * i + 2], buf[4 * i + 3] = load16(cbt32[rb0 + r], (q - r * quads_per_rb) * 4)
+            else:
+                buf[4 * i], buf[4 * i + 1], buf[4 * i + 2], buf[4 * i + 3] = zero, zero, zero, zero
+        for i in range(quads_per_thread):
+            q = tid + i * nt
             if q < lut_quads:
                 for h in range(4):
-                    lut[q * 8 + 2 * h], lut[q * 8 + 2 * h + 1] = half2_to_float2(buf[4 * r + h])
+                    lut[q * 8 + 2 * h], lut[q * 8 + 2 * h + 1] = half2_to_float2(buf[4 * i + h])
         # This block's slice of x -> fp32, 8 values a 16-byte load.
         xq = ncols // 8
         xbase = j0 * (cpb // 2)
@@ -248,50 +271,52 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True):
             xs[o + 6], xs[o + 7] = half2_to_float2(w3)
         cuda.syncthreads()
 
-        acc = cuda.local.array(B, float32)
-        for bb in range(B):
-            acc[bb] = 0.0
-        # Software pipeline: the next two chunks are in flight while the current two are used.
+        acc = cuda.local.array(nacc, float32)
+        for i in range(nacc):
+            acc[i] = 0.0
+        # Software pipeline: the next chunk of every row-block is in flight while this one is used.
         while j < j1:
-            jn = j + 2 * warps
-            na = chunk(tiled, base, jn, j1)
-            nb = chunk(tiled, base, jn + warps, j1)
-            dot_chunk(a, lut, lane4, xs, (j - j0) * cpb, ncols, acc)
-            if j + warps < j1:
-                dot_chunk(b, lut, lane4, xs, (j + warps - j0) * cpb, ncols, acc)
-            a = na
-            b = nb
-            j = jn
+            fetch(nxt, tiled, rb0, rbs, nchunks, j + warps, j1)
+            col = (j - j0) * cpb
+            for q in range(4):
+                dot_word(cur, q, lut, lane4, xs, col + q * per_word, ncols, acc, RB, lut_stride)
+            for i in range(nreg):
+                cur[i] = nxt[i]
+            j += warps
 
-        for bb in range(B):
-            red[warp, bb, cuda.laneid] = acc[bb]
+        for i in range(nacc):
+            red[warp, i, cuda.laneid] = acc[i]
         cuda.syncthreads()
-        row = rb * 32 + cuda.laneid
         if warp == 0:
-            for bb in range(B):
-                s = float32(0.0)
-                for w in range(warps):
-                    s += red[w, bb, cuda.laneid]
-                if nsplit == 1:
-                    if row < n_out:
-                        y[bb, row] = s
-                else:
-                    ws[split, bb, row] = s
+            for r in range(RB):
+                row = (rb0 + r) * 32 + cuda.laneid
+                for bb in range(B):
+                    s = float32(0.0)
+                    for w in range(warps):
+                        s += red[w, r * B + bb, cuda.laneid]
+                    if nsplit == 1:
+                        if row < n_out:
+                            y[bb, row] = s
+                    elif rb0 + r < rbs:
+                        ws[split, bb, row] = s
         if nsplit > 1:
             cuda.threadfence()
             cuda.syncthreads()
             if tid == 0:
-                last[0] = 1 if cuda.atomic.add(counters, rb, 1) == nsplit - 1 else 0
+                last[0] = 1 if cuda.atomic.add(counters, blk, 1) == nsplit - 1 else 0
             cuda.syncthreads()
             if last[0] == 1 and warp == 0:
-                for bb in range(B):
-                    s = float32(0.0)
-                    for sp in range(nsplit):
-                        s += load_cg(ws, sp, bb, row)
-                    if row < n_out:
-                        y[bb, row] = s
+                for r in range(RB):
+                    row = (rb0 + r) * 32 + cuda.laneid
+                    for bb in range(B):
+                        s = float32(0.0)
+                        for sp in range(nsplit):
+                            if rb0 + r < rbs:
+                                s += load_cg(ws, sp, bb, row)
+                        if row < n_out:
+                            y[bb, row] = s
                 if cuda.laneid == 0:
-                    counters[rb] = 0
+                    counters[blk] = 0
 
     _kernel_cache[key] = kernel
     return kernel
@@ -371,14 +396,16 @@ class LaunchPlan:
     ksplit: int
     cps: int  # chunks a K-slice
     shared_bytes: int  # dynamic shared memory
+    RB: int = 1  # row-blocks a thread block
 
 
 def plan_launch(n_out: int, nchunks: int, K: int, B: int, sms: int, warps: int | None = None) -> LaunchPlan:
     """Grid shape: enough blocks to keep every SM streaming, inside the shared-memory budget."""
     cpb = CHUNK_BYTES * (2 if K == 16 else 1)
     rbs = -(-n_out // ROW_BLOCK)
+    RB = row_blocks_per_block(K, B)
     for w in ([warps] if warps else [8, 4]):  # fewer warps when the LUT and batch leave no room
-        static = K * 32 * 4 + w * B * 32 * 4 + 16
+        static = RB * K * 32 * 4 + w * RB * B * 32 * 4 + 16
         x_budget = SMEM_BUDGET - static
         if x_budget >= B * cpb * 4 * w:
             warps = w
@@ -389,13 +416,13 @@ def plan_launch(n_out: int, nchunks: int, K: int, B: int, sms: int, warps: int |
     # without slicing K so thin that a warp has fewer than 2 chunks to stream.
     cps_max = x_budget // (B * cpb * 4)
     min_split_smem = math.ceil(nchunks / cps_max)
-    want = math.ceil(4 * sms / rbs)
+    want = math.ceil(4 * sms / -(-rbs // RB))
     max_split = max(1, nchunks // (2 * warps))
     ksplit = max(min_split_smem, min(want, max_split), 1)
     cps = math.ceil(nchunks / ksplit)
     ksplit = math.ceil(nchunks / cps)
     assert static + B * cps * cpb * 4 <= SMEM_BUDGET
-    return LaunchPlan(warps, ksplit, cps, B * cps * cpb * 4)
+    return LaunchPlan(warps, ksplit, cps, B * cps * cpb * 4, RB)
 
 
 class LutGemv:
@@ -467,9 +494,9 @@ class LutGemv:
             entry = (kern, None, None, None)
         else:
             plan = plan_launch(self.n_out, self.nchunks, self.K, B, sm_count(self.device), self.warps)
-            kern = lut_kernel(self.K, B, plan.warps, wide=self.variant == "lut")
+            kern = lut_kernel(self.K, B, plan.warps, wide=self.variant == "lut", RB=plan.RB)
             ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
-            counters = torch.zeros(self.rbs, dtype=torch.int32, device=self.device)
+            counters = torch.zeros(-(-self.rbs // plan.RB), dtype=torch.int32, device=self.device)
             entry = (kern, plan, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters)))
         self._plans[B] = entry
         return entry
@@ -495,8 +522,8 @@ class LutGemv:
             cfg = (-(-self.n_out // threads), threads)
             args = (xa, self._codes, self._cb, ya, self.n_out, self.n_in)
         else:
-            cfg = ((self.rbs, plan.ksplit), plan.warps * 32)
-            args = (xa, self._tiled, self._cbt, ya, views[0], views[1], self.n_out, self.nchunks, plan.cps)
+            cfg = ((-(-self.rbs // plan.RB), plan.ksplit), plan.warps * 32)
+            args = (xa, self._tiled, self._cbt, ya, views[0], views[1], self.n_out, self.rbs, self.nchunks, plan.cps)
         smem = 0 if plan is None else plan.shared_bytes
         dev = self.device
 
