@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from .codebook import random_codebook_tensor
-from .gemv import MAX_FUSED_BATCH, LutGemv, max_rel_err, reference
+from .gemv import MAX_FUSED_BATCH, LutGemv, max_rel_err, reference, row_blocks_per_block
 
 METHOD = "CUDA-graph replay, CUDA events, median, weights rotated past L2"
 
@@ -86,7 +86,7 @@ def lut_launchers(n_in: int, n_out: int, K: int, batch: int, variant: str = "lut
     return [g.bind(x, y) for g in gemvs], (gemvs, x, y)
 
 
-def check_kernel(n_in: int, n_out: int, K: int, batch: int, variant: str, seed: int, device="cuda") -> float:
+def check_kernel(n_in: int, n_out: int, K: int, batch: int, variant: str, seed: int, device="cuda", plan: dict | None = None) -> float:
     """Max relative error of one kernel against float64, on fresh inputs, with y poisoned first.
 
     Raises AssertionError if any output was left unwritten (still NaN) or is not finite.
@@ -95,7 +95,7 @@ def check_kernel(n_in: int, n_out: int, K: int, batch: int, variant: str, seed: 
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
     x = torch.randn(batch, n_in, generator=g).half().to(device)
     y = torch.full((batch, n_out), float("nan"), dtype=torch.float16, device=device)
-    LutGemv(ct, device=device, variant=variant)(x, out=y)
+    LutGemv(ct, device=device, variant=variant, plan=plan)(x, out=y)
     if device != "cpu":
         torch.cuda.synchronize()
     if not torch.isfinite(y).all():
@@ -133,16 +133,19 @@ def correctness_sweep(shapes, Ks=(16, 64, 256), batches=(1, 2, 3, 8, 16), varian
     """Every kernel on fresh random inputs against float64, outputs poisoned first. Raises on any failure."""
     from tqdm.auto import tqdm
 
-    jobs = [(s, K, b, v) for s in shapes for K in Ks for b in batches for v in variants if not (v == "naive" and s[0] * s[1] > 2**24)]
+    jobs = [(s, K, b, v, None) for s in shapes for K in Ks for b in batches for v in variants if not (v == "naive" and s[0] * s[1] > 2**24)]
+    # Plans the tuner may pick on other GPUs: every row-block width, with and without a K-split.
+    jobs += [(shapes[0], K, b, "lut", dict(RB=rb, ksplit=ks)) for K in Ks for b in (1, 3) for rb in (1, 2, 4) for ks in (1, 3)
+             if rb <= row_blocks_per_block(K, b)]
     recs, failures = [], []
-    for i, ((n_in, n_out), K, b, v) in enumerate(tqdm(jobs, desc="correctness", disable=not progress)):
+    for i, ((n_in, n_out), K, b, v, plan) in enumerate(tqdm(jobs, desc="correctness", disable=not progress)):
         try:
-            err = check_kernel(n_in, n_out, K, b, v, seed=seed + i)
+            err = check_kernel(n_in, n_out, K, b, v, seed=seed + i, plan=plan)
             ok = err <= TOLERANCE
         except AssertionError as e:
             err, ok = float("nan"), False
             failures.append(str(e))
-        recs.append({"kernel": v, "K": K, "scheme": SCHEMES[K], "batch": b, "in_features": n_in, "out_features": n_out, "max_rel_err": err, "passed": ok})
+        recs.append({"kernel": v, "K": K, "scheme": SCHEMES[K], "batch": b, "in_features": n_in, "out_features": n_out, "max_rel_err": err, "passed": ok, "plan": str(plan) if plan else "tuned"})
         if not ok:
             failures.append(f"{v} K={K} batch={b} {n_in}x{n_out}: max rel err {err:.3g} > {TOLERANCE}")
     if failures:
@@ -160,7 +163,7 @@ def time_lut(n_in, n_out, K, batch, variant, fp16_ms, seed=0) -> dict:
     del launchers, keep
     torch.cuda.empty_cache()
     return gemv_record(variant, K, batch, n_in, n_out, ms, fp16_ms, nbytes, err, scheme=SCHEMES[K],
-                       ksplit=getattr(plan, "ksplit", None), warps=getattr(plan, "warps", None))
+                       ksplit=getattr(plan, "ksplit", None), warps=getattr(plan, "warps", None), rb=getattr(plan, "RB", None))
 
 
 def time_fp16(n_in, n_out, batch) -> float:

@@ -348,17 +348,27 @@ def naive_kernel(K: int, B: int):
 
 
 def dequant_kernel(K: int):
-    """Codes + codebooks -> fp16 weight (natural layout), for batches where cuBLAS beats the fused kernel."""
+    """Codes + codebooks -> fp16 weight (natural layout), for batches where cuBLAS beats the fused kernel.
+
+    Grid-stride over the code bytes, one byte a thread: reads and writes stay coalesced.
+    """
     key = ("dequant", K)
     if key in _kernel_cache:
         return _kernel_cache[key]
-    code_at, _, _ = _make_device_functions(K, 1)
+    per_byte = 2 if K == 16 else 1
 
     @cuda.jit
-    def kernel(codes, cb, W, n_out, n_in):
-        i, row = cuda.grid(2)
-        if row < n_out and i < n_in:
-            W[row, i] = cb[row, code_at(codes[row], i)]
+    def kernel(codes, cb, W, n_out, nbytes):
+        start, stride = cuda.grid(1), cuda.gridsize(1)
+        for i in range(start, n_out * nbytes, stride):
+            row = i // nbytes
+            byte = i - row * nbytes
+            c = codes[row, byte]
+            if per_byte == 2:
+                W[row, 2 * byte] = cb[row, c & 15]
+                W[row, 2 * byte + 1] = cb[row, c >> 4]
+            else:
+                W[row, byte] = cb[row, c]
 
     _kernel_cache[key] = kernel
     return kernel
@@ -399,11 +409,17 @@ class LaunchPlan:
     RB: int = 1  # row-blocks a thread block
 
 
-def plan_launch(n_out: int, nchunks: int, K: int, B: int, sms: int, warps: int | None = None) -> LaunchPlan:
-    """Grid shape: enough blocks to keep every SM streaming, inside the shared-memory budget."""
+def plan_launch(n_out: int, nchunks: int, K: int, B: int, sms: int, warps: int | None = None,
+                RB: int | None = None, ksplit: int | None = None) -> LaunchPlan:
+    """Grid shape for one layer: row-blocks a block (RB), warps a block, K-slices (ksplit).
+
+    Without overrides: the widest RB allowed, 8 warps when shared memory allows, and a K-split
+    that gives about two blocks an SM while leaving every warp at least 4 chunks to stream.
+    On a GPU, :meth:`LutGemv.tune` times the candidates instead.
+    """
     cpb = CHUNK_BYTES * (2 if K == 16 else 1)
     rbs = -(-n_out // ROW_BLOCK)
-    RB = row_blocks_per_block(K, B)
+    RB = RB or row_blocks_per_block(K, B)
     for w in ([warps] if warps else [8, 4]):  # fewer warps when the LUT and batch leave no room
         static = RB * K * 32 * 4 + w * RB * B * 32 * 4 + 16
         x_budget = SMEM_BUDGET - static
@@ -411,18 +427,42 @@ def plan_launch(n_out: int, nchunks: int, K: int, B: int, sms: int, warps: int |
             warps = w
             break
     else:
-        raise ValueError(f"K={K}, batch {B}: the block's shared memory does not fit {SMEM_BUDGET} bytes")
-    # Smallest K-split that (a) fits x in shared memory and (b) gives ~4 blocks an SM,
-    # without slicing K so thin that a warp has fewer than 2 chunks to stream.
+        raise ValueError(f"K={K}, batch {B}, RB={RB}: the block's shared memory does not fit {SMEM_BUDGET} bytes")
     cps_max = x_budget // (B * cpb * 4)
-    min_split_smem = math.ceil(nchunks / cps_max)
-    want = math.ceil(4 * sms / -(-rbs // RB))
-    max_split = max(1, nchunks // (2 * warps))
-    ksplit = max(min_split_smem, min(want, max_split), 1)
+    min_split = math.ceil(nchunks / cps_max)
+    if ksplit is None:
+        want = math.ceil(2 * sms / -(-rbs // RB))
+        ksplit = max(min_split, min(want, max(1, nchunks // (4 * warps))), 1)
+    elif ksplit < min_split:
+        raise ValueError(f"ksplit={ksplit} leaves more of x than shared memory holds; at least {min_split}")
     cps = math.ceil(nchunks / ksplit)
     ksplit = math.ceil(nchunks / cps)
     assert static + B * cps * cpb * 4 <= SMEM_BUDGET
     return LaunchPlan(warps, ksplit, cps, B * cps * cpb * 4, RB)
+
+
+def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int) -> list[LaunchPlan]:
+    """The plans the tuner times: every allowed RB x a ladder of K-splits, 8 warps where they fit."""
+    seen, out = set(), []
+    rb_max = row_blocks_per_block(K, B)
+    for RB in (1, 2, 4):
+        if RB > rb_max:
+            continue
+        for ks in (1, 2, 3, 4, 6, 8, 12, 16, None):
+            try:
+                p = plan_launch(n_out, nchunks, K, B, sms, RB=RB, ksplit=ks)
+            except ValueError:
+                continue
+            key = (p.RB, p.warps, p.ksplit)
+            if key not in seen and p.cps >= 2 * p.warps:
+                seen.add(key)
+                out.append(p)
+    if not out:
+        out.append(plan_launch(n_out, nchunks, K, B, sms))
+    return out
+
+
+_TUNED: dict = {}
 
 
 class LutGemv:
@@ -430,11 +470,13 @@ class LutGemv:
 
     ``variant``: "lut" (16-byte loads, the product), "lut32" (same kernel, 4-byte loads: the
     ablation), "naive" (one thread a row, natural layout: the negative result).
+    ``plan``: optional overrides for :func:`plan_launch` (keys RB, ksplit, warps); otherwise the
+    plan is tuned on a GPU (``tune=True``) or taken from the heuristic.
     """
 
     VARIANTS = ("lut", "lut32", "naive")
 
-    def __init__(self, ct: CodebookTensor, device=None, variant: str = "lut", warps: int | None = None):
+    def __init__(self, ct: CodebookTensor, device=None, variant: str = "lut", plan: dict | None = None, tune: bool = True):
         if variant not in self.VARIANTS:
             raise ValueError(f"unknown kernel variant {variant!r}; choose one of {self.VARIANTS}")
         require_gpu()
@@ -449,7 +491,8 @@ class LutGemv:
         self.ct = ct.to(self.device)
         self.K, self.n_in, self.n_out = ct.K, ct.in_features, ct.out_features
         self.variant = variant
-        self.warps = warps
+        self.fixed_plan = plan
+        self.tune_on_gpu = tune and not SIM
         self.nchunks = self.ct.codes.shape[1] // CHUNK_BYTES
         self.rbs = -(-self.n_out // ROW_BLOCK)
         if variant == "naive":
@@ -486,20 +529,66 @@ class LutGemv:
             raise ValueError(f"fused kernels take batch 1..{MAX_FUSED_BATCH}, got {x2.shape[0]} (use QLinear's dispatch)")
         return x2
 
+    def _launch_parts(self, B: int, plan: LaunchPlan):
+        kern = lut_kernel(self.K, B, plan.warps, wide=self.variant == "lut", RB=plan.RB)
+        ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
+        counters = torch.zeros(-(-self.rbs // plan.RB), dtype=torch.int32, device=self.device)
+        return kern, plan, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters))
+
     def _prepare(self, B: int):
         if B in self._plans:
             return self._plans[B]
         if self.variant == "naive":
-            kern = naive_kernel(self.K, B)
-            entry = (kern, None, None, None)
+            entry = (naive_kernel(self.K, B), None, None, None)
         else:
-            plan = plan_launch(self.n_out, self.nchunks, self.K, B, sm_count(self.device), self.warps)
-            kern = lut_kernel(self.K, B, plan.warps, wide=self.variant == "lut", RB=plan.RB)
-            ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
-            counters = torch.zeros(-(-self.rbs // plan.RB), dtype=torch.int32, device=self.device)
-            entry = (kern, plan, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters)))
+            if self.fixed_plan is not None:  # overrides (RB, ksplit, warps); the shape comes from the layer
+                plan = plan_launch(self.n_out, self.nchunks, self.K, B, sm_count(self.device), **self.fixed_plan)
+            elif self.tune_on_gpu:
+                plan = self.tune(B)
+            else:
+                plan = plan_launch(self.n_out, self.nchunks, self.K, B, sm_count(self.device))
+            entry = self._launch_parts(B, plan)
         self._plans[B] = entry
         return entry
+
+    def plan(self, B: int = 1) -> LaunchPlan | None:
+        return self._prepare(B)[1]
+
+    def tune(self, B: int = 1) -> LaunchPlan:
+        """Time every candidate plan for this shape once (CUDA-graph replays over copies of the
+        codes that exceed the L2) and keep the fastest; cached per GPU model and shape."""
+        key = (torch.cuda.get_device_name(self.device), self.variant, self.K, B, self.n_in, self.n_out)
+        if key in _TUNED:
+            return _TUNED[key]
+        from .bench import copies_for, time_graph  # bench imports this module
+
+        cands = candidate_plans(self.n_out, self.nchunks, self.K, B, sm_count(self.device))
+        if len(cands) == 1:
+            _TUNED[key] = cands[0]
+            return cands[0]
+        copies = [self._tiled_t] + [self._tiled_t.clone() for _ in range(copies_for(self.ct.nbytes) - 1)]
+        views = [_as_kernel_array(t) for t in copies]
+        x = torch.randn(B, self.n_in, device=self.device, dtype=torch.float16)
+        y = torch.empty(B, self.n_out, device=self.device, dtype=torch.float16)
+        xa, ya = _as_kernel_array(x.view(torch.int32)), _as_kernel_array(y)
+        best = None
+        for plan in cands:
+            kern, _, owners, (wsa, cnta) = self._launch_parts(B, plan)
+            grid, block = (-(-self.rbs // plan.RB), plan.ksplit), plan.warps * 32
+
+            def launcher(ta, kern=kern, grid=grid, block=block, plan=plan, wsa=wsa, cnta=cnta):
+                def go():
+                    stream = cuda.external_stream(torch.cuda.current_stream(self.device).cuda_stream)
+                    kern[grid, block, stream, plan.shared_bytes](
+                        xa, ta, self._cbt, ya, wsa, cnta, self.n_out, self.rbs, self.nchunks, plan.cps)
+                return go
+
+            ms = time_graph([launcher(v) for v in views], launches=max(10, len(views)), replays=5, warmup=1)
+            if best is None or ms < best[0]:
+                best = (ms, plan)
+        del copies, views
+        _TUNED[key] = best[1]
+        return best[1]
 
     def bind(self, x: torch.Tensor, out: torch.Tensor):
         """A zero-argument launcher for fixed x and out buffers.
@@ -548,8 +637,8 @@ class LutGemv:
         cb = self._cb if self.variant == "naive" else _as_kernel_array(self.ct.codebook)
         Wa = _as_kernel_array(W)
         stream = 0 if SIM else cuda.external_stream(torch.cuda.current_stream(self.device).cuda_stream)
-        grid = (-(-self.n_in // 128), self.n_out)
-        dequant_kernel(self.K)[grid, (128, 1), stream](codes, cb, Wa, self.n_out, self.n_in)
+        blocks = 4 if SIM else 8 * sm_count(self.device)
+        dequant_kernel(self.K)[blocks, 256, stream](codes, cb, Wa, self.n_out, self.ct.codes.shape[1])
         if SIM:
             W.copy_(torch.from_numpy(Wa))
         return W

@@ -23,7 +23,7 @@ Windows
 The whole text is tokenized once (no BOS added, as in GPTQ) and cut to the first
 ``token_budget`` tokens. Windows of ``ctx`` tokens start every ``stride`` tokens; only full
 windows are scored. ``stride == ctx`` gives the non-overlapping windows of the GPTQ/AWQ
-papers (every token but the first of each window is predicted, with the window before it as
+papers (every token but the first of each window is scored, with only its own window as
 context); ``stride < ctx`` (512, as seed 004 reports) is the sliding window of the Hugging Face
 perplexity guide: each window scores only the tokens the previous one did not, so every scored
 token has at least ``ctx - stride`` tokens of context. Perplexity is exp(total NLL / scored
@@ -220,16 +220,18 @@ def perplexity(
     *,
     input_ids: torch.Tensor | None = None,
     ctx: int = 2048,
-    stride: int = 2048,
+    stride: int | None = None,
     token_budget: int | None = None,
     device: str | torch.device | None = None,
     progress: bool = True,
 ) -> PPLResult:
     """Perplexity of ``model`` on ``text`` (tokenized by ``tokenizer``) or on ``input_ids``.
 
-    The model runs where its parameters are unless ``device`` is given (then it is moved there).
+    stride None is ctx (non-overlapping windows). The model runs where its parameters are
+    unless ``device`` is given (then it is moved there).
     """
     check_causal_lm(model)
+    stride = ctx if stride is None else stride
     if input_ids is None:
         if tokenizer is None or text is None:
             raise ValueError("pass tokenizer and text, or input_ids")
