@@ -124,6 +124,11 @@ def save(name: str, records: list[dict], prov: dict, folder: Path | str | None =
         raise ValueError("provenance must come from trapetum.results.provenance()")
     gpu = prov.get("gpu") or "cpu"
     out_dir = Path(folder if folder is not None else DATA_DIR) / slug(gpu)
+    # Serialize before touching any file: a record that is not JSON must leave the old run in place.
+    text = json.dumps(
+        {"provenance": {k: _clean(v) for k, v in prov.items()},
+         "records": [{k: _clean(v) for k, v in r.items()} for r in records]},
+        indent=1, allow_nan=False) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
     if path.exists():
@@ -139,8 +144,7 @@ def save(name: str, records: list[dict], prov: dict, folder: Path | str | None =
             n += 1
         path.rename(aside)
         print(f"results: kept the previous run as {aside}")
-    clean = [{k: _clean(v) for k, v in r.items()} for r in records]
-    path.write_text(json.dumps({"provenance": prov, "records": clean}, indent=1) + "\n")
+    path.write_text(text)
     return path
 
 
