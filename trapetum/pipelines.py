@@ -603,14 +603,15 @@ class _SecondMoments:
     def _hook(self, name):
         def f(mod, inp, out):
             x = inp[0]
-            key = (x.data_ptr(), tuple(x.shape))
-            if self._last is not None and self._last[0] == key:
-                self.alias[name] = self._last[1]  # q/k/v (and gate/up) read the same normed input
+            # q/k/v (and gate/up) are called on the very same normed tensor. Compare objects, not
+            # addresses: a freed input's memory can come back as the next linear's input.
+            if self._last is not None and self._last[0] is x:
+                self.alias[name] = self._last[1]
                 return
+            self._last = (x, name)  # holding x also keeps its memory from being reused meanwhile
             x = x.reshape(-1, x.shape[-1]).float()
             self.sum[name] = self.sum.get(name, 0) + x.T @ x
             self.count[name] = self.count.get(name, 0) + x.shape[0]
-            self._last = (key, name)
 
         return f
 
@@ -619,6 +620,7 @@ class _SecondMoments:
         return self.sum[src] / self.count[src]
 
     def remove(self):
+        self._last = None
         for h in self.handles:
             h.remove()
 
