@@ -56,13 +56,21 @@ def time_graph(launchers: list[Callable[[], None]], launches: int = 20, replays:
     return statistics.median(times)
 
 
-def copy_bandwidth(nbytes: int = 2 * 2**30) -> float:
-    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+def copy_bandwidth(nbytes: int = 2 * 2**30) -> dict:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written.
+
+    Two ways: torch's copy_ (cudaMemcpy) and an elementwise kernel (``torch.mul(src, 1, out=dst)``,
+    16-byte vectorized); the roofline ("copy_gbps") is the faster of the two.
+    """
     src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    ms = time_graph([lambda: dst.copy_(src)], launches=5, replays=20)
+    out = {}
+    for name, f in (("memcpy", lambda: dst.copy_(src)), ("elementwise", lambda: torch.mul(src, 1, out=dst))):
+        ms = time_graph([f], launches=5, replays=20)
+        out[f"copy_{name}_gbps"] = 2 * nbytes / (ms * 1e-3) / 1e9
+    out["copy_gbps"] = max(out.values())
     del src, dst
-    return 2 * nbytes / (ms * 1e-3) / 1e9
+    return out
 
 
 def fp16_launchers(n_in: int, n_out: int, batch: int, seed: int = 0):
@@ -233,4 +241,44 @@ def gemv_suite(table_shape=(4096, 4096), layer_shapes=((3072, 768), (4096, 4096)
             continue
         r = next(r for r in recs if r.get("grid") == "batch" and r["batch"] == b)
         r["path"] = "fused"
+    return recs
+
+
+def default_arch() -> str:
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
+def run_cuda_cpp(arch: str | None = None, program: str = "gemv_codebook_4bit", build_dir=None, extra_args=()) -> list[dict]:
+    """Build a kernels/ program with ``nvcc -O3 -arch=<arch>``, run it, return its records.
+
+    The program seeds its data with std::mt19937(0), checks against cuBLAS, and times itself
+    and cuBLAS fp16 the same way this harness does (graph replays, events, L2 rotation).
+    """
+    import json
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from .results import REPO_ROOT
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise RuntimeError("nvcc is not on PATH: the CUDA C++ counterparts in kernels/ need the CUDA toolkit")
+    arch = arch or default_arch()
+    src = REPO_ROOT / "kernels" / f"{program}.cu"
+    out_dir = Path(build_dir or tempfile.mkdtemp(prefix="trapetum-kernels-"))
+    exe = out_dir / f"{program}-{arch}"
+    subprocess.run([nvcc, "-O3", f"-arch={arch}", "-std=c++17", "-o", str(exe), str(src), "-lcublas"], check=True,
+                   cwd=src.parent)
+    js = out_dir / f"{program}.json"
+    run = subprocess.run([str(exe), "--json", str(js), *extra_args], capture_output=True, text=True)
+    print(run.stdout[-4000:])
+    if run.returncode != 0:
+        raise RuntimeError(f"{program} failed (exit {run.returncode}):\n{run.stderr[-4000:]}")
+    recs = json.loads(js.read_text())["records"]
+    for r in recs:
+        r.setdefault("method", METHOD)
+        r["arch"] = arch
     return recs

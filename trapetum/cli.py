@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 
@@ -19,13 +20,25 @@ def _gemv(args) -> int:
     checks = bench.correctness_sweep(shapes, progress=not args.quiet)
     print(f"correctness: {len(checks)} checks passed in {time.time() - t0:.0f} s", flush=True)
     copy = bench.copy_bandwidth()
-    print(f"copy bandwidth: {copy:.0f} GB/s", flush=True)
+    print("copy bandwidth: " + ", ".join(f"{k} {v:.0f} GB/s" for k, v in copy.items()), flush=True)
     recs = bench.gemv_suite(progress=not args.quiet)
+    extra = {}
+    if args.cuda_cpp:
+        # The CUDA C++ counterpart in the same run, so numba and C++ share the GPU's state.
+        shapes = {(r["in_features"], r["out_features"]): r.get("grid") for r in recs if r["kernel"] == "lut" and r["batch"] == 1}
+        try:
+            for r in bench.run_cuda_cpp(args.arch):
+                r["grid"] = shapes.get((r["in_features"], r["out_features"]), "cuda_cpp")
+                recs.append(r)
+        except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
+            # Keep the numba results; the provenance says why the C++ rows are missing.
+            print(f"CUDA C++ counterpart failed: {e}", file=sys.stderr)
+            extra["cuda_cpp_error"] = str(e)[-2000:]
     for r in recs:
-        r["copy_gbps"] = copy
+        r.update(copy)
     for c in checks:
         c["grid"] = "correctness"
-    prov = results.provenance(command=args.command or " ".join(sys.argv), copy_gbps=copy, seconds=round(time.time() - t0, 1))
+    prov = results.provenance(command=args.command or " ".join(sys.argv), **copy, **extra, seconds=round(time.time() - t0, 1))
     path = results.save("gemv", recs + checks, prov, folder=args.out)
     print(f"wrote {path}")
     return 0
@@ -38,6 +51,8 @@ def main(argv=None) -> int:
     g.add_argument("--out", default=None, help="results folder (default: the repository's data/)")
     g.add_argument("--command", default=None, help="the command to record in the provenance")
     g.add_argument("--quiet", action="store_true")
+    g.add_argument("--arch", default=None, help="nvcc -arch for the CUDA C++ counterpart (default: this GPU's, e.g. sm_90)")
+    g.add_argument("--no-cuda-cpp", dest="cuda_cpp", action="store_false", help="skip building and running kernels/")
     g.set_defaults(func=_gemv)
     args = p.parse_args(argv)
     return args.func(args)
