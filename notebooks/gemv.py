@@ -1,0 +1,166 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # The bandwidth law
+#
+# This chapter times Trapetum's fused lookup-table GEMV kernels against torch fp16 on every GPU
+# recorded under `data/`, and places them against the bandwidth law of the introduction,
+# {eq}`eq-law`: the speedup over fp16 is the byte ratio of the formats times the ratio of the
+# two kernels' bandwidth efficiencies.
+#
+# The speed benchmarks use random codes and random codebooks (random weights: speed does not
+# depend on values). Correctness is checked separately, on fresh random inputs, against a
+# float64 reference; every timing below is reported with the maximum relative error of its
+# kernel. How the timings are taken is described in the introduction.
+
+# %%
+# %matplotlib inline
+
+# %% tags=["parameters"]
+# Papermill parameters. The book renders the recorded data with these defaults (no measuring).
+arch = "sm_90"  # nvcc architecture for the CUDA C++ counterpart in kernels/ ("native" also works)
+measure = False  # True: measure on this machine's GPU first (needs a CUDA GPU)
+in_features = [4096, 14336, 8192, 16384]  # the large shapes of the bandwidth grid, paired
+out_features = [14336, 4096, 28672, 53248]  # with in_features: (4096 x 14336), (14336 x 4096), ...
+iterations = 30  # timed CUDA-graph replays per measurement (the median is reported)
+out = None  # results folder (None: the data/ folder of the repository)
+run_cuda_cpp = True  # also build and time the CUDA C++ kernels of kernels/
+
+# %%
+from pathlib import Path
+
+from trapetum import report, results
+
+folder = Path(out) if out is not None else results.DATA_DIR
+
+# %% [markdown]
+# ## Measuring on your GPU
+#
+# Run with `-p measure True` (and your GPU's `-p arch`), the next cell measures on this
+# machine's GPU with `trapetum gemv` and writes `<folder>/<gpu>/gemv.json`, keeping any older
+# run beside it; the rest of the chapter then shows your GPU beside the recorded ones. On a
+# machine without a CUDA GPU it stops with `trapetum.gemv.NoGPUError`. With the default
+# `measure = False`, as in the book build, nothing here touches a GPU: the chapter renders the
+# recorded files.
+
+# %%
+if measure:
+    from trapetum import cli
+    from trapetum.gemv import require_gpu
+
+    require_gpu()  # raises trapetum.gemv.NoGPUError on a machine without a CUDA GPU
+    params = dict(measure=True, arch=arch, in_features=in_features, out_features=out_features,
+                  iterations=iterations, run_cuda_cpp=run_cuda_cpp)
+    cli.main(report.measure_argv(out=out, arch=arch, in_features=in_features, out_features=out_features,
+                                 iterations=iterations, run_cuda_cpp=run_cuda_cpp,
+                                 command=report.papermill_command(**params)))
+
+# %%
+df = report.load_gemv(folder)
+
+# %% [markdown]
+# ## Where the numbers come from
+#
+# One row per GPU: the file its numbers come from and the GPU, driver, CUDA and library
+# versions, git commit, date and command of the run that wrote it. The copy bandwidth, a
+# device-to-device copy counting bytes read plus bytes written, was measured in the same run;
+# it is the $B$ of the law.
+
+# %%
+report.styled(report.provenance_table(folder))
+
+# %% [markdown]
+# ## Every kernel at 4096 x 4096
+#
+# The seed's kernel table, remade at its shape (4096 inputs, 4096 outputs, batch 1) with each
+# kernel timed beside torch fp16, which calls cuBLAS, in the same process. *vs cuBLAS* is the
+# fp16 time divided by the kernel's time. *GB/s* counts the bytes a kernel must move (codes,
+# codebooks, input and output) over its time, so a kernel that moves fewer bytes can be faster
+# at a lower GB/s. The `lut32` and `naive` rows are kept as negative results: `lut32` is the
+# product kernel with narrower code loads, `naive` skips the tiled layout. Look at how far each
+# sits from `lut`, and at whether `lut` beats the baseline at this modest size at all.
+
+# %%
+report.styled(report.kernel_table(df))
+
+# %% [markdown]
+# ## Layer shapes
+#
+# The 4-bit kernel's speedup on the layer shapes the seed reports, beside the seed's numbers.
+# The two are not the same experiment: the seed measured an RTX 4090 against `torch.mv`, we
+# measure the GPUs named in the column headers against torch fp16 `x @ W.T`. Compare how the
+# speedup changes from the small layer to the MLP layers, not the values across columns.
+
+# %%
+report.styled(report.layer_table(df))
+
+# %% [markdown]
+# ## Speedup against bandwidth
+#
+# The seed's claim is a law: the more bandwidth-limited the GPU, the larger the speedup. The
+# table puts the 4-bit kernel's speedup on each GPU we measured beside the rows the seed
+# reports. Our bandwidth is the copy bandwidth measured in the run, the seed's is the nominal
+# bandwidth class its report names; the two are different quantities, so read the bandwidth
+# axis as an ordering of GPUs rather than a scale on which our points and the seed's line up.
+
+# %%
+report.styled(report.bandwidth_law_table(df))
+
+# %% [markdown]
+# In the figure, filled markers are measured here, hollow markers are reported by the seed,
+# and each colour is one codebook size. The short bar above each of our points is the ceiling
+# of the law's first factor, the fp16 bytes over our bytes: the gap between a point and its bar
+# is the second factor, how much less of the bandwidth our kernel reaches than cuBLAS. The left
+# panel is at the seed's shape; the right panel is at the largest shape measured, where fixed
+# per-launch costs matter least.
+
+# %% mystnb={"figure": {"caption": "Speedup over fp16 against GPU memory bandwidth, at the seed's shape (left) and at the largest shape measured here (right). Filled: measured here; hollow: reported by the seed.", "name": "fig-gemv-law"}}
+report.fig_bandwidth_law(df)
+
+# %% [markdown]
+# ## How close to the roofline
+#
+# The achieved bandwidth of each kernel at every batch-1 shape we timed, against the bytes
+# it moves, with the GPU's copy bandwidth as a horizontal line. Small transfers do not reach
+# the roofline: launch and synchronisation costs are paid whatever the size. The copy counts
+# both reads and writes, so a kernel that mostly reads can sit above the line. The law's
+# second factor is visible here as the vertical distance between torch fp16 and our kernels at
+# a similar number of bytes.
+
+# %% mystnb={"figure": {"caption": "Achieved bandwidth (bytes moved / time) of each kernel at each batch-1 shape, against the copy bandwidth measured in the same run.", "name": "fig-gemv-roofline"}}
+report.fig_roofline(df)
+
+# %% [markdown]
+# ## Speedup by shape
+#
+# The speedup over torch fp16 for every shape of the layer and bandwidth grids, one bar per
+# codebook size, with the byte-ratio ceiling of each bar as a dashed mark. Bars below the dotted
+# line are slower than fp16. Look at how the bars approach their ceilings as the weight grows.
+
+# %% mystnb={"figure": {"caption": "Speedup over torch fp16 by weight shape (bars) and the byte-ratio ceiling, fp16 bytes over our bytes (dashed).", "name": "fig-gemv-shapes"}}
+report.fig_speedup_by_shape(df)
+
+# %% [markdown]
+# ## Beyond batch one
+#
+# Decoding several sequences at once turns the GEMV into a small matrix product. The fused
+# kernel takes batches up to its largest supported size; above that, the benchmark times the
+# fallback path, which dequantizes the weight to fp16 and calls cuBLAS. The shaded region is
+# where torch fp16 is faster than our path, and the dotted line is where the path switches from
+# the fused kernel to dequantize-then-cuBLAS.
+
+# %% mystnb={"figure": {"caption": "Time per call against batch size for torch fp16, the fused 4-bit kernel and dequantize-then-cuBLAS.", "name": "fig-gemv-batch"}}
+report.fig_batch(df)

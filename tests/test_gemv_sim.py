@@ -1,0 +1,242 @@
+"""The LUT-GEMV kernels in numba's CUDA simulator, against the float64 reference.
+
+conftest.py turns the simulator on before numba is imported. Each simulated CUDA thread is a
+Python thread, so shapes stay small; the K-split, row-padding and multi-row-block paths are
+reached by choosing shapes (and, where needed, an explicit plan) rather than by size.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from trapetum import gemv
+from trapetum.bench import TOLERANCE
+from trapetum.codebook import random_codebook_tensor
+from trapetum.gemv import MAX_FUSED_BATCH, LutGemv, max_rel_err, plan_launch, reference
+
+# Shapes and CPU tensors are chosen for the simulator: skip only where a run opted out of it
+# explicitly (NUMBA_ENABLE_CUDASIM=0 on a GPU machine); anywhere else the simulator must be on.
+pytestmark = pytest.mark.skipif(
+    not gemv.SIM and os.environ.get("NUMBA_ENABLE_CUDASIM") == "0", reason="NUMBA_ENABLE_CUDASIM=0: written for the CUDA simulator"
+)
+
+VARIANTS = LutGemv.VARIANTS
+
+
+def x_for(n_in, batch, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, n_in, generator=g).half()
+
+
+def poisoned(batch, n_out):
+    return torch.full((batch, n_out), float("nan"), dtype=torch.float16)
+
+
+def check(g: LutGemv, x: torch.Tensor) -> torch.Tensor:
+    """Run g on x into a NaN-poisoned output; assert every output was written and is accurate."""
+    y = poisoned(x.shape[0], g.n_out)
+    ret = g(x, out=y)
+    assert ret is y
+    assert torch.isfinite(y).all(), f"{int((~torch.isfinite(y)).sum())} outputs left unwritten"
+    err = max_rel_err(y, reference(x, g.ct))
+    assert err <= TOLERANCE, f"max rel err {err:.3g} > {TOLERANCE}"
+    return y
+
+
+def test_the_suite_runs_in_the_simulator():
+    assert gemv.SIM, "conftest.py must set NUMBA_ENABLE_CUDASIM=1 before numba is imported"
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("K", [16, 64, 256])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_matches_float64_reference(variant, K, batch):
+    ct = random_codebook_tensor(96, 64, K, seed=K + batch)
+    check(LutGemv(ct, variant=variant), x_for(64, batch, seed=K * batch))
+
+
+@pytest.mark.parametrize(
+    "variant, K, n_out, n_in, batch",
+    [
+        ("lut", 16, 33, 64, 1),  # one padded row-block, RB=4: three of the block's row-blocks are absent
+        ("lut", 16, 130, 64, 2),  # 5 row-blocks over two blocks of RB=4, the last row-block 2 rows
+        ("lut", 64, 47, 48, 3),  # RB=2, the second row-block 15 rows
+        ("lut32", 256, 70, 32, 1),
+        ("naive", 16, 45, 64, 2),
+    ],
+)
+def test_rows_not_a_multiple_of_32(variant, K, n_out, n_in, batch):
+    ct = random_codebook_tensor(n_out, n_in, K, seed=n_out)
+    check(LutGemv(ct, variant=variant), x_for(n_in, batch, seed=n_out))
+
+
+def test_plan_launch_splits_K_for_long_rows_and_few_row_blocks():
+    # Few row-blocks cannot fill the (simulated) SMs, so the heuristic splits the columns.
+    p = plan_launch(n_out=33, nchunks=64, K=16, B=1, sms=4)
+    assert p.ksplit > 1
+    assert (p.ksplit - 1) * p.cps < 64 <= p.ksplit * p.cps  # every K-slice non-empty, all chunks covered
+
+
+@pytest.mark.parametrize("K, n_in, B, ks", [(16, 64, 1, 64 // 32), (16, 4096, 16, None), (64, 1024, 5, 3), (256, 1024, 2, 7), (256, 4096, 16, None)])
+def test_plan_launch_covers_every_chunk_within_shared_memory(K, n_in, B, ks):
+    nchunks = n_in // (32 if K == 16 else 16)
+    p = plan_launch(200, nchunks, K, B, sms=132, ksplit=ks)
+    assert (p.ksplit - 1) * p.cps < nchunks <= p.ksplit * p.cps
+    static = p.RB * K * 32 * 4 + p.warps * p.RB * B * 32 * 4 + 16
+    assert static + p.shared_bytes <= gemv.SMEM_BUDGET
+    if ks is not None:
+        assert p.ksplit == ks
+
+
+def test_plan_launch_refuses_a_ksplit_that_overflows_shared_memory():
+    with pytest.raises(ValueError, match="ksplit=1 leaves more of x than shared memory holds"):
+        plan_launch(64, 4096 // 32, 16, 16, sms=4, ksplit=1)
+
+
+@pytest.mark.parametrize(
+    "K, n_in, plan",
+    [
+        (16, 256, {"ksplit": 2, "warps": 2}),  # 8 chunks in two K-slices of 4, 2 warps each
+        (64, 192, {"ksplit": 3, "warps": 1, "RB": 1}),
+        (256, 256, {"ksplit": 4, "warps": 2}),
+    ],
+)
+def test_k_split_reduces_in_the_last_block_and_resets_its_counters(K, n_in, plan):
+    ct = random_codebook_tensor(40, n_in, K, seed=n_in)
+    g = LutGemv(ct, plan=plan)
+    p = g.plan(2)
+    assert p.ksplit == plan["ksplit"] > 1
+    y1 = check(g, x_for(n_in, 2, seed=1))
+    # The counters must be back at zero, or no block of the second launch sees itself last and
+    # the poisoned output stays NaN.
+    counters = g._plans[2][2][1]
+    assert not counters.any(), f"atomic counters not reset: {counters.tolist()}"
+    y2 = check(g, x_for(n_in, 2, seed=2))
+    assert not torch.equal(y1, y2)
+
+
+def test_k_split_from_the_heuristic_plan():
+    # 33 rows x 1024 columns: one thread block of row-blocks, 32 chunks -> the default K-split
+    # (only the warp count is fixed, to keep the simulator quick).
+    ct = random_codebook_tensor(33, 1024, 16, seed=9)
+    g = LutGemv(ct, plan={"warps": 2})
+    assert g.plan(1).ksplit > 1
+    check(g, x_for(1024, 1, seed=3))
+    check(g, x_for(1024, 1, seed=4))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_1d_input_gives_1d_output(variant):
+    ct = random_codebook_tensor(40, 64, 16, seed=2)
+    x = x_for(64, 1, seed=5)[0]
+    y = LutGemv(ct, variant=variant)(x)
+    assert y.shape == (40,) and y.dtype == torch.float16
+    assert max_rel_err(y, reference(x, ct)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("variant", ["lut", "naive"])
+@pytest.mark.parametrize("K", [16, 64, 256])
+def test_device_dequantize_equals_codebook_dequantize(K, variant):
+    ct = random_codebook_tensor(37, 32, K, seed=K)
+    g = LutGemv(ct, variant=variant)
+    W = torch.full((37, 32), float("nan"), dtype=torch.float16)
+    assert g.dequantize(out=W) is W
+    assert torch.equal(W, ct.dequantize())
+    assert torch.equal(g.dequantize(), ct.dequantize())
+
+
+@pytest.mark.parametrize("variant", ["lut", "naive"])
+def test_bind_returns_a_launcher_that_reads_x_at_call_time(variant):
+    ct = random_codebook_tensor(40, 64, 16, seed=3)
+    g = LutGemv(ct, variant=variant)
+    x = x_for(64, 2, seed=6)
+    y = poisoned(2, 40)
+    launch = g.bind(x, y)
+    assert torch.isnan(y).all(), "bind() must not launch"
+    launch()
+    assert max_rel_err(y, reference(x, ct)) <= TOLERANCE
+    x.copy_(x_for(64, 2, seed=7))  # same buffer, new values
+    y.fill_(float("nan"))
+    launch()
+    assert max_rel_err(y, reference(x, ct)) <= TOLERANCE
+
+
+# -- bad input --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small():
+    return LutGemv(random_codebook_tensor(40, 64, 16, seed=4))
+
+
+def test_x_wrong_dtype(small):
+    with pytest.raises(TypeError, match="x must be float16, got torch.float32"):
+        small(torch.randn(1, 64))
+
+
+@pytest.mark.parametrize("shape", [(1, 32), (96,), (2, 1, 64), (1, 65)])
+def test_x_wrong_shape(small, shape):
+    with pytest.raises(ValueError, match=r"x must have shape \(64,\) or \(batch, 64\)"):
+        small(torch.zeros(shape, dtype=torch.float16))
+
+
+def test_x_not_contiguous(small):
+    x = torch.zeros(64, 2, dtype=torch.float16).t()
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        small(x)
+
+
+@pytest.mark.parametrize("offset", [1, 4])
+def test_x_not_16_byte_aligned(small, offset):
+    buf = torch.zeros(64 + 8, dtype=torch.float16)
+    assert buf.data_ptr() % 16 == 0
+    x = buf[offset : offset + 64]
+    with pytest.raises(ValueError, match="x must be 16-byte aligned"):
+        small(x)
+
+
+def test_batch_above_max_fused_batch(small):
+    with pytest.raises(ValueError, match=rf"fused kernels take batch 1..{MAX_FUSED_BATCH}, got {MAX_FUSED_BATCH + 1}"):
+        small(torch.zeros(MAX_FUSED_BATCH + 1, 64, dtype=torch.float16))
+
+
+def test_unknown_variant():
+    with pytest.raises(ValueError, match=r"unknown kernel variant 'lut64'"):
+        LutGemv(random_codebook_tensor(32, 64, 16), variant="lut64")
+
+
+@pytest.mark.parametrize("shape, dtype", [((1, 41), torch.float16), ((2, 40), torch.float16), ((40,), torch.float16), ((1, 40), torch.float32)])
+def test_out_of_the_wrong_shape_or_dtype(small, shape, dtype):
+    with pytest.raises(ValueError, match=r"out must be a contiguous float16 tensor of shape \(1, 40\)"):
+        small(torch.zeros(1, 64, dtype=torch.float16), out=torch.empty(shape, dtype=dtype))
+
+
+def test_x_not_a_tensor(small):
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        small([0.0] * 64)
+
+
+# -- no GPU -----------------------------------------------------------------------------------
+NO_GPU_SCRIPT = """
+import torch
+from trapetum import gemv
+from trapetum.codebook import random_codebook_tensor
+assert not gemv.SIM, "the simulator is still on"
+for what, call in (("require_gpu", gemv.require_gpu), ("LutGemv", lambda: gemv.LutGemv(random_codebook_tensor(32, 64, 16)))):
+    try:
+        call()
+    except gemv.NoGPUError as e:
+        print(what, "NoGPUError:", e)
+    else:
+        print(what, "returned without an error")
+"""
+
+
+def test_require_gpu_without_simulator_raises_a_helpful_NoGPUError(run_without_simulator):
+    p = run_without_simulator(["-c", NO_GPU_SCRIPT])
+    assert p.returncode == 0, p.stderr
+    lines = dict(line.split(" ", 1) for line in p.stdout.strip().splitlines())
+    for what in ("require_gpu", "LutGemv"):
+        msg = lines.get(what, "")
+        assert msg.startswith("NoGPUError:"), f"{what}: {msg or p.stdout}"
+        assert "CUDA GPU" in msg and "NUMBA_ENABLE_CUDASIM=1" in msg, msg

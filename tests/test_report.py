@@ -1,0 +1,300 @@
+"""The chapter's tables and figures (trapetum.report) on synthetic data and on a recorded run.
+
+Fast and CPU-only: no kernel runs, matplotlib draws off screen (Figure objects, no pyplot).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from trapetum import report, results
+
+REPO = Path(__file__).resolve().parents[1]
+V3 = REPO / "data" / "_runs" / "gemv-v3-h100.json"
+
+LAYERS = [(3072, 768), (4096, 4096), (11008, 4096), (4096, 11008)]
+LARGE = [(4096, 14336), (8192, 28672)]
+SCHEMES = {16: ("4-bit K=16", 0.5), 64: ("uint8 K=64", 1.0), 256: ("uint8 K=256", 1.0)}  # bytes a weight
+
+
+def _rec(kernel, K, batch, n_in, n_out, ms, fp16_ms, grid, copy, **extra):
+    if kernel == "torch fp16":
+        nbytes, scheme = 2 * n_in * n_out, "dense fp16"
+    else:
+        scheme, per = SCHEMES[K]
+        nbytes = int(per * n_in * n_out) + 2 * n_out * K
+    nbytes += 2 * batch * (n_in + n_out)
+    return {"kernel": kernel, "K": K, "batch": batch, "in_features": n_in, "out_features": n_out, "time_ms": ms,
+            "fp16_ms": fp16_ms, "speedup": fp16_ms / ms, "gbps": nbytes / (ms * 1e-3) / 1e9,
+            "max_rel_err": None if kernel == "torch fp16" else 3e-4, "scheme": scheme, "grid": grid,
+            "copy_gbps": copy, **extra}
+
+
+def synthetic_records(copy: float, speed: float) -> list[dict]:
+    """One GPU's gemv.json records: every grid of bench.gemv_suite plus correctness checks."""
+    recs = []
+
+    def fp16(n_in, n_out, b=1):
+        ms = 2 * n_in * n_out / (0.8 * copy * 1e9) * 1e3 + 0.004
+        if not any(r["kernel"] == "torch fp16" and (r["in_features"], r["out_features"], r["batch"]) == (n_in, n_out, b) for r in recs):
+            recs.append(_rec("torch fp16", None, b, n_in, n_out, ms, ms, "baseline", copy))
+        return ms
+
+    f = fp16(4096, 4096)
+    for K in (16, 64, 256):
+        for v, slow in (("lut", 1.0), ("lut32", 1.2), ("naive", 20.0)):
+            recs.append(_rec(v, K, 1, 4096, 4096, f / speed * slow * (1 if K == 16 else 1.5), f, "table", copy))
+    for s in LAYERS:
+        f = fp16(*s)
+        recs.append(_rec("lut", 16, 1, *s, f / speed, f, "layers", copy))
+    for s in LARGE:
+        f = fp16(*s)
+        for K in (16, 64, 256):
+            recs.append(_rec("lut", K, 1, *s, f / (speed * (1.5 if K == 16 else 1.1)), f, "bandwidth", copy))
+    for b in (1, 2, 4, 8, 16, 32):
+        f = fp16(*LARGE[0], b)
+        if b <= 16:
+            recs.append(_rec("lut", 16, b, *LARGE[0], f / speed * b ** 0.8, f, "batch", copy, path="fused"))
+        else:
+            recs.append(_rec("dequant+cublas", 16, b, *LARGE[0], f * 4, f, "batch", copy))
+    recs.append({"kernel": "lut", "K": 16, "scheme": "4-bit K=16", "batch": 1, "in_features": 256,
+                 "out_features": 96, "max_rel_err": 1e-4, "passed": True, "grid": "correctness"})
+    return recs
+
+
+def write_run(folder: Path, gpu: str, records: list[dict], copy: float) -> Path:
+    prov = {"gpu": gpu, "driver": "1.0", "cuda": "12.0", "torch": "2.0", "numba": "0.1", "numba_cuda": "0.1",
+            "git_commit": "abc123", "git_dirty": False, "date": "2026-01-01T00:00:00+00:00",
+            "command": "trapetum gemv", "copy_gbps": copy}
+    return results.save("gemv", records, prov, folder=folder)
+
+
+@pytest.fixture(scope="module")
+def two_gpus(tmp_path_factory) -> Path:
+    """A data folder with two synthetic GPUs: a bandwidth-poor one that wins big and a rich one."""
+    folder = tmp_path_factory.mktemp("data")
+    write_run(folder, "NVIDIA Slow GPU", synthetic_records(copy=800.0, speed=2.5), 800.0)
+    write_run(folder, "NVIDIA Fast GPU", synthetic_records(copy=3000.0, speed=1.1), 3000.0)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def df2(two_gpus) -> pd.DataFrame:
+    return report.load_gemv(two_gpus)
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory) -> Path:
+    """The recorded H100 run of kernel v3, placed as data/<slug>/gemv.json in a scratch folder."""
+    if not V3.is_file():
+        pytest.skip(f"{V3} is not in this checkout")
+    folder = tmp_path_factory.mktemp("v3data")
+    prov = json.loads(V3.read_text())["provenance"]
+    (folder / results.slug(prov["gpu"])).mkdir()
+    shutil.copy(V3, folder / results.slug(prov["gpu"]) / "gemv.json")
+    return folder
+
+
+# -- loading -------------------------------------------------------------------------------
+def test_load_gemv_raises_clearly_without_data(tmp_path):
+    with pytest.raises(report.NoRecordedDataError, match="no GPU has recorded"):
+        report.load_gemv(tmp_path)
+    with pytest.raises(report.NoRecordedDataError):
+        report.provenance_table(tmp_path)
+
+
+def test_load_gemv_defaults_to_the_package_data_dir(monkeypatch, two_gpus):
+    monkeypatch.setattr(results, "DATA_DIR", two_gpus)
+    assert set(report.load_gemv()["gpu"]) == {"NVIDIA Slow GPU", "NVIDIA Fast GPU"}
+
+
+def test_load_fills_copy_bandwidth_from_provenance(tmp_path):
+    recs = synthetic_records(copy=1000.0, speed=2.0)
+    for r in recs:
+        r.pop("copy_gbps", None)
+    write_run(tmp_path, "NVIDIA Odd GPU", recs, 1234.0)
+    df = report.load_gemv(tmp_path)
+    assert (df["copy_gbps"] == 1234.0).all()
+
+
+# -- tables --------------------------------------------------------------------------------
+def test_kernel_table(df2):
+    t = report.kernel_table(df2)
+    assert list(t.columns) == ["GPU", "Kernel", "Scheme", "Latency (ms)", "vs cuBLAS", "Max rel. err", "GB/s"]
+    assert len(t) == 2 * 10  # per GPU: the baseline + {lut, lut32, naive} x 3 codebook sizes
+    assert list(t["GPU"].unique()) == ["Slow GPU", "Fast GPU"]  # most bandwidth-limited first
+    for gpu, g in t.groupby("GPU"):
+        assert g.iloc[0]["Kernel"].startswith("torch fp16 (cuBLAS)")
+        assert g.iloc[0]["vs cuBLAS"] == pytest.approx(1.0)
+        assert np.isnan(g.iloc[0]["Max rel. err"])
+        assert g["Kernel"].str.startswith("naive").sum() == 3 and g["Kernel"].str.startswith("lut32").sum() == 3
+        assert g["Kernel"].str.contains("negative result").sum() == 6
+    slow = t[(t["GPU"] == "Slow GPU") & (t["Kernel"].str.startswith("lut:")) & (t["Scheme"] == "4-bit K=16")]
+    assert slow["vs cuBLAS"].iloc[0] == pytest.approx(2.5)
+    html = report.styled(t).to_html()
+    assert "2.50x" in html and "–" in html
+
+
+def test_layer_table_quotes_the_seed_beside_ours(df2):
+    t = report.layer_table(df2)
+    assert list(t["Layer (in x out)"]) == ["3072 x 768", "4096 x 4096", "11008 x 4096", "4096 x 11008"]
+    seed_col = [c for c in t.columns if "reported by the seed (RTX 4090)" in c]
+    ours = [c for c in t.columns if "measured here" in c]
+    assert len(seed_col) == 1 and len(ours) == 2
+    assert list(t[seed_col[0]]) == [report.SEED_004["layers"][s] for s in LAYERS]
+    assert t[ours[0]].tolist() == pytest.approx([2.5] * 4)
+
+
+def test_bandwidth_law_table(df2):
+    t = report.bandwidth_law_table(df2)
+    assert list(t[("", "GPU")][:2]) == ["Slow GPU", "Fast GPU"]
+    assert t[("", "GPU")].str.endswith("(seed)").sum() == len(report.SEED_004["bandwidth_law"])
+    # every number sits under a column group that says whose it is
+    assert {top for top, _ in t.columns[1:]} == {"measured here", "reported by the seed"}
+    M, S = "measured here", "reported by the seed"
+    ours, seed = t.iloc[:2], t.iloc[2:]
+    assert ours[(M, "copy bandwidth (TB/s)")].tolist() == pytest.approx([0.8, 3.0])
+    assert ours[(M, "speedup at 4096 x 4096")].tolist() == pytest.approx([2.5, 1.1])
+    assert ours[(M, "speedup at 8192 x 28672")].tolist() == pytest.approx([2.5 * 1.5, 1.1 * 1.5])
+    assert ours[(S, "speedup at 4096 x 4096")].isna().all()
+    assert seed[(S, "speedup at 4096 x 4096")].tolist() == [r["speedup"] for r in report.SEED_004["bandwidth_law"]]
+    assert seed[(S, "bandwidth class (TB/s)")].tolist() == [r["bandwidth_tbps"] for r in report.SEED_004["bandwidth_law"]]
+    assert seed[(M, "speedup at 4096 x 4096")].isna().all()
+    html = report.styled(t).to_html()
+    assert "reported by the seed" in html and "measured here" in html and "2.20x" in html
+
+
+def test_bandwidth_law_points_ceiling_is_the_byte_ratio(df2):
+    p = report.bandwidth_law_points(df2)
+    four = p[(p["source"] == "measured here") & (p["scheme"] == "4-bit K=16") & (p["which"] == "seed shape")]
+    n = 4096
+    want = (2 * n * n + 4 * n) / (n * n / 2 + 2 * n * 16 + 4 * n)
+    assert four["ceiling"].tolist() == pytest.approx([want, want], rel=1e-6)
+
+
+def test_provenance_table(two_gpus):
+    t = report.provenance_table(two_gpus)
+    assert len(t) == 2
+    for c in ("gpu", "driver", "cuda", "torch", "numba", "numba_cuda", "git_commit", "date", "command"):
+        assert c in t.columns and t[c].notna().all(), c
+    tt = report.provenance_table(two_gpus, transpose=True)
+    assert list(tt.columns) == ["field", "Fast GPU", "Slow GPU"]
+    assert {"gpu", "driver", "git_commit", "command", "copy GB/s"} <= set(tt["field"])
+    report.styled(tt).to_html()
+
+
+def test_slower_intervals():
+    g = pd.DataFrame({"batch": [1, 2, 4, 8, 16], "speedup": [2.0, 1.5, 0.5, 0.4, 0.3]})
+    [(lo, hi)] = report.slower_intervals(g)
+    assert 2 < lo < 4 and hi is None
+    assert report.slower_intervals(g.assign(speedup=2.0)) == []
+
+
+def test_measure_argv():
+    argv = report.measure_argv(out="/x", arch="sm_90", in_features=[4096, 8192], out_features=[14336, 28672],
+                               iterations=30, run_cuda_cpp=False, command="papermill ...")
+    assert argv[0] == "gemv"
+    assert argv[argv.index("--arch") + 1] == "sm_90" and argv[argv.index("--out") + 1] == "/x"
+    assert argv[argv.index("--in-features") + 1: argv.index("--in-features") + 3] == ["4096", "8192"]
+    assert "--no-cuda-cpp" in argv and argv[-1] == "papermill ..."
+    with pytest.raises(ValueError):
+        report.measure_argv(in_features=[1, 2], out_features=[3])
+
+
+# -- figures -------------------------------------------------------------------------------
+def _check_figure(fig, min_axes=1):
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(axes) >= min_axes
+    assert fig.get_suptitle() or all(ax.get_title() for ax in axes)
+    for ax in axes:
+        assert ax.get_xlabel(), "x axis without label"
+        assert ax.get_title()
+        assert ax.lines or ax.collections or ax.patches, "an empty panel"
+    assert any(ax.get_ylabel() for ax in axes)
+    fig.canvas.draw()  # renders without error
+    return axes
+
+
+def _legend_texts(fig) -> list[str]:
+    texts = [t.get_text() for leg in fig.legends for t in leg.get_texts()]
+    for ax in fig.axes:
+        if ax.get_legend():
+            texts += [t.get_text() for t in ax.get_legend().get_texts()]
+    return texts
+
+
+def test_fig_bandwidth_law(df2):
+    fig = report.fig_bandwidth_law(df2)
+    axes = _check_figure(fig, 2)
+    texts = _legend_texts(fig)
+    assert any("reported by the seed" in t for t in texts) and any("measured here" in t for t in texts)
+    for scheme in ("4-bit K=16", "uint8 K=64", "uint8 K=256"):
+        assert any(scheme in t for t in texts)
+    annotations = [c.get_text() for c in axes[0].texts]
+    assert {"RTX 4090", "A40", "H100 PCIe", "Slow GPU", "Fast GPU"} <= set(annotations)
+    assert "TB/s" in axes[0].get_xlabel()
+
+
+def test_fig_roofline(df2):
+    fig = report.fig_roofline(df2)
+    axes = _check_figure(fig, 2)
+    for ax in axes:
+        assert "GB/s" in (axes[0].get_ylabel()) and "MB" in ax.get_xlabel()
+        assert ax.get_xscale() == "log"
+        ys = [line.get_ydata()[0] for line in ax.lines if len(line.get_xdata()) == 2 and line.get_linestyle() == "-"]
+        assert ys, "no copy-bandwidth line"
+    assert any("copy bandwidth" in t for t in _legend_texts(fig))
+
+
+def test_fig_speedup_by_shape(df2):
+    fig = report.fig_speedup_by_shape(df2)
+    axes = _check_figure(fig, 2)
+    for ax in axes:
+        texts = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert any("ceiling" in t for t in texts) and any("parity" in t for t in texts)
+        assert len(ax.get_xticklabels()) == len(LAYERS) + len(LARGE)
+        assert "Speedup" in ax.get_ylabel()
+
+
+def test_fig_batch(df2):
+    fig = report.fig_batch(df2)
+    axes = _check_figure(fig, 2)
+    for ax in axes:
+        assert "µs" in ax.get_ylabel() and "Batch" in ax.get_xlabel()
+        assert len(ax.lines) >= 3  # fp16, fused, dequant+cublas
+    assert any("dequant+cublas" in t for t in _legend_texts(fig))
+
+
+# -- the recorded H100 run -------------------------------------------------------------------
+def test_everything_on_the_recorded_v3_run(v3):
+    df = report.load_gemv(v3)
+    assert len(report.kernel_table(df)) == 10
+    t = report.layer_table(df)
+    assert len(t) == 4 and t.filter(like="measured here").notna().all().all()
+    b = report.bandwidth_law_table(df)
+    assert len(b) == 1 + len(report.SEED_004["bandwidth_law"])
+    assert ("measured here", "speedup at 16384 x 53248") in b.columns
+    assert len(report.provenance_table(v3)) == 1
+    for f in (report.fig_bandwidth_law, report.fig_roofline, report.fig_speedup_by_shape, report.fig_batch):
+        _check_figure(f(df))
+
+
+def test_cuda_cpp_kernels_join_the_tables_and_figures(df2):
+    """Records of the CUDA C++ counterpart (kernels/) need only kernel, K, shape and timings."""
+    base = df2[(df2["kernel"] == "lut") & (df2["grid"] == "table") & (df2["K"] == 16)]
+    extra = base.assign(kernel="cuda_cpp_4bit", scheme=None, time_ms=base["time_ms"] * 0.9,
+                        speedup=base["speedup"] / 0.9, gbps=base["gbps"] / 0.9)
+    df = pd.concat([df2, extra], ignore_index=True)
+    t = report.kernel_table(df)
+    cpp = t[t["Kernel"].str.startswith("cuda_cpp_4bit")]
+    assert len(cpp) == 2 and set(cpp["Scheme"]) == {"4-bit K=16"}
+    p = report.bandwidth_law_points(df)
+    assert (p["kernel"] == "cuda_cpp_4bit").sum() == 2
+    texts = _legend_texts(report.fig_bandwidth_law(df))
+    assert any("cuda_cpp_4bit" in x for x in texts)
+    _check_figure(report.fig_roofline(df), 2)

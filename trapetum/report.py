@@ -1,0 +1,664 @@
+"""Tables and figures of the chapter "The bandwidth law" (notebooks/gemv.ipynb).
+
+Everything the chapter shows is computed here from the results files ``data/<gpu>/gemv.json``
+(see :mod:`trapetum.results`); the notebook only loads, calls and shows. The one exception is
+:data:`SEED_004`: numbers quoted from the seed project's benchmark report, which are always
+shown beside ours under a label that says they were *reported by the seed*, never measured here.
+
+Every function takes the DataFrame of :func:`load_gemv` (or a results folder), so the tests can
+run them on synthetic data. Figures are plain :class:`matplotlib.figure.Figure` objects (not
+registered with pyplot): a notebook shows the returned figure exactly once, and nothing leaks.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from pathlib import Path
+
+import matplotlib as mpl
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+
+from . import results
+
+NAME = "gemv"
+
+# -- numbers quoted from the seed ------------------------------------------------------------
+# Quoted verbatim from the seed project's benchmark report, seed 004
+# (shared/seeds/004_e73dd109321271dd.txt, sections "by layer shape" and "The bandwidth law").
+# They were NOT measured by us: every table and figure labels them "reported by the seed".
+# These are the only numbers in this module that do not come from data/.
+SEED_004 = {
+    "source": "seed report 004 (e73dd109321271dd)",
+    # Speedup of the seed's codebook_gemv op vs torch.mv (dense fp16), RTX 4090, batch 1,
+    # keyed by (in_features, out_features) = the seed's (IC, OC).
+    "layers_gpu": "RTX 4090",
+    "layers_baseline": "torch.mv",
+    "layers": {
+        (3072, 768): 0.58,
+        (4096, 4096): 2.10,
+        (11008, 4096): 3.70,
+        (4096, 11008): 3.77,
+    },
+    # The seed's "bandwidth law": its 4-bit K=16 kernel vs cuBLAS fp16 at IC = OC = 4096, batch 1.
+    # bandwidth_tbps is the seed's nominal bandwidth class ("~1.0 TB/s"), not a measurement.
+    "bandwidth_law_shape": (4096, 4096),
+    "bandwidth_law": [
+        {"gpu": "RTX 4090", "arch": "sm_89", "bandwidth_tbps": 1.0, "speedup": 2.20},
+        {"gpu": "A40", "arch": "sm_86", "bandwidth_tbps": 0.7, "speedup": 2.34},
+        {"gpu": "H100 PCIe", "arch": "sm_90", "bandwidth_tbps": 3.3, "speedup": 0.99},
+    ],
+}
+
+# What the layer shapes are (names only, from the seed's table and Llama-2 7B's layers).
+LAYER_ROLES = {
+    (3072, 768): "small",
+    (4096, 4096): "attention projection",
+    (11008, 4096): "MLP down",
+    (4096, 11008): "MLP up",
+}
+
+MEASURED = "measured here"
+SEED = "reported by the seed"
+
+BASELINE = "torch fp16"
+KERNEL_LABELS = {
+    "torch fp16": "torch fp16 (cuBLAS), the baseline",
+    "lut": "lut: fused LUT-GEMV",
+    "lut32": "lut32: 4-byte loads (negative result)",
+    "naive": "naive: untiled (negative result)",
+    "dequant+cublas": "dequant+cublas: dequantize, then cuBLAS",
+    "cuda_cpp_4bit": "cuda_cpp_4bit: CUDA C++ counterpart",
+    "cuda_cpp_u8": "cuda_cpp_u8: CUDA C++ counterpart",
+}
+KERNEL_ORDER = ["torch fp16", "lut", "cuda_cpp_4bit", "cuda_cpp_u8", "lut32", "naive", "dequant+cublas"]
+SCHEME_OF_K = {16: "4-bit K=16", 64: "uint8 K=64", 256: "uint8 K=256"}
+SCHEME_ORDER = ["dense fp16", "4-bit K=16", "uint8 K=64", "uint8 K=256"]
+# The kernels whose speed the chapter is about (the others are ablations or the baseline).
+PRODUCT_KERNELS = ("lut", "cuda_cpp_4bit", "cuda_cpp_u8")
+FOUR_BIT = "4-bit K=16"
+
+_SCHEME_COLORS = {
+    "4-bit K=16": "#1f77b4",
+    "uint8 K=64": "#ff7f0e",
+    "uint8 K=256": "#2ca02c",
+    "dense fp16": "#555555",
+}
+_MARKERS = ["o", "s", "D", "^", "v", "P", "X"]
+
+
+class NoRecordedDataError(FileNotFoundError):
+    """No GPU has recorded the chapter's measurements in the data folder."""
+
+
+# -- loading ---------------------------------------------------------------------------------
+def _root(folder) -> Path:
+    return Path(folder) if folder is not None else results.DATA_DIR
+
+
+def _files(folder) -> list[Path]:
+    return sorted(_root(folder).glob(f"*/{NAME}.json"))
+
+
+def load_gemv(folder=None) -> pd.DataFrame:
+    """Every recorded GPU's ``gemv.json`` as one DataFrame; raises if there is none.
+
+    ``folder`` defaults to the repository's ``data/`` (resolved from the package, not from the
+    working directory). Records without ``copy_gbps`` get the run's provenance value.
+    """
+    root = _root(folder)
+    df = results.load(NAME, root)
+    if df.empty:
+        raise NoRecordedDataError(
+            f"no GPU has recorded the GEMV measurements: found no {root}/<gpu>/{NAME}.json with records. "
+            "Measure on a CUDA GPU with `trapetum gemv` (or run this notebook with papermill "
+            "-p measure True), then rebuild the book."
+        )
+    copy = {p.parent.name: results.read(p)[0].get("copy_gbps") for p in _files(root)}
+    if "copy_gbps" not in df:
+        df["copy_gbps"] = np.nan
+    fill = df["gpu_slug"].map(copy).astype(float)
+    df["copy_gbps"] = df["copy_gbps"].astype(float).fillna(fill)
+    return _normalise(df)
+
+
+def _normalise(df: pd.DataFrame) -> pd.DataFrame:
+    """Columns every function relies on, whatever an older or newer results file holds."""
+    df = df.copy()
+    for col, default in (("gpu", "unknown GPU"), ("grid", None), ("scheme", None), ("K", np.nan),
+                         ("batch", 1), ("copy_gbps", np.nan), ("max_rel_err", np.nan), ("gbps", np.nan),
+                         ("time_ms", np.nan), ("fp16_ms", np.nan), ("speedup", np.nan)):
+        if col not in df:
+            df[col] = default
+    df["gpu"] = df["gpu"].fillna("unknown GPU")
+    if "gpu_slug" not in df:
+        df["gpu_slug"] = df["gpu"].map(results.slug)
+    missing = df["scheme"].isna() & df["K"].notna()
+    df.loc[missing, "scheme"] = df.loc[missing, "K"].map(lambda k: SCHEME_OF_K.get(int(k), f"K={int(k)}"))
+    df.loc[df["scheme"].isna() & (df["kernel"] == BASELINE), "scheme"] = "dense fp16"
+    return df
+
+
+def _timed(df: pd.DataFrame) -> pd.DataFrame:
+    """Timing records only (no correctness checks), with bytes moved and short labels added."""
+    df = _normalise(df)
+    d = df[(df["grid"] != "correctness") & df["time_ms"].notna()].copy()
+    # bytes the harness counted for this call (weights + x + y), recovered from GB/s x time
+    d["bytes"] = d["gbps"] * d["time_ms"] * 1e6
+    d["shape"] = list(zip(d["in_features"].astype(int), d["out_features"].astype(int)))
+    d["gpu_label"] = d["gpu"].map(gpu_label)
+    return d
+
+
+def gpu_label(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'H100 80GB HBM3'."""
+    name = str(name)
+    return name[len("NVIDIA "):] if name.startswith("NVIDIA ") else name
+
+
+def shape_label(shape) -> str:
+    return f"{int(shape[0])} x {int(shape[1])}"
+
+
+def _gpus(d: pd.DataFrame) -> list[str]:
+    """GPU names, the most bandwidth-limited (lowest measured copy bandwidth) first."""
+    bw = d.groupby("gpu")["copy_gbps"].max().fillna(np.inf)
+    return sorted(bw.index, key=lambda g: (bw[g], g))
+
+
+def _kernel_rank(k: str) -> int:
+    return KERNEL_ORDER.index(k) if k in KERNEL_ORDER else len(KERNEL_ORDER)
+
+
+def _scheme_rank(s) -> int:
+    return SCHEME_ORDER.index(s) if s in SCHEME_ORDER else len(SCHEME_ORDER)
+
+
+def series_label(kernel: str, scheme) -> str:
+    if kernel == BASELINE:
+        return "torch fp16 (cuBLAS)"
+    return f"{kernel}, {scheme}"
+
+
+def _baseline_bytes(d: pd.DataFrame) -> pd.Series:
+    """Bytes torch fp16 moved for each record's (gpu, shape, batch), from the baseline records."""
+    base = d[d["kernel"] == BASELINE].drop_duplicates(["gpu", "in_features", "out_features", "batch"])
+    key = ["gpu", "in_features", "out_features", "batch"]
+    m = d[key].merge(base[key + ["bytes"]], on=key, how="left")
+    return pd.Series(m["bytes"].to_numpy(), index=d.index)
+
+
+# -- tables ----------------------------------------------------------------------------------
+def kernel_table(df: pd.DataFrame, shape=(4096, 4096), batch: int = 1) -> pd.DataFrame:
+    """Every kernel at one shape and batch, per GPU, baseline first: the seed's kernel table.
+
+    Columns: GPU | Kernel | Scheme | Latency (ms) | vs cuBLAS | Max rel. err | GB/s, numeric
+    (format for display with :func:`styled`). "vs cuBLAS" is torch fp16 time / kernel time,
+    both timed in the same run.
+    """
+    d = _timed(df)
+    d = d[(d["in_features"] == shape[0]) & (d["out_features"] == shape[1]) & (d["batch"] == batch)]
+    if d.empty:
+        raise ValueError(f"no timing at {shape_label(shape)}, batch {batch}, in the recorded data")
+    d = d.drop_duplicates(["gpu", "kernel", "K"])
+    gpus = _gpus(d)
+    d = d.assign(_g=d["gpu"].map(gpus.index), _k=d["kernel"].map(_kernel_rank), _s=d["scheme"].map(_scheme_rank))
+    d = d.sort_values(["_g", "_s", "_k"])
+    return pd.DataFrame({
+        "GPU": d["gpu_label"],
+        "Kernel": d["kernel"].map(lambda k: KERNEL_LABELS.get(k, k)),
+        "Scheme": d["scheme"],
+        "Latency (ms)": d["time_ms"],
+        "vs cuBLAS": d["speedup"],
+        "Max rel. err": d["max_rel_err"],
+        "GB/s": d["gbps"],
+    }).reset_index(drop=True)
+
+
+def layer_table(df: pd.DataFrame, kernel: str = "lut", scheme: str = FOUR_BIT) -> pd.DataFrame:
+    """Speedup vs torch fp16 by layer shape: ours per GPU, beside the seed's RTX 4090 numbers."""
+    d = _timed(df)
+    ours = d[(d["kernel"] == kernel) & (d["scheme"] == scheme) & (d["batch"] == 1)]
+    layer_shapes = set(ours.loc[ours["grid"] == "layers", "shape"])
+    seed_order = list(SEED_004["layers"])
+    shapes = sorted(layer_shapes | set(seed_order),
+                    key=lambda s: (s[0] * s[1], seed_order.index(s) if s in seed_order else len(seed_order), s))
+    out = pd.DataFrame({
+        "Layer (in x out)": [shape_label(s) for s in shapes],
+        "Role": [LAYER_ROLES.get(s, "") for s in shapes],
+    })
+    for gpu in _gpus(d):
+        g = ours[ours["gpu"] == gpu].drop_duplicates("shape").set_index("shape")["speedup"]
+        out[f"Speedup vs torch fp16, {MEASURED} ({gpu_label(gpu)})"] = [g.get(s, np.nan) for s in shapes]
+    out[f"Speedup vs {SEED_004['layers_baseline']}, {SEED} ({SEED_004['layers_gpu']})"] = [
+        SEED_004["layers"].get(s, np.nan) for s in shapes
+    ]
+    return out
+
+
+def largest_shape(d: pd.DataFrame) -> tuple[int, int]:
+    """The largest batch-1 weight (in x out) timed for the 4-bit kernel."""
+    d = _timed(d) if "shape" not in d else d
+    c = d[(d["scheme"] == FOUR_BIT) & (d["batch"] == 1)]
+    if c.empty:
+        raise ValueError("no batch-1 4-bit timing in the recorded data")
+    return max(c["shape"], key=lambda s: (s[0] * s[1], s))
+
+
+def bandwidth_law_points(df: pd.DataFrame, kernels=PRODUCT_KERNELS) -> pd.DataFrame:
+    """Long form: one row per (source, GPU, kernel, scheme, shape) with bandwidth and speedup.
+
+    Ours at 4096 x 4096 (the seed's shape) and at each GPU's largest shape, every scheme;
+    ``ceiling`` is the byte ratio fp16 bytes / our bytes (the first factor of the law).
+    The seed's rows (4-bit, 4096 x 4096) come from :data:`SEED_004`.
+    """
+    d = _timed(df)
+    d["fp16_bytes"] = _baseline_bytes(d)
+    rows = []
+    seed_shape = SEED_004["bandwidth_law_shape"]
+    for gpu in _gpus(d):
+        g = d[(d["gpu"] == gpu) & (d["batch"] == 1) & d["kernel"].isin(kernels)]
+        if g.empty:
+            continue
+        big = largest_shape(g)
+        for which, shape in (("seed shape", seed_shape), ("largest shape", big)):
+            for _, r in g[g["shape"] == shape].drop_duplicates(["kernel", "K"]).iterrows():
+                rows.append({
+                    "source": MEASURED, "gpu": gpu_label(gpu), "kernel": r["kernel"], "scheme": r["scheme"],
+                    "which": which, "shape": shape, "bandwidth_tbps": r["copy_gbps"] / 1e3,
+                    "bandwidth_basis": "copy bandwidth, measured here",
+                    "speedup": r["speedup"], "ceiling": r["fp16_bytes"] / r["bytes"],
+                })
+    for s in SEED_004["bandwidth_law"]:
+        rows.append({
+            "source": SEED, "gpu": s["gpu"], "kernel": "seed 4-bit kernel", "scheme": FOUR_BIT,
+            "which": "seed shape", "shape": seed_shape, "bandwidth_tbps": s["bandwidth_tbps"],
+            "bandwidth_basis": "bandwidth class, reported by the seed", "speedup": s["speedup"], "ceiling": np.nan,
+        })
+    return pd.DataFrame(rows)
+
+
+def bandwidth_law_table(df: pd.DataFrame, kernel: str = "lut") -> pd.DataFrame:
+    """Speedup of the 4-bit kernel vs fp16 by GPU and bandwidth class: ours and the seed's rows.
+
+    Two-level columns: the top level says whose numbers they are ("measured here" or "reported
+    by the seed"). Our bandwidth is the copy bandwidth measured in the same run (bytes read +
+    written); the seed's is the nominal class its report gives.
+    """
+    p = bandwidth_law_points(df)
+    ours = p[(p["source"] == MEASURED) & (p["kernel"] == kernel) & (p["scheme"] == FOUR_BIT)]
+    seed_shape = shape_label(SEED_004["bandwidth_law_shape"])
+    bigs = {shape_label(s) for s in ours.loc[ours["which"] == "largest shape", "shape"]}
+    big_col = f"speedup at {next(iter(bigs))}" if len(bigs) == 1 else "speedup at the largest shape"
+    cols = [("", "GPU"), (MEASURED, "copy bandwidth (TB/s)"), (MEASURED, f"speedup at {seed_shape}"),
+            (MEASURED, big_col)]
+    if len(bigs) > 1:
+        cols.append((MEASURED, "largest shape"))
+    cols += [(SEED, "bandwidth class (TB/s)"), (SEED, f"speedup at {seed_shape}")]
+    rows = []
+    for gpu, g in ours.groupby("gpu", sort=False):
+        at = g[g["which"] == "seed shape"]
+        big = g[g["which"] == "largest shape"]
+        row = {cols[0]: gpu, cols[1]: g["bandwidth_tbps"].iloc[0],
+               cols[2]: at["speedup"].iloc[0] if len(at) else np.nan,
+               cols[3]: big["speedup"].iloc[0] if len(big) else np.nan}
+        if len(bigs) > 1:
+            row[(MEASURED, "largest shape")] = shape_label(big["shape"].iloc[0]) if len(big) else ""
+        rows.append(row)
+    for _, s in p[p["source"] == SEED].iterrows():
+        rows.append({cols[0]: f"{s['gpu']} (seed)", (SEED, "bandwidth class (TB/s)"): s["bandwidth_tbps"],
+                     (SEED, f"speedup at {seed_shape}"): s["speedup"]})
+    out = pd.DataFrame(rows, columns=pd.MultiIndex.from_tuples(cols))
+    for c in cols:
+        if "speedup" in c[1] or "TB/s" in c[1]:
+            out[c] = out[c].astype(float)
+    if len(bigs) > 1:
+        out[(MEASURED, "largest shape")] = out[(MEASURED, "largest shape")].fillna("")
+    return out
+
+
+PROVENANCE_FIELDS = ("gpu", "driver", "cuda", "torch", "numba", "numba_cuda", "git_commit", "git_dirty", "date", "command")
+
+
+def provenance_table(folder=None, transpose: bool = False) -> pd.DataFrame:
+    """One row per recorded GPU: where its numbers came from (file, software, commit, command).
+
+    ``transpose=True`` gives one column per GPU instead (narrower on a page).
+    """
+    root = _root(folder)
+    files = _files(root)
+    if not files:
+        raise NoRecordedDataError(f"no {root}/<gpu>/{NAME}.json: no GPU has recorded the GEMV measurements")
+    rows = []
+    for path in files:
+        prov, _ = results.read(path)
+        row = {"file": f"{root.name}/{path.parent.name}/{path.name}"}
+        row.update({k: prov.get(k) for k in PROVENANCE_FIELDS})
+        copy = prov.get("copy_gbps")
+        row["copy GB/s"] = round(float(copy)) if copy is not None else None
+        rows.append(row)
+    t = pd.DataFrame(rows)
+    if transpose:
+        labels = [gpu_label(g) for g in t["gpu"]]
+        t = t.T.astype(str).replace({"None": "–", "nan": "–"})
+        t.columns = labels
+        t = t.rename_axis("field").reset_index()
+    return t
+
+
+def _flat(c) -> str:
+    return " ".join(str(x) for x in c) if isinstance(c, tuple) else str(c)
+
+
+def styled(table: pd.DataFrame, caption: str | None = None):
+    """A display form of a table: fixed decimals, "x" on speedups, "–" for missing, no index.
+
+    A GPU repeated on consecutive rows is shown once, at the first of them.
+    """
+    table = table.copy()
+    gpu_cols = [c for c in table.columns if _flat(c).strip() == "GPU"]
+    for c in gpu_cols:
+        table.loc[table[c].eq(table[c].shift()), c] = ""
+    fmt, numeric = {}, []
+    for c in table.columns:
+        if not pd.api.types.is_numeric_dtype(table[c]) or pd.api.types.is_bool_dtype(table[c]):
+            continue
+        numeric.append(c)
+        lc = _flat(c).lower()
+        if "speedup" in lc or lc.startswith("vs "):
+            fmt[c] = "{:.2f}x"
+        elif "err" in lc:
+            fmt[c] = "{:.1e}"
+        elif "(ms)" in lc:
+            fmt[c] = "{:.4f}"
+        elif "tb/s" in lc:
+            fmt[c] = "{:.2f}"
+        elif "gb/s" in lc:
+            fmt[c] = "{:.0f}"
+    s = table.style.format(fmt, na_rep="–").hide(axis="index")
+    s = s.set_table_styles([
+        {"selector": "", "props": [("font-size", "0.88em")]},
+        {"selector": "th", "props": [("text-align", "left"), ("vertical-align", "bottom")]},
+        {"selector": "th.col_heading.level0", "props": [("text-align", "center")]},
+        {"selector": "td", "props": [("vertical-align", "top")]},
+    ])
+    if numeric:
+        s = s.set_properties(subset=numeric, **{"white-space": "nowrap", "text-align": "right"})
+    short = [c for c in table.columns if c not in numeric and table[c].astype(str).str.len().max() <= 14]
+    if short:
+        s = s.set_properties(subset=short, **{"white-space": "nowrap"})
+    if caption:
+        s = s.set_caption(caption)
+    return s
+
+
+# -- figures ---------------------------------------------------------------------------------
+@contextmanager
+def _style():
+    import seaborn as sns
+
+    with mpl.rc_context():
+        sns.set_theme(context="notebook", style="whitegrid", font_scale=1.05)
+        mpl.rcParams.update({"figure.dpi": 100, "savefig.dpi": 100, "legend.fontsize": 10, "axes.titlesize": 12,
+                             "figure.titlesize": 14, "figure.titleweight": "bold"})
+        yield
+
+
+def _color(scheme, i=0) -> str:
+    return _SCHEME_COLORS.get(scheme, f"C{(i + 4) % 10}")
+
+
+def fig_bandwidth_law(df: pd.DataFrame, kernels=PRODUCT_KERNELS) -> Figure:
+    """Speedup vs fp16 against the GPU's bandwidth: ours (filled) and the seed's (hollow)."""
+    p = bandwidth_law_points(df, kernels)
+    ours, seed = p[p["source"] == MEASURED], p[p["source"] == SEED]
+    with _style():
+        fig = Figure(figsize=(11, 6.0), layout="constrained")
+        axes = list(fig.subplots(1, 2, sharey=True))
+        big_shapes = sorted({shape_label(s) for s in ours.loc[ours["which"] == "largest shape", "shape"]})
+        titles = {
+            "seed shape": f"at {shape_label(SEED_004['bandwidth_law_shape'])}, the seed's shape",
+            "largest shape": f"at the largest shape measured here ({', '.join(big_shapes) or 'none'})",
+        }
+        kernels_present = sorted(ours["kernel"].unique(), key=_kernel_rank)
+        for ax, which in zip(axes, ("seed shape", "largest shape")):
+            o = ours[ours["which"] == which]
+            for (kern, scheme), g in o.groupby(["kernel", "scheme"], sort=False):
+                ax.scatter(g["bandwidth_tbps"], g["speedup"], s=80, color=_color(scheme),
+                           marker=_MARKERS[kernels_present.index(kern) % len(_MARKERS)],
+                           edgecolor="black", linewidth=0.6, zorder=3)
+                # the byte-ratio ceiling of this scheme at this shape
+                ax.scatter(g["bandwidth_tbps"], g["ceiling"], s=300, marker="_", linewidth=2.5,
+                           color=_color(scheme), zorder=2)
+            for gpu, g in o.groupby("gpu"):
+                # our GPUs are named along the top of the panel, away from the points
+                x = g["bandwidth_tbps"].iloc[0]
+                ax.axvline(x, color="#999999", linewidth=0.8, linestyle="-", zorder=1)
+                ax.annotate(gpu, (x, 1.0), xycoords=("data", "axes fraction"), textcoords="offset points",
+                            xytext=(-3, -5), ha="right", va="top", rotation=90, fontsize=9, fontweight="bold",
+                            bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8})
+            if which == "seed shape":
+                ax.scatter(seed["bandwidth_tbps"], seed["speedup"], s=90, facecolor="none",
+                           edgecolor=_color(FOUR_BIT), linewidth=1.8, zorder=3)
+                xs = seed["bandwidth_tbps"].to_numpy()
+                for _, r in seed.iterrows():
+                    # a label goes left of its point when another seed point sits just to its right
+                    left = bool(((xs > r["bandwidth_tbps"]) & (xs - r["bandwidth_tbps"] < 0.6)).any())
+                    ax.annotate(r["gpu"], (r["bandwidth_tbps"], r["speedup"]), textcoords="offset points",
+                                xytext=(-9 if left else 9, 0), ha="right" if left else "left", va="center",
+                                fontsize=9, color="#333333", fontstyle="italic")
+            ax.axhline(1.0, color="black", linewidth=1, linestyle=":")
+            ax.set_title(titles[which])
+            ax.set_xlabel("Memory bandwidth (TB/s)\nours: copy bandwidth, measured; seed: nominal class")
+        axes[0].set_ylabel("Speedup vs fp16 (x, higher is faster)")
+        axes[1].tick_params(labelleft=True)
+        xmax = max(p["bandwidth_tbps"].max() * 1.3, 1.0)
+        for ax in axes:
+            ax.set_xlim(0, xmax)
+        ally = pd.concat([p["speedup"], p["ceiling"]]).dropna()
+        axes[0].set_ylim(0, max(ally.max() * 1.25, 1.2))
+        handles = [Line2D([], [], color=_color(s), marker="o", linestyle="none", markersize=8,
+                          markeredgecolor="black", label=f"{s}, {MEASURED}")
+                   for s in sorted(ours["scheme"].unique(), key=_scheme_rank)]
+        if len(kernels_present) > 1:
+            handles += [Line2D([], [], color="gray", marker=_MARKERS[i % len(_MARKERS)], linestyle="none",
+                               markersize=8, label=f"kernel {k}") for i, k in enumerate(kernels_present)]
+        handles += [
+            Line2D([], [], color=_color(FOUR_BIT), marker="o", markerfacecolor="none", linestyle="none",
+                   markersize=8, markeredgewidth=1.8, label=f"{FOUR_BIT}, {SEED}"),
+            Line2D([], [], color="gray", marker="_", linestyle="none", markersize=16, markeredgewidth=2.5,
+                   label="ceiling: fp16 bytes / our bytes"),
+            Line2D([], [], color="black", linestyle=":", label="parity with fp16"),
+        ]
+        fig.legend(handles=handles, loc="outside lower center", ncols=3, frameon=False)
+        fig.suptitle("The bandwidth law: speedup over fp16 against memory bandwidth (batch 1)")
+    return fig
+
+
+def fig_roofline(df: pd.DataFrame, kernels=("torch fp16",) + PRODUCT_KERNELS) -> Figure:
+    """Achieved GB/s against bytes moved, per GPU, with the GPU's measured copy bandwidth."""
+    d = _timed(df)
+    d = d[(d["batch"] == 1) & d["kernel"].isin(kernels)].drop_duplicates(["gpu", "kernel", "K", "shape"])
+    gpus = _gpus(d)
+    with _style():
+        fig = Figure(figsize=(max(8.0, 5.0 * len(gpus)), 5.4), layout="constrained")
+        axes = list(fig.subplots(1, len(gpus), sharey=True, squeeze=False)[0])
+        for ax, gpu in zip(axes, gpus):
+            g = d[d["gpu"] == gpu]
+            keys = sorted({(k, s) for k, s in zip(g["kernel"], g["scheme"])}, key=lambda t: (_scheme_rank(t[1]), _kernel_rank(t[0])))
+            for i, (kern, scheme) in enumerate(keys):
+                s = g[(g["kernel"] == kern) & (g["scheme"] == scheme)].sort_values("bytes")
+                ax.plot(s["bytes"] / 1e6, s["gbps"], marker=_MARKERS[i % len(_MARKERS)], color=_color(scheme, i),
+                        linestyle="none", markersize=8, markeredgecolor="black", markeredgewidth=0.5,
+                        label=series_label(kern, scheme))
+            copy = g["copy_gbps"].dropna()
+            if len(copy):
+                ax.axhline(copy.iloc[0], color="crimson", linewidth=1.5,
+                           label=f"copy bandwidth of the GPU, {MEASURED} (read + write)")
+                ax.annotate(f"copy {copy.iloc[0]:.0f} GB/s", (0.02, copy.iloc[0]), xycoords=("axes fraction", "data"),
+                            textcoords="offset points", xytext=(0, 4), color="crimson", fontsize=9)
+            ax.set_xscale("log")
+            ax.set_title(gpu_label(gpu))
+            ax.set_xlabel("Bytes moved per call: weights + x + y (MB, log scale)")
+        axes[0].set_ylabel("Achieved bandwidth (GB/s)")
+        axes[0].set_ylim(bottom=0)
+        seen = {}
+        for ax in axes:
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                seen.setdefault(lab, h)
+        fig.legend(list(seen.values()), list(seen.keys()), loc="outside lower center", ncols=3, frameon=False)
+        fig.suptitle("Achieved bandwidth of each kernel against bytes moved (batch 1, every timed shape)")
+    return fig
+
+
+def speedup_by_shape(df: pd.DataFrame, kernels=PRODUCT_KERNELS, grids=("layers", "bandwidth", "table")) -> pd.DataFrame:
+    """Long form behind :func:`fig_speedup_by_shape`: speedup and byte-ratio ceiling per shape."""
+    d = _timed(df)
+    d["fp16_bytes"] = _baseline_bytes(d)
+    d = d[(d["batch"] == 1) & d["kernel"].isin(kernels) & d["grid"].isin(grids)]
+    d = d.drop_duplicates(["gpu", "kernel", "K", "shape"])
+    d["ceiling"] = d["fp16_bytes"] / d["bytes"]
+    return d
+
+
+def fig_speedup_by_shape(df: pd.DataFrame, kernels=PRODUCT_KERNELS) -> Figure:
+    """Speedup vs torch fp16 per shape and scheme (bars) with the byte-ratio ceiling (dashes)."""
+    d = speedup_by_shape(df, kernels)
+    gpus = _gpus(d)
+    with _style():
+        fig = Figure(figsize=(10, 4.2 * len(gpus) + 0.6), layout="constrained")
+        axes = fig.subplots(len(gpus), 1, squeeze=False)[:, 0]
+        for ax, gpu in zip(axes, gpus):
+            g = d[d["gpu"] == gpu]
+            shapes = sorted(g["shape"].unique(), key=lambda s: (s[0] * s[1], s))
+            series = sorted({(k, s) for k, s in zip(g["kernel"], g["scheme"])}, key=lambda t: (_scheme_rank(t[1]), _kernel_rank(t[0])))
+            width = 0.8 / max(len(series), 1)
+            for i, (kern, scheme) in enumerate(series):
+                s = g[(g["kernel"] == kern) & (g["scheme"] == scheme)].set_index("shape")
+                xs = np.array([j for j, sh in enumerate(shapes) if sh in s.index]) + (i - (len(series) - 1) / 2) * width
+                here = [sh for sh in shapes if sh in s.index]
+                color = _color(scheme, i)
+                ax.bar(xs, s.loc[here, "speedup"], width=width * 0.92, color=color, label=series_label(kern, scheme),
+                       edgecolor="white", linewidth=0.5)
+                ax.hlines(s.loc[here, "ceiling"], xs - width * 0.46, xs + width * 0.46, colors=color,
+                          linestyles="--", linewidth=2)
+            ax.axhline(1.0, color="black", linewidth=1, linestyle=":")
+            ax.set_xticks(range(len(shapes)))
+            ax.set_xticklabels([f"{a} x {b}" + (f"\n{LAYER_ROLES[(a, b)]}" if (a, b) in LAYER_ROLES else "") for a, b in shapes],
+                               fontsize=9)
+            ax.set_xlabel("Weight shape (in_features x out_features), smallest to largest")
+            ax.set_ylabel("Speedup vs torch fp16 (x)")
+            ax.set_title(f"{gpu_label(gpu)}: batch 1, {MEASURED}")
+            handles, labels = ax.get_legend_handles_labels()
+            handles += [Line2D([], [], color="gray", linestyle="--", linewidth=2),
+                        Line2D([], [], color="black", linestyle=":")]
+            labels += ["ceiling: fp16 bytes / our bytes", "parity with fp16"]
+            ax.legend(handles, labels, loc="upper left", frameon=True, ncols=2)
+            top = np.nanmax(np.r_[g["ceiling"].to_numpy(), g["speedup"].to_numpy(), 1.0])
+            ax.set_ylim(0, top * 1.35)
+        fig.suptitle("Speedup over fp16 by weight shape, against the byte-ratio ceiling")
+    return fig
+
+
+def slower_intervals(g: pd.DataFrame) -> list[tuple[float, float | None]]:
+    """Batch ranges where our time exceeds fp16's; ends log-interpolated, None = to the last batch."""
+    g = g.sort_values("batch")
+    b, s = g["batch"].to_numpy(float), g["speedup"].to_numpy(float)
+    out, start = [], (b[0] if len(b) and s[0] < 1 else None)
+
+    def cross(i):
+        l0, l1, y0, y1 = math.log2(b[i - 1]), math.log2(b[i]), math.log(s[i - 1]), math.log(s[i])
+        return 2 ** (l0 - y0 * (l1 - l0) / (y1 - y0))
+
+    for i in range(1, len(b)):
+        if s[i - 1] >= 1 > s[i]:
+            start = cross(i)
+        elif s[i - 1] < 1 <= s[i]:
+            out.append((start, cross(i)))
+            start = None
+    if start is not None:
+        out.append((start, None))
+    return out
+
+
+def fig_batch(df: pd.DataFrame) -> Figure:
+    """Time per call against batch size: torch fp16, our fused kernel, and dequant+cuBLAS."""
+    d = _timed(df)
+    d = d[d["grid"] == "batch"]
+    if d.empty:
+        raise ValueError("no 'batch' grid in the recorded data")
+    gpus = _gpus(d)
+    with _style():
+        fig = Figure(figsize=(max(8.0, 5.0 * len(gpus)), 5.6), layout="constrained")
+        axes = list(fig.subplots(1, len(gpus), squeeze=False)[0])
+        for ax, gpu in zip(axes, gpus):
+            g = d[d["gpu"] == gpu].sort_values("batch")
+            shape = g["shape"].iloc[0]
+            fp16 = g.drop_duplicates("batch")
+            ax.plot(fp16["batch"], fp16["fp16_ms"] * 1e3, marker="s", color=_color("dense fp16"), label="torch fp16 (cuBLAS)")
+            for i, (kern, s) in enumerate(g.groupby("kernel", sort=False)):
+                label = f"{kern}, {s['scheme'].iloc[0]}" + (" (fused)" if kern != "dequant+cublas" else "")
+                ax.plot(s["batch"], s["time_ms"] * 1e3, marker="o" if kern != "dequant+cublas" else "^",
+                        color=_color(FOUR_BIT) if kern != "dequant+cublas" else "#9467bd", label=label)
+            fused = g[g["kernel"] != "dequant+cublas"]["batch"]
+            deq = g[g["kernel"] == "dequant+cublas"]["batch"]
+            if len(fused) and len(deq):
+                edge = math.sqrt(fused.max() * deq.min())
+                ax.axvline(edge, color="#9467bd", linestyle=":", linewidth=1.2,
+                           label=f"dispatch: fused up to batch {fused.max()}, dequant+cuBLAS above")
+            ours = g.drop_duplicates("batch")
+            for j, (lo, hi) in enumerate(slower_intervals(ours)):
+                ax.axvspan(lo, hi if hi is not None else ours["batch"].max() * 1.2, color="gray", alpha=0.12, lw=0,
+                           label="torch fp16 faster than ours" if j == 0 else None)
+                if lo > ours["batch"].min():
+                    ax.annotate(f"crossover\n~batch {lo:.1f}", (lo, 0.03), xycoords=("data", "axes fraction"),
+                                textcoords="offset points", xytext=(4, 0), fontsize=9, color="#333333")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(mpl.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(mpl.ticker.FuncFormatter(lambda v, _: f"{v:g}" if str(f"{v:g}")[0] in "2356" else ""))
+            ax.set_xticks(sorted(g["batch"].unique()))
+            ax.set_xticklabels([str(int(b)) for b in sorted(g["batch"].unique())])
+            ax.set_xlim(g["batch"].min() / 1.2, g["batch"].max() * 1.2)
+            ax.set_xlabel("Batch size (activation rows, log scale)")
+            ax.set_ylabel("Time per call (µs, log scale)")
+            ax.set_title(f"{gpu_label(gpu)}\n{shape_label(shape)}, {FOUR_BIT}")
+        seen = {}
+        for ax in axes:
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                seen.setdefault(lab, h)
+        fig.legend(list(seen.values()), list(seen.keys()), loc="outside lower center", ncols=2, frameon=False)
+        fig.suptitle("Beyond batch 1: time per call as the batch grows")
+    return fig
+
+
+# -- measuring -------------------------------------------------------------------------------
+def papermill_command(**params) -> str:
+    """How a papermill run of the chapter with these parameters is written on a command line."""
+    parts = ["papermill notebooks/gemv.ipynb OUTPUT.ipynb"]
+    for k, v in params.items():
+        if isinstance(v, (list, tuple)):
+            parts.append(f"-y '{k}: {list(v)}'")
+        else:
+            parts.append(f"-p {k} {v}")
+    return " ".join(parts)
+
+
+def measure_argv(out=None, arch: str = "sm_90", in_features=(), out_features=(), iterations: int | None = None,
+                 run_cuda_cpp: bool = True, command: str | None = None) -> list[str]:
+    """The ``trapetum gemv`` command line that the notebook's parameters stand for."""
+    if len(in_features) != len(out_features):
+        raise ValueError(f"in_features and out_features pair up into shapes: got {len(in_features)} and {len(out_features)}")
+    argv = ["gemv", "--arch", str(arch)]
+    if out is not None:
+        argv += ["--out", str(out)]
+    if len(in_features):
+        argv += ["--in-features", *map(str, in_features), "--out-features", *map(str, out_features)]
+    if iterations is not None:
+        argv += ["--iterations", str(int(iterations))]
+    argv.append("--cuda-cpp" if run_cuda_cpp else "--no-cuda-cpp")
+    if command is not None:
+        argv += ["--command", command]
+    return argv
