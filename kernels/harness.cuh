@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -212,12 +213,18 @@ inline int cdiv(long long a, long long b) { return (int)((a + b - 1) / b); }
 // Raises the kernel's dynamic shared-memory limit to what the device allows (once) and returns
 // its occupancy at `smem` bytes, 0 if it cannot launch.
 inline int occupancy(KernelFn fn, int threads, size_t smem, const DeviceInfo& d) {
-  static std::set<const void*> raised;
-  if (!raised.count((const void*)fn)) {
-    TP_CHECK(cudaFuncSetAttribute((const void*)fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)d.smem_optin));
-    raised.insert((const void*)fn);
+  // The opt-in limit covers static and dynamic shared memory together: a kernel with a static
+  // __shared__ variable may raise its dynamic limit only to the opt-in minus that.
+  static std::map<const void*, size_t> dyn_max;
+  auto it = dyn_max.find((const void*)fn);
+  if (it == dyn_max.end()) {
+    cudaFuncAttributes a;
+    TP_CHECK(cudaFuncGetAttributes(&a, (const void*)fn));
+    const size_t m = d.smem_optin > a.sharedSizeBytes ? d.smem_optin - a.sharedSizeBytes : 0;
+    TP_CHECK(cudaFuncSetAttribute((const void*)fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)m));
+    it = dyn_max.emplace((const void*)fn, m).first;
   }
-  if (smem > d.smem_optin) return 0;
+  if (smem > it->second) return 0;
   int n = 0;
   TP_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, threads, smem));
   return n;

@@ -14,7 +14,7 @@ import torch
 from trapetum import gemv
 from trapetum.bench import TOLERANCE
 from trapetum.codebook import random_codebook_tensor
-from trapetum.gemv import MAX_FUSED_BATCH, LutGemv, max_rel_err, plan_launch, reference
+from trapetum.gemv import MAX_FUSED_BATCH, LutGemv, lut_kernel, max_rel_err, plan_launch, reference
 
 # Shapes and CPU tensors are chosen for the simulator: skip only where a run opted out of it
 # explicitly (NUMBA_ENABLE_CUDASIM=0 on a GPU machine); anywhere else the simulator must be on.
@@ -240,3 +240,23 @@ def test_require_gpu_without_simulator_raises_a_helpful_NoGPUError(run_without_s
         msg = lines.get(what, "")
         assert msg.startswith("NoGPUError:"), f"{what}: {msg or p.stdout}"
         assert "CUDA GPU" in msg and "NUMBA_ENABLE_CUDASIM=1" in msg, msg
+
+
+@pytest.mark.parametrize(
+    "K, n_in, plan",
+    [
+        (16, 448, {"warps": 2, "stages": 3, "ksplit": 1}),  # 7 chunks: the ring of 3 ends mid-round
+        (64, 160, {"warps": 1, "stages": 4, "ksplit": 2, "RB": 1}),  # 10 chunks in slices of 5
+        (256, 96, {"warps": 2, "stages": 4, "ksplit": 1}),  # fewer chunks than the ring holds
+    ],
+)
+def test_deeper_pipelines_use_every_chunk_once(K, n_in, plan):
+    ct = random_codebook_tensor(37, n_in, K, seed=n_in + K)
+    g = LutGemv(ct, plan=plan)
+    assert g.plan(1).stages == plan["stages"]
+    check(g, x_for(n_in, 1, seed=5))
+
+
+def test_a_pipeline_needs_two_stages():
+    with pytest.raises(ValueError, match="stages must be at least 2"):
+        lut_kernel(16, 1, 2, stages=1)

@@ -143,8 +143,8 @@ def correctness_sweep(shapes, Ks=(16, 64, 256), batches=(1, 2, 3, 8, 16), varian
 
     jobs = [(s, K, b, v, None) for s in shapes for K in Ks for b in batches for v in variants if not (v == "naive" and s[0] * s[1] > 2**24)]
     # Plans the tuner may pick on other GPUs: every row-block width, with and without a K-split.
-    jobs += [(shapes[0], K, b, "lut", dict(RB=rb, ksplit=ks)) for K in Ks for b in (1, 3) for rb in (1, 2, 4) for ks in (1, 3)
-             if rb <= row_blocks_per_block(K, b)]
+    jobs += [(shapes[0], K, b, "lut", dict(RB=rb, ksplit=ks, stages=st)) for K in Ks for b in (1, 3) for rb in (1, 2, 4)
+             for ks in (1, 3) for st in (2, 4) if rb <= row_blocks_per_block(K, b)]
     recs, failures = [], []
     for i, ((n_in, n_out), K, b, v, plan) in enumerate(tqdm(jobs, desc="correctness", disable=not progress)):
         try:
@@ -171,7 +171,8 @@ def time_lut(n_in, n_out, K, batch, variant, fp16_ms, seed=0) -> dict:
     del launchers, keep
     torch.cuda.empty_cache()
     return gemv_record(variant, K, batch, n_in, n_out, ms, fp16_ms, nbytes, err, scheme=SCHEMES[K],
-                       ksplit=getattr(plan, "ksplit", None), warps=getattr(plan, "warps", None), rb=getattr(plan, "RB", None))
+                       ksplit=getattr(plan, "ksplit", None), warps=getattr(plan, "warps", None), rb=getattr(plan, "RB", None),
+                       stages=getattr(plan, "stages", None))
 
 
 def time_fp16(n_in, n_out, batch) -> float:

@@ -147,14 +147,14 @@ def _make_device_functions(K: int, B: int):
         return packed_row[i]
 
     @cuda.jit(device=True)
-    def dot_word(cur, q, lut, lane4, xs, xi, ncols, acc, RB, lut_stride):
-        # Word q of each of the RB row-blocks' current chunks: per_word codes of the same columns,
-        # the first at xs[xi]. Each x value is read from shared memory once and used RB times.
+    def dot_word(cur, off, q, lut, lane4, xs, xi, ncols, acc, RB, lut_stride):
+        # Word q of each of the RB row-blocks' chunks in pipeline slot cur[off:]: per_word codes of
+        # the same columns, the first at xs[xi]. Each x value read from shared memory serves RB rows.
         for g in range(per_word // 4):
             for b in range(B):
                 x0, x1, x2, x3 = sload4(xs, xi + b * ncols + 4 * g)
                 for r in range(RB):
-                    w = uint32(cur[4 * r + q])
+                    w = uint32(cur[off + 4 * r + q])
                     base = uint32(r * lut_stride)
                     v0 = load_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g))) & mask) << uint32(7)) | lane4))
                     v1 = load_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g + 1))) & mask) << uint32(7)) | lane4))
@@ -181,16 +181,20 @@ def row_blocks_per_block(K: int, B: int) -> int:
     return 4 if B <= 2 else (2 if B <= 8 else 1)
 
 
-def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = None):
+def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = None, stages: int = 2):
     """The tiled LUT-GEMV kernel for codebook size K and batch B (compiled on first use).
 
-    A block owns RB row-blocks (RB x 32 rows) and one K-slice. Arguments: x32 (B, in/2) int32
+    A block owns RB row-blocks (RB x 32 rows) and one K-slice. Each warp keeps ``stages`` chunks
+    of every row-block in registers: one being used, ``stages - 1`` loads in flight behind it.
+    Arguments: x32 (B, in/2) int32
     view of fp16 x; tiled int32 codes; cbt32 (row-blocks, K*16) int32 view of the fp16
     [code][lane] codebooks; y (B, out) fp16; ws (ksplit, B, out_pad) fp32; counters (blocks,)
     int32; n_out; rbs (row-blocks); nchunks (16-byte chunks a row); cps (chunks a K-slice).
     """
     RB = RB or row_blocks_per_block(K, B)
-    key = ("lut", K, B, warps, wide, RB)
+    if stages < 2:
+        raise ValueError(f"stages must be at least 2 (one chunk used, one in flight), got {stages}")
+    key = ("lut", K, B, warps, wide, RB, stages)
     if key in _kernel_cache:
         return _kernel_cache[key]
     _, dot_word, per_word = _make_device_functions(K, B)
@@ -203,6 +207,7 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
     quads_per_thread = -(-lut_quads // nt)
     buf_size = quads_per_thread * 4
     nreg = RB * 4
+    ring_size = stages * nreg
     nacc = RB * B
     load = load16 if wide else load4
     zero = int32(0)
@@ -215,10 +220,11 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
         return zero, zero, zero, zero
 
     @cuda.jit(device=True)
-    def fetch(dst, tiled, rb0, rbs, nchunks, j, j1):
+    def fetch(dst, off, tiled, rb0, rbs, nchunks, j, j1):
         for r in range(RB):
             base = ((rb0 + r) * nchunks * 32 + cuda.laneid) * 4
-            dst[4 * r], dst[4 * r + 1], dst[4 * r + 2], dst[4 * r + 3] = chunk(tiled, base, j, j1, rb0 + r < rbs)
+            o = off + 4 * r
+            dst[o], dst[o + 1], dst[o + 2], dst[o + 3] = chunk(tiled, base, j, j1, rb0 + r < rbs)
 
     @cuda.jit
     def kernel(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, cps):
@@ -237,11 +243,12 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
         j1 = min(j0 + cps, nchunks)
         ncols = (j1 - j0) * cpb
 
-        # Start streaming codes before anything waits: this warp's first chunk of each row-block.
+        # Start streaming codes before anything waits: this warp's first stages-1 chunks of each
+        # row-block. Slot s of the ring holds chunk j + s*warps (mod stages).
         j = j0 + warp
-        cur = cuda.local.array(nreg, int32)
-        nxt = cuda.local.array(nreg, int32)
-        fetch(cur, tiled, rb0, rbs, nchunks, j, j1)
+        ring = cuda.local.array(ring_size, int32)
+        for s in range(stages - 1):
+            fetch(ring, s * nreg, tiled, rb0, rbs, nchunks, j + s * warps, j1)
 
         # Codebooks -> fp32 LUT: every 16-byte load issued before the first store waits on one.
         buf = cuda.local.array(buf_size, int32)
@@ -274,15 +281,17 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
         acc = cuda.local.array(nacc, float32)
         for i in range(nacc):
             acc[i] = 0.0
-        # Software pipeline: the next chunk of every row-block is in flight while this one is used.
+        # Software pipeline over a ring of `stages` slots, unrolled so every slot index is a
+        # constant (the ring stays in registers, no copies): refill the slot used last step with
+        # the chunk stages-1 steps ahead, then use this step's slot.
         while j < j1:
-            fetch(nxt, tiled, rb0, rbs, nchunks, j + warps, j1)
-            col = (j - j0) * cpb
-            for q in range(4):
-                dot_word(cur, q, lut, lane4, xs, col + q * per_word, ncols, acc, RB, lut_stride)
-            for i in range(nreg):
-                cur[i] = nxt[i]
-            j += warps
+            for s in range(stages):
+                fetch(ring, ((s + stages - 1) % stages) * nreg, tiled, rb0, rbs, nchunks, j + (stages - 1) * warps, j1)
+                if j < j1:
+                    col = (j - j0) * cpb
+                    for q in range(4):
+                        dot_word(ring, s * nreg, q, lut, lane4, xs, col + q * per_word, ncols, acc, RB, lut_stride)
+                j += warps
 
         for i in range(nacc):
             red[warp, i, cuda.laneid] = acc[i]
@@ -400,6 +409,9 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+STAGES = (2, 3, 4)  # pipeline depths the tuner tries
+
+
 @dataclass
 class LaunchPlan:
     warps: int
@@ -407,10 +419,11 @@ class LaunchPlan:
     cps: int  # chunks a K-slice
     shared_bytes: int  # dynamic shared memory
     RB: int = 1  # row-blocks a thread block
+    stages: int = 2  # chunks of each row-block a warp holds: one in use, stages - 1 in flight
 
 
 def plan_launch(n_out: int, nchunks: int, K: int, B: int, sms: int, warps: int | None = None,
-                RB: int | None = None, ksplit: int | None = None) -> LaunchPlan:
+                RB: int | None = None, ksplit: int | None = None, stages: int = 2) -> LaunchPlan:
     """Grid shape for one layer: row-blocks a block (RB), warps a block, K-slices (ksplit).
 
     Without overrides: the widest RB allowed, 8 warps when shared memory allows, and a K-split
@@ -438,7 +451,7 @@ def plan_launch(n_out: int, nchunks: int, K: int, B: int, sms: int, warps: int |
     cps = math.ceil(nchunks / ksplit)
     ksplit = math.ceil(nchunks / cps)
     assert static + B * cps * cpb * 4 <= SMEM_BUDGET
-    return LaunchPlan(warps, ksplit, cps, B * cps * cpb * 4, RB)
+    return LaunchPlan(warps, ksplit, cps, B * cps * cpb * 4, RB, stages)
 
 
 def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int) -> list[LaunchPlan]:
@@ -449,14 +462,16 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int) -> list[
         if RB > rb_max:
             continue
         for ks in (1, 2, 3, 4, 6, 8, 12, 16, None):
-            try:
-                p = plan_launch(n_out, nchunks, K, B, sms, RB=RB, ksplit=ks)
-            except ValueError:
-                continue
-            key = (p.RB, p.warps, p.ksplit)
-            if key not in seen and p.cps >= 2 * p.warps:
-                seen.add(key)
-                out.append(p)
+            for st in STAGES:
+                try:
+                    p = plan_launch(n_out, nchunks, K, B, sms, RB=RB, ksplit=ks, stages=st)
+                except ValueError:
+                    continue
+                key = (p.RB, p.warps, p.ksplit, p.stages)
+                # A warp that streams fewer chunks than it holds in flight only pays for the ring.
+                if key not in seen and p.cps >= max(2, p.stages) * p.warps:
+                    seen.add(key)
+                    out.append(p)
     if not out:
         out.append(plan_launch(n_out, nchunks, K, B, sms))
     return out
@@ -470,7 +485,7 @@ class LutGemv:
 
     ``variant``: "lut" (16-byte loads, the product), "lut32" (same kernel, 4-byte loads: the
     ablation), "naive" (one thread a row, natural layout: the negative result).
-    ``plan``: optional overrides for :func:`plan_launch` (keys RB, ksplit, warps); otherwise the
+    ``plan``: optional overrides for :func:`plan_launch` (keys RB, ksplit, warps, stages); otherwise the
     plan is tuned on a GPU (``tune=True``) or taken from the heuristic.
     """
 
@@ -530,7 +545,7 @@ class LutGemv:
         return x2
 
     def _launch_parts(self, B: int, plan: LaunchPlan):
-        kern = lut_kernel(self.K, B, plan.warps, wide=self.variant == "lut", RB=plan.RB)
+        kern = lut_kernel(self.K, B, plan.warps, wide=self.variant == "lut", RB=plan.RB, stages=plan.stages)
         ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
         counters = torch.zeros(-(-self.rbs // plan.RB), dtype=torch.int32, device=self.device)
         return kern, plan, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters))
