@@ -86,9 +86,10 @@ def gpu_info() -> dict:
 
 def provenance(command: str | None = None, **extra) -> dict:
     """Everything a reader needs to trace a number back to the run that produced it."""
-    # The device machine gets a copy of the tree without .git: the caller passes the commit in.
-    commit = _git("rev-parse", "HEAD") or os.environ.get("TRAPETUM_GIT_COMMIT")
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    # The device machine gets a copy of the tree whose .git (if any) may be stale: a commit the
+    # caller passes in wins over what git says there.
+    commit = os.environ.get("TRAPETUM_GIT_COMMIT") or _git("rev-parse", "HEAD")
+    dirty = None if os.environ.get("TRAPETUM_GIT_COMMIT") else _git("status", "--porcelain", "--untracked-files=no")
     prov = {
         **gpu_info(),
         "torch": _version("torch"),
