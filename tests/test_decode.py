@@ -1,0 +1,128 @@
+"""Greedy decode paths on a tiny random Llama on CPU; real CUDA-graph capture only on a GPU."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from trapetum import decode, gemv
+from trapetum.decode import FakeGraphRunner, generate
+from trapetum.qlinear import QLinear, qlinears, quantize_model
+
+from test_qlinear import tiny_llama
+
+N = 12
+
+
+@pytest.fixture(scope="module")
+def models():
+    q = tiny_llama(seed=2)
+    quantize_model(q, K=16, iters=3, progress=False)
+    # The same model with nn.Linear layers holding the dequantized weights.
+    ref = copy.deepcopy(q)
+    for name, m in qlinears(ref).items():
+        lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+        lin.weight.data = m.dequantize(torch.float32)
+        parent, _, child = name.rpartition(".")
+        setattr(ref.get_submodule(parent), child, lin)
+    prompt = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(1))
+    return q, ref, prompt
+
+
+def test_qlinear_model_decodes_like_the_dequantized_linear_model(models):
+    q, ref, prompt = models
+    a = generate(q, prompt, N, path="eager", energy=False)
+    b = generate(ref, prompt, N, path="eager", energy=False)
+    assert a.tokens == b.tokens and len(a.tokens) == N
+
+
+def test_paths_agree_with_transformers_generate(models):
+    q, ref, prompt = models
+    hf = ref.generate(prompt, max_new_tokens=N, do_sample=False, min_new_tokens=N)[0, prompt.shape[1]:].tolist()
+    for path in ("naive", "eager"):
+        assert generate(q, prompt, N, path=path, energy=False).tokens == hf, path
+
+
+def test_replayed_step_gives_the_eager_tokens(models):
+    q, _, prompt = models
+    fake = FakeGraphRunner()
+    g = generate(q, prompt, N, path="graphed", energy=False, runner=fake)
+    assert fake.captures == 1 and fake.replays == N - 2  # one replay a token after the eager first two
+    assert g.tokens == generate(q, prompt, N, path="eager", energy=False).tokens
+    assert g.extra["timed_tokens"] == N - 2 and g.tok_s > 0 and g.peak_vram_gb is None and g.j_per_token is None
+
+
+def test_short_generations(models):
+    q, _, prompt = models
+    full = generate(q, prompt, 3, path="eager", energy=False).tokens
+    for n in (1, 2):
+        assert generate(q, prompt, n, path="eager", energy=False, runner=FakeGraphRunner()).tokens == full[:n]
+
+
+def test_bad_inputs(models):
+    q, _, prompt = models
+    with pytest.raises(ValueError, match="path"):
+        generate(q, prompt, 4, path="fastest")
+    with pytest.raises(ValueError, match="input_ids"):
+        generate(q, prompt[0], 4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(q, prompt, 0)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        generate(q, prompt, 4, path="graphed", energy=False)
+
+
+def test_random_llama_builds_the_architecture_without_fp16_weights():
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=96)
+    m = decode.random_llama("llama-2-7b", 16, device="cpu", progress=False, **tiny)
+    assert len(qlinears(m)) == 14 and not any(isinstance(x, nn.Linear) for x in m.model.layers.modules())
+    assert m.model.embed_tokens.weight.dtype == torch.float16
+    m.float()  # CPU matmuls in fp32; the codebooks stay fp16
+    g = generate(m, torch.tensor([[1, 2, 3]]), 4, path="eager", energy=False)
+    assert len(g.tokens) == 4
+    with pytest.raises(ValueError, match="unknown architecture"):
+        decode.llama_config("llama-3-8b")
+
+
+def test_published_configs():
+    c = decode.llama_config("llama-2-70b")
+    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.vocab_size) == (8192, 28672, 80, 64, 8, 32000)
+
+
+def test_cli_bench_without_gpu_fails_clearly(run_without_simulator, tmp_path):
+    p = run_without_simulator(["-m", "trapetum.decode", "bench", "--arch", "llama-2-7b", "--out", str(tmp_path)])
+    assert p.returncode != 0 and "GPU" in p.stderr.strip().splitlines()[-1], p.stderr[-2000:]
+    assert not any(tmp_path.rglob("*"))
+
+
+def test_cli_generate_from_a_saved_quantized_folder_without_tokenizer(models, tmp_path):
+    from trapetum.qlinear import save_quantized
+
+    q, _, _ = models
+    save_quantized(q, tmp_path / "m")
+    with pytest.raises(SystemExit, match="tokenizer"):
+        decode.main(["generate", str(tmp_path / "m"), "--path", "eager", "--device", "cpu", "--no-energy"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gemv.SIM or not torch.cuda.is_available(), reason="needs a CUDA GPU and NUMBA_ENABLE_CUDASIM=0")
+def test_graphed_matches_eager_on_gpu():
+    tiny = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    m = decode.random_llama("llama-2-7b", 16, device="cuda", progress=False, **tiny)
+    prompt = torch.randint(0, 512, (1, 24), device="cuda")
+    e = generate(m, prompt, 32, path="eager", energy=False)
+    g = generate(m, prompt, 32, path="graphed", energy=False)
+    assert g.tokens == e.tokens
+    assert g.peak_vram_gb > 0
+
+
+def test_decode_bench_records_follow_the_contract():
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=96)
+    recs = decode.decode_bench("llama-2-7b", Ks=(16,), paths=("naive", "eager"), fp16_paths=("eager",), gen_len=6,
+                               prompt_len=20, energy=False, progress=False, device="cpu", **tiny)
+    assert [(r["scheme"], r["path"]) for r in recs] == [("fp16", "eager"), ("4-bit K=16", "naive"), ("4-bit K=16", "eager")]
+    for r in recs:
+        for key in ("model", "weights", "scheme", "path", "batch", "prompt_len", "gen_len", "tok_s", "fp16_tok_s", "vram_gb", "j_per_token"):
+            assert key in r, key
+        assert r["weights"] == "random" and r["gen_len"] == 6 and r["tok_s"] > 0
