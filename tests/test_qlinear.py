@@ -182,3 +182,18 @@ def test_load_rejects_bad_json_and_missing_files(saved, tmp_path):
 def test_save_refuses_an_unquantized_model(tmp_path):
     with pytest.raises(ValueError, match="quantize_model"):
         save_quantized(tiny_llama(), tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gemv.SIM or not torch.cuda.is_available(), reason="needs a CUDA GPU and NUMBA_ENABLE_CUDASIM=0")
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
+def test_qlinear_on_gpu_matches_dequantized(rows):
+    ct = random_codebook_tensor(300, 256, 16, seed=rows, device="cuda")
+    q = QLinear.from_codebook(ct, bias=torch.randn(300, device="cuda"))
+    x = torch.randn(rows, 256, device="cuda").half()
+    ref = x.double() @ ct.dequantize(torch.float64).T + q.bias.double()
+    for mode in ("fast", "naive"):
+        q.mode = mode
+        y = q(x)
+        assert y.dtype == torch.float16
+        assert (y.double() - ref).abs().max() <= 2e-3 * ref.abs().max()

@@ -41,18 +41,26 @@ class DecodeStep:
     captured over one call replays the next token.
     """
 
-    def __init__(self, model, cache, first_token: torch.Tensor, prompt_len: int, n: int):
+    def __init__(self, model, cache, first_token: torch.Tensor, prompt_len: int, n: int, first_logits: torch.Tensor | None = None):
         dev = first_token.device
         self.model, self.cache = model, cache
         self.tok = first_token.detach().view(1, 1).clone()
         self.pos = torch.full((1, 1), prompt_len, dtype=torch.long, device=dev)
         self.tokens = torch.zeros(n, dtype=torch.long, device=dev)
-        self.i = torch.zeros(1, dtype=torch.long, device=dev)
+        self.tokens[0] = first_token.view(-1)[0]
+        self.i = torch.ones(1, dtype=torch.long, device=dev)
+        # Optional (n, vocab) record of every step's logits, for the eager-vs-graphed check.
+        self.logits = None
+        if first_logits is not None:
+            self.logits = first_logits.new_zeros(n, first_logits.shape[-1])
+            self.logits[0] = first_logits.view(-1)
 
     def __call__(self) -> None:
         logits = self.model(input_ids=self.tok, position_ids=self.pos, past_key_values=self.cache, use_cache=True).logits
         nxt = logits[:, -1].argmax(dim=-1)
         self.tokens.index_copy_(0, self.i, nxt)
+        if self.logits is not None:
+            self.logits.index_copy_(0, self.i, logits[:, -1])
         self.tok.copy_(nxt.view(1, 1))
         self.pos.add_(1)
         self.i.add_(1)
@@ -146,10 +154,12 @@ class Generation:
     j_per_token: float | None = None
     energy_error: str | None = None
     extra: dict = field(default_factory=dict)
+    logits: torch.Tensor | None = field(default=None, repr=False)  # (gen_len, vocab) float32 on CPU, with keep_logits
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d.pop("tokens")
+        d.pop("logits")
         d.update(d.pop("extra"))
         return d
 
@@ -172,13 +182,15 @@ def _meter(energy, device):
 
 
 @torch.inference_mode()
-def generate(model, input_ids: torch.Tensor, max_new_tokens: int, path: str = "graphed", energy=True, runner=None) -> Generation:
+def generate(model, input_ids: torch.Tensor, max_new_tokens: int, path: str = "graphed", energy=True, runner=None,
+             keep_logits: bool = False) -> Generation:
     """Greedy decode ``max_new_tokens`` tokens after ``input_ids`` (1, P) by one of PATHS.
 
     ``energy``: True (NVML on a GPU), False, or a callable returning watts. ``runner``: for the
     eager/graphed paths, override the step runner (tests pass a FakeGraphRunner on CPU).
     No early stop at EOS: every path generates exactly ``max_new_tokens`` tokens, the fixed
-    window the metrics are defined over.
+    window the metrics are defined over. ``keep_logits``: also return every step's logits
+    (costs one (gen_len, vocab) buffer; leave it off when timing).
     """
     from transformers import DynamicCache, StaticCache
 
@@ -208,8 +220,10 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, path: str = "g
         first = logits[:, -1].argmax(dim=-1)
 
     meter, why = _meter(energy, dev)
+    all_logits = None
     if path == "naive":
         out = [first.view(1)]
+        kept = [logits[:, -1]] if keep_logits else None
         tok = first.view(1, 1)
         if meter:
             meter.start()
@@ -219,11 +233,13 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, path: str = "g
                 logits = model(input_ids=tok, position_ids=pos, past_key_values=cache, use_cache=True).logits
                 tok = logits[:, -1].argmax(dim=-1, keepdim=True)
                 out.append(tok.view(1))
+                if kept is not None:
+                    kept.append(logits[:, -1])
         tokens = torch.cat(out)
+        if kept is not None:
+            all_logits = torch.cat(kept)
     else:
-        step = DecodeStep(model, cache, first, P, n)
-        step.tokens[0] = first[0]
-        step.i.fill_(1)
+        step = DecodeStep(model, cache, first, P, n, first_logits=logits[:, -1] if keep_logits else None)
         if n > 1:
             # The first decoded token runs eagerly: warm-up for the capture (kernels compiled and tuned).
             if cuda and path == "graphed":
@@ -243,7 +259,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, path: str = "g
         with Timer(dev) as t_dec:
             for _ in range(n - 2):
                 runner.replay()
-        tokens = step.tokens
+        tokens, all_logits = step.tokens, step.logits
     reading = None
     if meter:
         try:
@@ -257,12 +273,34 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, path: str = "g
         decode_seconds=t_dec.seconds, prefill_seconds=t_pre.seconds,
         tok_s=timed / t_dec.seconds if timed > 0 and t_dec.seconds > 0 else float("nan"),
         peak_vram_gb=peak, energy_error=why, extra={"timed_tokens": timed},
+        logits=None if all_logits is None else all_logits.float().cpu(),
     )
     if reading is not None and timed > 0:
         # J/token = mean W x s/token over the decode window (seed 004).
         g.mean_w = reading.mean_w
         g.j_per_token = reading.mean_w * t_dec.seconds / timed
     return g
+
+
+def check_equivalence(model, input_ids: torch.Tensor, n: int = 32, runner=None, reference: str = "eager") -> dict:
+    """Greedy tokens and logits of the graphed path against another path of the same model.
+
+    Returns the number of leading tokens that agree, the first mismatch (or None) and the
+    largest logit difference over the steps both paths saw the same prefix (relative to the
+    largest logit magnitude). ``runner``: a FakeGraphRunner on CPU.
+    """
+    a = generate(model, input_ids, n, path=reference, energy=False, keep_logits=True)
+    b = generate(model, input_ids, n, path="graphed", energy=False, runner=runner, keep_logits=True)
+    same = 0
+    while same < n and a.tokens[same] == b.tokens[same]:
+        same += 1
+    # Logits are comparable up to and including the first step whose token differs.
+    upto = min(n, same + 1)
+    diff = (a.logits[:upto] - b.logits[:upto]).abs().max().item()
+    scale = a.logits[:upto].abs().max().clamp_min(1e-30).item()
+    return {"tokens": n, "reference": reference, "matching_prefix": same, "first_mismatch": None if same == n else same,
+            "max_abs_logit_diff": diff, "max_rel_logit_diff": diff / scale,
+            "reference_tokens": a.tokens, "graphed_tokens": b.tokens}
 
 
 # -- models ---------------------------------------------------------------------------------------
@@ -497,6 +535,27 @@ def _generate_cmd(args) -> int:
     return 0
 
 
+def _check_cmd(args) -> int:
+    from . import results
+
+    K = _parse_quantize(args.quantize)
+    model, tok = load(args.model, device=args.device, quantize=K)
+    if tok is None:
+        raise SystemExit(f"{args.model} has no tokenizer files: cannot encode --prompt")
+    ids = tok(args.prompt, return_tensors="pt").input_ids
+    r = check_equivalence(model, ids, args.tokens)
+    ok = r["first_mismatch"] is None and r["max_rel_logit_diff"] <= args.tol
+    print(f"{args.model} {SCHEME_NAMES.get(K, K)}: graphed vs eager, {r['matching_prefix']}/{r['tokens']} tokens equal, "
+          f"max |logit diff| {r['max_abs_logit_diff']:.3g} ({r['max_rel_logit_diff']:.3g} of the largest logit): {'OK' if ok else 'MISMATCH'}")
+    print("eager:  ", tok.decode(r["reference_tokens"]))
+    print("graphed:", tok.decode(r["graphed_tokens"]))
+    if args.out:
+        rec = {"model": args.model, "weights": "real", "scheme": SCHEME_NAMES.get(K, K), "check": "graphed vs eager",
+               "passed": ok, "tol": args.tol, **{k: (str(v) if isinstance(v, list) else v) for k, v in r.items()}}
+        print(f"wrote {results.save(args.name, [rec], results.provenance(), folder=args.out)}")
+    return 0 if ok else 1
+
+
 def _parse_quantize(spec):
     if spec in (None, "", "none", "fp16"):
         return None
@@ -537,6 +596,16 @@ def main(argv=None) -> int:
     g.add_argument("--device", default=None)
     g.add_argument("--no-energy", action="store_true")
     g.set_defaults(func=_generate_cmd)
+    c = sub.add_parser("check", help="graphed vs eager: greedy tokens and logits of the same model must match")
+    c.add_argument("model", help="as for generate (smollm2-135m is the offline real model)")
+    c.add_argument("--quantize", default="K16")
+    c.add_argument("--prompt", default="The capital of France is")
+    c.add_argument("--tokens", type=int, default=32)
+    c.add_argument("--tol", type=float, default=1e-3, help="largest allowed logit difference, relative to the largest logit")
+    c.add_argument("--device", default=None)
+    c.add_argument("--out", default=None, help="also write <out>/<gpu>/<name>.json")
+    c.add_argument("--name", default="decode-check")
+    c.set_defaults(func=_check_cmd)
     b = sub.add_parser("bench", help="Llama-2 architectures, random weights: fp16 vs codebook decode; writes <out>/<gpu>/<name>.json")
     b.add_argument("--arch", default="llama-2-7b,llama-2-13b", help=f"comma-separated, of {sorted(LLAMA2)}")
     b.add_argument("--schemes", default="K16")
