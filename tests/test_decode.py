@@ -155,3 +155,62 @@ def test_smollm2_graphed_matches_eager_on_gpu():
     assert r["max_rel_logit_diff"] <= 1e-3, r
     r = decode.check_equivalence(model, ids, n=32, reference="naive")
     assert r["matching_prefix"] >= 8, r  # naive casts and uses DynamicCache: rounding may differ late
+
+
+class HostSync(AssertionError):
+    pass
+
+
+@pytest.fixture()
+def forbid_host_reads(monkeypatch):
+    """While on, any Python-level read of a tensor's value (a host sync on a GPU, which a CUDA
+    graph capture refuses) raises. Returned as a switch so only the replays run under it."""
+    state = {"on": False}
+    for name in ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "cpu", "nonzero"):
+        orig = getattr(torch.Tensor, name)
+
+        def guard(self, *a, _orig=orig, _name=name, **k):
+            if state["on"]:
+                raise HostSync(f"Tensor.{_name} inside the captured step")
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, guard)
+    return state
+
+
+class GuardedRunner(FakeGraphRunner):
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    def replay(self):
+        self.state["on"] = True
+        try:
+            super().replay()
+        finally:
+            self.state["on"] = False
+
+
+def test_the_step_never_reads_a_tensor_on_the_host(models, forbid_host_reads):
+    # transformers' side of the step (mask, rotary, StaticCache, sdpa) and DecodeStep itself: the
+    # reference model has nn.Linear layers, since the QLinear CPU path validates (reads) its codes.
+    _, ref, prompt = models
+    runner = GuardedRunner(forbid_host_reads)
+    g = generate(ref, prompt, 6, path="graphed", energy=False, runner=runner)
+    assert runner.replays == 4 and len(g.tokens) == 6
+    with pytest.raises(HostSync):  # the guard works
+        forbid_host_reads["on"] = True
+        try:
+            bool(torch.ones(1))
+        finally:
+            forbid_host_reads["on"] = False
+
+
+def test_a_random_quantized_model_saves_and_loads(tmp_path):
+    from trapetum.qlinear import load_quantized, save_quantized
+
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, vocab_size=96)
+    m = decode.random_llama("llama-2-7b", 16, device="cpu", progress=False, **tiny)
+    m2 = load_quantized(save_quantized(m, tmp_path / "r"))
+    assert set(qlinears(m2)) == set(qlinears(m))
+    assert torch.equal(m2.model.layers[0].mlp.up_proj.codes, m.model.layers[0].mlp.up_proj.codes)

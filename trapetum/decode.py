@@ -386,7 +386,9 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
     if left:
         raise RuntimeError(f"random_llama left tensors unallocated: {left[:5]}")
     if K is not None:
-        model.trapetum_quant = {"K": K, "layers": {n: {"K": K} for n, mod in model.named_modules() if isinstance(mod, QLinear)}, "excluded": {}}
+        model.trapetum_quant = {"K": K, "excluded": {}, "layers": {
+            n: {"K": K, "in_features": mod.in_features, "out_features": mod.out_features, "bias": False}
+            for n, mod in model.named_modules() if isinstance(mod, QLinear)}}
     return model.eval()
 
 
@@ -610,7 +612,7 @@ def main(argv=None) -> int:
     b.add_argument("--arch", default="llama-2-7b,llama-2-13b", help=f"comma-separated, of {sorted(LLAMA2)}")
     b.add_argument("--schemes", default="K16")
     b.add_argument("--paths", default="naive,eager,graphed", help="paths for the codebook models")
-    b.add_argument("--fp16-paths", default="eager,graphed")
+    b.add_argument("--fp16-paths", default="naive,eager,graphed", help="naive = transformers-style loop with DynamicCache (the usual fp16 baseline)")
     b.add_argument("--gen", type=int, default=512)
     b.add_argument("--eager-gen", type=int, default=128, help="tokens for the naive/eager paths (Python-bound, slower)")
     b.add_argument("--prompt-len", type=int, default=32, help="> 16, so the prefill takes dequant+cuBLAS and no batch-16 kernel is tuned")
