@@ -9,7 +9,7 @@ from torch import nn
 
 from trapetum import decode, gemv
 from trapetum.decode import FakeGraphRunner, generate
-from trapetum.qlinear import QLinear, qlinears, quantize_model
+from trapetum.qlinear import qlinears, quantize_model
 
 from test_qlinear import tiny_llama
 

@@ -21,6 +21,7 @@ architectures) and writes ``<out>/<gpu>/decode.json``.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -427,16 +428,47 @@ def _bits(K):
     return 16.0 if K is None else 8 / (2 if K == 16 else 1)
 
 
+def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each projection of one Llama decoder layer."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def kernel_bound(cfg, K: int | None) -> dict:
+    """The tok/s the projection and lm_head kernels alone allow: each shape timed as CUDA-graph
+    replays over L2-rotated copies (trapetum.bench), summed over the layers.
+
+    The graphed path's tok/s over this bound is the share of a token spent in these kernels;
+    the rest is attention, norms, rotary, residual adds and the gaps between graph nodes.
+    """
+    from . import bench
+
+    times = {}
+    per_layer = 0.0
+    for n_in, n_out in projection_shapes(cfg).values():
+        if (n_in, n_out) not in times:
+            fp16 = bench.time_fp16(n_in, n_out, 1)
+            times[(n_in, n_out)] = fp16 if K is None else bench.time_lut(n_in, n_out, K, 1, "lut", fp16)["time_ms"]
+        per_layer += times[(n_in, n_out)]
+    head = bench.time_fp16(cfg.hidden_size, cfg.vocab_size, 1)
+    ms = cfg.num_hidden_layers * per_layer + head
+    return {"kernel_ms_per_token": ms, "implied_tok_s": 1e3 / ms, "lm_head_ms": head,
+            "kernel_ms_by_shape": json.dumps({f"{a}x{b}": t for (a, b), t in times.items()})}
+
+
 def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_paths=("graphed",), gen_len: int = 512,
                  prompt_len: int = 32, eager_gen_len: int = 128, seed: int = 0, energy=True, progress=True,
-                 device="cuda", **arch_overrides) -> list[dict]:
+                 device="cuda", kernel_times: bool = True, **arch_overrides) -> list[dict]:
     """fp16 vs codebook decode on a Llama-2 architecture with random weights, built on the device.
 
     One record per (scheme, path), per the results contract; ``fp16_tok_s`` is the fp16 graphed
     run of the same process. fp16 runs first; if a model does not fit (70B fp16), the OOM is
     recorded (``oom`` True, tok_s None, the weight bytes it needed) and the next scheme still runs.
     Eager paths generate ``eager_gen_len`` tokens (they are Python-bound; the window is recorded).
-    ``device="cpu"`` with tiny ``arch_overrides`` is for tests only.
+    ``kernel_times``: also time each projection shape alone (:func:`kernel_bound`) and record the
+    graphed path's share of that bound. ``device="cpu"`` with tiny ``arch_overrides`` is for tests only.
     """
     import gc
 
@@ -459,6 +491,12 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
         base = {"model": arch, "weights": "random", "architecture": "real (published config)", "scheme": scheme, "K": K,
                 "bits_per_weight_codes": _bits(K), "batch": 1, "prompt_len": prompt_len}
         try:
+            bound = {}
+            if kernel_times and cuda:
+                bound = kernel_bound(cfg, K)  # before the model is built: the rotated copies need memory
+                if progress:
+                    print(f"{arch} {scheme}: projection + lm_head kernels {bound['kernel_ms_per_token']:.3f} ms/token "
+                          f"-> {bound['implied_tok_s']:.1f} tok/s bound", flush=True)
             t0 = time.time()
             model = random_llama(arch, K, device=device, seed=seed, progress=progress, **arch_overrides)
             if not cuda:
@@ -478,6 +516,8 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
                        "energy_error": r.energy_error, "decode_seconds": r.decode_seconds,
                        "prefill_seconds": r.prefill_seconds, "timed_tokens": r.extra["timed_tokens"],
                        "build_seconds": build_s, "oom": False, "first_tokens": str(r.tokens[:8])}
+                if path == "graphed" and bound:
+                    rec.update(bound, fraction_of_kernel_bound=r.tok_s / bound["implied_tok_s"])
                 if K is None and path == "graphed":
                     fp16_tok_s = r.tok_s
                 recs.append(rec)
@@ -576,7 +616,7 @@ def _bench_cmd(args) -> int:
     for arch in args.arch.split(","):
         recs += decode_bench(arch, Ks=tuple(_parse_quantize(k) for k in args.schemes.split(",")), paths=tuple(args.paths.split(",")),
                              fp16_paths=tuple(args.fp16_paths.split(",")), gen_len=args.gen, prompt_len=args.prompt_len,
-                             eager_gen_len=args.eager_gen, energy=not args.no_energy)
+                             eager_gen_len=args.eager_gen, energy=not args.no_energy, kernel_times=not args.no_kernel_times)
     prov = results.provenance(command=args.command or " ".join(sys.argv), seconds=round(time.time() - t0, 1))
     path = results.save(args.name, recs, prov, folder=args.out)
     print(f"wrote {path}")
@@ -620,6 +660,7 @@ def main(argv=None) -> int:
     b.add_argument("--name", default="decode")
     b.add_argument("--command", default=None)
     b.add_argument("--no-energy", action="store_true")
+    b.add_argument("--no-kernel-times", action="store_true", help="skip timing each projection shape alone (the kernel bound)")
     b.set_defaults(func=_bench_cmd)
     args = p.parse_args(argv)
     if getattr(args, "max_new_tokens", 1) < 1:
