@@ -119,13 +119,16 @@ def test_graphed_matches_eager_on_gpu():
 
 def test_decode_bench_records_follow_the_contract():
     tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=96)
-    recs = decode.decode_bench("llama-2-7b", Ks=(16,), paths=("naive", "eager"), fp16_paths=("eager",), gen_len=6,
+    recs = decode.decode_bench("llama-2-7b", Ks=(16,), paths=("naive", "eager", "graphed"), fp16_paths=("eager",), gen_len=6,
                                prompt_len=20, energy=False, progress=False, device="cpu", **tiny)
-    assert [(r["scheme"], r["path"]) for r in recs] == [("fp16", "eager"), ("4-bit K=16", "naive"), ("4-bit K=16", "eager")]
+    assert [(r["scheme"], r["path"]) for r in recs] == [("fp16", "eager"), ("4-bit K=16", "naive"), ("4-bit K=16", "eager"), ("4-bit K=16", "graphed")]
+    assert recs[2]["matches_graphed_tokens"] is True and recs[3]["matches_graphed_tokens"] is True
+    assert recs[1]["speedup"] is None  # fp16 had no graphed run to be the baseline
     for r in recs:
         for key in ("model", "weights", "scheme", "path", "batch", "prompt_len", "gen_len", "tok_s", "fp16_tok_s", "vram_gb", "j_per_token"):
             assert key in r, key
         assert r["weights"] == "random" and r["gen_len"] == 6 and r["tok_s"] > 0
+    assert "matches_graphed_tokens" not in recs[0]  # fp16 has no graphed run to compare with
 
 
 def test_check_equivalence_with_a_fake_graph(models):
