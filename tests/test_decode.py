@@ -217,3 +217,24 @@ def test_a_random_quantized_model_saves_and_loads(tmp_path):
     m2 = load_quantized(save_quantized(m, tmp_path / "r"))
     assert set(qlinears(m2)) == set(qlinears(m))
     assert torch.equal(m2.model.layers[0].mlp.up_proj.codes, m.model.layers[0].mlp.up_proj.codes)
+
+
+def test_the_step_passes_a_static_cache_position_where_forward_takes_one():
+    from types import SimpleNamespace
+
+    class OldStyle(nn.Module):  # a transformers version whose forward still takes cache_position
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def forward(self, input_ids, position_ids=None, past_key_values=None, use_cache=None, cache_position=None):
+            self.seen.append(cache_position.clone())
+            logits = torch.zeros(1, 1, 10)
+            logits[0, 0, (int(input_ids) + 1) % 10] = 1
+            return SimpleNamespace(logits=logits)
+
+    m = OldStyle()
+    step = decode.DecodeStep(m, None, torch.tensor([3]), prompt_len=5, n=4)
+    for _ in range(3):
+        step()
+    assert [int(c) for c in m.seen] == [5, 6, 7] and step.tokens.tolist() == [3, 4, 5, 6]

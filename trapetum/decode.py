@@ -21,6 +21,7 @@ architectures) and writes ``<out>/<gpu>/decode.json``.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import time
@@ -55,9 +56,14 @@ class DecodeStep:
         if first_logits is not None:
             self.logits = first_logits.new_zeros(n, first_logits.shape[-1])
             self.logits[0] = first_logits.view(-1)
+        # transformers versions whose forward still takes cache_position would otherwise derive it
+        # from the cache's length with a host read, which a graph capture refuses: pass it statically.
+        self.kw = {}
+        if "cache_position" in inspect.signature(model.forward).parameters:
+            self.kw["cache_position"] = self.pos.view(1)
 
     def __call__(self) -> None:
-        logits = self.model(input_ids=self.tok, position_ids=self.pos, past_key_values=self.cache, use_cache=True).logits
+        logits = self.model(input_ids=self.tok, position_ids=self.pos, past_key_values=self.cache, use_cache=True, **self.kw).logits
         nxt = logits[:, -1].argmax(dim=-1)
         self.tokens.index_copy_(0, self.i, nxt)
         if self.logits is not None:
