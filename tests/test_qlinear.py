@@ -1,0 +1,199 @@
+"""QLinear and whole-model quantize / save / load on a tiny random Llama (CPU dequant path)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from trapetum import gemv
+from trapetum.codebook import random_codebook_tensor
+from trapetum.qlinear import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    QLinear,
+    QuantizedModelError,
+    load_quantized,
+    qlinears,
+    quantize_model,
+    save_quantized,
+    set_mode,
+)
+
+
+def tiny_llama(seed=0, tie=False, bias=False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=96, max_position_embeddings=128, tie_word_embeddings=tie,
+                      attention_bias=bias, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def quantized():
+    m = tiny_llama()
+    summary = quantize_model(m, K=16, iters=4, progress=False)
+    return m, summary
+
+
+def test_quantize_model_swaps_every_decoder_projection(quantized):
+    m, summary = quantized
+    q = qlinears(m)
+    assert len(q) == 2 * 7 and set(q) == set(summary["layers"])
+    assert isinstance(m.lm_head, nn.Linear) and isinstance(m.model.embed_tokens, nn.Embedding)
+    assert all(v < 0.05 for v in summary["rel_mse"].values())
+    assert all(mod.codebook.dtype == torch.float16 and mod.codes.dtype == torch.uint8 for mod in q.values())
+
+
+def test_exclusions_by_pattern_and_size():
+    m = tiny_llama()
+    s = quantize_model(m, K=16, exclude=["*.down_proj"], min_features=64, iters=2, progress=False)
+    # k_proj/v_proj are 64 -> 32 (2 KV heads of 16): below min_features=64.
+    assert sorted(s["excluded"]) == sorted(f"model.layers.{i}.{n}" for i in range(2) for n in ("mlp.down_proj", "self_attn.k_proj", "self_attn.v_proj"))
+    assert isinstance(m.model.layers[0].mlp.down_proj, nn.Linear)
+    assert isinstance(m.model.layers[1].self_attn.q_proj, QLinear)
+
+
+def test_qlinear_cpu_forward_is_the_dequantized_linear():
+    ct = random_codebook_tensor(48, 64, 16, seed=3)
+    b = torch.randn(48)
+    q = QLinear.from_codebook(ct, bias=b)
+    x = torch.randn(2, 5, 64)
+    ref = x @ ct.dequantize(torch.float32).T + b.half().float()
+    torch.testing.assert_close(q(x), ref)
+
+
+def test_dtype_moves_keep_the_format(quantized):
+    m, _ = quantized
+    m.float()
+    q = next(iter(qlinears(m).values()))
+    assert q.codebook.dtype == torch.float16 and q.codes.dtype == torch.uint8
+
+
+def test_qlinear_bad_inputs():
+    q = QLinear.from_codebook(random_codebook_tensor(32, 64, 16))
+    with pytest.raises(ValueError, match="expects"):
+        q(torch.randn(3, 32))
+    with pytest.raises(TypeError):
+        q([1.0] * 64)
+    with pytest.raises(ValueError, match="K must be one of"):
+        QLinear(64, 32, K=32)
+    with pytest.raises(ValueError, match="divisible"):
+        QLinear(48, 32, K=16)
+    with pytest.raises(ValueError, match="mode"):
+        set_mode(nn.Sequential(q), "fastest")
+    with pytest.raises(ValueError, match="bias shape"):
+        QLinear.from_codebook(random_codebook_tensor(32, 64, 16), bias=torch.zeros(5))
+
+
+def test_quantize_model_rejects_non_llama():
+    with pytest.raises(Exception, match="causal LM|layers"):
+        quantize_model(nn.Linear(64, 64), progress=False)
+
+
+@pytest.mark.skipif(not gemv.SIM, reason="the kernel dispatch on CPU tensors needs the CUDA simulator")
+@pytest.mark.parametrize("mode", ["fast", "naive"])
+def test_kernel_dispatch_in_simulator(mode):
+    # Tiny shapes: every simulated CUDA thread is a Python thread.
+    ct = random_codebook_tensor(32, 64, 16, seed=5)
+    q = QLinear.from_codebook(ct, bias=torch.randn(32))
+    q.simulate, q.mode = True, mode
+    W = ct.dequantize(torch.float32)
+    for rows in (1, 17):  # fused kernel, then dequantize + matmul
+        x = torch.randn(rows, 64).half()
+        y = q(x)
+        assert y.dtype == torch.float16 and y.shape == (rows, 32)
+        torch.testing.assert_close(y.float(), x.float() @ W.T + q.bias.float(), atol=2e-2, rtol=2e-2)
+    if mode == "fast":
+        with pytest.raises(TypeError, match="float16"):
+            q(torch.randn(1, 64))
+
+
+# -- save / load -----------------------------------------------------------------------------------
+@pytest.fixture()
+def saved(tmp_path):
+    m = tiny_llama(seed=1, tie=True, bias=True)
+    quantize_model(m, K=16, iters=2, progress=False)
+    folder = save_quantized(m, tmp_path / "q")
+    return m, folder
+
+
+def test_save_load_round_trip(saved):
+    m, folder = saved
+    m2 = load_quantized(folder)
+    assert set(qlinears(m2)) == set(qlinears(m))
+    assert m2.lm_head.weight is m2.model.embed_tokens.weight  # tied again
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(m2(ids).logits, m(ids).logits, rtol=0, atol=0)
+    h = json.loads((folder / CONFIG_FILE).read_text())
+    assert h["layers"]["model.layers.0.self_attn.q_proj"] == {"K": 16, "in_features": 64, "out_features": 64, "bias": True}
+
+
+def test_load_rejects_truncated_file(saved):
+    _, folder = saved
+    p = folder / WEIGHTS_FILE
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    with pytest.raises(QuantizedModelError, match="truncated or corrupt"):
+        load_quantized(folder)
+
+
+def test_load_rejects_tampered_tensor(saved):
+    _, folder = saved
+    p = folder / WEIGHTS_FILE
+    b = bytearray(p.read_bytes())
+    b[-3] ^= 0xFF  # inside the last tensor's data
+    p.write_bytes(bytes(b))
+    with pytest.raises(QuantizedModelError, match="SHA-256"):
+        load_quantized(folder)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda h: h.update(format_version=99), "format_version"),
+    (lambda h: h.update(kind="something"), "kind"),
+    (lambda h: h["layers"]["model.layers.0.mlp.up_proj"].update(K=32), "K=32"),
+    (lambda h: h["layers"]["model.layers.0.mlp.up_proj"].update(in_features=96), "model.layers.0.mlp.up_proj"),
+    (lambda h: h["layers"].update({"model.layers.0.mlp.nothing": {"K": 16, "in_features": 64, "out_features": 64, "bias": False}}), "does not exist"),
+    (lambda h: h["tensors"].pop("model.norm.weight"), "unexpected"),
+    (lambda h: h.pop("base_config"), "base_config"),
+])
+def test_load_rejects_mismatched_config(saved, edit, match):
+    _, folder = saved
+    p = folder / CONFIG_FILE
+    h = json.loads(p.read_text())
+    edit(h)
+    p.write_text(json.dumps(h))
+    with pytest.raises(QuantizedModelError, match=match):
+        load_quantized(folder)
+
+
+def test_load_rejects_bad_json_and_missing_files(saved, tmp_path):
+    _, folder = saved
+    with pytest.raises(FileNotFoundError, match="trapetum.json"):
+        load_quantized(tmp_path)
+    (folder / CONFIG_FILE).write_text("{not json")
+    with pytest.raises(QuantizedModelError, match="JSON"):
+        load_quantized(folder)
+
+
+def test_save_refuses_an_unquantized_model(tmp_path):
+    with pytest.raises(ValueError, match="quantize_model"):
+        save_quantized(tiny_llama(), tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gemv.SIM or not torch.cuda.is_available(), reason="needs a CUDA GPU and NUMBA_ENABLE_CUDASIM=0")
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
+def test_qlinear_on_gpu_matches_dequantized(rows):
+    ct = random_codebook_tensor(300, 256, 16, seed=rows, device="cuda")
+    q = QLinear.from_codebook(ct, bias=torch.randn(300, device="cuda"))
+    x = torch.randn(rows, 256, device="cuda").half()
+    ref = x.double() @ ct.dequantize(torch.float64).T + q.bias.double()
+    for mode in ("fast", "naive"):
+        q.mode = mode
+        y = q(x)
+        assert y.dtype == torch.float16
+        assert (y.double() - ref).abs().max() <= 2e-3 * ref.abs().max()

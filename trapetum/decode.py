@@ -1,0 +1,691 @@
+"""Greedy decoding three ways (seed 004's integration paths), measured: tok/s, peak VRAM, J/token.
+
+* ``naive``: the per-layer custom-op swap. A Python loop of model forwards with transformers'
+  DynamicCache; every QLinear casts its input to fp32 and back (``QLinear.mode = "naive"``).
+* ``eager`` (cast-free): the decode step the graph captures, run eagerly: StaticCache, fp16 end
+  to end, no casts. Python still walks every layer and launches every kernel each token.
+* ``graphed``: the same step captured once in a ``torch.cuda.CUDAGraph``; one replay is one
+  token and Python does nothing per layer. The step keeps everything on the device: it reads the
+  token and position from static tensors, writes the argmax into the output buffer and advances
+  both, and StaticCache advances its own length tensor, so replays chain with no host work.
+
+Eager and graphed run the *same* :class:`DecodeStep`: the only difference is who calls it
+(:class:`EagerRunner` or :class:`CudaGraphRunner`), so the tokens must agree exactly. On CPU a
+:class:`FakeGraphRunner` (capture records the step, replay calls it) exercises the same
+static-buffer logic the graph relies on.
+
+``python -m trapetum.decode generate MODEL ...`` generates and prints the metrics;
+``python -m trapetum.decode bench ...`` runs :func:`decode_bench` (random weights, real
+architectures) and writes ``<out>/<gpu>/decode.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .qlinear import QLinear, set_mode
+
+PATHS = ("naive", "eager", "graphed")
+
+
+# -- the decode step ------------------------------------------------------------------------------
+class DecodeStep:
+    """One greedy token from static buffers, nothing read back to the host.
+
+    ``tok`` (1, 1) and ``pos`` (1, 1) hold the last token and its position; ``tokens`` (n,) receives
+    the generated ids, ``i`` (1,) is the write index. Every tensor is updated in place, so a graph
+    captured over one call replays the next token.
+    """
+
+    def __init__(self, model, cache, first_token: torch.Tensor, prompt_len: int, n: int, first_logits: torch.Tensor | None = None):
+        dev = first_token.device
+        self.model, self.cache = model, cache
+        self.tok = first_token.detach().view(1, 1).clone()
+        self.pos = torch.full((1, 1), prompt_len, dtype=torch.long, device=dev)
+        self.tokens = torch.zeros(n, dtype=torch.long, device=dev)
+        self.tokens[0] = first_token.view(-1)[0]
+        self.i = torch.ones(1, dtype=torch.long, device=dev)
+        # Optional (n, vocab) record of every step's logits, for the eager-vs-graphed check.
+        self.logits = None
+        if first_logits is not None:
+            self.logits = first_logits.new_zeros(n, first_logits.shape[-1])
+            self.logits[0] = first_logits.view(-1)
+        # transformers versions whose forward still takes cache_position would otherwise derive it
+        # from the cache's length with a host read, which a graph capture refuses: pass it statically.
+        self.kw = {}
+        if "cache_position" in inspect.signature(model.forward).parameters:
+            self.kw["cache_position"] = self.pos.view(1)
+
+    def __call__(self) -> None:
+        logits = self.model(input_ids=self.tok, position_ids=self.pos, past_key_values=self.cache, use_cache=True, **self.kw).logits
+        nxt = logits[:, -1].argmax(dim=-1)
+        self.tokens.index_copy_(0, self.i, nxt)
+        if self.logits is not None:
+            self.logits.index_copy_(0, self.i, logits[:, -1])
+        self.tok.copy_(nxt.view(1, 1))
+        self.pos.add_(1)
+        self.i.add_(1)
+
+
+class EagerRunner:
+    """Calls the step from Python every token (the cast-free eager path)."""
+
+    def capture(self, step) -> None:
+        self.step = step
+
+    def replay(self) -> None:
+        self.step()
+
+
+class FakeGraphRunner(EagerRunner):
+    """CPU stand-in for CUDAGraphRunner: records the step once and replays it, no Python change per token.
+
+    Counts captures and replays so tests can check the loop does one replay a token.
+    """
+
+    def __init__(self):
+        self.captures = self.replays = 0
+
+    def capture(self, step) -> None:
+        self.captures += 1
+        super().capture(step)
+
+    def replay(self) -> None:
+        self.replays += 1
+        super().replay()
+
+
+class CudaGraphRunner:
+    """Captures the step in one torch.cuda.CUDAGraph; ``replay()`` is one token.
+
+    The step must have run eagerly once before capture (numba compiles and tunes its kernels,
+    cuBLAS picks its algorithms, StaticCache allocates): the caller's first token does that.
+    """
+
+    def __init__(self, pool=None):
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+
+    def capture(self, step) -> None:
+        torch.cuda.synchronize()
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            step()
+        torch.cuda.synchronize()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+# -- timing ---------------------------------------------------------------------------------------
+class Timer:
+    """Seconds of a region: CUDA events on a GPU (device time, no host sync inside), perf_counter on CPU."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._a, self._b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._a.record()
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self._b.record()
+            self._b.synchronize()
+            self.seconds = self._a.elapsed_time(self._b) / 1e3
+        else:
+            self.seconds = time.perf_counter() - self._t0
+        return False
+
+
+@dataclass
+class Generation:
+    path: str
+    tokens: list[int]  # generated ids (the prompt excluded)
+    prompt_len: int
+    gen_len: int
+    decode_seconds: float  # tokens 2..n (the first comes from the prefill)
+    prefill_seconds: float
+    tok_s: float
+    peak_vram_gb: float | None
+    mean_w: float | None = None
+    j_per_token: float | None = None
+    energy_error: str | None = None
+    extra: dict = field(default_factory=dict)
+    logits: torch.Tensor | None = field(default=None, repr=False)  # (gen_len, vocab) float32 on CPU, with keep_logits
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("tokens")
+        d.pop("logits")
+        d.update(d.pop("extra"))
+        return d
+
+
+def _device_of(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _meter(energy, device):
+    """A started PowerMeter, or (None, why) when there is no reading to take."""
+    if energy is False or torch.device(device).type != "cuda":
+        return None, None if energy is False else "no GPU: no power reading"
+    from .energy import NVMLUnavailable, PowerMeter
+
+    try:
+        m = PowerMeter(source=energy if callable(energy) else None)
+    except NVMLUnavailable as e:
+        return None, str(e)
+    return m, None
+
+
+@torch.inference_mode()
+def generate(model, input_ids: torch.Tensor, max_new_tokens: int, path: str = "graphed", energy=True, runner=None,
+             keep_logits: bool = False) -> Generation:
+    """Greedy decode ``max_new_tokens`` tokens after ``input_ids`` (1, P) by one of PATHS.
+
+    ``energy``: True (NVML on a GPU), False, or a callable returning watts. ``runner``: for the
+    eager/graphed paths, override the step runner (tests pass a FakeGraphRunner on CPU).
+    No early stop at EOS: every path generates exactly ``max_new_tokens`` tokens, the fixed
+    window the metrics are defined over. ``keep_logits``: also return every step's logits
+    (costs one (gen_len, vocab) buffer; leave it off when timing).
+    """
+    from transformers import DynamicCache, StaticCache
+
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must be a (1, prompt_len >= 1) tensor, got {getattr(input_ids, 'shape', input_ids)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    dev = _device_of(model)
+    if path == "graphed" and runner is None and dev.type != "cuda":
+        raise RuntimeError("the graphed path captures a CUDA graph and needs the model on a CUDA GPU (use path='eager' on CPU)")
+    input_ids = input_ids.to(dev)
+    P, n = input_ids.shape[1], max_new_tokens
+    set_mode(model, "naive" if path == "naive" else "fast")
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(dev)
+
+    if path == "naive":
+        cache = DynamicCache(config=model.config)
+    else:
+        cache = StaticCache(config=model.config, max_cache_len=P + n)
+    with Timer(dev) as t_pre:
+        logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        first = logits[:, -1].argmax(dim=-1)
+
+    meter, why = _meter(energy, dev)
+    all_logits = None
+    if path == "naive":
+        out = [first.view(1)]
+        kept = [logits[:, -1]] if keep_logits else None
+        tok = first.view(1, 1)
+        if meter:
+            meter.start()
+        with Timer(dev) as t_dec:
+            for k in range(1, n):
+                pos = torch.tensor([[P + k - 1]], device=dev)
+                logits = model(input_ids=tok, position_ids=pos, past_key_values=cache, use_cache=True).logits
+                tok = logits[:, -1].argmax(dim=-1, keepdim=True)
+                out.append(tok.view(1))
+                if kept is not None:
+                    kept.append(logits[:, -1])
+        tokens = torch.cat(out)
+        if kept is not None:
+            all_logits = torch.cat(kept)
+    else:
+        step = DecodeStep(model, cache, first, P, n, first_logits=logits[:, -1] if keep_logits else None)
+        if n > 1:
+            # The first decoded token runs eagerly: warm-up for the capture (kernels compiled and tuned).
+            if cuda and path == "graphed":
+                s = torch.cuda.Stream(dev)
+                s.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(s):
+                    step()
+                torch.cuda.current_stream(dev).wait_stream(s)
+            else:
+                step()
+        if runner is None:
+            runner = CudaGraphRunner() if path == "graphed" else EagerRunner()
+        if n > 2:
+            runner.capture(step)
+        if meter:
+            meter.start()
+        with Timer(dev) as t_dec:
+            for _ in range(n - 2):
+                runner.replay()
+        tokens, all_logits = step.tokens, step.logits
+    reading = None
+    if meter:
+        try:
+            reading = meter.stop()
+        except Exception as e:  # noqa: BLE001 - energy is reported as missing, not fatal to the run
+            why = f"{type(e).__name__}: {e}"
+    timed = n - 1 if path == "naive" else n - 2
+    peak = torch.cuda.max_memory_allocated(dev) / 1e9 if cuda else None
+    g = Generation(
+        path=path, tokens=[int(v) for v in tokens.tolist()], prompt_len=P, gen_len=n,
+        decode_seconds=t_dec.seconds, prefill_seconds=t_pre.seconds,
+        tok_s=timed / t_dec.seconds if timed > 0 and t_dec.seconds > 0 else float("nan"),
+        peak_vram_gb=peak, energy_error=why, extra={"timed_tokens": timed},
+        logits=None if all_logits is None else all_logits.float().cpu(),
+    )
+    if reading is not None and timed > 0:
+        # J/token = mean W x s/token over the decode window (seed 004).
+        g.mean_w = reading.mean_w
+        g.j_per_token = reading.mean_w * t_dec.seconds / timed
+    return g
+
+
+def check_equivalence(model, input_ids: torch.Tensor, n: int = 32, runner=None, reference: str = "eager") -> dict:
+    """Greedy tokens and logits of the graphed path against another path of the same model.
+
+    Returns the number of leading tokens that agree, the first mismatch (or None) and the
+    largest logit difference over the steps both paths saw the same prefix (relative to the
+    largest logit magnitude). ``runner``: a FakeGraphRunner on CPU.
+    """
+    a = generate(model, input_ids, n, path=reference, energy=False, keep_logits=True)
+    b = generate(model, input_ids, n, path="graphed", energy=False, runner=runner, keep_logits=True)
+    same = 0
+    while same < n and a.tokens[same] == b.tokens[same]:
+        same += 1
+    # Logits are comparable up to and including the first step whose token differs.
+    upto = min(n, same + 1)
+    diff = (a.logits[:upto] - b.logits[:upto]).abs().max().item()
+    scale = a.logits[:upto].abs().max().clamp_min(1e-30).item()
+    return {"tokens": n, "reference": reference, "matching_prefix": same, "first_mismatch": None if same == n else same,
+            "max_abs_logit_diff": diff, "max_rel_logit_diff": diff / scale,
+            "reference_tokens": a.tokens, "graphed_tokens": b.tokens}
+
+
+# -- models ---------------------------------------------------------------------------------------
+# Published Hugging Face configs (meta-llama/Llama-2-{7b,13b,70b}-hf).
+LLAMA2 = {
+    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
+    "llama-2-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40, vocab_size=32000),
+    "llama-2-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, vocab_size=32000),
+}
+
+
+def llama_config(arch: str, **overrides):
+    from transformers import LlamaConfig
+
+    if arch not in LLAMA2:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {sorted(LLAMA2)}")
+    kw = dict(LLAMA2[arch], max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
+              tie_word_embeddings=False, attn_implementation="sdpa")
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def random_qlinear(in_features: int, out_features: int, K: int, device, generator=None) -> QLinear:
+    """A QLinear with random codes and sorted random codebooks made on the device (speed does not depend on values).
+
+    Faster than :func:`trapetum.codebook.random_codebook_tensor` at 7B-70B sizes: no CPU pass,
+    and for K=16 a random byte is two valid 4-bit codes.
+    """
+    from .codebook import codes_per_byte
+
+    q = QLinear(in_features, out_features, K, device="meta")
+    hi = 256 if K == 16 else K
+    q.codes = torch.randint(0, hi, (out_features, in_features // codes_per_byte(K)), dtype=torch.uint8, device=device, generator=generator)
+    q.codebook = (torch.randn(out_features, K, device=device, generator=generator).sort(dim=1).values * 0.02).half()
+    return q
+
+
+@torch.no_grad()
+def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progress: bool = True, **overrides):
+    """A Llama-2 architecture with random fp16 weights built directly on the device, layer by layer.
+
+    ``K=None``: fp16 nn.Linear projections. Otherwise every decoder projection is a random
+    QLinear and no fp16 copy of it ever exists, so 70B at 4 bits is built without the 138 GB of
+    fp16 weights. Weights ~ N(0, 0.02) as Llama's init, norms 1.
+    """
+    from tqdm.auto import tqdm
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+    config = llama_config(arch, **overrides)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        with torch.device(device):
+            m = model.model
+            m.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+            m.embed_tokens.weight.normal_(0, 0.02, generator=gen)
+            m.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            m.rotary_emb = LlamaRotaryEmbedding(config=config)  # inv_freq in fp32: computed with explicit dtypes
+            model.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            model.lm_head.weight.normal_(0, 0.02, generator=gen)
+            for i in tqdm(range(config.num_hidden_layers), desc=f"{arch} {'fp16' if K is None else f'K={K}'}", disable=not progress):
+                with torch.device("meta"):
+                    layer = LlamaDecoderLayer(config, i)
+                for name, lin in list(layer.named_modules()):
+                    if isinstance(lin, torch.nn.Linear):
+                        if K is None:
+                            new = torch.nn.Linear(lin.in_features, lin.out_features, bias=False)
+                            new.weight.normal_(0, 0.02, generator=gen)
+                        else:
+                            new = random_qlinear(lin.in_features, lin.out_features, K, device, gen)
+                        parent, _, child = name.rpartition(".")
+                        setattr(layer.get_submodule(parent), child, new)
+                layer.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+                layer.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+                m.layers[i] = layer
+    finally:
+        torch.set_default_dtype(prev)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"random_llama left tensors unallocated: {left[:5]}")
+    if K is not None:
+        model.trapetum_quant = {"K": K, "excluded": {}, "layers": {
+            n: {"K": K, "in_features": mod.in_features, "out_features": mod.out_features, "bias": False}
+            for n, mod in model.named_modules() if isinstance(mod, QLinear)}}
+    return model.eval()
+
+
+def load(name: str, device=None, dtype=None, quantize: int | None = None, exclude=(), min_features: int = 0, progress=True):
+    """(model, tokenizer or None) from a saved quantized folder, a local model folder, a hub id or 'smollm2-135m'."""
+    from . import ppl
+    from .qlinear import is_quantized_folder, load_quantized, quantize_model
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype is None:
+        dtype = torch.float16 if torch.device(device).type == "cuda" else torch.float32
+    if is_quantized_folder(name):
+        if quantize:
+            raise ValueError(f"{name} is already quantized; drop --quantize")
+        model = load_quantized(name, device=device, dtype=dtype)
+        tok = None
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(name)
+        except (OSError, ValueError):
+            pass
+        return model, tok
+    model, tok = ppl.load_model(name, dtype=dtype)
+    if quantize:
+        quantize_model(model, K=quantize, exclude=exclude, min_features=min_features, progress=progress,
+                       device=device if torch.device(device).type == "cuda" else None)
+    return model.to(device).eval(), tok
+
+
+# -- benchmark ------------------------------------------------------------------------------------
+SCHEME_NAMES = {None: "fp16", 16: "4-bit K=16", 64: "uint8 K=64", 256: "uint8 K=256"}
+
+
+def _bits(K):
+    return 16.0 if K is None else 8 / (2 if K == 16 else 1)
+
+
+def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each projection of one Llama decoder layer."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def kernel_bound(cfg, K: int | None) -> dict:
+    """The tok/s the projection and lm_head kernels alone allow: each shape timed as CUDA-graph
+    replays over L2-rotated copies (trapetum.bench), summed over the layers.
+
+    The graphed path's tok/s over this bound is the share of a token spent in these kernels;
+    the rest is attention, norms, rotary, residual adds and the gaps between graph nodes.
+    """
+    from . import bench
+
+    times = {}
+    per_layer = 0.0
+    for n_in, n_out in projection_shapes(cfg).values():
+        if (n_in, n_out) not in times:
+            fp16 = bench.time_fp16(n_in, n_out, 1)
+            times[(n_in, n_out)] = fp16 if K is None else bench.time_lut(n_in, n_out, K, 1, "lut", fp16)["time_ms"]
+        per_layer += times[(n_in, n_out)]
+    head = bench.time_fp16(cfg.hidden_size, cfg.vocab_size, 1)
+    ms = cfg.num_hidden_layers * per_layer + head
+    return {"kernel_ms_per_token": ms, "implied_tok_s": 1e3 / ms, "lm_head_ms": head,
+            "kernel_ms_by_shape": json.dumps({f"{a}x{b}": t for (a, b), t in times.items()})}
+
+
+def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_paths=("graphed",), gen_len: int = 512,
+                 prompt_len: int = 32, eager_gen_len: int = 128, seed: int = 0, energy=True, progress=True,
+                 device="cuda", kernel_times: bool = True, **arch_overrides) -> list[dict]:
+    """fp16 vs codebook decode on a Llama-2 architecture with random weights, built on the device.
+
+    One record per (scheme, path), per the results contract; ``fp16_tok_s`` is the fp16 graphed
+    run of the same process. fp16 runs first; if a model does not fit (70B fp16), the OOM is
+    recorded (``oom`` True, tok_s None, the weight bytes it needed) and the next scheme still runs.
+    Eager paths generate ``eager_gen_len`` tokens (they are Python-bound; the window is recorded).
+    ``kernel_times``: also time each projection shape alone (:func:`kernel_bound`) and record the
+    graphed path's share of that bound. ``device="cpu"`` with tiny ``arch_overrides`` is for tests only.
+    """
+    import gc
+
+    cuda = torch.device(device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        from .gemv import NoGPUError
+
+        raise NoGPUError("decode_bench measures on a CUDA GPU and none is visible")
+    cfg = llama_config(arch, **arch_overrides)
+    recs = []
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=g)
+    fp16_tok_s = None
+    for K in (None, *Ks):
+        scheme = SCHEME_NAMES.get(K, f"K={K}")
+        model = None
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        base = {"model": arch, "weights": "random", "architecture": "real (published config)", "scheme": scheme, "K": K,
+                "bits_per_weight_codes": _bits(K), "batch": 1, "prompt_len": prompt_len}
+        try:
+            bound = {}
+            if kernel_times and cuda:
+                bound = kernel_bound(cfg, K)  # before the model is built: the rotated copies need memory
+                if progress:
+                    print(f"{arch} {scheme}: projection + lm_head kernels {bound['kernel_ms_per_token']:.3f} ms/token "
+                          f"-> {bound['implied_tok_s']:.1f} tok/s bound", flush=True)
+            t0 = time.time()
+            model = random_llama(arch, K, device=device, seed=seed, progress=progress, **arch_overrides)
+            if not cuda:
+                model.float()  # CPU matmuls in fp32 (tests); codebooks stay fp16
+            else:
+                torch.cuda.synchronize()
+            weights_gb = torch.cuda.memory_allocated() / 1e9 if cuda else None
+            build_s = time.time() - t0
+            # Compile and tune the kernels (and let cuBLAS pick) before anything is measured: the
+            # tuner's L2-sized copies of the codes must not count in the peak VRAM.
+            generate(model, prompt, 3, path="eager", energy=False)
+            for path in (fp16_paths if K is None else paths):
+                n = gen_len if path == "graphed" else min(gen_len, eager_gen_len)
+                # On CPU (tests) the graphed path replays through the stand-in runner.
+                runner = FakeGraphRunner() if path == "graphed" and not cuda else None
+                r = generate(model, prompt, n, path=path, energy=energy, runner=runner)
+                rec = {**base, "path": path, "gen_len": n, "tok_s": r.tok_s, "vram_gb": r.peak_vram_gb,
+                       "weights_gb": weights_gb, "j_per_token": r.j_per_token, "mean_w": r.mean_w,
+                       "energy_error": r.energy_error, "decode_seconds": r.decode_seconds,
+                       "prefill_seconds": r.prefill_seconds, "timed_tokens": r.extra["timed_tokens"],
+                       "build_seconds": build_s, "oom": False, "first_tokens": r.tokens[:32]}
+                if path == "graphed" and bound:
+                    rec.update(bound, fraction_of_kernel_bound=r.tok_s / bound["implied_tok_s"])
+                if K is None and path == "graphed":
+                    fp16_tok_s = r.tok_s
+                recs.append(rec)
+                if progress:
+                    vram = f"{r.peak_vram_gb:6.2f} GB" if r.peak_vram_gb is not None else "n/a"
+                    jpt = f"{r.j_per_token:.3f}" if r.j_per_token is not None else f"n/a ({r.energy_error})"
+                    print(f"{arch} {scheme:12s} {path:8s} {r.tok_s:8.1f} tok/s  peak {vram}  J/token {jpt}", flush=True)
+        except torch.cuda.OutOfMemoryError as e:
+            recs.append({**base, "path": "graphed", "gen_len": gen_len, "tok_s": None, "vram_gb": None, "j_per_token": None,
+                         "oom": True, "error": str(e).splitlines()[0][:300],
+                         "gpu_memory_gb": torch.cuda.get_device_properties(0).total_memory / 1e9 if cuda else None})
+            if progress:
+                print(f"{arch} {scheme}: out of memory ({str(e).splitlines()[0][:120]})", flush=True)
+        finally:
+            del model
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+    # The same model must decode the same tokens whoever launches the step: eager vs graphed
+    # exactly; naive (DynamicCache, fp32 casts) may drift late. Stored as text (JSON-flat).
+    for r in recs:
+        ref = next((x for x in recs if x["K"] == r["K"] and x.get("path") == "graphed" and not x.get("oom")), None)
+        if ref is not None and not r.get("oom"):
+            a, b = r["first_tokens"], ref["first_tokens"]
+            k = min(len(a), len(b))
+            r["matches_graphed_tokens"] = a[:k] == b[:k]
+    for r in recs:
+        if "first_tokens" in r:
+            r["first_tokens"] = " ".join(map(str, r["first_tokens"]))
+    h, i, L, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    kv = h * cfg.num_key_value_heads // cfg.num_attention_heads
+    proj = L * (2 * h * h + 2 * h * kv + 3 * h * i)
+    for r in recs:
+        r["fp16_tok_s"] = fp16_tok_s
+        r["speedup"] = r["tok_s"] / fp16_tok_s if r.get("tok_s") and fp16_tok_s else None
+        # Bytes a token must read at least (projections at their bits, embeddings/lm_head fp16): the bandwidth bound's numerator.
+        K = r["K"]
+        per_w = 2.0 if K is None else (1 / (2 if K == 16 else 1) + K * 2 / h)  # codes + codebook share (in >= hidden)
+        r["weight_bytes_per_token"] = proj * per_w + 2 * v * h
+        if r.get("oom"):
+            r["weights_gb_needed"] = (proj * per_w + 2 * 2 * v * h) / 1e9
+    return recs
+
+
+# -- command line ---------------------------------------------------------------------------------
+def _generate_cmd(args) -> int:
+    from .energy import projections
+
+    K = _parse_quantize(args.quantize)
+    model, tok = load(args.model, device=args.device, quantize=K, exclude=tuple(args.exclude or ()), min_features=args.min_features)
+    if args.save:
+        from .qlinear import save_quantized
+
+        print(f"saved {save_quantized(model, args.save, tokenizer=tok)}")
+    if tok is None:
+        raise SystemExit(f"{args.model} has no tokenizer files: cannot encode --prompt")
+    ids = tok(args.prompt, return_tensors="pt").input_ids
+    r = generate(model, ids, args.max_new_tokens, path=args.path, energy=not args.no_energy)
+    print(tok.decode(ids[0].tolist() + r.tokens, skip_special_tokens=True))
+    print(f"path {r.path}: {r.tok_s:.1f} tok/s over {r.extra['timed_tokens']} tokens; prefill {r.prefill_seconds * 1e3:.1f} ms")
+    print("peak VRAM: " + (f"{r.peak_vram_gb:.2f} GB" if r.peak_vram_gb is not None else "n/a (CPU)"))
+    if r.j_per_token is not None:
+        proj = projections(r.j_per_token)
+        print(f"energy: {r.j_per_token:.3f} J/token (mean {r.mean_w:.0f} W); projected gCO2/1k tokens: "
+              + ", ".join(f"{k.split('_')[3]} {v:.3f}" for k, v in proj.items()) + " (projection, not a measurement)")
+    else:
+        print(f"energy: not measured ({r.energy_error or 'disabled'})")
+    return 0
+
+
+def _check_cmd(args) -> int:
+    from . import results
+
+    K = _parse_quantize(args.quantize)
+    model, tok = load(args.model, device=args.device, quantize=K)
+    if tok is None:
+        raise SystemExit(f"{args.model} has no tokenizer files: cannot encode --prompt")
+    ids = tok(args.prompt, return_tensors="pt").input_ids
+    r = check_equivalence(model, ids, args.tokens)
+    ok = r["first_mismatch"] is None and r["max_rel_logit_diff"] <= args.tol
+    print(f"{args.model} {SCHEME_NAMES.get(K, K)}: graphed vs eager, {r['matching_prefix']}/{r['tokens']} tokens equal, "
+          f"max |logit diff| {r['max_abs_logit_diff']:.3g} ({r['max_rel_logit_diff']:.3g} of the largest logit): {'OK' if ok else 'MISMATCH'}")
+    print("eager:  ", tok.decode(r["reference_tokens"]))
+    print("graphed:", tok.decode(r["graphed_tokens"]))
+    if args.out:
+        rec = {"model": args.model, "weights": "real", "scheme": SCHEME_NAMES.get(K, K), "check": "graphed vs eager",
+               "passed": ok, "tol": args.tol, **{k: (str(v) if isinstance(v, list) else v) for k, v in r.items()}}
+        print(f"wrote {results.save(args.name, [rec], results.provenance(), folder=args.out)}")
+    return 0 if ok else 1
+
+
+def _parse_quantize(spec):
+    if spec in (None, "", "none", "fp16"):
+        return None
+    s = str(spec).upper().removeprefix("K")
+    try:
+        return int(s)
+    except ValueError:
+        raise SystemExit(f"--quantize takes K16, K64 or K256, got {spec!r}") from None
+
+
+def _bench_cmd(args) -> int:
+    from . import results
+
+    t0 = time.time()
+    recs = []
+    for arch in args.arch.split(","):
+        recs += decode_bench(arch, Ks=tuple(_parse_quantize(k) for k in args.schemes.split(",")), paths=tuple(args.paths.split(",")),
+                             fp16_paths=tuple(args.fp16_paths.split(",")), gen_len=args.gen, prompt_len=args.prompt_len,
+                             eager_gen_len=args.eager_gen, energy=not args.no_energy, kernel_times=not args.no_kernel_times)
+    prov = results.provenance(command=args.command or " ".join(sys.argv), seconds=round(time.time() - t0, 1))
+    path = results.save(args.name, recs, prov, folder=args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trapetum.decode", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="greedy generation with tok/s, peak VRAM and J/token")
+    g.add_argument("model", help="hub id, local model folder, folder saved by save_quantized, or smollm2-135m")
+    g.add_argument("--prompt", default="The capital of France is")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--path", choices=PATHS, default="graphed")
+    g.add_argument("--quantize", default=None, help="K16 | K64 | K256 (default: run the model as loaded)")
+    g.add_argument("--exclude", action="append", help="glob of layer names to keep in fp16 (repeatable)")
+    g.add_argument("--min-features", type=int, default=0)
+    g.add_argument("--save", default=None, help="write the quantized model to this folder")
+    g.add_argument("--device", default=None)
+    g.add_argument("--no-energy", action="store_true")
+    g.set_defaults(func=_generate_cmd)
+    c = sub.add_parser("check", help="graphed vs eager: greedy tokens and logits of the same model must match")
+    c.add_argument("model", help="as for generate (smollm2-135m is the offline real model)")
+    c.add_argument("--quantize", default="K16")
+    c.add_argument("--prompt", default="The capital of France is")
+    c.add_argument("--tokens", type=int, default=32)
+    c.add_argument("--tol", type=float, default=1e-3, help="largest allowed logit difference, relative to the largest logit")
+    c.add_argument("--device", default=None)
+    c.add_argument("--out", default=None, help="also write <out>/<gpu>/<name>.json")
+    c.add_argument("--name", default="decode-check")
+    c.set_defaults(func=_check_cmd)
+    b = sub.add_parser("bench", help="Llama-2 architectures, random weights: fp16 vs codebook decode; writes <out>/<gpu>/<name>.json")
+    b.add_argument("--arch", default="llama-2-7b,llama-2-13b", help=f"comma-separated, of {sorted(LLAMA2)}")
+    b.add_argument("--schemes", default="K16")
+    b.add_argument("--paths", default="naive,eager,graphed", help="paths for the codebook models")
+    b.add_argument("--fp16-paths", default="naive,eager,graphed", help="naive = transformers-style loop with DynamicCache (the usual fp16 baseline)")
+    b.add_argument("--gen", type=int, default=512)
+    b.add_argument("--eager-gen", type=int, default=128, help="tokens for the naive/eager paths (Python-bound, slower)")
+    b.add_argument("--prompt-len", type=int, default=32, help="> 16, so the prefill takes dequant+cuBLAS and no batch-16 kernel is tuned")
+    b.add_argument("--out", default=None, help="results folder (default: the repository's data/)")
+    b.add_argument("--name", default="decode")
+    b.add_argument("--command", default=None)
+    b.add_argument("--no-energy", action="store_true")
+    b.add_argument("--no-kernel-times", action="store_true", help="skip timing each projection shape alone (the kernel bound)")
+    b.set_defaults(func=_bench_cmd)
+    args = p.parse_args(argv)
+    if getattr(args, "max_new_tokens", 1) < 1:
+        p.error("--max-new-tokens must be >= 1")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

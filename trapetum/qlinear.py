@@ -1,0 +1,405 @@
+"""QLinear, the nn.Linear of a codebook-quantized model, and whole-model quantize / save / load.
+
+A QLinear holds the layer as a :class:`trapetum.codebook.CodebookTensor` (packed codes plus
+one fp16 codebook a row, as buffers, so ``.to()`` and ``state_dict()`` work) and an optional
+fp16 bias. Its forward dispatches on where the input is:
+
+* CUDA, batch 1..16 (rows of the flattened input): the fused LUT-GEMV kernel
+  (:class:`trapetum.gemv.LutGemv`), fp16 in, fp16 out, into a freshly allocated output, so a
+  CUDA-graph capture of the forward records the launch with the graph pool's addresses;
+* CUDA, larger batches (prefill): dequantize on the device, then torch's matmul (cuBLAS),
+  because the fused kernel's cost grows with the batch (NOTES.md, "Large batches");
+* CPU: dequantize with torch and ``F.linear`` in the input's dtype, so CPU users and the test
+  suite run any model without a GPU.
+
+``mode = "naive"`` reproduces seed 004's first integration path, the per-layer custom-op swap
+that casts every call's input to float32 and back (what an op registered for fp32 does);
+the default ``"fast"`` keeps fp16 end to end and does no cast.
+
+A saved model is a folder: ``model.safetensors`` (every tensor of the state dict; tied weights
+once) and ``trapetum.json`` (format version, the base model config, each quantized layer's K
+and shape, the excluded layers and why, the tied names, and a SHA-256 of every tensor), so
+truncation and tampering are caught at load time, as :meth:`CodebookTensor.load` does for
+one layer.
+"""
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .codebook import (
+    SUPPORTED_K,
+    CodebookFormatError,
+    CodebookTensor,
+    check_in_features,
+    codes_per_byte,
+    packing_for,
+)
+
+FORMAT_VERSION = 1
+KIND = "trapetum-quantized-model"
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "trapetum.json"
+MODES = ("fast", "naive")
+
+
+class QuantizedModelError(ValueError):
+    """A saved quantized model is missing, corrupt, tampered or does not match its config."""
+
+
+class QLinear(nn.Module):
+    """``y = x @ W_hat.T + b`` with ``W_hat`` a codebook weight; a drop-in for ``nn.Linear``."""
+
+    def __init__(self, in_features: int, out_features: int, K: int = 16, bias: bool = False, device=None):
+        super().__init__()
+        packing_for(K)
+        check_in_features(in_features, K)
+        if out_features <= 0:
+            raise ValueError(f"out_features must be positive, got {out_features}")
+        self.in_features, self.out_features, self.K = in_features, out_features, K
+        self.register_buffer("codes", torch.zeros(out_features, in_features // codes_per_byte(K), dtype=torch.uint8, device=device))
+        self.register_buffer("codebook", torch.zeros(out_features, K, dtype=torch.float16, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float16, device=device) if bias else None)
+        self.mode = "fast"
+        # Tests set this under NUMBA_ENABLE_CUDASIM to run the kernel dispatch on CPU tensors.
+        self.simulate = False
+        self._gemv = None
+
+    @classmethod
+    def from_codebook(cls, ct: CodebookTensor, bias: torch.Tensor | None = None) -> "QLinear":
+        ct.validate()
+        q = cls(ct.in_features, ct.out_features, ct.K, bias=bias is not None, device="meta")
+        q.codes, q.codebook = ct.codes, ct.codebook
+        if bias is not None:
+            if tuple(bias.shape) != (ct.out_features,):
+                raise ValueError(f"bias shape {tuple(bias.shape)} != ({ct.out_features},)")
+            q.bias = bias.detach().to(device=ct.codes.device, dtype=torch.float16).clone()
+        return q
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, K: int = 16, iters: int = 25, seed: int = 0, device=None):
+        """Per-row k-means of ``linear.weight`` (:func:`trapetum.codebook.quantize`); returns (QLinear, report)."""
+        from .codebook import quantize
+
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"expected an nn.Linear, got {type(linear).__name__}")
+        ct, rep = quantize(linear.weight.detach().float(), K=K, iters=iters, seed=seed, device=device)
+        q = cls.from_codebook(ct.to(linear.weight.device), linear.bias)
+        return q, rep
+
+    def codebook_tensor(self) -> CodebookTensor:
+        """The weight as a CodebookTensor (validated: dtypes, shapes, finite codebooks, code range)."""
+        return CodebookTensor(self.codes, self.codebook, self.K, self.in_features, self.out_features)
+
+    def dequantize(self, dtype=torch.float16) -> torch.Tensor:
+        return self.codebook_tensor().dequantize(dtype)
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 / codes_per_byte(self.K) + self.K * 16 / self.in_features
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, K={self.K}, bias={self.bias is not None}, mode={self.mode}"
+
+    def _apply(self, fn, *args, **kwargs):
+        # A move invalidates the kernel's copy of the weight (it lives on one device).
+        self._gemv = None
+        super()._apply(fn, *args, **kwargs)
+        # model.float() / model.half() must not change the format: codebooks and bias stay fp16.
+        if self.codebook.dtype != torch.float16:
+            self.codebook = self.codebook.half()
+        if self.bias is not None and self.bias.dtype != torch.float16:
+            self.bias = self.bias.half()
+        return self
+
+    def gemv(self):
+        """The fused kernel's view of this weight, built on first use on the buffers' device."""
+        if self._gemv is None:
+            from .gemv import LutGemv
+
+            dev = self.codes.device
+            self._gemv = LutGemv(self.codebook_tensor(), device=dev if dev.type == "cuda" else None)
+        return self._gemv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"QLinear takes a torch.Tensor, got {type(x).__name__}")
+        if x.shape[-1:] != (self.in_features,):
+            raise ValueError(f"QLinear expects (..., {self.in_features}) inputs, got {tuple(x.shape)}")
+        if self.mode not in MODES:
+            raise ValueError(f"QLinear.mode must be one of {MODES}, got {self.mode!r}")
+        if not (x.is_cuda or self.simulate):
+            if x.device != self.codes.device:
+                raise ValueError(f"x is on {x.device} but the weight is on {self.codes.device}")
+            W = self.codebook_tensor().dequantize(x.dtype)
+            return F.linear(x, W, None if self.bias is None else self.bias.to(x.dtype))
+        if self.mode == "naive":
+            # Seed 004's first path: the op's contract is float32, so every call casts in and out.
+            dtype = x.dtype
+            y = self._kernel(x.float().half())
+            return y.float().to(dtype)
+        if x.dtype != torch.float16:
+            raise TypeError(
+                f"QLinear's fast path takes float16 activations, got {x.dtype}: load the model in "
+                "float16 (model.half()) or set mode='naive', which casts every call"
+            )
+        return self._kernel(x)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        from .gemv import MAX_FUSED_BATCH
+
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if not x2.is_contiguous() or x2.data_ptr() % 16:
+            x2 = x2.clone(memory_format=torch.contiguous_format)  # the kernels read x 16 bytes at a time
+        B = x2.shape[0]
+        g = self.gemv()
+        if B <= MAX_FUSED_BATCH:
+            y = torch.empty(B, self.out_features, dtype=torch.float16, device=x2.device)
+            g.bind(x2, y)()
+        else:
+            y = x2 @ g.dequantize().t()
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.view(*lead, self.out_features)
+
+
+def qlinears(model: nn.Module) -> dict[str, QLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, QLinear)}
+
+
+def set_mode(model: nn.Module, mode: str) -> None:
+    """Every QLinear of ``model`` to "fast" (fp16 end to end) or "naive" (per-call fp32 casts)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    for m in qlinears(model).values():
+        m.mode = mode
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def quantize_model(model, K: int = 16, exclude=(), min_features: int = 0, iters: int = 25, seed: int = 0,
+                   device=None, progress: bool = True) -> dict:
+    """Replace every decoder projection (nn.Linear in model.model.layers) by a QLinear, in place.
+
+    ``exclude``: glob patterns on full module names (e.g. ``"*.down_proj"``, ``"model.layers.0.*"``)
+    kept as nn.Linear; ``min_features``: layers whose smaller side is below it stay nn.Linear too
+    (seed 004 applies the kernel only to large layers: small ones are launch-bound). Layers whose
+    in_features the packing cannot take are kept and reported. Embeddings and lm_head always stay.
+    ``device``: where k-means runs (default: the weight's device). Returns the quantization
+    summary, also kept as ``model.trapetum_quant`` (what save_quantized writes).
+    """
+    from tqdm.auto import tqdm
+
+    from .pipelines import decoder_linears
+
+    packing_for(K)
+    if isinstance(exclude, str):
+        exclude = (exclude,)
+    linears = decoder_linears(model)
+    layers, excluded, rel_mse = {}, {}, {}
+    for name, lin in tqdm(linears.items(), desc=f"quantize K={K}", disable=not progress):
+        reason = None
+        if any(fnmatch.fnmatchcase(name, p) for p in exclude):
+            reason = "excluded by pattern"
+        elif min(lin.in_features, lin.out_features) < min_features:
+            reason = f"smaller than min_features={min_features}"
+        else:
+            try:
+                check_in_features(lin.in_features, K)
+            except ValueError as e:
+                reason = str(e)
+        if reason:
+            excluded[name] = reason
+            continue
+        q, rep = QLinear.from_linear(lin, K=K, iters=iters, seed=seed, device=device)
+        _set_submodule(model, name, q)
+        layers[name] = {"K": K, "in_features": lin.in_features, "out_features": lin.out_features, "bias": lin.bias is not None}
+        rel_mse[name] = rep.rel_mse
+    summary = {"K": K, "layers": layers, "excluded": excluded}
+    model.trapetum_quant = summary
+    return {**summary, "rel_mse": rel_mse}
+
+
+# -- save / load ---------------------------------------------------------------------------------
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def save_quantized(model, folder: str | Path, tokenizer=None) -> Path:
+    """Write ``folder/model.safetensors`` and ``folder/trapetum.json`` (and the tokenizer, if given)."""
+    from safetensors.torch import save_file
+
+    summary = getattr(model, "trapetum_quant", None)
+    found = qlinears(model)
+    if summary is None or not found:
+        raise ValueError("this model has no QLinear layers: call trapetum.qlinear.quantize_model first")
+    if set(found) != set(summary["layers"]):
+        raise ValueError(f"model.trapetum_quant lists {sorted(summary['layers'])} but the model's QLinears are {sorted(found)}")
+    for q in found.values():
+        q.codebook_tensor()  # refuse to write an invalid layer
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors, tied, owner = {}, {}, {}
+    for name, t in model.state_dict(keep_vars=False).items():
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape))
+        if t.numel() and key in owner:  # tied weights (lm_head = embed_tokens): stored once
+            tied[name] = owner[key]
+            continue
+        owner[key] = name
+        tensors[name] = t.detach().cpu().contiguous()
+    header = {
+        "format_version": FORMAT_VERSION,
+        "kind": KIND,
+        "model_class": type(model).__name__,
+        "base_config": model.config.to_dict(),
+        "K": summary["K"],
+        "layers": summary["layers"],
+        "excluded": summary["excluded"],
+        "tied": tied,
+        "tensors": {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "sha256": _sha(t)} for n, t in tensors.items()},
+    }
+    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"trapetum": json.dumps({"format_version": FORMAT_VERSION, "kind": KIND})})
+    (folder / CONFIG_FILE).write_text(json.dumps(header, indent=1, default=str) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return folder
+
+
+def is_quantized_folder(path) -> bool:
+    return (Path(path) / CONFIG_FILE).is_file()
+
+
+def read_config(folder: str | Path) -> dict:
+    """trapetum.json of a saved model, checked for version, kind and the fields load needs."""
+    folder = Path(folder)
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {CONFIG_FILE} in {folder}: not a model saved by trapetum.qlinear.save_quantized")
+    try:
+        h = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise QuantizedModelError(f"{path}: not readable JSON (truncated or corrupt?): {e}") from e
+    if not isinstance(h, dict):
+        raise QuantizedModelError(f"{path}: expected a JSON object")
+    if h.get("format_version") != FORMAT_VERSION:
+        raise QuantizedModelError(f"{path}: format_version {h.get('format_version')!r}, this trapetum reads {FORMAT_VERSION}")
+    if h.get("kind") != KIND:
+        raise QuantizedModelError(f"{path}: kind {h.get('kind')!r} is not {KIND!r}")
+    for key, typ in (("base_config", dict), ("layers", dict), ("excluded", dict), ("tied", dict), ("tensors", dict)):
+        if not isinstance(h.get(key), typ):
+            raise QuantizedModelError(f"{path}: field {key!r} missing or not a {typ.__name__}")
+    for name, spec in h["layers"].items():
+        try:
+            K, n_in, n_out = int(spec["K"]), int(spec["in_features"]), int(spec["out_features"])
+            bool(spec["bias"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise QuantizedModelError(f"{path}: layer {name} lacks K/in_features/out_features/bias: {e}") from e
+        if K not in SUPPORTED_K:
+            raise QuantizedModelError(f"{path}: layer {name} has K={K}, not one of {SUPPORTED_K}")
+        try:
+            check_in_features(n_in, K)
+        except ValueError as e:
+            raise QuantizedModelError(f"{path}: layer {name}: {e}") from e
+    return h
+
+
+def load_quantized(folder: str | Path, device="cpu", dtype: torch.dtype | None = None):
+    """The model saved by :func:`save_quantized`, in eval mode, every tensor checked against its SHA-256.
+
+    ``dtype`` casts the floating-point tensors that are not codebook buffers (embeddings, norms,
+    excluded linears); codebooks stay fp16, codes uint8.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(folder)
+    h = read_config(folder)
+    wpath = folder / WEIGHTS_FILE
+    if not wpath.is_file():
+        raise FileNotFoundError(f"{wpath} is missing")
+    try:
+        with safe_open(str(wpath), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise QuantizedModelError(f"{wpath}: not a readable safetensors file (truncated or corrupt?): {e}") from e
+    if set(tensors) != set(h["tensors"]):
+        missing, extra = sorted(set(h["tensors"]) - set(tensors)), sorted(set(tensors) - set(h["tensors"]))
+        raise QuantizedModelError(f"{wpath}: tensors do not match {CONFIG_FILE}: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, t in tensors.items():
+        spec = h["tensors"][name]
+        if list(t.shape) != spec.get("shape") or str(t.dtype).removeprefix("torch.") != spec.get("dtype"):
+            raise QuantizedModelError(f"{wpath}: {name} is {str(t.dtype)} {list(t.shape)}, {CONFIG_FILE} says {spec.get('dtype')} {spec.get('shape')}")
+        if _sha(t) != spec.get("sha256"):
+            raise QuantizedModelError(f"{wpath}: {name} bytes do not match the SHA-256 in {CONFIG_FILE} (file tampered or corrupt)")
+    base = dict(h["base_config"])
+    try:
+        config = AutoConfig.for_model(**base)
+    except (ValueError, KeyError, TypeError) as e:
+        raise QuantizedModelError(f"{folder}: base_config is not a transformers config: {e}") from e
+    # Build the skeleton without allocating or initialising weights: the file provides them.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    if type(model).__name__ != h.get("model_class"):
+        raise QuantizedModelError(f"{folder}: config builds {type(model).__name__}, the file was saved from {h.get('model_class')}")
+    for name, spec in h["layers"].items():
+        try:
+            old = model.get_submodule(name)
+        except AttributeError as e:
+            raise QuantizedModelError(f"{folder}: quantized layer {name} does not exist in {type(model).__name__}") from e
+        if not isinstance(old, nn.Linear) or (old.in_features, old.out_features) != (spec["in_features"], spec["out_features"]):
+            raise QuantizedModelError(f"{folder}: layer {name} is {old} in the base config, the file says {spec}")
+        _set_submodule(model, name, QLinear(spec["in_features"], spec["out_features"], spec["K"], bias=spec["bias"], device="meta"))
+    state = dict(tensors)
+    for alias, src in h["tied"].items():
+        if src not in state:
+            raise QuantizedModelError(f"{folder}: tied tensor {alias} points to {src}, which is not in the file")
+        state[alias] = state[src]
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise QuantizedModelError(f"{folder}: the saved tensors do not fit the model: {e}") from e
+    for alias, src in h["tied"].items():  # share storage again, as the saved model did
+        mod, _, attr = alias.rpartition(".")
+        smod, _, sattr = src.rpartition(".")
+        setattr(model.get_submodule(mod), attr, getattr(model.get_submodule(smod), sattr))
+    _rebuild_non_persistent(model, config)
+    for name, q in qlinears(model).items():
+        try:
+            q.codebook_tensor()
+        except (CodebookFormatError, ValueError) as e:
+            raise QuantizedModelError(f"{folder}: layer {name}: {e}") from e
+    if dtype is not None:
+        for m in model.modules():
+            if isinstance(m, QLinear):
+                continue
+            for p in m.parameters(recurse=False):
+                if p.is_floating_point():
+                    p.data = p.data.to(dtype)
+    model.trapetum_quant = {"K": h.get("K"), "layers": h["layers"], "excluded": h["excluded"]}
+    return model.to(device).eval()
+
+
+def _rebuild_non_persistent(model, config) -> None:
+    """Buffers not in a state dict (rotary inv_freq) are still on meta: recompute them by re-creating their module."""
+    for name, mod in list(model.named_modules()):
+        if any(b is not None and b.is_meta for b in mod.buffers(recurse=False)):
+            try:
+                with torch.device("cpu"):  # __init__ computes them (its device argument differs across versions)
+                    fresh = type(mod)(config=config)
+            except TypeError as e:
+                raise QuantizedModelError(f"cannot rebuild {name} ({type(mod).__name__}), whose buffers are not saved: {e}") from e
+            _set_submodule(model, name, fresh)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise QuantizedModelError(f"tensors not restored from the file: {left[:5]}")
