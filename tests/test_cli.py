@@ -25,3 +25,12 @@ def test_gemv_without_gpu_writes_no_results(gemv_without_gpu):
 def test_cli_requires_a_subcommand(run_without_simulator):
     p = run_without_simulator(["-m", "trapetum.cli"])
     assert p.returncode == 2 and "gemv" in p.stderr
+
+
+def test_generate_is_handed_to_trapetum_decode(capsys):
+    from trapetum import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--help"])
+    assert e.value.code == 0
+    assert "python -m trapetum.decode" in capsys.readouterr().out

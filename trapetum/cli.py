@@ -54,6 +54,14 @@ def main(argv=None) -> int:
     g.add_argument("--arch", default=None, help="nvcc -arch for the CUDA C++ counterpart (default: this GPU's, e.g. sm_90)")
     g.add_argument("--no-cuda-cpp", dest="cuda_cpp", action="store_false", help="skip building and running kernels/")
     g.set_defaults(func=_gemv)
+    # generate / check / bench live in trapetum.decode; `trapetum generate ...` hands them over.
+    for name in ("generate", "check", "bench"):
+        sub.add_parser(name, add_help=False, help=f"see python -m trapetum.decode {name} --help")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("generate", "check", "bench"):
+        from . import decode
+
+        return decode.main(argv)
     args = p.parse_args(argv)
     return args.func(args)
 
