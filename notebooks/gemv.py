@@ -108,6 +108,19 @@ report.styled(report.kernel_table(df))
 report.styled(report.layer_table(df))
 
 # %% [markdown]
+# ## numba and CUDA C++ side by side
+#
+# The CUDA C++ program in `kernels/` is built with `nvcc -O3 -arch=<arch>` and run in the same
+# measuring run. Its `lut` kernel is the numba kernel's design written in C++ (its plans come from
+# the same planner); its `mma` kernel is a different design: one shared-memory lookup serves two
+# codes (a byte indexes a table of fp16 pairs) and the multiply-adds run on the tensor cores. A
+# ratio above 1 means the numba kernel is slower. Each C++ row was checked against cuBLAS on the
+# same codes before it was timed.
+
+# %%
+report.styled(report.numba_vs_cuda_cpp(df))
+
+# %% [markdown]
 # ## Speedup against bandwidth
 #
 # The seed's claim is a law: the more bandwidth-limited the GPU, the larger the speedup. The

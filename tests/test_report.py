@@ -298,3 +298,17 @@ def test_cuda_cpp_kernels_join_the_tables_and_figures(df2):
     texts = _legend_texts(report.fig_bandwidth_law(df))
     assert any("cuda_cpp_4bit" in x for x in texts)
     _check_figure(report.fig_roofline(df), 2)
+
+
+def test_numba_and_both_cuda_cpp_designs_side_by_side(df2):
+    base = df2[(df2["kernel"] == "lut") & (df2["grid"] == "table") & (df2["K"] == 16)]
+    lut = base.assign(kernel="cuda_cpp_4bit", variant="lut", scheme=None, time_ms=base["time_ms"] * 2)
+    mma = base.assign(kernel="cuda_cpp_4bit", variant="mma", scheme=None, time_ms=base["time_ms"] * 0.5)
+    df = report._normalise(pd.concat([df2, lut, mma], ignore_index=True))
+    assert report._normalise(df)["kernel"].str.endswith("_mma_mma").sum() == 0  # idempotent
+    t = report.numba_vs_cuda_cpp(df)
+    assert len(t) == 2  # one shape on each of two GPUs
+    assert t["numba / C++ lut"].tolist() == pytest.approx([0.5, 0.5])
+    assert t["numba / C++ mma"].tolist() == pytest.approx([2.0, 2.0])
+    with pytest.raises(ValueError, match="CUDA C\\+\\+ twin"):
+        report.numba_vs_cuda_cpp(df2)

@@ -52,6 +52,8 @@ def main(argv=None) -> int:
     g.add_argument("--command", default=None, help="the command to record in the provenance")
     g.add_argument("--quiet", action="store_true")
     g.add_argument("--arch", default=None, help="nvcc -arch for the CUDA C++ counterpart (default: this GPU's, e.g. sm_90)")
+    g.add_argument("--cuda-cpp", dest="cuda_cpp", action="store_true", default=True,
+                   help="also build and time the CUDA C++ counterparts in kernels/ (the default)")
     g.add_argument("--no-cuda-cpp", dest="cuda_cpp", action="store_false", help="skip building and running kernels/")
     g.set_defaults(func=_gemv)
     # generate / check / bench live in trapetum.decode; `trapetum generate ...` hands them over.

@@ -70,14 +70,15 @@ KERNEL_LABELS = {
     "lut32": "lut32: 4-byte loads (negative result)",
     "naive": "naive: untiled (negative result)",
     "dequant+cublas": "dequant+cublas: dequantize, then cuBLAS",
-    "cuda_cpp_4bit": "cuda_cpp_4bit: CUDA C++ counterpart",
+    "cuda_cpp_4bit": "cuda_cpp_4bit: CUDA C++ twin of lut",
+    "cuda_cpp_4bit_mma": "cuda_cpp_4bit_mma: CUDA C++, pair table + tensor cores",
     "cuda_cpp_u8": "cuda_cpp_u8: CUDA C++ counterpart",
 }
-KERNEL_ORDER = ["torch fp16", "lut", "cuda_cpp_4bit", "cuda_cpp_u8", "lut32", "naive", "dequant+cublas"]
+KERNEL_ORDER = ["torch fp16", "lut", "cuda_cpp_4bit", "cuda_cpp_4bit_mma", "cuda_cpp_u8", "lut32", "naive", "dequant+cublas"]
 SCHEME_OF_K = {16: "4-bit K=16", 64: "uint8 K=64", 256: "uint8 K=256"}
 SCHEME_ORDER = ["dense fp16", "4-bit K=16", "uint8 K=64", "uint8 K=256"]
 # The kernels whose speed the chapter is about (the others are ablations or the baseline).
-PRODUCT_KERNELS = ("lut", "cuda_cpp_4bit", "cuda_cpp_u8")
+PRODUCT_KERNELS = ("lut", "cuda_cpp_4bit", "cuda_cpp_4bit_mma", "cuda_cpp_u8")
 FOUR_BIT = "4-bit K=16"
 
 _SCHEME_COLORS = {
@@ -133,6 +134,11 @@ def _normalise(df: pd.DataFrame) -> pd.DataFrame:
         if col not in df:
             df[col] = default
     df["gpu"] = df["gpu"].fillna("unknown GPU")
+    # The CUDA C++ program times several kernel designs: every one but the numba twin ("lut")
+    # is a kernel of its own in the tables.
+    if "variant" in df:
+        other = df["kernel"].isin(("cuda_cpp_4bit", "cuda_cpp_u8")) & df["variant"].notna() & (df["variant"] != "lut")
+        df.loc[other, "kernel"] = df.loc[other, "kernel"] + "_" + df.loc[other, "variant"].astype(str)
     if "gpu_slug" not in df:
         df["gpu_slug"] = df["gpu"].map(results.slug)
     missing = df["scheme"].isna() & df["K"].notna()
@@ -662,3 +668,24 @@ def measure_argv(out=None, arch: str = "sm_90", in_features=(), out_features=(),
     if command is not None:
         argv += ["--command", command]
     return argv
+
+
+def numba_vs_cuda_cpp(df: pd.DataFrame, scheme: str = FOUR_BIT) -> pd.DataFrame:
+    """Batch-1 times of the numba kernel beside its CUDA C++ twin and the C++ tensor-core kernel,
+    per GPU and shape, all from one run; "numba / C++" above 1 means numba is slower."""
+    d = _timed(df)
+    d = d[(d["batch"] == 1) & (d["scheme"] == scheme) & d["kernel"].isin(("lut", "cuda_cpp_4bit", "cuda_cpp_4bit_mma"))]
+    rows = []
+    for (gpu, shape), g in d.groupby(["gpu", "shape"], sort=False):
+        t = g.drop_duplicates("kernel").set_index("kernel")
+        if "lut" not in t.index or "cuda_cpp_4bit" not in t.index:
+            continue
+        row = {"GPU": gpu_label(gpu), "in x out": shape_label(shape), "torch fp16 (ms)": t.loc["lut", "fp16_ms"],
+               "numba lut (ms)": t.loc["lut", "time_ms"], "C++ lut (ms)": t.loc["cuda_cpp_4bit", "time_ms"],
+               "C++ mma (ms)": t["time_ms"].get("cuda_cpp_4bit_mma", np.nan)}
+        row["numba / C++ lut"] = row["numba lut (ms)"] / row["C++ lut (ms)"]
+        row["numba / C++ mma"] = row["numba lut (ms)"] / row["C++ mma (ms)"]
+        rows.append(row)
+    if not rows:
+        raise ValueError("no shape has both the numba kernel and its CUDA C++ twin recorded")
+    return pd.DataFrame(rows).sort_values(["GPU", "in x out"], key=lambda c: c.map(str)).reset_index(drop=True)
