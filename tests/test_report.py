@@ -312,3 +312,27 @@ def test_numba_and_both_cuda_cpp_designs_side_by_side(df2):
     assert t["numba / C++ mma"].tolist() == pytest.approx([2.0, 2.0])
     with pytest.raises(ValueError, match="CUDA C\\+\\+ twin"):
         report.numba_vs_cuda_cpp(df2)
+
+
+def test_decode_chapter_reads_every_run_and_keeps_the_newest_per_model(tmp_path):
+    import json
+
+    from trapetum import results
+
+    def run(name, date, models):
+        prov = results.provenance(command="bench")
+        prov.update(gpu="NVIDIA H100 80GB HBM3", date=date)
+        recs = [{"model": m, "scheme": s, "path": "graphed", "tok_s": t, "fp16_tok_s": 100.0, "vram_gb": 1.0,
+                 "j_per_token": 1.0, "oom": False} for m, t in models for s in ("fp16", "4-bit K=16")]
+        (tmp_path / "h100").mkdir(exist_ok=True)
+        (tmp_path / "h100" / name).write_text(json.dumps({"provenance": prov, "records": recs}))
+
+    run("decode.20260101T000000.json", "2026-01-01", [("llama-2-7b", 100.0), ("llama-2-13b", 50.0)])
+    run("decode.json", "2026-02-01", [("llama-2-13b", 60.0)])
+    df = report.load_decode(tmp_path)
+    assert sorted(df.groupby("model")["tok_s"].max().items()) == [("llama-2-13b", 60.0), ("llama-2-7b", 100.0)]
+    t = report.decode_table(df)
+    assert len(t) == 4 and set(t["vs fp16 graphed"].round(2)) == {0.6, 1.0}
+    _check_figure(report.fig_decode(df))
+    with pytest.raises(report.NoRecordedDataError):
+        report.load_decode(tmp_path / "none")

@@ -689,3 +689,87 @@ def numba_vs_cuda_cpp(df: pd.DataFrame, scheme: str = FOUR_BIT) -> pd.DataFrame:
     if not rows:
         raise ValueError("no shape has both the numba kernel and its CUDA C++ twin recorded")
     return pd.DataFrame(rows).sort_values(["GPU", "in x out"], key=lambda c: c.map(str)).reset_index(drop=True)
+
+
+# -- the end-to-end chapter ------------------------------------------------------------------
+DECODE = "decode"
+PATH_ORDER = ["naive", "eager", "graphed"]
+
+
+def load_decode(folder=None) -> pd.DataFrame:
+    """Every recorded decode run as one DataFrame; raises if there is none.
+
+    Unlike the GEMV chapter, runs of one GPU may cover different models (a 7B run, then a
+    13B + 70B run), so every ``decode*.json`` is read and, per GPU and model, the newest run wins.
+    """
+    root = _root(folder)
+    frames = []
+    for path in sorted(root.glob(f"*/{DECODE}*.json")):
+        prov, d = results.read(path)
+        if d.empty:
+            continue
+        for key in ("gpu", "driver", "cuda", "torch", "numba_cuda", "git_commit", "date", "command"):
+            d[key] = prov.get(key)
+        d["file"] = f"{path.parent.name}/{path.name}"
+        frames.append(d)
+    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    if not df.empty:
+        newest = df.groupby(["gpu", "model"])["date"].transform("max")
+        df = df[df["date"] == newest].reset_index(drop=True)
+    if df.empty:
+        raise NoRecordedDataError(
+            f"no GPU has recorded the decode measurements: found no {root}/<gpu>/{DECODE}.json. "
+            "Measure on a CUDA GPU with `trapetum bench --arch llama-2-7b`, then rebuild the book.")
+    df["gpu_label"] = df["gpu"].map(gpu_label)
+    return df
+
+
+def decode_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Decode tok/s, peak VRAM and J/token per GPU, model, scheme and integration path.
+
+    Random weights, real architecture; "vs fp16 graphed" divides by fp16's graphed tok/s of the
+    same run; a row whose fp16 model did not fit says so instead of a number.
+    """
+    d = df.copy()
+    d["_p"] = d["path"].map(lambda p: PATH_ORDER.index(p) if p in PATH_ORDER else len(PATH_ORDER))
+    d = d.sort_values(["gpu_label", "model", "scheme", "_p"], key=lambda c: c.map(str) if c.dtype == object else c)
+    oom = d.get("oom", pd.Series(False, index=d.index)).fillna(False).astype(bool)
+    return pd.DataFrame({
+        "GPU": d["gpu_label"], "Model (random weights, real architecture)": d["model"], "Scheme": d["scheme"],
+        "Path": d["path"].where(~oom, d["path"] + " (out of memory)"),
+        "tok/s": d["tok_s"], "vs fp16 graphed": d["tok_s"] / d["fp16_tok_s"],
+        "Peak VRAM (GB)": d["vram_gb"], "J/token": d["j_per_token"],
+        "share of kernel bound": d.get("fraction_of_kernel_bound", np.nan),
+    }).reset_index(drop=True)
+
+
+def fig_decode(df: pd.DataFrame) -> Figure:
+    """Graphed decode: tok/s and peak VRAM by model, fp16 beside 4-bit, one bar group per GPU."""
+    d = df[(df["path"] == "graphed") & df["tok_s"].notna()]
+    models = sorted(d["model"].unique(), key=lambda m: float(str(m).split("-")[-1].rstrip("b") or 0))
+    series = sorted(d[["gpu_label", "scheme"]].drop_duplicates().itertuples(index=False))
+    with _style():
+        fig = Figure(figsize=(11, 4.2))
+        axes = fig.subplots(1, 2)
+        w = 0.8 / max(1, len(series))
+        for i, (gpu, scheme) in enumerate(series):
+            s = d[(d["gpu_label"] == gpu) & (d["scheme"] == scheme)].drop_duplicates("model").set_index("model")
+            x = np.arange(len(models)) + (i - (len(series) - 1) / 2) * w
+            hatch = "" if scheme == "fp16" else "//"
+            for ax, col in zip(axes, ("tok_s", "vram_gb")):
+                ax.bar(x, [s[col].get(m, np.nan) for m in models], w, label=f"{gpu}, {scheme}",
+                       color=_MARKER_COLORS[i % len(_MARKER_COLORS)], hatch=hatch, edgecolor="white")
+        for ax, label, title in zip(axes, ("decode tok/s (graphed, batch 1)", "peak VRAM (GB)"), ("Speed", "Memory")):
+            ax.set_xticks(np.arange(len(models)), models)
+            ax.set_xlabel("model (random weights)")
+            ax.set_ylabel(label)
+            ax.set_title(title)
+        axes[1].axhline(80, color="0.3", ls=":", lw=1)
+        axes[1].annotate("80 GB (one H100)", (0, 80), xytext=(2, 3), textcoords="offset points", fontsize=8)
+        axes[0].legend(fontsize=8, frameon=False)
+        fig.suptitle("Random weights, real Llama-2 architectures", fontsize=10)
+        fig.tight_layout()
+    return fig
+
+
+_MARKER_COLORS = ["#555555", "#1f77b4", "#999999", "#ff7f0e", "#bbbbbb", "#2ca02c"]

@@ -1,0 +1,71 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # End to end
+#
+# Every decoder projection of a Llama-2 architecture is replaced by `trapetum.qlinear.QLinear`
+# (4-bit, K = 16) and the model decodes greedily, batch 1, 512 tokens after a 32-token prompt,
+# three ways (seed 004's integration paths): **naive** (a transformers-style loop with per-op
+# dtype casts), **eager** (cast-free, static KV cache, one Python call per token) and **graphed**
+# (the same step captured once in a CUDA graph: one replay is one token, Python does nothing per
+# layer). fp16 runs the same paths in the same run.
+#
+# **Random weights, real architecture**: the models are built from the published Llama-2 configs
+# with random weights on the GPU (speed does not depend on weight values). Tokens per second are
+# timed with CUDA events; peak VRAM is `torch.cuda.max_memory_allocated`; J/token is the mean NVML
+# power over the decode window times seconds per token. *Share of kernel bound* is the graphed
+# tok/s over the tok/s implied by timing each projection's kernel (and the LM head) alone.
+
+# %%
+# %matplotlib inline
+
+# %% tags=["parameters"]
+measure = False  # True: run the benchmark on this machine's GPU first (needs a CUDA GPU)
+arch = "llama-2-7b,llama-2-13b"  # comma-separated: llama-2-7b, llama-2-13b, llama-2-70b
+gen = 512  # generated tokens
+out = None  # results folder (None: the data/ folder of the repository)
+
+# %%
+from trapetum import report, results
+
+if measure:
+    from trapetum import decode
+
+    decode.main(["bench", "--arch", arch, "--gen", str(gen)] + (["--out", out] if out else []))
+df = report.load_decode(out if out is not None else results.DATA_DIR)
+
+# %% [markdown]
+# ## Integration paths, models and GPUs
+#
+# *vs fp16 graphed* divides by the fp16 model's graphed tok/s in the same run; where fp16 does not
+# fit on the GPU the row says so.
+
+# %%
+report.styled(report.decode_table(df))
+
+# %% [markdown]
+# ## Speed and memory
+#
+# Graphed decode only. Look at how the 4-bit model's lead over fp16 compares with the kernel
+# speedups of the previous chapter, and at which models fit under one GPU's memory.
+
+# %% mystnb={"figure": {"caption": "Graphed decode, batch 1: tokens per second (left) and peak VRAM (right), fp16 beside 4-bit K=16. Random weights, real Llama-2 architectures.", "name": "fig-decode"}}
+report.fig_decode(df)
+
+# %% [markdown]
+# ## Where the numbers come from
+
+# %%
+df[["gpu", "model", "file", "driver", "cuda", "torch", "git_commit", "date", "command"]].drop_duplicates(["gpu", "model"])
