@@ -23,7 +23,7 @@ setup: $(VENV)/.installed
 
 book: setup
 	rm -rf book/_build
-	$(BIN)/jupyter-book build book -W --keep-going
+	TRAPETUM_RENDER_ONLY=1 $(BIN)/jupyter-book build book -W --keep-going
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -6,6 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -32,7 +33,7 @@
 # %matplotlib inline
 
 # %% tags=["parameters"]
-measure = False  # True: run the benchmark on this machine's GPU first (needs a CUDA GPU)
+measure = "auto"  # "auto": measure when a CUDA GPU is visible, else render data/; True or False force it
 arch = "llama-2-7b,llama-2-13b"  # comma-separated: llama-2-7b, llama-2-13b, llama-2-70b
 gen = 512  # generated tokens
 out = None  # results folder (None: the data/ folder of the repository)
@@ -40,7 +41,7 @@ out = None  # results folder (None: the data/ folder of the repository)
 # %%
 from trapetum import report, results
 
-if measure:
+if report.should_measure(measure):
     from trapetum import decode
 
     decode.main(["bench", "--arch", arch, "--gen", str(gen)] + (["--out", out] if out else []))

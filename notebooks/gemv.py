@@ -30,9 +30,9 @@
 # %matplotlib inline
 
 # %% tags=["parameters"]
-# Papermill parameters. The book renders the recorded data with these defaults (no measuring).
+# Papermill parameters. Without a GPU (the book build) these defaults render the recorded data.
 arch = "sm_90"  # nvcc architecture for the CUDA C++ counterpart in kernels/ ("native" also works)
-measure = False  # True: measure on this machine's GPU first (needs a CUDA GPU)
+measure = "auto"  # "auto": measure when a CUDA GPU is visible, else render data/; True or False force it
 in_features = [4096, 14336, 8192, 16384]  # the large shapes of the bandwidth grid, paired
 out_features = [14336, 4096, 28672, 53248]  # with in_features: (4096 x 14336), (14336 x 4096), ...
 iterations = 30  # timed CUDA-graph replays per measurement (the median is reported)
@@ -49,15 +49,16 @@ folder = Path(out) if out is not None else results.DATA_DIR
 # %% [markdown]
 # ## Measuring on your GPU
 #
-# Run with `-p measure True` (and your GPU's `-p arch`), the next cell measures on this
-# machine's GPU with `trapetum gemv` and writes `<folder>/<gpu>/gemv.json`, keeping any older
-# run beside it; the rest of the chapter then shows your GPU beside the recorded ones. On a
-# machine without a CUDA GPU it stops with `trapetum.gemv.NoGPUError`. With the default
-# `measure = False`, as in the book build, nothing here touches a GPU: the chapter renders the
-# recorded files.
+# Run under papermill on a machine with a CUDA GPU (`papermill notebooks/gemv.ipynb out.ipynb -p
+# arch sm_86`), the next cell measures that GPU with `trapetum gemv` and writes
+# `<folder>/<gpu>/gemv.json`, keeping any older run beside it; the rest of the chapter then shows
+# your GPU beside the recorded ones. `-p measure True` insists on measuring (and stops with
+# `trapetum.gemv.NoGPUError` where there is no GPU); `-p measure False`, or
+# `TRAPETUM_RENDER_ONLY=1` as `make book` sets it, only renders the recorded files. On a machine
+# without a GPU, as in the book build, nothing here touches a GPU.
 
 # %%
-if measure:
+if report.should_measure(measure):
     from trapetum import cli
     from trapetum.gemv import require_gpu
 

@@ -336,3 +336,18 @@ def test_decode_chapter_reads_every_run_and_keeps_the_newest_per_model(tmp_path)
     _check_figure(report.fig_decode(df))
     with pytest.raises(report.NoRecordedDataError):
         report.load_decode(tmp_path / "none")
+
+
+def test_measure_auto_follows_the_gpu(monkeypatch):
+    import torch
+
+    monkeypatch.delenv("TRAPETUM_RENDER_ONLY", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert report.should_measure("auto") and not report.should_measure(False)
+    monkeypatch.setenv("TRAPETUM_RENDER_ONLY", "1")
+    assert not report.should_measure("auto") and report.should_measure(True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRAPETUM_RENDER_ONLY")
+    assert not report.should_measure("auto")
+    with pytest.raises(ValueError, match="True, False or 'auto'"):
+        report.should_measure("yes")

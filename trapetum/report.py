@@ -773,3 +773,21 @@ def fig_decode(df: pd.DataFrame) -> Figure:
 
 
 _MARKER_COLORS = ["#555555", "#1f77b4", "#999999", "#ff7f0e", "#bbbbbb", "#2ca02c"]
+
+
+def should_measure(measure) -> bool:
+    """A notebook's ``measure`` parameter: True, False, or "auto" (the default).
+
+    "auto" measures when a CUDA GPU is visible, so ``papermill notebooks/gemv.ipynb out.ipynb -p
+    arch sm_86`` reruns the chapter on the caller's GPU, and renders the recorded data otherwise
+    (or when TRAPETUM_RENDER_ONLY=1, as `make book` sets it).
+    """
+    if isinstance(measure, bool):
+        return measure
+    if measure != "auto":
+        raise ValueError(f"measure must be True, False or 'auto', got {measure!r}")
+    import os
+
+    import torch
+
+    return os.environ.get("TRAPETUM_RENDER_ONLY", "") not in ("1", "true") and torch.cuda.is_available()

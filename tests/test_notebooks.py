@@ -1,0 +1,35 @@
+"""The chapters under papermill, as a reader reruns them: render-only from data/, and a clear
+error when asked to measure on a machine without a GPU."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import papermill as pm
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CHAPTERS = ["gemv", "decode"]
+
+
+@pytest.fixture
+def no_gpu_env(monkeypatch):
+    # The kernel inherits this environment: no simulator, no visible GPU, as on a reader's laptop.
+    monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_chapter_renders_the_recorded_data_under_papermill(chapter, tmp_path, no_gpu_env):
+    out = tmp_path / f"{chapter}.ipynb"
+    nb = pm.execute_notebook(str(REPO / "notebooks" / f"{chapter}.ipynb"), str(out), kernel_name="python3",
+                             cwd=str(tmp_path), progress_bar=False)  # default measure="auto": no GPU, so render
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if "image/png" in o.get("data", {})]
+    assert images, f"{chapter}: no figure was rendered"
+
+
+def test_asking_the_gemv_chapter_to_measure_without_a_gpu_fails_clearly(tmp_path, no_gpu_env):
+    with pytest.raises(pm.PapermillExecutionError) as e:
+        pm.execute_notebook(str(REPO / "notebooks" / "gemv.ipynb"), str(tmp_path / "out.ipynb"), kernel_name="python3",
+                            parameters={"measure": True, "arch": "sm_86"}, cwd=str(tmp_path), progress_bar=False)
+    assert e.value.ename == "NoGPUError" and "CUDA GPU" in e.value.evalue
