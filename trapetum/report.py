@@ -756,9 +756,12 @@ def fig_decode(df: pd.DataFrame) -> Figure:
             s = d[(d["gpu_label"] == gpu) & (d["scheme"] == scheme)].drop_duplicates("model").set_index("model")
             x = np.arange(len(models)) + (i - (len(series) - 1) / 2) * w
             hatch = "" if scheme == "fp16" else "//"
+            gpus = sorted({g for g, _ in series})
             for ax, col in zip(axes, ("tok_s", "vram_gb")):
+                # one colour a GPU, hatched for the codebook scheme, plain for fp16
                 ax.bar(x, [s[col].get(m, np.nan) for m in models], w, label=f"{gpu}, {scheme}",
-                       color=_MARKER_COLORS[i % len(_MARKER_COLORS)], hatch=hatch, edgecolor="white")
+                       color=_GPU_COLORS[gpus.index(gpu) % len(_GPU_COLORS)], alpha=1.0 if hatch else 0.55,
+                       hatch=hatch, edgecolor="white")
         for ax, label, title in zip(axes, ("decode tok/s (graphed, batch 1)", "peak VRAM (GB)"), ("Speed", "Memory")):
             ax.set_xticks(np.arange(len(models)), models)
             ax.set_xlabel("model (random weights)")
@@ -772,7 +775,7 @@ def fig_decode(df: pd.DataFrame) -> Figure:
     return fig
 
 
-_MARKER_COLORS = ["#555555", "#1f77b4", "#999999", "#ff7f0e", "#bbbbbb", "#2ca02c"]
+_GPU_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"]
 
 
 def should_measure(measure) -> bool:
