@@ -416,6 +416,15 @@ def _color(scheme, i=0) -> str:
     return _SCHEME_COLORS.get(scheme, f"C{(i + 4) % 10}")
 
 
+def _shared_legend(fig: Figure, axes, ncols: int) -> None:
+    """One legend under the panels, each label once, whichever panel drew it first."""
+    seen = {}
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(lab, h)
+    fig.legend(list(seen.values()), list(seen.keys()), loc="outside lower center", ncols=ncols, frameon=False)
+
+
 def fig_bandwidth_law(df: pd.DataFrame, kernels=PRODUCT_KERNELS) -> Figure:
     """Speedup vs fp16 against the GPU's bandwidth: ours (filled) and the seed's (hollow)."""
     p = bandwidth_law_points(df, kernels)
@@ -510,11 +519,7 @@ def fig_roofline(df: pd.DataFrame, kernels=("torch fp16",) + PRODUCT_KERNELS) ->
             ax.set_xlabel("Bytes moved per call: weights + x + y (MB, log scale)")
         axes[0].set_ylabel("Achieved bandwidth (GB/s)")
         axes[0].set_ylim(bottom=0)
-        seen = {}
-        for ax in axes:
-            for h, lab in zip(*ax.get_legend_handles_labels()):
-                seen.setdefault(lab, h)
-        fig.legend(list(seen.values()), list(seen.keys()), loc="outside lower center", ncols=3, frameon=False)
+        _shared_legend(fig, axes, ncols=3)
         fig.suptitle("Achieved bandwidth of each kernel against bytes moved (batch 1, every timed shape)")
     return fig
 
@@ -631,11 +636,7 @@ def fig_batch(df: pd.DataFrame) -> Figure:
             ax.set_xlabel("Batch size (activation rows, log scale)")
             ax.set_ylabel("Time per call (µs, log scale)")
             ax.set_title(f"{gpu_label(gpu)}\n{shape_label(shape)}, {FOUR_BIT}")
-        seen = {}
-        for ax in axes:
-            for h, lab in zip(*ax.get_legend_handles_labels()):
-                seen.setdefault(lab, h)
-        fig.legend(list(seen.values()), list(seen.keys()), loc="outside lower center", ncols=2, frameon=False)
+        _shared_legend(fig, axes, ncols=2)
         fig.suptitle("Beyond batch 1: time per call as the batch grows")
     return fig
 
