@@ -383,6 +383,10 @@ def styled(table: pd.DataFrame, caption: str | None = None):
             fmt[c] = "{:.2f}"
         elif "gb/s" in lc:
             fmt[c] = "{:.0f}"
+        elif "tok/s" in lc or "(gb)" in lc:
+            fmt[c] = "{:.1f}"
+        elif "j/token" in lc or "share" in lc:
+            fmt[c] = "{:.2f}"
     s = table.style.format(fmt, na_rep="–").hide(axis="index")
     s = s.set_table_styles([
         {"selector": "", "props": [("font-size", "0.88em")]},
@@ -736,7 +740,7 @@ def decode_table(df: pd.DataFrame) -> pd.DataFrame:
     d = d.sort_values(["gpu_label", "model", "scheme", "_p"], key=lambda c: c.map(str) if c.dtype == object else c)
     oom = d.get("oom", pd.Series(False, index=d.index)).fillna(False).astype(bool)
     return pd.DataFrame({
-        "GPU": d["gpu_label"], "Model (random weights, real architecture)": d["model"], "Scheme": d["scheme"],
+        "GPU": d["gpu_label"], "Model (random weights)": d["model"], "Scheme": d["scheme"],
         "Path": d["path"].where(~oom, d["path"] + " (out of memory)"),
         "tok/s": d["tok_s"], "vs fp16 graphed": d["tok_s"] / d["fp16_tok_s"],
         "Peak VRAM (GB)": d["vram_gb"], "J/token": d["j_per_token"],
