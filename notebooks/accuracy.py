@@ -128,9 +128,12 @@ def setting() -> str:
             f"reference: {reference}, perplexity {ref.ppl:.2f}.")
 
 
+device = prov.get("gpu") or (f"CPU ({prov.get('cpu') or 'unknown'}, {prov.get('torch_threads')} torch threads)"
+                              if prov.get("torch_threads") else "CPU")
+calib_tokens = df.calibration_tokens.fillna(0).max() if "calibration_tokens" in df else 0
 display(Markdown(f"**Setting.** {setting()} Recorded {prov.get('date')} at commit `{str(prov.get('git_commit'))[:10]}`; "
                  f"calibration: {df.calibration.dropna().iloc[0] if df.calibration.notna().any() else 'none'}, "
-                 f"{int(df.calibration_tokens.max()):,} tokens; device: {prov.get('gpu') or 'CPU'}."))
+                 f"{int(calib_tokens):,} tokens; device: {device}."))
 
 # %% [markdown]
 # ## Perplexity by scheme and bits per weight
@@ -143,8 +146,11 @@ cols = ["label", "title", "bit class", "bits_per_weight", "ppl", "vs reference (
 table = df.sort_values(["bits", "ppl"], ascending=[False, True])[cols].rename(columns={
     "bits_per_weight": "bits/weight (incl. scales, codebooks)", "ppl": "PPL", "quantize_seconds": "quantize (s)"})
 display(Markdown(f"*{setting()}*"))
-table.style.format({"bits/weight (incl. scales, codebooks)": "{:.3f}", "PPL": "{:.2f}", "vs reference (%)": "{:+.1f}",
-                    "quantize (s)": "{:.0f}"}).hide(axis="index")
+display(table.style.format({"bits/weight (incl. scales, codebooks)": "{:.3f}", "PPL": "{:.2f}", "vs reference (%)": "{:+.1f}",
+                            "quantize (s)": "{:.0f}"}).hide(axis="index"))
+if len(not_run):
+    display(Markdown("**Requested but not measured in this run** (the run's time limit; listed in the data file): "
+                     + ", ".join(f"`{x}`" for x in not_run.label) + "."))
 
 # %% [markdown]
 # ## The Pareto figure
@@ -197,31 +203,57 @@ neg.style.format({c: "{:.2f}" for c in ["our PPL", "Llama-2-7B PPL, reported by 
 # ## The targets of issue 5
 #
 # The issue asks, at about 4.25 bits per weight: the best 4-bit pipeline at most 8% above the
-# reference, and below the peer's 4-bit perplexity at equal bits per weight. "Equal" is read
-# conservatively here: the peer row compared is the one with the most bits that does not exceed the
-# best pipeline's bits by more than a quarter bit, and a peer row with *more* bits than ours counts
-# against us only if it is also better. The verdict is computed, not typed.
+# reference, and below the peer's 4-bit perplexity at equal bits per weight; the best 2-bit vector
+# codebook at most 60% above the reference and below GPTQ 2-bit and hqq 2-bit. "Equal" is read
+# conservatively here: the peer rows compared are those within a quarter bit of the best pipeline.
+# The issue states its targets on the *full* WikiText-2 test text; the table says on how many
+# tokens each verdict was measured, and a verdict measured on a token budget is only a proxy for
+# the full-text target, which then counts as not measured. The verdicts are computed, not typed.
 
 # %%
+full_text = pd.isna(ref.get("token_budget"))
+measured_on = f"{int(ref.tokens):,} tokens, stride {int(ref.stride)}" + ("" if full_text else " (token budget, not the full text)")
+rows = []
+rtn_rows = df[df.scheme == "rtn"]
+for _, r in rtn_rows.iterrows():
+    rows.append({"target": "reference point: plain RTN 4-bit over the reference", "scheme": r.label,
+                 "bits/weight": r.bits_per_weight, "value": f"{r['vs reference (%)']:+.1f}%", "met": "(reference point)",
+                 "measured on": measured_on})
 four = df[(df["bit class"] == "4-bit") & (df.kind == "ours")]
-best = four.loc[four.ppl.idxmin()]
-peers = df[(df["bit class"] == "4-bit") & (df.kind == "peer (hqq)")]
-near = peers[(peers.bits_per_weight - best.bits_per_weight).abs() <= 0.25]
-rows = [{"target": "best 4-bit pipeline at most +8% over the reference",
-         "scheme": best.label, "bits/weight": best.bits_per_weight, "value": f"{best['vs reference (%)']:+.1f}%",
-         "met": bool(best.ppl <= 1.08 * ref.ppl)}]
-for _, p in near.iterrows():
-    rows.append({"target": f"below hqq 4-bit ({p.label}, {p.bits_per_weight:.3f} bits/weight, PPL {p.ppl:.2f})",
-                 "scheme": best.label, "bits/weight": best.bits_per_weight, "value": f"{best.ppl:.2f}",
-                 "met": bool(best.ppl < p.ppl)})
+if len(four):
+    best = four.loc[four.ppl.idxmin()]
+    rows.append({"target": "best 4-bit pipeline at most +8% over the reference", "scheme": best.label,
+                 "bits/weight": best.bits_per_weight, "value": f"{best['vs reference (%)']:+.1f}%",
+                 "met": "yes" if best.ppl <= 1.08 * ref.ppl else "no", "measured on": measured_on})
+    peers = df[(df["bit class"] == "4-bit") & (df.kind == "peer (hqq)")]
+    near = peers[(peers.bits_per_weight - best.bits_per_weight).abs() <= 0.25]
+    for _, p in near.iterrows():
+        rows.append({"target": f"below hqq 4-bit ({p.label}, {p.bits_per_weight:.3f} bits/weight, PPL {p.ppl:.2f})",
+                     "scheme": best.label, "bits/weight": best.bits_per_weight, "value": f"{best.ppl:.2f}",
+                     "met": "yes" if best.ppl < p.ppl else "no", "measured on": measured_on})
+    if near.empty:
+        rows.append({"target": "below hqq 4-bit at equal bits per weight", "scheme": best.label,
+                     "bits/weight": best.bits_per_weight, "value": "", "met": "not measured (no hqq row within a quarter bit)",
+                     "measured on": ""})
+rows.append({"target": "best 2-bit vector codebook at most +60%, below GPTQ 2-bit and hqq 2-bit", "scheme": "",
+             "bits/weight": float("nan"), "value": "", "met": "not measured (the vector-codebook work has not landed)",
+             "measured on": ""})
+if not full_text:
+    rows.append({"target": "any of the above on the full text", "scheme": "", "bits/weight": float("nan"), "value": "",
+                 "met": "not measured (this run used a token budget)", "measured on": ""})
 display(Markdown(f"*{setting()}*"))
-pd.DataFrame(rows).style.format({"bits/weight": "{:.3f}"}).hide(axis="index")
+pd.DataFrame(rows).style.format({"bits/weight": "{:.3f}"}, na_rep="").hide(axis="index")
 
 # %% [markdown]
 # ## Provenance
 #
-# The peer's version, the calibration source and the status of `llmcompressor`'s GPTQ on this
-# machine's CPU are part of the recorded provenance.
+# Everything the run recorded about itself: machine, versions, commit, date, the exact command, its
+# parameters, the peer's version, the evaluation text's checksum, and the status of
+# `llmcompressor`'s GPTQ (the issue's optional second peer) in the measuring environment.
 
 # %%
-pd.Series({k: v for k, v in prov.items() if not isinstance(v, (dict, list))}, name="value").to_frame()
+def _show(v):
+    return json.dumps(v) if isinstance(v, (dict, list)) else v
+
+
+pd.Series({k: _show(v) for k, v in prov.items()}, name="value").to_frame()

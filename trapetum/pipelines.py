@@ -750,7 +750,7 @@ def compare(
     text_file: str | None = None,
     token_budget: int | None = 30720,
     ctx: int = 2048,
-    stride: int = 2048,
+    stride: int | None = None,
     calibration_source: str = "auto",
     n_calib: int = 32,
     calib_len: int = 512,
@@ -761,11 +761,14 @@ def compare(
 ) -> list[dict]:
     """Reference perplexity, then each scheme spec ('name' or 'name:key=value,...') on a fresh copy
     of the reference weights, quantized and evaluated on the same tokens. One record per row.
+    stride None is ctx (non-overlapping windows, as the GPTQ/AWQ papers report).
 
     callback(records) runs after every row, so a long run can keep what it has measured.
     time_limit_s: no scheme is started once the run has taken this long; each scheme left out
     gets a record with ppl None and ``skipped`` saying why, so the file names what was not measured."""
     t_start = time.perf_counter()
+    stride = ctx if stride is None else stride
+    _ppl.windows(ctx, ctx, stride)  # ValueError for a bad ctx or stride, before anything loads
     for spec in schemes:  # fail on a typo before the model loads, not an hour in
         name, opts = parse_spec(spec)
         get_scheme(name, **opts)
