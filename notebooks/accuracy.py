@@ -65,6 +65,7 @@ llmcompressor_note = ""  # what was found when trying llmcompressor's GPTQ on th
 # %%
 import hashlib
 import json
+import warnings
 import os
 import platform
 import shlex
@@ -75,8 +76,10 @@ import pandas as pd
 import seaborn as sns
 import torch
 from IPython.display import Markdown, display
+from tqdm.std import TqdmWarning
 
-from trapetum import pipelines, ppl, results
+warnings.simplefilter("ignore", TqdmWarning)  # tqdm.auto's "IProgress not found" has no place in the book
+from trapetum import pipelines, ppl, results  # noqa: E402
 
 folder = Path(output_folder) if output_folder else pipelines.ACCURACY_DIR
 path = folder / f"{results.slug(model)}.json"
@@ -113,7 +116,7 @@ ref = df[df.scheme == "reference"].iloc[-1]
 not_run = df[df.ppl.isna() & (df.scheme != "reference")]
 df = df[(df.scheme != "reference") & df.ppl.notna()].drop_duplicates("label", keep="last").copy()
 df["vs reference (%)"] = 100 * (df.ppl / ref.ppl - 1)
-df["kind"] = df.apply(lambda r: "peer (hqq)" if r.get("peer") else ("baseline (RTN)" if r.scheme == "rtn" else "ours"), axis=1)
+df["kind"] = df.apply(lambda r: "peer (hqq)" if isinstance(r.get("peer"), str) else ("baseline (RTN)" if r.scheme == "rtn" else "ours"), axis=1)
 df["bit class"] = df.bits.map(lambda b: f"{int(b)}-bit")
 
 
