@@ -152,8 +152,9 @@ display(Markdown(f"*{setting()}*"))
 display(table.style.format({"bits/weight (incl. scales, codebooks)": "{:.3f}", "PPL": "{:.2f}", "vs reference (%)": "{:+.1f}",
                             "quantize (s)": "{:.0f}"}).hide(axis="index"))
 if len(not_run):
-    display(Markdown("**Requested but not measured in this run** (the run's time limit; listed in the data file): "
-                     + ", ".join(f"`{x}`" for x in not_run.label) + "."))
+    why = sorted(set(not_run.skipped.dropna())) if "skipped" in not_run else []
+    display(Markdown("**Requested but not measured in this run:** " + ", ".join(f"`{x}`" for x in not_run.label)
+                     + ". Why, as the data file records it: " + "; ".join(why) + "."))
 
 # %% [markdown]
 # ## The Pareto figure
