@@ -273,3 +273,89 @@ def test_smollm2_quick_budget():
     q = ppl.perplexity(model, input_ids=ids, ctx=512, stride=512, progress=False)
     assert rep.bits_per_weight == pytest.approx(4 + 32 / 192)
     assert q.ppl > ref.ppl
+
+
+# --------------------------------------------------------------------------- the measuring run's driver
+
+
+@pytest.fixture
+def tiny_compare(monkeypatch, tmp_path):
+    """pipelines.compare on the tiny random Llama and a byte tokenizer (no real model, no hub)."""
+    f = tmp_path / "wiki.raw"
+    f.write_text(TEXT)
+    monkeypatch.setattr(ppl, "load_model", lambda name, device=None: (tiny_llama(), ByteTokenizer()))
+    return f
+
+
+def test_compare_rejects_bad_schemes_before_loading(monkeypatch):
+    def never(*a, **k):
+        raise AssertionError("the model must not be loaded for a bad scheme list")
+
+    monkeypatch.setattr(ppl, "load_model", never)
+    with pytest.raises(P.SchemeError, match="unknown scheme"):
+        P.compare("smollm2-135m", ["rtn", "kmeans-acts"])
+    with pytest.raises(P.SchemeError, match="no option"):
+        P.compare("smollm2-135m", ["kmeans:group_size=64"])
+
+
+def test_compare_rejects_misfit_group_before_first_pass(tiny_compare, monkeypatch):
+    def never(*a, **k):
+        raise AssertionError("no perplexity pass may run before the options are checked")
+
+    monkeypatch.setattr(ppl, "perplexity", never)
+    with pytest.raises(P.SchemeError, match="does not divide in_features=64"):
+        P.compare("tiny", ["rtn:group_size=32", "hqq:group_size=48"], text_file=tiny_compare, token_budget=256, ctx=128)
+
+
+def test_compare_records_and_time_limit(tiny_compare):
+    seen = []
+    recs = P.compare("tiny", ["rtn:group_size=32", "kmeans"], text_file=tiny_compare, token_budget=256, ctx=128,
+                     stride=128, calibration_source="pydoc", progress=False, callback=lambda r: seen.append(len(r)))
+    assert [r["label"] for r in recs] == ["reference", "rtn:group_size=32", "kmeans"] and seen == [1, 2, 3]
+    for r in recs:  # the fields the issue asks every record to carry
+        assert {"scheme", "bits_per_weight", "ppl", "reference_ppl", "tokens", "quantize_seconds", "stride", "ctx"} <= set(r)
+        assert r["tokens"] == 256 and r["stride"] == 128
+    assert recs[1]["bits_per_weight"] == pytest.approx(4 + 32 / 32)
+    cut = P.compare("tiny", ["rtn:group_size=32", "kmeans-act"], text_file=tiny_compare, token_budget=256, ctx=128,
+                    calibration_source="pydoc", progress=False, time_limit_s=0)
+    assert [r["ppl"] is None for r in cut] == [False, True, True]
+    assert all("time limit" in r["skipped"] for r in cut[1:])
+
+
+# --------------------------------------------------------------------------- the recorded run
+
+
+RECORDED = Path(P.ACCURACY_DIR) / "smollm2-135m.json"
+
+
+def test_recorded_run_has_provenance_and_every_field():
+    from trapetum import results
+
+    prov, df = results.read(RECORDED)
+    for key in ("date", "command", "git_commit", "torch", "transformers", "hqq", "python", "cpu", "parameters",
+                "llmcompressor", "text_file_sha256"):
+        assert prov.get(key) is not None, key
+    assert "papermill notebooks/accuracy.ipynb" in prov["command"] and "schemes" in prov["command"]
+    assert prov["reference"] == "Q4_1-dequantized"
+    ref = df[df.scheme == "reference"]
+    assert len(ref) == 1
+    done = df[df.ppl.notna() & (df.scheme != "reference")]
+    assert len(done) >= 3
+    assert (done.reference_ppl == ref.ppl.iloc[0]).all() and (df.stride.notna() & df.ctx.notna()).all()
+    # bits per weight include the scales and codebooks: always above the code bits
+    assert (done.bits_per_weight > done.bits).all() and (done.quantize_seconds > 0).all()
+    assert {"rtn", "hqq"} <= set(done.scheme)  # the baseline and the peer, in the same run
+    not_done = df[df.ppl.isna() & (df.scheme != "reference")]
+    assert not_done.get("skipped", pd_series_of(not_done)).notna().all()
+
+
+def pd_series_of(frame):
+    import pandas as pd
+
+    return pd.Series([None] * len(frame), index=frame.index, dtype=object)
+
+
+def test_compare_rejects_bad_stride_before_loading(monkeypatch):
+    monkeypatch.setattr(ppl, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    with pytest.raises(ValueError, match="stride must be in"):
+        P.compare("smollm2-135m", ["rtn"], ctx=512, stride=2048)

@@ -655,6 +655,19 @@ def _run_layer(layer, inputs):
     return outs
 
 
+def check_options(linears: dict[str, nn.Linear], opts: dict) -> None:
+    """SchemeError if a scheme's options do not fit the model (a group size that does not divide in_features)."""
+    if "group_size" in opts:
+        for name, m in linears.items():
+            if m.in_features % opts["group_size"]:
+                ins = sorted({m.in_features for m in linears.values()})
+                ok = [g for g in range(8, min(ins) + 1, 8) if all(i % g == 0 for i in ins)]
+                raise SchemeError(
+                    f"group_size={opts['group_size']} does not divide in_features={m.in_features} of {name}; "
+                    f"group sizes (multiples of 8) that divide every in_features {ins}: {ok}"
+                )
+
+
 @torch.no_grad()
 def quantize(
     model,
@@ -673,15 +686,7 @@ def quantize(
     """
     spec, opts, qfn = get_scheme(scheme, **options)
     linears = decoder_linears(model)
-    if "group_size" in opts:
-        for name, m in linears.items():
-            if m.in_features % opts["group_size"]:
-                ins = sorted({m.in_features for m in linears.values()})
-                ok = [g for g in range(8, min(ins) + 1, 8) if all(i % g == 0 for i in ins)]
-                raise SchemeError(
-                    f"group_size={opts['group_size']} does not divide in_features={m.in_features} of {name}; "
-                    f"group sizes (multiples of 8) that divide every in_features {ins}: {ok}"
-                )
+    check_options(linears, opts)
     if spec.calibrated and (calib is None or calib.dim() != 2 or calib.numel() == 0):
         raise SchemeError(f"scheme {scheme!r} is calibrated: pass calib, a LongTensor [n_samples, seq_len]")
     t0 = time.perf_counter()
@@ -745,22 +750,32 @@ def compare(
     text_file: str | None = None,
     token_budget: int | None = 30720,
     ctx: int = 2048,
-    stride: int = 2048,
+    stride: int | None = None,
     calibration_source: str = "auto",
     n_calib: int = 32,
     calib_len: int = 512,
     device: str | None = None,
     progress: bool = True,
     callback: Callable[[list[dict]], None] | None = None,
+    time_limit_s: float | None = None,
 ) -> list[dict]:
     """Reference perplexity, then each scheme spec ('name' or 'name:key=value,...') on a fresh copy
     of the reference weights, quantized and evaluated on the same tokens. One record per row.
+    stride None is ctx (non-overlapping windows, as the GPTQ/AWQ papers report).
 
-    callback(records) runs after every row, so a long run can keep what it has measured."""
+    callback(records) runs after every row, so a long run can keep what it has measured.
+    time_limit_s: no scheme is started once the run has taken this long; each scheme left out
+    gets a record with ppl None and ``skipped`` saying why, so the file names what was not measured."""
+    t_start = time.perf_counter()
+    stride = ctx if stride is None else stride
+    _ppl.windows(ctx, ctx, stride)  # ValueError for a bad ctx or stride, before anything loads
     for spec in schemes:  # fail on a typo before the model loads, not an hour in
         name, opts = parse_spec(spec)
         get_scheme(name, **opts)
     model, tok = _ppl.load_model(model_name, device=device)
+    for spec in schemes:  # options that do not fit this model fail before the first perplexity pass
+        name, opts = parse_spec(spec)
+        check_options(decoder_linears(model), get_scheme(name, **opts)[1])
     ids = _ppl.tokenize(tok, _ppl.wikitext2(text_file=text_file), token_budget)
     ref = _ppl.perplexity(model, input_ids=ids, ctx=ctx, stride=stride, progress=progress)
     base = dict(model=model_name, tokens=ref.tokens, scored_tokens=ref.scored, ctx=ctx, stride=stride,
@@ -776,11 +791,21 @@ def compare(
     saved = {n: m.weight.data.clone() for n, m in decoder_linears(model).items()}
     for spec in schemes:
         name, opts = parse_spec(spec)
+        s = SCHEMES[name]
+        elapsed = time.perf_counter() - t_start
+        if time_limit_s is not None and elapsed > time_limit_s:
+            full = get_scheme(name, **opts)[1]
+            records.append(dict(base, scheme=name, label=spec, title=s.title, bits=full["bits"],
+                                group_size=full.get("group_size"), options=full, bits_per_weight=None, ppl=None,
+                                quantize_seconds=None, peer=s.peer,
+                                skipped=f"not run: the run had taken {elapsed:.0f} s, past its time limit of {time_limit_s:.0f} s"))
+            if progress:
+                print(f"{spec:40s} skipped (time limit)")
+            continue
         for n, m in decoder_linears(model).items():
             m.weight.data.copy_(saved[n])
         rep = quantize(model, name, calib, calibration=calib_desc, progress=progress, **opts)
         r = _ppl.perplexity(model, input_ids=ids, ctx=ctx, stride=stride, progress=progress)
-        s = SCHEMES[name]
         records.append(dict(
             base, scheme=name, label=spec, title=s.title, bits=rep.options["bits"],
             group_size=rep.options.get("group_size"), options=rep.options,
@@ -796,6 +821,15 @@ def compare(
     for n, m in decoder_linears(model).items():
         m.weight.data.copy_(saved[n])
     return records
+
+
+def llmcompressor_status() -> dict:
+    """Whether `llmcompressor` (a second GPTQ, the issue's optional peer) can be imported here, and its version."""
+    try:
+        import llmcompressor  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any failure to import is the status we record
+        return {"importable": False, "version": _package_version("llmcompressor"), "error": f"{type(e).__name__}: {e}"[:300]}
+    return {"importable": True, "version": _package_version("llmcompressor"), "error": None}
 
 
 def save_accuracy(model_name: str, records: list[dict], prov: dict, folder: Path | str | None = None) -> Path:

