@@ -708,16 +708,7 @@ def load_decode(folder=None) -> pd.DataFrame:
     13B + 70B run), so every ``decode*.json`` is read and, per GPU and model, the newest run wins.
     """
     root = _root(folder)
-    frames = []
-    for path in sorted(root.glob(f"*/{DECODE}*.json")):
-        prov, d = results.read(path)
-        if d.empty:
-            continue
-        for key in ("gpu", "driver", "cuda", "torch", "numba_cuda", "git_commit", "date", "command"):
-            d[key] = prov.get(key)
-        d["file"] = f"{path.parent.name}/{path.name}"
-        frames.append(d)
-    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    df = results.load(DECODE, root, every_run=True)
     if not df.empty:
         newest = df.groupby(["gpu", "model"])["date"].transform("max")
         df = df[df["date"] == newest].reset_index(drop=True)

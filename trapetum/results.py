@@ -161,17 +161,22 @@ def read(path: Path | str) -> tuple[dict, pd.DataFrame]:
     return d["provenance"], pd.DataFrame(d["records"])
 
 
-def load(name: str, folder: Path | str | None = None) -> pd.DataFrame:
-    """All GPUs' latest ``<name>.json`` as one DataFrame, with gpu/driver/date/commit columns."""
+def load(name: str, folder: Path | str | None = None, every_run: bool = False) -> pd.DataFrame:
+    """All GPUs' latest ``<name>.json`` as one DataFrame, with gpu/driver/date/commit/command
+    columns and the file each record came from; ``every_run`` also reads the runs kept aside
+    (``<name>.<date>.json``)."""
     root = Path(folder if folder is not None else DATA_DIR)
     frames = []
-    for path in sorted(root.glob(f"*/{name}.json")):
+    paths = root.glob(f"*/{name}.json") if not every_run else (
+        p for p in root.glob(f"*/{name}*.json") if p.name == f"{name}.json" or p.name.startswith(f"{name}."))
+    for path in sorted(paths):
         prov, df = read(path)
         if df.empty:
             continue
-        for key in ("gpu", "driver", "cuda", "torch", "numba_cuda", "git_commit", "date"):
+        for key in ("gpu", "driver", "cuda", "torch", "numba_cuda", "git_commit", "date", "command"):
             df[key] = prov.get(key)
         df["gpu_slug"] = path.parent.name
+        df["file"] = f"{path.parent.name}/{path.name}"
         frames.append(df)
     if not frames:
         return pd.DataFrame()
