@@ -222,13 +222,16 @@ def quantize(
     return ct, rep
 
 
-def random_codebook_tensor(out_features: int, in_features: int, K: int, seed: int = 0, device="cpu") -> CodebookTensor:
-    """Random codes and sorted normal codebooks: what speed benchmarks use (speed does not depend on values)."""
+def random_codebook_tensor(out_features: int, in_features: int, K: int, seed: int = 0, device="cpu",
+                           generator: torch.Generator | None = None) -> CodebookTensor:
+    """Random codes and sorted normal codebooks, made on ``device``: what speed benchmarks use
+    (speed does not depend on values). No CPU pass, so 7B-70B layers are built in place."""
     check_in_features(in_features, K)
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    q = torch.randint(0, K, (out_features, in_features), generator=g, dtype=torch.int32)
-    cb = torch.randn(out_features, K, generator=g).sort(dim=1).values * 0.02
-    return CodebookTensor(pack_codes(q, K), cb.half(), K, in_features, out_features).to(device)
+    g = generator if generator is not None else torch.Generator(device=device).manual_seed(seed)
+    hi = 256 if K == 16 else K  # for K=16 a random byte is two valid 4-bit codes
+    codes = torch.randint(0, hi, (out_features, in_features // codes_per_byte(K)), dtype=torch.uint8, device=device, generator=g)
+    cb = torch.randn(out_features, K, device=device, generator=g).sort(dim=1).values * 0.02
+    return CodebookTensor(codes, cb.half(), K, in_features, out_features)
 
 
 # -- kernel layout ---------------------------------------------------------------------------

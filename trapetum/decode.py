@@ -331,18 +331,10 @@ def llama_config(arch: str, **overrides):
 
 
 def random_qlinear(in_features: int, out_features: int, K: int, device, generator=None) -> QLinear:
-    """A QLinear with random codes and sorted random codebooks made on the device (speed does not depend on values).
+    """A QLinear with random codes and codebooks made on the device (speed does not depend on values)."""
+    from .codebook import random_codebook_tensor
 
-    Faster than :func:`trapetum.codebook.random_codebook_tensor` at 7B-70B sizes: no CPU pass,
-    and for K=16 a random byte is two valid 4-bit codes.
-    """
-    from .codebook import codes_per_byte
-
-    q = QLinear(in_features, out_features, K, device="meta")
-    hi = 256 if K == 16 else K
-    q.codes = torch.randint(0, hi, (out_features, in_features // codes_per_byte(K)), dtype=torch.uint8, device=device, generator=generator)
-    q.codebook = (torch.randn(out_features, K, device=device, generator=generator).sort(dim=1).values * 0.02).half()
-    return q
+    return QLinear.from_codebook(random_codebook_tensor(out_features, in_features, K, device=device, generator=generator))
 
 
 @torch.no_grad()
