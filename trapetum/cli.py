@@ -44,6 +44,9 @@ def _gemv(args) -> int:
     return 0
 
 
+DECODE_COMMANDS = ("generate", "check", "bench")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="trapetum", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -57,10 +60,10 @@ def main(argv=None) -> int:
     g.add_argument("--no-cuda-cpp", dest="cuda_cpp", action="store_false", help="skip building and running kernels/")
     g.set_defaults(func=_gemv)
     # generate / check / bench live in trapetum.decode; `trapetum generate ...` hands them over.
-    for name in ("generate", "check", "bench"):
+    for name in DECODE_COMMANDS:
         sub.add_parser(name, add_help=False, help=f"see python -m trapetum.decode {name} --help")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("generate", "check", "bench"):
+    if argv and argv[0] in DECODE_COMMANDS:
         from . import decode
 
         return decode.main(argv)
