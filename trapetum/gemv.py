@@ -403,6 +403,60 @@ def _as_kernel_array(t: torch.Tensor):
     return cuda.as_cuda_array(t.detach())
 
 
+def check_activation(x: torch.Tensor, n_in: int, device: torch.device, max_batch: int = MAX_FUSED_BATCH) -> torch.Tensor:
+    """The checks every fused kernel needs of x; returns it as (batch, n_in)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.float16:
+        raise TypeError(f"x must be float16, got {x.dtype}")
+    if x.device != device and not (SIM and x.device.type == "cpu"):
+        raise ValueError(f"x is on {x.device} but the weight is on {device}")
+    if x.dim() not in (1, 2) or x.shape[-1] != n_in:
+        raise ValueError(f"x must have shape ({n_in},) or (batch, {n_in}), got {tuple(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError("x must be contiguous (call .contiguous() first)")
+    if x.data_ptr() % 16:
+        raise ValueError("x must be 16-byte aligned (the kernels read it 16 bytes at a time); pass a fresh tensor, not an offset view")
+    x2 = x.reshape(1, -1) if x.dim() == 1 else x
+    if not 1 <= x2.shape[0] <= max_batch:
+        raise ValueError(f"fused kernels take batch 1..{max_batch}, got {x2.shape[0]} (use QLinear's dispatch)")
+    return x2
+
+
+def check_output(out: torch.Tensor, batch: int, n_out: int, device) -> None:
+    if not isinstance(out, torch.Tensor) or out.shape != (batch, n_out) or out.dtype != torch.float16 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float16 tensor of shape {(batch, n_out)}")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device}, x on {device}")
+
+
+def max_shared_bytes(device) -> int:
+    """Shared memory a block may opt in to (227 KiB on an H100); the 48 KiB default in the simulator."""
+    if SIM or not torch.cuda.is_available():
+        return SMEM_BUDGET
+    return int(getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", SMEM_BUDGET))
+
+
+def with_shared_limit(dispatcher, args, nbytes: int):
+    """A dispatcher specialized to `args` whose kernel may use `nbytes` of dynamic shared memory.
+
+    numba never opts a kernel in to more than the 48 KiB default (numba-cuda issue #94), so
+    a launch asking for more fails with "invalid argument". This compiles the kernel for these
+    argument types and raises the kernel's limit through the driver, as cudaFuncSetAttribute
+    would. Call it once, outside any CUDA-graph capture.
+    """
+    if SIM or nbytes <= SMEM_BUDGET:
+        return dispatcher
+    from numba.cuda.cudadrv.driver import binding, driver
+
+    spec = dispatcher.specialize(*args)
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    for k in spec.overloads.values():
+        f = k._codelibrary.get_cufunc()
+        driver.cuKernelSetAttribute(attr, int(nbytes), f.handle, f.device.id)
+    return spec
+
+
 def sm_count(device) -> int:
     if SIM or not torch.cuda.is_available():
         return 4
@@ -527,22 +581,7 @@ class LutGemv:
         return self.ct.nbytes + 2 * (self.n_in + self.n_out)
 
     def check_input(self, x: torch.Tensor) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype != torch.float16:
-            raise TypeError(f"x must be float16, got {x.dtype}")
-        if x.device != self.device and not (SIM and x.device.type == "cpu"):
-            raise ValueError(f"x is on {x.device} but the weight is on {self.device}")
-        if x.dim() not in (1, 2) or x.shape[-1] != self.n_in:
-            raise ValueError(f"x must have shape ({self.n_in},) or (batch, {self.n_in}), got {tuple(x.shape)}")
-        if not x.is_contiguous():
-            raise ValueError("x must be contiguous (call .contiguous() first)")
-        if x.data_ptr() % 16:
-            raise ValueError("x must be 16-byte aligned (the kernels read it 16 bytes at a time); pass a fresh tensor, not an offset view")
-        x2 = x.reshape(1, -1) if x.dim() == 1 else x
-        if not 1 <= x2.shape[0] <= MAX_FUSED_BATCH:
-            raise ValueError(f"fused kernels take batch 1..{MAX_FUSED_BATCH}, got {x2.shape[0]} (use QLinear's dispatch)")
-        return x2
+        return check_activation(x, self.n_in, self.device)
 
     def _launch_parts(self, B: int, plan: LaunchPlan):
         kern = lut_kernel(self.K, B, plan.warps, wide=self.variant == "lut", RB=plan.RB, stages=plan.stages)
@@ -614,10 +653,7 @@ class LutGemv:
         """
         x2 = self.check_input(x)
         B = x2.shape[0]
-        if out.shape != (B, self.n_out) or out.dtype != torch.float16 or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous float16 tensor of shape {(B, self.n_out)}")
-        if out.device != x2.device:
-            raise ValueError(f"out is on {out.device}, x on {x2.device}")
+        check_output(out, B, self.n_out, x2.device)
         kern, plan, _owners, views = self._prepare(B)
         ya = _as_kernel_array(out)
         xa = _as_kernel_array(x2 if self.variant == "naive" else x2.view(torch.int32))
