@@ -163,6 +163,9 @@ def test_tile_layout(K, n_out, n_in):
             for lane in range(32):
                 start = ((rb * nchunks + j) * 32 + lane) * 16
                 assert torch.equal(b[start : start + 16], codes[rb * 32 + lane, j * 16 : j * 16 + 16]), (rb, j, lane)
+    assert torch.equal(C.untile(tiled, n_out, nbytes), ct.codes)  # the inverse, padding dropped
+    with pytest.raises(ValueError, match="tiled codes hold"):
+        C.untile(tiled, n_out + 32, nbytes)
     # codebooks: (row-blocks, K, 32) with cbt[rb, k, lane] = codebook[rb*32 + lane, k], zero-padded
     assert cbt.shape == (rbs, K, 32) and cbt.dtype == torch.float16
     for row in (0, n_out - 1):

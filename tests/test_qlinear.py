@@ -112,6 +112,30 @@ def test_kernel_dispatch_in_simulator(mode):
             q(torch.randn(1, 64))
 
 
+@pytest.mark.skipif(not gemv.SIM, reason="the kernel dispatch on CPU tensors needs the CUDA simulator")
+def test_codes_held_once_once_the_kernel_is_built():
+    # Out of 40 rows: not a multiple of the kernel's 32-row blocks, so untiling must drop the padding.
+    ct = random_codebook_tensor(40, 64, 16, seed=6)
+    natural = ct.codes.clone()
+    q = QLinear.from_codebook(ct)
+    q.simulate = True
+    x = torch.randn(1, 64).half()
+    y0 = q(x)
+    assert q.codes.numel() == 0, "the natural codes buffer should be released once the tiled copy exists"
+    assert torch.equal(q.state_dict()["codes"], natural)
+    assert torch.equal(q.codebook_tensor().codes, natural)
+    assert torch.equal(q.dequantize(), ct.dequantize())
+    torch.testing.assert_close(q(x), y0)
+    q2 = QLinear(64, 40, 16)
+    q2.load_state_dict(q.state_dict())
+    assert torch.equal(q2.codes, natural)
+    q.load_state_dict({"codes": torch.zeros_like(natural), "codebook": q.codebook})  # a load replaces the kernel's copy
+    assert torch.equal(q.codes, torch.zeros_like(natural)) and q._gemv is None
+    q(x)
+    q.float()  # a move brings the natural buffer back
+    assert torch.equal(q.codes, torch.zeros_like(natural))
+
+
 # -- save / load -----------------------------------------------------------------------------------
 @pytest.fixture()
 def saved(tmp_path):

@@ -166,7 +166,7 @@ def time_lut(n_in, n_out, K, batch, variant, fp16_ms, seed=0) -> dict:
     ms = time_graph(launchers)
     g = keep[0][0]
     err = check_kernel(n_in, n_out, K, batch, variant, seed=seed + 7)
-    nbytes = g.ct.nbytes + 2 * batch * (n_in + n_out)
+    nbytes = g.weight_bytes + 2 * batch * (n_in + n_out)
     plan = g._plans[batch][1]
     del launchers, keep
     torch.cuda.empty_cache()

@@ -254,3 +254,14 @@ def tile(ct: CodebookTensor) -> tuple[torch.Tensor, torch.Tensor]:
     tiled = codes.reshape(rbs, ROW_BLOCK, nchunks, CHUNK_BYTES).permute(0, 2, 1, 3).contiguous()
     cbt = cb.reshape(rbs, ROW_BLOCK, ct.K).permute(0, 2, 1).contiguous()
     return tiled.view(torch.int32).reshape(-1), cbt
+
+
+def untile(tiled: torch.Tensor, out_features: int, nbytes: int) -> torch.Tensor:
+    """The natural (out, nbytes) uint8 codes back from :func:`tile`'s int32 words (a copy)."""
+    rbs = -(-out_features // ROW_BLOCK)
+    nchunks = nbytes // CHUNK_BYTES
+    if tiled.numel() * 4 != rbs * ROW_BLOCK * nbytes:
+        raise ValueError(f"tiled codes hold {tiled.numel() * 4} bytes, not {rbs * ROW_BLOCK} x {nbytes}")
+    t = tiled.view(torch.uint8).reshape(rbs, nchunks, ROW_BLOCK, CHUNK_BYTES).permute(0, 2, 1, 3)
+    return t.reshape(rbs * ROW_BLOCK, nbytes)[:out_features].contiguous()
+

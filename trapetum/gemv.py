@@ -33,7 +33,7 @@ import torch  # noqa: E402
 from numba import config as _nb_config  # noqa: E402
 from numba import cuda, float32, int32, int64, uint32  # noqa: E402
 
-from .codebook import CHUNK_BYTES, ROW_BLOCK, CodebookTensor, codes_per_byte, tile  # noqa: E402
+from .codebook import CHUNK_BYTES, ROW_BLOCK, CodebookTensor, codes_per_byte, tile, untile  # noqa: E402
 
 SIM = bool(_nb_config.ENABLE_CUDASIM)
 MAX_FUSED_BATCH = 16
@@ -541,11 +541,14 @@ class LutGemv:
     ablation), "naive" (one thread a row, natural layout: the negative result).
     ``plan``: optional overrides for :func:`plan_launch` (keys RB, ksplit, warps, stages); otherwise the
     plan is tuned on a GPU (``tune=True``) or taken from the heuristic.
+    ``keep_natural=False``: hold the codes only in the kernel's tiled layout (half the memory of
+    keeping both); :attr:`ct` then rebuilds the natural layout on demand (a copy).
     """
 
     VARIANTS = ("lut", "lut32", "naive")
 
-    def __init__(self, ct: CodebookTensor, device=None, variant: str = "lut", plan: dict | None = None, tune: bool = True):
+    def __init__(self, ct: CodebookTensor, device=None, variant: str = "lut", plan: dict | None = None, tune: bool = True,
+                 keep_natural: bool = True):
         if variant not in self.VARIANTS:
             raise ValueError(f"unknown kernel variant {variant!r}; choose one of {self.VARIANTS}")
         require_gpu()
@@ -557,18 +560,22 @@ class LutGemv:
         if not SIM and self.device.type != "cuda":
             raise ValueError(f"LutGemv runs on a CUDA device, got {self.device}")
         ct.validate()
-        self.ct = ct.to(self.device)
+        ct = ct.to(self.device)
         self.K, self.n_in, self.n_out = ct.K, ct.in_features, ct.out_features
         self.variant = variant
         self.fixed_plan = plan
         self.tune_on_gpu = tune and not SIM
-        self.nchunks = self.ct.codes.shape[1] // CHUNK_BYTES
+        self.weight_bytes = ct.nbytes
+        self._ncode_bytes = ct.codes.shape[1]
+        self.nchunks = self._ncode_bytes // CHUNK_BYTES
         self.rbs = -(-self.n_out // ROW_BLOCK)
+        self._codebook = ct.codebook
+        self._ct = ct if keep_natural or variant == "naive" else None
         if variant == "naive":
-            self._codes = _as_kernel_array(self.ct.codes)
-            self._cb = _as_kernel_array(self.ct.codebook)
+            self._codes = _as_kernel_array(ct.codes)
+            self._cb = _as_kernel_array(ct.codebook)
         else:
-            tiled, cbt = tile(self.ct)
+            tiled, cbt = tile(ct)
             cbt32 = cbt.reshape(cbt.shape[0], -1).view(torch.int32)
             self._tiled_t, self._cbt_t = tiled, cbt32  # keep torch owners alive under the views
             self._tiled = _as_kernel_array(tiled)
@@ -576,9 +583,17 @@ class LutGemv:
         self._plans: dict[int, tuple] = {}
 
     @property
+    def ct(self) -> CodebookTensor:
+        """The weight in the natural layout (rebuilt from the tiled codes when not kept)."""
+        if self._ct is not None:
+            return self._ct
+        codes = untile(self._tiled_t, self.n_out, self._ncode_bytes)
+        return CodebookTensor(codes, self._codebook, self.K, self.n_in, self.n_out)
+
+    @property
     def bytes_read(self) -> int:
         """Bytes a batch-1 call must move at least: codes, codebooks, x and y."""
-        return self.ct.nbytes + 2 * (self.n_in + self.n_out)
+        return self.weight_bytes + 2 * (self.n_in + self.n_out)
 
     def check_input(self, x: torch.Tensor) -> torch.Tensor:
         return check_activation(x, self.n_in, self.device)
@@ -620,7 +635,7 @@ class LutGemv:
         if len(cands) == 1:
             _TUNED[key] = cands[0]
             return cands[0]
-        copies = [self._tiled_t] + [self._tiled_t.clone() for _ in range(copies_for(self.ct.nbytes) - 1)]
+        copies = [self._tiled_t] + [self._tiled_t.clone() for _ in range(copies_for(self.weight_bytes) - 1)]
         views = [_as_kernel_array(t) for t in copies]
         x = torch.randn(B, self.n_in, device=self.device, dtype=torch.float16)
         y = torch.empty(B, self.n_out, device=self.device, dtype=torch.float16)
@@ -684,12 +699,13 @@ class LutGemv:
     def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The fp16 weight (out, in), built on the device by a kernel."""
         W = out if out is not None else torch.empty(self.n_out, self.n_in, dtype=torch.float16, device=self.device)
-        codes = self._codes if self.variant == "naive" else _as_kernel_array(self.ct.codes)
-        cb = self._cb if self.variant == "naive" else _as_kernel_array(self.ct.codebook)
+        natural = None if self.variant == "naive" else self.ct  # a transient copy when only the tiled codes are kept
+        codes = self._codes if natural is None else _as_kernel_array(natural.codes)
+        cb = self._cb if natural is None else _as_kernel_array(natural.codebook)
         Wa = _as_kernel_array(W)
         stream = 0 if SIM else cuda.external_stream(torch.cuda.current_stream(self.device).cuda_stream)
         blocks = 4 if SIM else 8 * sm_count(self.device)
-        dequant_kernel(self.K)[blocks, 256, stream](codes, cb, Wa, self.n_out, self.ct.codes.shape[1])
+        dequant_kernel(self.K)[blocks, 256, stream](codes, cb, Wa, self.n_out, self._ncode_bytes)
         if SIM:
             W.copy_(torch.from_numpy(Wa))
         return W

@@ -70,6 +70,7 @@ class QLinear(nn.Module):
         # Tests set this under NUMBA_ENABLE_CUDASIM to run the kernel dispatch on CPU tensors.
         self.simulate = False
         self._gemv = None
+        self._codes_in_kernel = False
 
     @classmethod
     def from_codebook(cls, ct: CodebookTensor, bias: torch.Tensor | None = None) -> "QLinear":
@@ -95,7 +96,27 @@ class QLinear(nn.Module):
 
     def codebook_tensor(self) -> CodebookTensor:
         """The weight as a CodebookTensor (validated: dtypes, shapes, finite codebooks, code range)."""
+        if self._codes_in_kernel:
+            return self._gemv.ct  # rebuilt from the kernel's tiled copy
         return CodebookTensor(self.codes, self.codebook, self.K, self.in_features, self.out_features)
+
+    # On a GPU the codes live once, in the kernel's tiled layout: the natural buffer is released
+    # when the kernel is built, and rebuilt (a permuted copy) for state_dict, moves and dequantize.
+    # Holding both cost a second copy of every weight (7.9 GB instead of ~4.5 GB at 7B).
+    def _restore_codes(self) -> None:
+        if self._codes_in_kernel:
+            self.codes = self._gemv.ct.codes
+            self._codes_in_kernel = False
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._codes_in_kernel:
+            destination[prefix + "codes"] = self._gemv.ct.codes
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self._restore_codes()
+        self._gemv = None
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def dequantize(self, dtype=torch.float16) -> torch.Tensor:
         return self.codebook_tensor().dequantize(dtype)
@@ -109,6 +130,7 @@ class QLinear(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         # A move invalidates the kernel's copy of the weight (it lives on one device).
+        self._restore_codes()
         self._gemv = None
         super()._apply(fn, *args, **kwargs)
         # model.float() / model.half() must not change the format: codebooks and bias stay fp16.
@@ -124,7 +146,12 @@ class QLinear(nn.Module):
             from .gemv import LutGemv
 
             dev = self.codes.device
-            self._gemv = LutGemv(self.codebook_tensor(), device=dev if dev.type == "cuda" else None)
+            on_gpu = dev.type == "cuda"
+            release = on_gpu or self.simulate  # the simulator runs the same bookkeeping on CPU tensors
+            self._gemv = LutGemv(self.codebook_tensor(), device=dev if on_gpu else None, keep_natural=not release)
+            if release:
+                self.codes = torch.empty(0, dtype=torch.uint8, device=dev)
+                self._codes_in_kernel = True
         return self._gemv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
