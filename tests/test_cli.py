@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.fixture(scope="module")
-def gemv_without_gpu(run_without_simulator, tmp_path_factory):
+@pytest.fixture(scope="module", params=["gemv", "vq"])
+def gemv_without_gpu(request, run_without_simulator, tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
-    return run_without_simulator(["-m", "trapetum.cli", "gemv", "--quiet", "--out", str(out)]), out
+    return run_without_simulator(["-m", "trapetum.cli", request.param, "--quiet", "--out", str(out)]), out
 
 
 def test_gemv_without_gpu_fails_with_NoGPUError(gemv_without_gpu):

@@ -283,3 +283,94 @@ def run_cuda_cpp(arch: str | None = None, program: str = "gemv_codebook_4bit", b
         r.setdefault("method", METHOD)
         r["arch"] = arch
     return recs
+
+
+# -- the vector-codebook chapter's suite -----------------------------------------------------
+RESIDUAL_GRID = dict(in_features=(1024, 2048, 4096, 8192, 16384), out_features=(1024, 4096, 8192, 14336, 28672, 53248),
+                     mains=(4096, 8192), residuals=(256, 512))
+# 4096 x 4096 (the seed's shape), Llama-2-7B's MLP projections, and the large shapes of the targets.
+ADDITIVE_SHAPES = ((4096, 4096), (4096, 11008), (11008, 4096), (4096, 14336), (14336, 4096), (8192, 28672), (16384, 53248))
+
+
+def aqlm_package_available() -> str | None:
+    """None if the `aqlm` package's CUDA kernel builds here, else why not (one line)."""
+    try:
+        import aqlm.inference_kernels.cuda_kernel  # noqa: F401 - JIT-compiles the kernels with this machine's nvcc
+        torch.ops.aqlm.code2x8_matmat  # noqa: B018
+    except Exception as e:  # noqa: BLE001 - any failure to build is reported, not raised
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    return None
+
+
+def time_aqlm_package(n_in: int, n_out: int, fp16_ms: float, seed: int = 0) -> dict:
+    """The `aqlm` package's 2x8 kernel on the same shape, same harness, checked against our reference.
+
+    Its layout (codes int8 (out, in/8, 2), codebooks (2, 256, 1, 8), scales (out, 1, 1, 1)) is
+    what :func:`trapetum.additive.to_aqlm` writes, so the check also tests that conversion.
+    """
+    from .additive import random_additive_tensor, reference, to_aqlm
+
+    t = random_additive_tensor(n_out, n_in, 2, seed=seed, device="cuda")
+    k = copies_for(t.nbytes)
+    parts = [to_aqlm(t)] + [{n: v.clone() for n, v in to_aqlm(t).items()} for _ in range(k - 1)]
+    x = torch.randn(1, n_in, device="cuda", dtype=torch.float16)
+    y = torch.empty(1, n_out, device="cuda", dtype=torch.float16)
+    op = torch.ops.aqlm.code2x8_matmat
+
+    def launcher(p):
+        return lambda: y.copy_(op(x, p["codes"], p["codebooks"], p["scales"], None).view(1, n_out))
+
+    ms = time_graph([launcher(p) for p in parts])
+    y.fill_(float("nan"))
+    launcher(parts[0])()
+    torch.cuda.synchronize()
+    err = max_rel_err(y, reference(x, t))
+    nbytes = t.nbytes + 2 * (n_in + n_out)
+    del parts
+    torch.cuda.empty_cache()
+    return gemv_record("aqlm package 2x8", None, 1, n_in, n_out, ms, fp16_ms, nbytes, err, scheme="2-bit additive (M=2)",
+                       bits_per_weight=t.bits_per_weight, grid="additive")
+
+
+def vq_suite(grid: dict = RESIDUAL_GRID, additive_shapes=ADDITIVE_SHAPES, Ms=(2, 4), aqlm: bool = True, progress: bool = True) -> tuple[list[dict], dict]:
+    """The residual grid and the additive table, fp16 timed beside every shape; returns (records, extra provenance)."""
+    from tqdm.auto import tqdm
+
+    from . import additive, residual
+
+    recs, fp16, extra = [], {}, {}
+
+    def base(n_in, n_out):
+        if (n_in, n_out) not in fp16:
+            fp16[(n_in, n_out)] = time_fp16(n_in, n_out, 1)
+            recs.append(gemv_record("torch fp16", None, 1, n_in, n_out, fp16[(n_in, n_out)], fp16[(n_in, n_out)],
+                                    2 * n_in * n_out + 2 * (n_in + n_out), None, scheme="dense fp16", grid="baseline"))
+        return fp16[(n_in, n_out)]
+
+    def show(r):
+        if progress:
+            print(f"{r['grid']:9s} {r['kernel']:18s} {r['in_features']:>5d}x{r['out_features']:<5d} {r.get('scheme', ''):22s} "
+                  f"{r['time_ms'] * 1e3:8.2f} us  fp16 {r['fp16_ms'] * 1e3:8.2f} us  {r['speedup']:.2f}x  {r['gbps']:.0f} GB/s  "
+                  f"err {r['max_rel_err']:.1e}", flush=True)
+
+    jobs = [(n_in, n_out, m, r) for m in grid["mains"] for r in grid["residuals"]
+            for n_out in grid["out_features"] for n_in in grid["in_features"]]
+    for n_in, n_out, m, r in tqdm(jobs, desc="residual grid", disable=not progress):
+        rec = residual.time_residual(n_in, n_out, m, r, 1, base(n_in, n_out))
+        rec["grid"] = "residual"
+        recs.append(rec)
+        show(rec)
+    why = aqlm_package_available() if aqlm else "not requested"
+    extra["aqlm_package"] = why or "built"
+    for n_in, n_out in tqdm(additive_shapes, desc="additive", disable=not progress):
+        f = base(n_in, n_out)
+        for M in Ms:
+            rec = additive.time_additive(n_in, n_out, M, 1, f)
+            rec["grid"] = "additive"
+            recs.append(rec)
+            show(rec)
+        if why is None:
+            rec = time_aqlm_package(n_in, n_out, f)
+            recs.append(rec)
+            show(rec)
+    return recs, extra

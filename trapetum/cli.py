@@ -1,4 +1,4 @@
-"""Command line: ``trapetum gemv`` measures the GEMV chapter on this machine's GPU."""
+"""Command line: ``trapetum gemv`` and ``trapetum vq`` measure the GEMV chapters on this machine's GPU."""
 from __future__ import annotations
 
 import argparse
@@ -44,13 +44,44 @@ def _gemv(args) -> int:
     return 0
 
 
-DECODE_COMMANDS = ("generate", "check", "bench")
+def _vq(args) -> int:
+    import torch
+
+    from .gemv import NoGPUError
+
+    if not torch.cuda.is_available():
+        raise NoGPUError("`trapetum vq` measures on a CUDA GPU and none is visible; the book renders recorded data without one")
+    from . import additive, bench, residual, results
+    t0 = time.time()
+    checks = additive.correctness_sweep([(256, 96), (1024, 1000), (4096, 4096), (2048, 14336)], progress=not args.quiet)
+    checks += residual.correctness_sweep([(256, 96), (1024, 1000), (4096, 4096), (2048, 14336)], progress=not args.quiet)
+    print(f"correctness: {len(checks)} checks passed in {time.time() - t0:.0f} s", flush=True)
+    copy = bench.copy_bandwidth()
+    print("copy bandwidth: " + ", ".join(f"{k} {v:.0f} GB/s" for k, v in copy.items()), flush=True)
+    grid = dict(bench.RESIDUAL_GRID)
+    if args.quick:  # a corner of the grid, for a first look on a new GPU
+        grid.update(in_features=(1024, 4096), out_features=(1024, 14336), mains=(4096,), residuals=(256,))
+    recs, extra = bench.vq_suite(grid=grid, additive_shapes=bench.ADDITIVE_SHAPES[:3] if args.quick else bench.ADDITIVE_SHAPES,
+                                 aqlm=args.aqlm, progress=not args.quiet)
+    if args.cuda_cpp:
+        try:
+            for r in bench.run_cuda_cpp(args.arch, program="gemv_additive_2bit"):
+                r["grid"] = "additive"
+                recs.append(r)
+        except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
+            print(f"CUDA C++ counterpart failed: {e}", file=sys.stderr)
+            extra["cuda_cpp_error"] = str(e)[-2000:]
+    for r in recs:
+        r.update(copy)
+    for c in checks:
+        c["grid"] = "correctness"
+    prov = results.provenance(command=args.command or " ".join(sys.argv), **copy, **extra, seconds=round(time.time() - t0, 1))
+    path = results.save("vq_gemv", recs + checks, prov, folder=args.out)
+    print(f"wrote {path}")
+    return 0
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="trapetum", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("gemv", help="correctness sweep, then the GEMV timings; writes <out>/<gpu>/gemv.json")
+def _measure_options(g) -> None:
     g.add_argument("--out", default=None, help="results folder (default: the repository's data/)")
     g.add_argument("--command", default=None, help="the command to record in the provenance")
     g.add_argument("--quiet", action="store_true")
@@ -58,7 +89,24 @@ def main(argv=None) -> int:
     g.add_argument("--cuda-cpp", dest="cuda_cpp", action="store_true", default=True,
                    help="also build and time the CUDA C++ counterparts in kernels/ (the default)")
     g.add_argument("--no-cuda-cpp", dest="cuda_cpp", action="store_false", help="skip building and running kernels/")
+
+
+DECODE_COMMANDS = ("generate", "check", "bench")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="trapetum", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("gemv", help="correctness sweep, then the GEMV timings; writes <out>/<gpu>/gemv.json")
+    _measure_options(g)
     g.set_defaults(func=_gemv)
+    v = sub.add_parser("vq", help="vector codebooks: correctness, the 120-config residual grid, the additive table; "
+                                  "writes <out>/<gpu>/vq_gemv.json")
+    _measure_options(v)
+    v.add_argument("--no-aqlm", dest="aqlm", action="store_false", default=True,
+                   help="skip the `aqlm` package's kernel (by default timed where it builds)")
+    v.add_argument("--quick", action="store_true", help="a corner of the grid only")
+    v.set_defaults(func=_vq)
     # generate / check / bench live in trapetum.decode; `trapetum generate ...` hands them over.
     for name in DECODE_COMMANDS:
         sub.add_parser(name, add_help=False, help=f"see python -m trapetum.decode {name} --help")

@@ -790,3 +790,170 @@ def should_measure(measure) -> bool:
     import torch
 
     return os.environ.get("TRAPETUM_RENDER_ONLY", "") not in ("1", "true") and torch.cuda.is_available()
+
+
+# -- the chapter "Vector codebooks" (notebooks/vq_gemv.ipynb) --------------------------------------
+VQ = "vq_gemv"
+SEEDS_DIR = results.DATA_DIR / "seeds"
+# The seeds' VPTQ tables, transcribed in data/seeds/ (README there). Not measured here.
+SEED_VPTQ = {"000": ("vptq-seed000.csv", "seed 000 (H100)"), "001": ("vptq-seed001.csv", "seed 001 (another GPU)")}
+LARGE_RESIDUAL = 4096 * 28672  # the grid's target region: in x out at least this
+
+
+def load_vq(folder=None) -> pd.DataFrame:
+    """Every GPU's ``vq_gemv.json`` as one DataFrame (timings and checks); raises if there is none."""
+    root = _root(folder)
+    df = results.load(VQ, root)
+    if df.empty:
+        raise NoRecordedDataError(
+            f"no GPU has recorded the vector-codebook measurements: found no {root}/<gpu>/{VQ}.json. "
+            "Measure on a CUDA GPU with `trapetum vq` (or run notebooks/vq_gemv.ipynb with papermill), then rebuild the book.")
+    df = _normalise(df)
+    df["gpu_label"] = df["gpu"].map(gpu_label)
+    return df
+
+
+def seed_vptq(which: str = "000") -> pd.DataFrame:
+    """A seed's VPTQ table with its ratio (VPTQ time / torch time) turned into a speedup over fp16."""
+    name, label = SEED_VPTQ[which]
+    d = pd.read_csv(SEEDS_DIR / name)
+    d["speedup"] = d["torch_ms"] / d["vptq_ms"]
+    d["source"] = f"{SEED} {label}"
+    return d
+
+
+def _residual(df: pd.DataFrame) -> pd.DataFrame:
+    d = df[(df["grid"] == "residual") & df["time_ms"].notna()].copy()
+    for c in ("in_features", "out_features", "main_centroids", "residual_centroids"):
+        d[c] = d[c].astype(int)
+    return d
+
+
+def pick_gpu(df: pd.DataFrame, prefer: str = "H100") -> str:
+    """The GPU a single-GPU table shows: the first whose name contains `prefer`, else the first."""
+    gpus = sorted(df["gpu"].dropna().unique())
+    return next((g for g in gpus if prefer in g), gpus[0])
+
+
+def residual_grid_table(df: pd.DataFrame, gpu: str | None = None) -> pd.DataFrame:
+    """The 120-config grid in seed 000's format, ours beside the seeds' reported speedups."""
+    d = _residual(df)
+    gpu = gpu or pick_gpu(d)
+    d = d[d["gpu"] == gpu].sort_values(["main_centroids", "residual_centroids", "out_features", "in_features"])
+    s0 = seed_vptq("000").set_index(["in_features", "out_features", "main_centroids", "residual_centroids"])["speedup"]
+    s1 = seed_vptq("001").set_index(["in_features", "out_features"])["speedup"]
+    key0 = list(zip(d["in_features"], d["out_features"], d["main_centroids"], d["residual_centroids"]))
+    g = gpu_label(gpu)
+    return pd.DataFrame({
+        "count": np.arange(1, len(d) + 1),
+        "in_features": d["in_features"].to_numpy(), "out_features": d["out_features"].to_numpy(),
+        "main": d["main_centroids"].to_numpy(), "residual": d["residual_centroids"].to_numpy(),
+        "bits/weight": d["bits_per_weight"].to_numpy(),
+        f"{g}: ours (ms)": d["time_ms"].to_numpy(), f"{g}: torch fp16 (ms)": d["fp16_ms"].to_numpy(),
+        f"{g}: speedup": d["speedup"].to_numpy(), f"{g}: max rel err": d["max_rel_err"].to_numpy(),
+        f"VPTQ speedup, {SEED} 000 (H100)": [s0.get(k, np.nan) for k in key0],
+        f"VPTQ speedup, {SEED} 001 (other GPU)": [s1.get(k[:2], np.nan) for k in key0],
+    })
+
+
+def _geomean(x) -> float:
+    x = np.asarray(x, dtype=float)
+    return float(np.exp(np.log(x).mean())) if len(x) else np.nan
+
+
+def residual_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Per GPU, the issue's three measures of the grid, with seed 000's VPTQ kernel as reported."""
+    d = _residual(df)
+    rows = []
+
+    def row(source, g):
+        large = g[g["in_features"] * g["out_features"] >= LARGE_RESIDUAL]
+        return {"source": source, "configs": len(g), "faster than fp16": int((g["speedup"] > 1).sum()),
+                "geometric-mean speedup": _geomean(g["speedup"]), "slowest speedup": g["speedup"].min(),
+                "min speedup at in x out >= 4096 x 28672": large["speedup"].min() if len(large) else np.nan}
+
+    for gpu, g in d.groupby("gpu"):
+        r = row(f"ours, {gpu_label(gpu)} ({MEASURED})", g)
+        r["max rel err (worst)"] = g["max_rel_err"].max()
+        r["median % of copy bandwidth"] = float((100 * g["gbps"] / g["copy_gbps"]).median())
+        rows.append(r)
+    rows.append(row("VPTQ, reported by seed 000 (H100)", seed_vptq("000")))
+    return pd.DataFrame(rows)
+
+
+def fig_residual_heatmap(df: pd.DataFrame, gpu: str | None = None) -> Figure:
+    """Speedup over fp16 on the grid: ours (top row) and VPTQ as seed 000 reports it (bottom)."""
+    d = _residual(df)
+    gpu = gpu or pick_gpu(d)
+    d = d[d["gpu"] == gpu]
+    seed = seed_vptq("000")
+    configs = [(m, r) for m in sorted(d["main_centroids"].unique()) for r in sorted(d["residual_centroids"].unique())]
+    ins, outs = sorted(d["in_features"].unique()), sorted(d["out_features"].unique())
+    norm = mpl.colors.TwoSlopeNorm(vmin=0.2, vcenter=1.0, vmax=max(2.0, float(d["speedup"].max())))
+    with _style():
+        fig = Figure(figsize=(3.3 * len(configs), 6.6), layout="constrained")
+        axes = np.atleast_2d(fig.subplots(2, len(configs), sharex=True, sharey=True))
+        for j, (m, r) in enumerate(configs):
+            for i, (src, label) in enumerate(((d, f"ours, {gpu_label(gpu)}"), (seed, "VPTQ, reported by seed 000 (H100)"))):
+                g = src[(src["main_centroids"] == m) & (src["residual_centroids"] == r)]
+                grid = g.pivot_table(index="in_features", columns="out_features", values="speedup").reindex(index=ins, columns=outs)
+                ax = axes[i, j]
+                im = ax.imshow(grid.to_numpy(), cmap="RdBu", norm=norm, origin="lower", aspect="auto")
+                for (a, b), v in np.ndenumerate(grid.to_numpy()):
+                    if np.isfinite(v):
+                        dark = abs(float(norm(v)) - 0.5) > 0.3
+                        ax.text(b, a, f"{v:.1f}", ha="center", va="center", fontsize=7.5, color="white" if dark else "black")
+                ax.set_title(f"{label}\nmain {m}, residual {r}", fontsize=9)
+                ax.set_xticks(range(len(outs)), [str(o) for o in outs], rotation=45, fontsize=8)
+                ax.set_yticks(range(len(ins)), [str(v) for v in ins], fontsize=8)
+                ax.grid(False)
+        for ax in axes[-1]:
+            ax.set_xlabel("out_features")
+        for ax in axes[:, 0]:
+            ax.set_ylabel("in_features")
+        fig.colorbar(im, ax=axes, shrink=0.8, label="speedup over torch fp16 (blue: faster)")
+    return fig
+
+
+ADDITIVE_KERNELS = {"additive": "ours (numba)", "aqlm package 2x8": "aqlm package", "cuda_cpp_additive": "ours (CUDA C++)"}
+
+
+def additive_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Additive kernels against fp16 by GPU, shape and scheme: time, speedup, bandwidth and error."""
+    d = df[(df["grid"] == "additive") & df["time_ms"].notna()].copy()
+    d["kernel"] = d["kernel"].map(lambda k: ADDITIVE_KERNELS.get(k, k))
+    d["% of copy"] = 100 * d["gbps"] / d["copy_gbps"]
+    d = d.sort_values(["gpu", "scheme", "in_features", "out_features", "kernel"])
+    return pd.DataFrame({
+        "GPU": d["gpu"].map(gpu_label).to_numpy(), "scheme": d["scheme"].to_numpy(), "kernel": d["kernel"].to_numpy(),
+        "in x out": [shape_label(s) for s in zip(d["in_features"], d["out_features"])],
+        "time (ms)": d["time_ms"].to_numpy(), "torch fp16 (ms)": d["fp16_ms"].to_numpy(),
+        "speedup": d["speedup"].to_numpy(), "GB/s": d["gbps"].to_numpy(), "% of copy": d["% of copy"].to_numpy(),
+        "max rel err": d["max_rel_err"].to_numpy(),
+    })
+
+
+def fig_additive(df: pd.DataFrame) -> Figure:
+    """Speedup over fp16 by shape for each additive kernel, one panel a GPU."""
+    d = df[(df["grid"] == "additive") & df["time_ms"].notna()].copy()
+    d["series"] = d["kernel"].map(lambda k: ADDITIVE_KERNELS.get(k, k)) + ", " + d["scheme"].astype(str)
+    gpus = _gpus(d)
+    shapes = sorted({(int(a), int(b)) for a, b in zip(d["in_features"], d["out_features"])}, key=lambda s: s[0] * s[1])
+    series = sorted(d["series"].unique())
+    with _style():
+        fig = Figure(figsize=(6.2 * len(gpus), 4.4), layout="constrained")
+        axes = np.atleast_1d(fig.subplots(1, len(gpus), sharey=True))
+        w = 0.8 / max(1, len(series))
+        for ax, gpu in zip(axes, gpus):
+            g = d[d["gpu"] == gpu]
+            for i, s in enumerate(series):
+                v = g[g["series"] == s].set_index(["in_features", "out_features"])["speedup"]
+                ax.bar(np.arange(len(shapes)) + (i - (len(series) - 1) / 2) * w, [v.get(sh, np.nan) for sh in shapes], w,
+                       label=s, color=f"C{i}")
+            ax.axhline(1, color="0.3", ls=":", lw=1)
+            ax.set_xticks(range(len(shapes)), [shape_label(s) for s in shapes], rotation=30, ha="right", fontsize=8)
+            ax.set_title(gpu_label(gpu))
+            ax.set_xlabel("in x out")
+        axes[0].set_ylabel("speedup over torch fp16")
+        _shared_legend(fig, axes, ncols=min(3, len(series)))
+    return fig

@@ -1,0 +1,117 @@
+"""The chapter "Vector codebooks": its tables and figures on synthetic data, and the seed tables it quotes."""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trapetum import bench, report, results
+
+REPO = Path(__file__).resolve().parents[1]
+SEEDS = REPO.parent / "shared" / "seeds"
+
+
+def _rec(kernel, n_in, n_out, ms, fp16_ms, grid, nbytes, copy, **extra):
+    return {"kernel": kernel, "batch": 1, "in_features": n_in, "out_features": n_out, "time_ms": ms, "fp16_ms": fp16_ms,
+            "speedup": fp16_ms / ms, "gbps": nbytes / (ms * 1e-3) / 1e9, "max_rel_err": 4e-4, "grid": grid,
+            "copy_gbps": copy, **extra}
+
+
+def synthetic_vq(copy: float) -> list[dict]:
+    recs = []
+    g = bench.RESIDUAL_GRID
+    for n_in in g["in_features"]:
+        for n_out in g["out_features"]:
+            f = 2 * n_in * n_out / (0.9 * copy * 1e9) * 1e3 + 0.004
+            recs.append(_rec("torch fp16", n_in, n_out, f, f, "baseline", 2 * n_in * n_out, copy, scheme="dense fp16"))
+            for m in g["mains"]:
+                for r in g["residuals"]:
+                    bits = (np.log2(m) + np.log2(r)) / 8
+                    ms = n_in * n_out * bits / 8 / (0.6 * copy * 1e9) * 1e3 + 0.006
+                    recs.append(_rec("residual", n_in, n_out, ms, f, "residual", n_in * n_out * bits / 8, copy,
+                                     main_centroids=m, residual_centroids=r, vector_len=8, bits_per_weight=bits,
+                                     scheme=f"residual {m}+{r}"))
+    for n_in, n_out in bench.ADDITIVE_SHAPES[:3]:
+        f = 2 * n_in * n_out / (0.9 * copy * 1e9) * 1e3
+        for kernel, M, speed in (("additive", 2, 4.0), ("additive", 4, 2.5), ("aqlm package 2x8", 2, 1.5)):
+            recs.append(_rec(kernel, n_in, n_out, f / speed, f, "additive", n_in * n_out * M / 8, copy,
+                             scheme=f"{2 * M // 2}-bit additive (M={M})", bits_per_weight=M))
+    recs.append({"kernel": "residual", "grid": "correctness", "in_features": 256, "out_features": 96, "max_rel_err": 1e-4, "passed": True})
+    return recs
+
+
+@pytest.fixture(scope="module")
+def vq(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("data")
+    prov = {"gpu": "NVIDIA H100 Test", "driver": "1", "cuda": "12", "torch": "2", "numba": "0", "numba_cuda": "0",
+            "git_commit": "abc", "date": "2026-01-01T00:00:00+00:00", "command": "trapetum vq", "copy_gbps": 3000.0}
+    results.save(report.VQ, synthetic_vq(3000.0), prov, folder=folder)
+    return report.load_vq(folder)
+
+
+def test_load_vq_raises_clearly_without_data(tmp_path):
+    with pytest.raises(report.NoRecordedDataError, match="trapetum vq"):
+        report.load_vq(tmp_path)
+
+
+def test_residual_grid_table_has_all_120_configs_beside_the_seeds(vq):
+    t = report.residual_grid_table(vq)
+    assert len(t) == 120 and list(t["count"]) == list(range(1, 121))
+    seed_col = next(c for c in t.columns if "seed 000" in c)
+    assert "reported by the seed" in seed_col
+    assert t[seed_col].notna().all()  # every config of ours has the seed's number beside it
+    row = t[(t["in_features"] == 1024) & (t["out_features"] == 1024) & (t["main"] == 4096) & (t["residual"] == 256)].iloc[0]
+    assert row[seed_col] == pytest.approx(0.0132 / 0.0135, rel=1e-6)  # seed 000 row 1: torch / vptq
+    assert t[next(c for c in t.columns if "seed 001" in c)].notna().sum() == 120  # by shape, for every config
+
+
+def test_residual_summary_counts_and_geomean(vq):
+    s = report.residual_summary(vq)
+    ours = s[s["source"].str.startswith("ours")].iloc[0]
+    d = vq[vq["grid"] == "residual"]
+    assert ours["configs"] == 120
+    assert ours["faster than fp16"] == int((d["speedup"] > 1).sum())
+    assert ours["geometric-mean speedup"] == pytest.approx(float(np.exp(np.log(d["speedup"]).mean())))
+    large = d[d["in_features"] * d["out_features"] >= 4096 * 28672]
+    assert ours["min speedup at in x out >= 4096 x 28672"] == pytest.approx(large["speedup"].min())
+    seed = s[s["source"].str.contains("seed 000")].iloc[0]
+    assert seed["configs"] == 120 and seed["faster than fp16"] < 60  # the seed's VPTQ kernel is mostly slower
+
+
+def test_fig_residual_heatmap(vq):
+    fig = report.fig_residual_heatmap(vq)
+    panels = [ax for ax in fig.axes if ax.images]
+    assert len(panels) == 8  # 4 (main, residual) configs x (ours, seed)
+    assert sum("seed" in ax.get_title() for ax in panels) == 4
+    for ax in panels:
+        assert np.isfinite(ax.images[0].get_array()).sum() == 30
+    fig.canvas.draw()
+
+
+def test_additive_table_and_figure(vq):
+    t = report.additive_table(vq)
+    assert set(t["kernel"]) == {"ours (numba)", "aqlm package"}
+    assert (t["% of copy"] > 0).all()
+    fig = report.fig_additive(vq)
+    bars = [p for ax in fig.axes for p in ax.patches]
+    assert len(bars) == 9
+    fig.canvas.draw()
+
+
+@pytest.mark.skipif(not SEEDS.is_dir(), reason="../shared/seeds is not beside this checkout")
+@pytest.mark.parametrize("which", ["000", "001"])
+def test_seed_tables_match_the_seed_texts(which):
+    text = next(SEEDS.glob(f"{which}_*.txt")).read_text()
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines() if line.startswith("|")]
+    header, body = rows[0], [r for r in rows[1:] if not set("".join(r)) <= set("- ")]
+    name = report.SEED_VPTQ[which][0]
+    with open(report.SEEDS_DIR / name) as f:
+        ours = list(csv.DictReader(f))
+    assert len(ours) == len(body)
+    for r, b in zip(ours, body):
+        src = dict(zip(header, b))
+        assert (r["in_features"], r["out_features"], r["vptq_ms"], r["torch_ms"], r["ratio"]) == (
+            src["in_features"], src["out_features"], src["vptq (ms)"], src["torch (ms)"], src["ratio"])
+        assert r["main_centroids"] == src.get("main_centroids", "")
