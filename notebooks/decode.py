@@ -66,6 +66,16 @@ report.styled(report.decode_table(df))
 report.fig_decode(df)
 
 # %% [markdown]
+# ## Bits against speed and memory
+#
+# The Pareto view: each line is one model on one GPU, from its fp16 point to its codebook
+# schemes. Up and to the left is better in the speed panel, down and to the left in the memory
+# panel. A 70B model has no fp16 point: it does not fit on one GPU.
+
+# %% mystnb={"figure": {"caption": "Bits per weight against graphed decode tok/s (left) and peak VRAM (right), batch 1. Random weights, real Llama-2 architectures.", "name": "fig-decode-pareto"}}
+report.fig_decode_pareto(df)
+
+# %% [markdown]
 # ## Where the numbers come from
 
 # %%

@@ -323,7 +323,8 @@ def test_decode_chapter_reads_every_run_and_keeps_the_newest_per_model(tmp_path)
         prov = results.provenance(command="bench")
         prov.update(gpu="NVIDIA H100 80GB HBM3", date=date)
         recs = [{"model": m, "scheme": s, "path": "graphed", "tok_s": t, "fp16_tok_s": 100.0, "vram_gb": 1.0,
-                 "j_per_token": 1.0, "oom": False} for m, t in models for s in ("fp16", "4-bit K=16")]
+                 "j_per_token": 1.0, "oom": False, "bits_per_weight_codes": b}
+                for m, t in models for s, b in (("fp16", 16.0), ("4-bit K=16", 4.0))]
         (tmp_path / "h100").mkdir(exist_ok=True)
         (tmp_path / "h100" / name).write_text(json.dumps({"provenance": prov, "records": recs}))
 
@@ -334,6 +335,8 @@ def test_decode_chapter_reads_every_run_and_keeps_the_newest_per_model(tmp_path)
     t = report.decode_table(df)
     assert len(t) == 4 and set(t["vs fp16 graphed"].round(2)) == {0.6, 1.0}
     _check_figure(report.fig_decode(df))
+    pareto = _check_figure(report.fig_decode_pareto(df), 2)
+    assert sorted(pareto[0].lines[0].get_xdata()) == [4.0, 16.0]  # one point per scheme, at its bits per weight
     with pytest.raises(report.NoRecordedDataError):
         report.load_decode(tmp_path / "none")
 

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .qlinear import QLinear, set_mode
+from .qlinear import QLinear, qlinears, set_mode
 
 PATHS = ("naive", "eager", "graphed")
 
@@ -426,6 +426,15 @@ def _bits(K):
     return 16.0 if K is None else 8 / (2 if K == 16 else 1)
 
 
+def projection_bits(model) -> float:
+    """Bits per weight of the decoder projections, codebooks and scales included (16 for fp16)."""
+    qs = list(qlinears(model).values())
+    if not qs:
+        return 16.0
+    n = [q.in_features * q.out_features for q in qs]
+    return sum(q.bits_per_weight * k for q, k in zip(qs, n)) / sum(n)
+
+
 def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each projection of one Llama decoder layer."""
     h, i = cfg.hidden_size, cfg.intermediate_size
@@ -503,6 +512,7 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
                 torch.cuda.synchronize()
             weights_gb = torch.cuda.memory_allocated() / 1e9 if cuda else None
             build_s = time.time() - t0
+            base["bits_per_weight"] = projection_bits(model)
             # Compile and tune the kernels (and let cuBLAS pick) before anything is measured: the
             # tuner's L2-sized copies of the codes must not count in the peak VRAM.
             generate(model, prompt, 3, path="eager", energy=False)

@@ -957,3 +957,37 @@ def fig_additive(df: pd.DataFrame) -> Figure:
         axes[0].set_ylabel("speedup over torch fp16")
         _shared_legend(fig, axes, ncols=min(3, len(series)))
     return fig
+
+
+def fig_decode_pareto(df: pd.DataFrame) -> Figure:
+    """Bits per weight against graphed tok/s (left) and peak VRAM (right): one line per GPU and model."""
+    d = df[(df["path"] == "graphed") & df["tok_s"].notna()].copy()
+    bits = d["bits_per_weight"] if "bits_per_weight" in d else pd.Series(np.nan, index=d.index)
+    d["bits"] = bits.fillna(d["bits_per_weight_codes"]).astype(float)
+    lines = sorted(d[["gpu_label", "model"]].drop_duplicates().itertuples(index=False))
+    gpus = sorted(d["gpu_label"].unique())
+    models = sorted(d["model"].unique())
+    with _style():
+        fig = Figure(figsize=(11, 4.2), layout="constrained")
+        axes = fig.subplots(1, 2, sharex=True)
+        for gpu, model in lines:
+            s = d[(d["gpu_label"] == gpu) & (d["model"] == model)].sort_values("bits")
+            for ax, col in zip(axes, ("tok_s", "vram_gb")):
+                ax.plot(s["bits"], s[col], marker=_MARKERS[models.index(model) % len(_MARKERS)],
+                        color=_GPU_COLORS[gpus.index(gpu) % len(_GPU_COLORS)], label=f"{gpu}, {model}")
+                for _, r in s.iterrows():
+                    ax.annotate(r["scheme"], (r["bits"], r[col]), xytext=(4, 4), textcoords="offset points", fontsize=7)
+        for ax, label, title in zip(axes, ("decode tok/s (graphed, batch 1)", "peak VRAM (GB)"), ("Speed", "Memory")):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks([2, 3, 4, 8, 16], ["2", "3", "4", "8", "16"])
+            ax.set_xlim(1.7, 20)
+            ax.set_xlabel("bits per weight (codes, codebooks and scales)")
+            ax.set_ylabel(label)
+            ax.set_title(title)
+        axes[1].set_yscale("log")
+        axes[1].yaxis.set_major_formatter(mpl.ticker.ScalarFormatter())
+        axes[1].yaxis.set_minor_formatter(mpl.ticker.NullFormatter())
+        axes[1].set_yticks([5, 10, 20, 40, 80])
+        _shared_legend(fig, axes, ncols=3)
+        fig.suptitle("Random weights, real Llama-2 architectures", fontsize=10)
+    return fig
