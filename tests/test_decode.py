@@ -54,6 +54,15 @@ def test_replayed_step_gives_the_eager_tokens(models):
     assert g.extra["timed_tokens"] == N - 2 and g.tok_s > 0 and g.peak_vram_gb is None and g.j_per_token is None
 
 
+def test_compiled_path_replays_the_eager_tokens(models, monkeypatch):
+    q, _, prompt = models
+    monkeypatch.setenv("TRAPETUM_COMPILE_BACKEND", "eager")  # dynamo traces the step; no code generated on CPU
+    fake = FakeGraphRunner()
+    g = generate(q, prompt, N, path="compiled", energy=False, runner=fake)
+    assert fake.captures == 1 and g.tokens == generate(q, prompt, N, path="eager", energy=False).tokens
+    assert "_trapetum_compiled" not in dict(q.named_modules())  # the compiled wrapper is not a submodule
+
+
 def test_short_generations(models):
     q, _, prompt = models
     full = generate(q, prompt, 3, path="eager", energy=False).tokens
@@ -115,6 +124,8 @@ def test_graphed_matches_eager_on_gpu():
     g = generate(m, prompt, 32, path="graphed", energy=False)
     assert g.tokens == e.tokens
     assert g.peak_vram_gb > 0
+    c = generate(m, prompt, 32, path="compiled", energy=False)
+    assert c.tokens == e.tokens
 
 
 def test_decode_bench_records_follow_the_contract():

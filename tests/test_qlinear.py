@@ -136,6 +136,20 @@ def test_codes_held_once_once_the_kernel_is_built():
     assert torch.equal(q.codes, torch.zeros_like(natural))
 
 
+@pytest.mark.skipif(not gemv.SIM, reason="the kernel dispatch on CPU tensors needs the CUDA simulator")
+def test_the_fused_kernel_is_one_opaque_op_under_torch_compile():
+    # fullgraph: the custom op and its shape-only fake must trace with no graph break.
+    ct = random_codebook_tensor(48, 64, 16, seed=7)
+    q = QLinear.from_codebook(ct, bias=torch.randn(48))
+    q.simulate = True
+    x = torch.randn(2, 64).half()
+    want = q(x)
+    got = torch.compile(q, backend="aot_eager", fullgraph=True)(x)
+    torch.testing.assert_close(got, want)
+    with pytest.raises(RuntimeError, match="no QLinear is registered"):
+        torch.ops.trapetum.qlinear_gemv(x, 12345)
+
+
 # -- save / load -----------------------------------------------------------------------------------
 @pytest.fixture()
 def saved(tmp_path):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import weakref
 from pathlib import Path
 
 import torch
@@ -47,6 +48,30 @@ KIND = "trapetum-quantized-model"
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "trapetum.json"
 MODES = ("fast", "naive")
+
+
+# The fused kernel as a torch custom op, so torch.compile treats it as one opaque call (with a
+# shape-only fake implementation) and fuses the norms, rotary and activations around it.
+# A layer is named by a handle into this registry: a custom op takes tensors and numbers only.
+_LAYERS: "weakref.WeakValueDictionary[int, QLinear]" = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("trapetum::qlinear_gemv", mutates_args=())
+def qlinear_gemv(x: torch.Tensor, handle: int) -> torch.Tensor:
+    """y (B, out) = the fused kernel of QLinear ``handle`` on x (B, in), fp16."""
+    layer = _LAYERS.get(handle)
+    if layer is None:
+        raise RuntimeError(f"no QLinear is registered under handle {handle} (the layer was freed or copied)")
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        x = x.clone(memory_format=torch.contiguous_format)  # the kernels read x 16 bytes at a time
+    y = torch.empty(x.shape[0], layer.out_features, dtype=torch.float16, device=x.device)
+    layer.gemv().bind(x, y)()
+    return y
+
+
+@qlinear_gemv.register_fake
+def _(x, handle):
+    return x.new_empty(x.shape[0], _LAYERS[handle].out_features)
 
 
 class QuantizedModelError(ValueError):
@@ -152,6 +177,8 @@ class QLinear(nn.Module):
             if release:
                 self.codes = torch.empty(0, dtype=torch.uint8, device=dev)
                 self._codes_in_kernel = True
+            self._handle = id(self)
+            _LAYERS[self._handle] = self
         return self._gemv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,17 +210,14 @@ class QLinear(nn.Module):
 
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if not x2.is_contiguous() or x2.data_ptr() % 16:
-            x2 = x2.clone(memory_format=torch.contiguous_format)  # the kernels read x 16 bytes at a time
         B = x2.shape[0]
         g = self.gemv()
         if B <= MAX_FUSED_BATCH:
-            y = torch.empty(B, self.out_features, dtype=torch.float16, device=x2.device)
-            g.bind(x2, y)()
+            y = qlinear_gemv(x2, self._handle)
         else:
             y = x2 @ g.dequantize().t()
         if self.bias is not None:
-            y.add_(self.bias)
+            y = y + self.bias
         return y.view(*lead, self.out_features)
 
 

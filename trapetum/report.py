@@ -698,7 +698,7 @@ def numba_vs_cuda_cpp(df: pd.DataFrame, scheme: str = FOUR_BIT) -> pd.DataFrame:
 
 # -- the end-to-end chapter ------------------------------------------------------------------
 DECODE = "decode"
-PATH_ORDER = ["naive", "eager", "graphed"]
+PATH_ORDER = ["naive", "eager", "graphed", "compiled"]
 
 
 def load_decode(folder=None) -> pd.DataFrame:
