@@ -210,3 +210,17 @@ def test_slug(name, want):
 def test_slug_refuses_names_with_nothing_usable():
     with pytest.raises(ValueError, match="cannot make a folder name"):
         R.slug("!!!")
+
+
+def test_adopt_brings_a_run_in_and_keeps_the_older_one(tmp_path):
+    remote = R.save("decode", RECORDS, prov(date="2026-02-03T04:05:06+00:00"), folder=tmp_path / "remote")
+    local = tmp_path / "data"
+    R.save("decode", RECORDS[:1], prov(date="2026-01-02T03:04:05+00:00"), folder=local)
+    path = R.adopt(remote, folder=local)
+    assert path == local / "nvidia-h100-80gb-hbm3" / "decode.json"
+    assert R.read(path)[1].to_dict("records") == RECORDS
+    assert (path.parent / "decode.20260102T030405.json").is_file()
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"records": []}')
+    with pytest.raises(ValueError, match="not a Trapetum results file"):
+        R.adopt(bad, folder=local)

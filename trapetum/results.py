@@ -149,6 +149,18 @@ def save(name: str, records: list[dict], prov: dict, folder: Path | str | None =
     return path
 
 
+def adopt(path: Path | str, folder: Path | str | None = None) -> Path:
+    """Bring a results file written on another machine (``<out>/<gpu>/<name>.json``) into ``folder``
+    (default data/) under the same name, keeping the run it replaces aside as :func:`save` does."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+        prov, records = data["provenance"], data["records"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a Trapetum results file: {e}") from None
+    return save(path.name.split(".")[0], records, prov, folder=folder)
+
+
 def read(path: Path | str) -> tuple[dict, pd.DataFrame]:
     """Read one results file; raise ResultsFileError if it does not follow the contract."""
     path = Path(path)
