@@ -333,7 +333,7 @@ def test_decode_chapter_reads_every_run_and_keeps_the_newest_per_model(tmp_path)
     df = report.load_decode(tmp_path)
     assert sorted(df.groupby("model")["tok_s"].max().items()) == [("llama-2-13b", 60.0), ("llama-2-7b", 100.0)]
     t = report.decode_table(df)
-    assert len(t) == 4 and set(t["vs fp16 graphed"].round(2)) == {0.6, 1.0}
+    assert len(t) == 4 and set(t["vs fp16"].round(2)) == {0.6, 1.0}
     _check_figure(report.fig_decode(df))
     pareto = _check_figure(report.fig_decode_pareto(df), 2)
     assert sorted(pareto[0].lines[0].get_xdata()) == [4.0, 16.0]  # one point per scheme, at its bits per weight

@@ -692,8 +692,9 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="Llama-2 architectures, random weights: fp16 vs codebook decode; writes <out>/<gpu>/<name>.json")
     b.add_argument("--arch", default="llama-2-7b,llama-2-13b", help=f"comma-separated, of {sorted(LLAMA2)}")
     b.add_argument("--schemes", default="K16")
-    b.add_argument("--paths", default="naive,eager,graphed", help="paths for the codebook models")
-    b.add_argument("--fp16-paths", default="naive,eager,graphed", help="naive = transformers-style loop with DynamicCache (the usual fp16 baseline)")
+    b.add_argument("--paths", default="naive,eager,graphed,compiled", help="paths for the codebook models")
+    b.add_argument("--fp16-paths", default="naive,eager,graphed,compiled",
+                   help="naive = transformers-style loop with DynamicCache (the usual fp16 baseline)")
     b.add_argument("--gen", type=int, default=512)
     b.add_argument("--eager-gen", type=int, default=128, help="tokens for the naive/eager paths (Python-bound, slower)")
     b.add_argument("--prompt-len", type=int, default=32, help="> 16, so the prefill takes dequant+cuBLAS and no batch-16 kernel is tuned")
