@@ -78,19 +78,22 @@ __global__ void __launch_bounds__(W * 32) gemv_add2(Params p) {
   const int rb0 = blockIdx.x * (W * RPW) + warp;  // row-block r of this warp: rb0 + r * W
   const int s0 = blockIdx.y * p.spb, s1 = min(s0 + p.spb, p.nslices);
 
-  uint4 cur[NL];
-  auto load = [&](int s) {
+  // DB: with few codes a lane (<= 4 chunks), the next slice's codes are loaded into a second
+  // set of registers before the current slice is used, so they fly during the lookups too.
+  constexpr bool DB = NL <= 4;
+  uint4 cur[NL], nxt[DB ? NL : 1];
+  auto load = [&](uint4 (&dst)[NL], int s) {
 #pragma unroll
     for (int r = 0; r < RPW; ++r)
 #pragma unroll
       for (int c = 0; c < CPS; ++c) {
         const int rb = rb0 + r * W, j = s * CPS + c;
-        cur[r * CPS + c] = (rb < p.rbs && j < p.nchunks)
+        dst[r * CPS + c] = (rb < p.rbs && j < p.nchunks)
                                ? ld_stream(p.codes + ((size_t)rb * p.nchunks + j) * 32 + lane)
                                : make_uint4(0, 0, 0, 0);
       }
   };
-  load(s0);  // codes first: everything below runs while they fly
+  load(cur, s0);  // codes first: everything below runs while they fly
 
   // A fragments (codebook entries e = m*256 + k, M-tile mt = warp + i*W), the same every slice.
   uint32_t a[MT][2];
@@ -134,6 +137,9 @@ __global__ void __launch_bounds__(W * 32) gemv_add2(Params p) {
         }
     }
     __syncthreads();
+    if constexpr (DB) {
+      if (s + 1 < s1) load(nxt, s + 1);
+    }
     // Stream: chunk c of row r, word w holds groups 2w, 2w+1 of the chunk: bytes (m0, m1, m0, m1).
 #pragma unroll
     for (int r = 0; r < RPW; ++r)
@@ -154,7 +160,12 @@ __global__ void __launch_bounds__(W * 32) gemv_add2(Params p) {
             }
           }
         }
-    if (s + 1 < s1) load(s + 1);  // flies during the barrier and the next table build
+    if constexpr (DB) {
+#pragma unroll
+      for (int i = 0; i < NL; ++i) cur[i] = nxt[i];
+    } else if (s + 1 < s1) {
+      load(cur, s + 1);  // flies during the barrier and the next table build
+    }
   }
 
   // Finish: rows directly if one K-slice column, else partials, and the last block sums them.
