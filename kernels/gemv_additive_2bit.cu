@@ -35,6 +35,8 @@
 // (expected max distinct words a bank for 32 random codes, simulated) = 1.45 M wavefronts =
 // 11 K clocks an SM = 5.5 us of the shared pipe, plus the table stores (16 wavefronts a group
 // and block: 16/(0.2 rows) of the lookups, 3% at 512 rows a block).
+#include <type_traits>
+
 #include "harness.cuh"
 
 using namespace tp;
@@ -68,11 +70,17 @@ __device__ __forceinline__ void mma_1688(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(b0), "f"(0.f));
 }
 
-template <int NB, int W, int RPW, int CPS>
+// H: the table in fp16 instead of fp32 (half the shared memory and stores, 2.78 instead of 3.15
+// wavefronts a warp's lookups: 4 words a bank instead of 8, so more lanes share a word). Entries
+// round to 2^-11 relative; summed over 2 in/8 random roundings that is ~1e-4 of max|y|, but an
+// entry above 65504 (|x| in the thousands) overflows: fp32 is the default, fp16 a plan option.
+template <int NB, int W, int RPW, int CPS, bool H>
 __global__ void __launch_bounds__(W * 32) gemv_add2(Params p) {
+  using T = typename std::conditional<H, __half, float>::type;
   constexpr int G = CPS * kGroupsPerChunk, NL = RPW * CPS, MT = (kM * kK / 16) / W, NT = NB * G / 8;
   static_assert((kM * kK / 16) % W == 0, "M-tiles split evenly over the warps");
-  extern __shared__ __align__(16) float lut[];  // [NB][G][kGS]
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* lut = reinterpret_cast<T*>(smem_raw);  // [NB][G][kGS]
   __shared__ int s_last;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
   const int rb0 = blockIdx.x * (W * RPW) + warp;  // row-block r of this warp: rb0 + r * W
@@ -130,10 +138,10 @@ __global__ void __launch_bounds__(W * 32) gemv_add2(Params p) {
           float d[4];
           mma_1688(d, a[i][0], a[i][1], bx[nt]);
           const int e = (warp + i * W) * 16 + gid, q = nt * 8 + 2 * tig;
-          lut[q * kGS + e] = d[0];
-          lut[(q + 1) * kGS + e] = d[1];
-          lut[q * kGS + e + 8] = d[2];
-          lut[(q + 1) * kGS + e + 8] = d[3];
+          lut[q * kGS + e] = T(d[0]);
+          lut[(q + 1) * kGS + e] = T(d[1]);
+          lut[q * kGS + e + 8] = T(d[2]);
+          lut[(q + 1) * kGS + e + 8] = T(d[3]);
         }
     }
     __syncthreads();
@@ -155,8 +163,8 @@ __global__ void __launch_bounds__(W * 32) gemv_add2(Params p) {
             const int g = c * kGroupsPerChunk + 2 * w + h;
 #pragma unroll
             for (int b = 0; b < NB; ++b) {
-              const float* t = lut + (b * G + g) * kGS;  // compile-time offset
-              acc[r][b] += t[k0] + t[kK + k1];
+              const T* t = lut + (b * G + g) * kGS;  // compile-time offset
+              acc[r][b] += float(t[k0]) + float(t[kK + k1]);
             }
           }
         }
@@ -229,16 +237,21 @@ __global__ void dequant_additive(const uint8_t* __restrict__ codes, const __half
 // ---------------------------------------------------------------------------------------------
 struct Config {
   int nb, w, rpw, cps;
+  bool h;  // fp16 table
   Fn fn;
 };
 
-#define ADD2_CFG(NB, W, RPW, CPS) Config{NB, W, RPW, CPS, gemv_add2<NB, W, RPW, CPS>}
+#define ADD2_CFG(NB, W, RPW, CPS) Config{NB, W, RPW, CPS, false, gemv_add2<NB, W, RPW, CPS, false>}
+#define ADD2_CFG16(NB, W, RPW, CPS) Config{NB, W, RPW, CPS, true, gemv_add2<NB, W, RPW, CPS, true>}
 static const std::vector<Config>& configs() {
   static const std::vector<Config> v = {
       // batch 1: rows a block 128..1024, G = 8..64 groups a slice
       ADD2_CFG(1, 8, 1, 2), ADD2_CFG(1, 8, 1, 4), ADD2_CFG(1, 8, 1, 8), ADD2_CFG(1, 8, 2, 2),
       ADD2_CFG(1, 8, 2, 4), ADD2_CFG(1, 8, 4, 1), ADD2_CFG(1, 8, 4, 2), ADD2_CFG(1, 4, 2, 4),
       ADD2_CFG(1, 4, 4, 2), ADD2_CFG(1, 16, 1, 4), ADD2_CFG(1, 16, 2, 2),
+      // batch 1, fp16 table
+      ADD2_CFG16(1, 8, 1, 4), ADD2_CFG16(1, 8, 1, 8), ADD2_CFG16(1, 8, 2, 2), ADD2_CFG16(1, 8, 2, 4),
+      ADD2_CFG16(1, 8, 4, 2),
       // batch 2..8: the table grows with the batch, so shorter slices
       ADD2_CFG(2, 8, 2, 2), ADD2_CFG(2, 8, 2, 1), ADD2_CFG(2, 8, 4, 1),
       ADD2_CFG(4, 8, 2, 1), ADD2_CFG(4, 8, 4, 1), ADD2_CFG(4, 8, 1, 2),
@@ -292,7 +305,7 @@ struct APlan {
   int rb() const { return cfg->w * cfg->rpw; }
   std::string key() const {
     char b[96];
-    snprintf(b, sizeof b, "rows%d w%d cps%d spb%d ks%d", rb() * 32, cfg->w, cfg->cps, spb, gridy);
+    snprintf(b, sizeof b, "rows%d w%d cps%d spb%d ks%d lut%d", rb() * 32, cfg->w, cfg->cps, spb, gridy, cfg->h ? 16 : 32);
     return b;
   }
 };
@@ -302,18 +315,19 @@ struct AOptions {
   std::vector<int> batches{1};
   int iters = 30, launches = 20;
   std::string json;
-  int warps = 0, rows = 0, cps = 0, spb = 0;  // forced plan pieces (0 = any)
+  int warps = 0, rows = 0, cps = 0, spb = 0, lut = 0;  // forced plan pieces (0 = any)
   bool tune = true, sweep = false;
 };
 
 static void usage(const char* prog) {
   printf(
       "usage: %s [--in N --out M] [--batch B[,B...]] [--iters N] [--launches L] [--json PATH]\n"
-      "          [--no-tune] [--sweep] [--warps W] [--rows R] [--cps C] [--spb S]\n"
+      "          [--no-tune] [--sweep] [--warps W] [--rows R] [--cps C] [--spb S] [--lut 32|16]\n"
       "  2-bit additive (M=2, K=256, D=8) GEMV. Default shapes (in x out): 4096x4096, 4096x11008,\n"
       "  11008x4096, 4096x14336, 14336x4096, 8192x28672, 16384x53248; batch 1 (up to 8). Every plan\n"
       "  candidate is checked against cuBLAS and timed briefly, the fastest timed in full (--no-tune:\n"
-      "  the heuristic plan; --sweep: print every candidate; --warps/--rows/--cps/--spb restrict).\n",
+      "  the heuristic plan; --sweep: print every candidate; --warps/--rows/--cps/--spb/--lut restrict;\n"
+      "  --lut 16: the fp16 table only, 32: fp32 only; default both, fp32 for --no-tune).\n",
       prog);
 }
 
@@ -336,6 +350,7 @@ static AOptions parse_args(int argc, char** argv) {
     else if (a == "--rows") o.rows = atoi(val());
     else if (a == "--cps") o.cps = atoi(val());
     else if (a == "--spb") o.spb = atoi(val());
+    else if (a == "--lut") o.lut = atoi(val());
     else if (a == "--no-tune") o.tune = false;
     else if (a == "--sweep") o.sweep = true;
     else if (a == "-h" || a == "--help") { usage(argv[0]); exit(0); }
@@ -543,7 +558,7 @@ class ARunner {
     pl.spb = std::min(spb, pl.nslices);
     pl.gridx = cdiv(s.rbs, c.w * c.rpw);
     pl.gridy = cdiv(pl.nslices, pl.spb);
-    pl.smem = (size_t)c.nb * c.cps * kGroupsPerChunk * kGS * 4;
+    pl.smem = (size_t)c.nb * c.cps * kGroupsPerChunk * kGS * (c.h ? 2 : 4);
     pl.occ = occupancy2(c.fn, c.w * 32, pl.smem, d_);
     return pl.occ > 0;
   }
@@ -556,6 +571,7 @@ class ARunner {
       if (o_.warps && c.w != o_.warps) continue;
       if (o_.rows && c.w * c.rpw * 32 != o_.rows) continue;
       if (o_.cps && c.cps != o_.cps) continue;
+      if ((o_.lut == 32 && c.h) || (o_.lut == 16 && !c.h)) continue;
       for (int spb : {1, 2, 4, 8, 16}) {
         if (o_.spb && spb != o_.spb) continue;
         APlan pl;
@@ -576,7 +592,7 @@ class ARunner {
     const int nb = nb_for(B);
     const int cps = nb == 1 ? 4 : nb == 4 ? 2 : 1;
     for (const APlan& p : cands)
-      if (p.cfg->w == 8 && p.cfg->rpw == 2 && p.cfg->cps == cps) {
+      if (p.cfg->w == 8 && p.cfg->rpw == 2 && p.cfg->cps == cps && p.cfg->h == (o_.lut == 16)) {
         if (!best.cfg || ((long long)p.gridx * p.gridy >= 3LL * p.occ * d_.sms && p.spb > best.spb)) best = p;
       }
     if (!best.cfg && !cands.empty()) best = cands.front();
@@ -689,7 +705,7 @@ class ARunner {
     const int copies = (int)P.d_tiled.size();
     ARecord r;
     r.kernel = kKernel;
-    r.variant = "lut-mma";
+    r.variant = "lut";
     r.batch = B;
     r.in = s.n_in;
     r.out = s.n_out;
@@ -728,6 +744,7 @@ class ARunner {
         printf("    sweep %dx%d B=%d [%s] %d blocks/SM, %zu B smem: %.4f ms\n", s.n_in, s.n_out, B, pl.key().c_str(),
                pl.occ, pl.smem, t.median);
         ARecord w = r;
+        w.variant = pl.cfg->h ? "lut16" : "lut32";
         w.p = pl;
         w.plan = pl.key();
         w.time_ms = t.median;
@@ -754,6 +771,7 @@ class ARunner {
       ++failures_;
     }
     r.ok = ok && all_ok;
+    r.variant = best.cfg->h ? "lut16" : "lut32";
     r.p = best;
     r.plan = best.key();
     r.time_ms = t.median;
@@ -798,12 +816,12 @@ class ARunner {
             "\"cublas_rel_err_fp64\": %.6g, \"passed\": %s, \"method\": \"%s\", \"time_ms_min\": %.6g, "
             "\"time_ms_max\": %.6g, \"plan\": \"%s\", \"rb\": %d, \"rows_per_block\": %d, \"warps\": %d, "
             "\"ksplit\": %d, \"cps\": %d, \"groups_per_slice\": %d, \"slices_per_block\": %d, \"grid\": [%d, %d], "
-            "\"smem_bytes\": %zu, \"blocks_per_sm\": %d, \"copies\": %d, \"launches_per_graph\": %d}%s\n",
+            "\"lut_bits\": %d, \"smem_bytes\": %zu, \"blocks_per_sm\": %d, \"copies\": %d, \"launches_per_graph\": %d}%s\n",
             r.kernel.c_str(), r.variant.c_str(), kScheme, kK, kM, kD, r.bpw, r.batch, r.in, r.out, r.time_ms, r.fp16_ms,
             r.time_ms > 0 ? r.fp16_ms / r.time_ms : 0.0, r.gbps, r.err_cublas, r.err_fp64, r.cublas_err_fp64,
             r.ok ? "true" : "false", kMethod, r.tmin, r.tmax, r.plan.c_str(), has ? p.rb() : 0, has ? p.rb() * 32 : 0,
             has ? p.cfg->w : 0, p.gridy, has ? p.cfg->cps : 0, has ? p.cfg->cps * kGroupsPerChunk : 0, p.spb, p.gridx,
-            p.gridy, p.smem, p.occ, r.copies, r.launches, last ? "" : ",");
+            p.gridy, has ? (p.cfg->h ? 16 : 32) : 0, p.smem, p.occ, r.copies, r.launches, last ? "" : ",");
   }
 
   void write_json() {
