@@ -577,8 +577,9 @@ class ARunner {
         APlan pl;
         if (!make_plan(s, c, spb, pl)) continue;
         if (pl.spb != spb) continue;  // spb above the slice count: the same as a smaller one
-        // Keep grids of at least one full wave (unless nothing else is left: spb 1).
-        if (spb > 1 && (long long)pl.gridx * pl.gridy < (long long)pl.occ * d_.sms) continue;
+        // More slices a block: fewer partials and table builds, the next slice's codes in flight
+        // during this one's lookups; but keep at least a block an SM.
+        if (spb > 1 && (long long)pl.gridx * pl.gridy < d_.sms) continue;
         out.push_back(pl);
       }
     }
