@@ -6,6 +6,8 @@
 // codebooks fp16 (2, 256, 8), scales fp16 (out).
 //
 //   nvcc -O3 -arch=sm_90 -std=c++17 kernels/gemv_additive_2bit.cu -lcublas -o gemv_add && ./gemv_add
+//   ./gemv_add --json add2.json --sweep     # every plan's time too (trapetum.bench.run_cuda_cpp
+//                                            # passes --json, program="gemv_additive_2bit")
 //
 // Kernel layout of the codes (built here by tile_codes, the same tiling as trapetum.codebook.tile
 // with 2 bytes a group): rows in row-blocks of 32 (out padded with zero codes), each row's code
@@ -26,7 +28,11 @@
 //   3. __syncthreads, then each group of a row costs two lookups and two FADDs: the code byte is
 //      one PRMT, the address one LEA (byte*4 + chunk base), the (b, g, m) offset is an immediate
 //      of the LDS (CPS, RPW, NB compile-time: every loop is unrolled).
-// The codes' latency hides behind the table build. The scale multiplies once at the end. Slices
+// The codes' latency hides behind the table build; with spb > 1 slices a block, the next slice's
+// codes are loaded before the current slice's lookups (<= 4 chunks a lane; otherwise right after
+// them). The table is fp32 by default, fp16 as a plan option (see gemv_add2). SASS (ptxas 13.0,
+// batch 1, 512 rows, 4 chunks): the lookup loop is 502 instructions for 128 codes, 3.9 a code
+// (PRMT + LEA + LDS [R+imm] + FADD), no spills. The scale multiplies once at the end. Slices
 // of one block column are reduced through an fp32 workspace by the last block to finish
 // (atomic counter, reset by that block, so the launch replays in a CUDA graph), in slice order.
 //
@@ -588,7 +594,7 @@ class ARunner {
 
   // The untuned plan: 512 rows a block (8 warps x 2 row-blocks), 4 chunks a slice (batch 1), and
   // slices a block raised while the grid stays above ~3 waves (fewer workspace partials).
-  APlan heuristic(const Shape2& s, int B, const std::vector<APlan>& cands) {
+  APlan heuristic(int B, const std::vector<APlan>& cands) {
     APlan best;
     const int nb = nb_for(B);
     const int cps = nb == 1 ? 4 : nb == 4 ? 2 : 1;
@@ -718,7 +724,7 @@ class ARunner {
     std::vector<APlan> cands = plans_for(s, B);
     std::vector<APlan> plans;
     if (o_.tune) plans = cands;
-    else if (!cands.empty()) plans.push_back(heuristic(s, B, cands));
+    else if (!cands.empty()) plans.push_back(heuristic(B, cands));
     if (plans.empty()) {
       printf("  %s %dx%d B=%d: no plan\n", kScheme, s.n_in, s.n_out, B);
       r.ok = false;
