@@ -262,6 +262,8 @@ static const std::vector<Config>& configs() {
       ADD2_CFG(2, 8, 2, 2), ADD2_CFG(2, 8, 2, 1), ADD2_CFG(2, 8, 4, 1),
       ADD2_CFG(4, 8, 2, 1), ADD2_CFG(4, 8, 4, 1), ADD2_CFG(4, 8, 1, 2),
       ADD2_CFG(8, 8, 2, 1), ADD2_CFG(8, 8, 4, 1),
+      // batch 9..16: only an fp16 table of 8 groups fits (16 x 8 x 1032 B = 132 KB)
+      ADD2_CFG16(16, 8, 1, 1), ADD2_CFG16(16, 8, 2, 1),
   };
   return v;
 }
@@ -284,7 +286,7 @@ inline int occupancy2(Fn fn, int threads, size_t smem, const DeviceInfo& d) {
   return n;
 }
 
-inline int nb_for(int B) { return B <= 1 ? 1 : B <= 2 ? 2 : B <= 4 ? 4 : B <= 8 ? 8 : 0; }
+inline int nb_for(int B) { return B <= 1 ? 1 : B <= 2 ? 2 : B <= 4 ? 4 : B <= 8 ? 8 : B <= 16 ? 16 : 0; }
 
 // ---------------------------------------------------------------------------------------------
 // Host
@@ -330,7 +332,7 @@ static void usage(const char* prog) {
       "usage: %s [--in N --out M] [--batch B[,B...]] [--iters N] [--launches L] [--json PATH]\n"
       "          [--no-tune] [--sweep] [--warps W] [--rows R] [--cps C] [--spb S] [--lut 32|16]\n"
       "  2-bit additive (M=2, K=256, D=8) GEMV. Default shapes (in x out): 4096x4096, 4096x11008,\n"
-      "  11008x4096, 4096x14336, 14336x4096, 8192x28672, 16384x53248; batch 1 (up to 8). Every plan\n"
+      "  11008x4096, 4096x14336, 14336x4096, 8192x28672, 16384x53248; batch 1 (up to 16). Every plan\n"
       "  candidate is checked against cuBLAS and timed briefly, the fastest timed in full (--no-tune:\n"
       "  the heuristic plan; --sweep: print every candidate; --warps/--rows/--cps/--spb/--lut restrict;\n"
       "  --lut 16: the fp16 table only, 32: fp32 only; default both, fp32 for --no-tune).\n",
@@ -366,7 +368,7 @@ static AOptions parse_args(int argc, char** argv) {
   if (in > 0) o.shapes = {{in, out}};
   else o.shapes = {{4096, 4096}, {4096, 11008}, {11008, 4096}, {4096, 14336}, {14336, 4096}, {8192, 28672}, {16384, 53248}};
   for (int b : o.batches)
-    if (b < 1 || b > 8) { fprintf(stderr, "batch must be 1..8, got %d\n", b); exit(2); }
+    if (b < 1 || b > 16) { fprintf(stderr, "batch must be 1..16, got %d\n", b); exit(2); }
   if (o.iters < 1 || o.launches < 1) { fprintf(stderr, "--iters and --launches must be positive\n"); exit(2); }
   return o;
 }
