@@ -1,0 +1,635 @@
+"""Additive (AQLM-style) vector codebooks: the format, the quantizer, the AQLM loader and a fused GEMV.
+
+W[o, 8g:8g+8] = scale[o] * sum_m codebooks[m, codes[o, g, m]]
+
+M codebooks (M = 2: 2 bits a weight, M = 4: 4 bits) of K = 256 entries of dimension D = 8, shared
+by every group of 8 consecutive input weights of the layer, and one fp16 scale per output channel.
+This is the public AQLM "Mx8" layout (in_group_size 8, out_group_size 1) with the codebooks'
+singleton out-group axis dropped; :func:`from_aqlm` maps a checkpoint's tensors onto it one to one.
+
+On disk a layer is a safetensors file (``codes``, ``codebooks``, ``scales`` and optionally
+``bias``) with a JSON header under the metadata key ``trapetum`` (format version, kind, shapes, M,
+K, D and a SHA-256 per tensor); corrupt, truncated and tampered files raise
+:class:`~trapetum.codebook.CodebookFormatError`.
+
+The kernel (:class:`AdditiveGemv`) builds, per thread block, a lookup table
+LUT[b][g][m][k] = dot(codebooks[m, k], x[b, 8g:8g+8]) in fp32 shared memory for its K-slice of
+groups, then each lane streams one row's codes (pre-tiled so a warp's 16-byte-a-lane loads are
+contiguous, as :func:`trapetum.codebook.tile` does for the scalar format) and adds M lookups a
+group. Rows of different warps share the table; K-slices of different blocks meet in an fp32
+workspace that the last block to finish reduces (an atomic counter it resets, so it replays in a
+CUDA graph).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from numba import cuda, float32, int32, uint32
+
+from .codebook import CHUNK_BYTES, ROW_BLOCK, CodebookFormatError, untile
+from .gemv import (
+    MAX_FUSED_BATCH,
+    SIM,
+    _as_kernel_array,
+    check_activation,
+    check_output,
+    half2_to_float2,
+    load16,
+    load_byte_offset,
+    load_cg,
+    max_rel_err,
+    max_shared_bytes,
+    require_gpu,
+    sm_count,
+    with_shared_limit,
+)
+from .kmeans import check_finite
+
+FORMAT_VERSION = 1
+KIND = "additive-codebook"
+K = 256  # entries a codebook (one byte a code)
+D = 8  # weights a group (the codebooks' vector dimension)
+SUPPORTED_M = (1, 2, 4)  # codebooks; 16 / M groups fill one 16-byte chunk of a row's codes
+TOLERANCE = 2e-3  # as bench.TOLERANCE: max |y - ref| / max |ref|
+SCHEMES = {1: "1-bit additive (M=1)", 2: "2-bit additive (M=2)", 4: "4-bit additive (M=4)"}
+
+
+def check_M(M: int) -> None:
+    if M not in SUPPORTED_M:
+        raise ValueError(f"M (codebooks) must be one of {SUPPORTED_M}, got {M!r}")
+
+
+def groups_per_chunk(M: int) -> int:
+    return CHUNK_BYTES // M
+
+
+def check_in_features(in_features: int, M: int) -> None:
+    """in_features must be whole groups of 8 and fill whole 16-byte chunks of codes (16 / M groups)."""
+    if in_features <= 0 or in_features % D:
+        raise ValueError(f"in_features={in_features} is not divisible by {D}: additive codebooks quantize groups of {D} weights")
+    cols = D * groups_per_chunk(M)
+    if in_features % cols:
+        raise ValueError(
+            f"in_features={in_features} is not divisible by {cols}: with M={M} a 16-byte chunk of a row's "
+            f"codes holds {groups_per_chunk(M)} groups of {D}, and the kernels read whole chunks"
+        )
+
+
+# -- the format ------------------------------------------------------------------------------
+@dataclass
+class AdditiveTensor:
+    """A quantized weight: codes (out, in/8, M) uint8, codebooks (M, 256, 8) fp16, scales (out,) fp16.
+
+    ``bias`` (out,) fp16 is optional and not part of the weight (dequantize leaves it out); the
+    GEMV adds it. Integer codes of another dtype are range-checked and stored as uint8.
+    """
+
+    codes: torch.Tensor
+    codebooks: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None = field(default=None)
+
+    def __post_init__(self):
+        c = self.codes
+        if isinstance(c, torch.Tensor) and c.dtype != torch.uint8 and not c.dtype.is_floating_point and c.dtype != torch.bool:
+            if c.numel() and (int(c.min()) < 0 or int(c.max()) >= K):
+                raise CodebookFormatError(f"codes out of range: found [{int(c.min())}, {int(c.max())}], K={K} allows [0, {K - 1}]")
+            self.codes = c.to(torch.uint8)
+        self.validate()
+
+    @property
+    def M(self) -> int:
+        return int(self.codebooks.shape[0])
+
+    @property
+    def out_features(self) -> int:
+        return int(self.codes.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.codes.shape[1]) * D
+
+    @property
+    def nbytes(self) -> int:
+        """Codes, codebooks and scales (the bias is not part of the weight)."""
+        return self.codes.numel() + 2 * (self.codebooks.numel() + self.scales.numel())
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Code bits (8 M / 8 = M) plus the codebooks' and scales' share."""
+        return self.nbytes * 8 / (self.out_features * self.in_features)
+
+    def validate(self) -> None:
+        c, cb, s = self.codes, self.codebooks, self.scales
+        for name, t in (("codes", c), ("codebooks", cb), ("scales", s)):
+            if not isinstance(t, torch.Tensor):
+                raise CodebookFormatError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if c.dtype.is_floating_point or c.dtype == torch.bool:
+            raise CodebookFormatError(f"codes must be an integer tensor (uint8), got {c.dtype}")
+        if c.dtype != torch.uint8:
+            raise CodebookFormatError(f"codes must be uint8, got {c.dtype}")
+        if cb.dtype != torch.float16:
+            raise CodebookFormatError(f"codebooks must be float16, got {cb.dtype}")
+        if s.dtype != torch.float16:
+            raise CodebookFormatError(f"scales must be float16, got {s.dtype}")
+        if cb.dim() != 3 or cb.shape[1:] != (K, D):
+            raise CodebookFormatError(f"codebooks shape {tuple(cb.shape)} is not (M, {K}, {D})")
+        M = cb.shape[0]
+        if M not in SUPPORTED_M:
+            raise CodebookFormatError(f"{M} codebooks: M must be one of {SUPPORTED_M}")
+        if c.dim() != 3 or c.shape[2] != M:
+            raise CodebookFormatError(f"codes shape {tuple(c.shape)} is not (out, in/{D}, M={M}) for codebooks {tuple(cb.shape)}")
+        try:
+            check_in_features(c.shape[1] * D, M)
+        except ValueError as e:
+            raise CodebookFormatError(str(e)) from e
+        if tuple(s.shape) != (c.shape[0],):
+            raise CodebookFormatError(f"scales shape {tuple(s.shape)} != ({c.shape[0]},) (one per output channel)")
+        if self.bias is not None:
+            b = self.bias
+            if not isinstance(b, torch.Tensor) or b.dtype != torch.float16 or tuple(b.shape) != (c.shape[0],):
+                raise CodebookFormatError(f"bias must be a float16 tensor of shape ({c.shape[0]},)")
+            if b.device != c.device or not torch.isfinite(b).all():
+                raise CodebookFormatError("bias must be finite and on the codes' device")
+        if cb.device != c.device or s.device != c.device:
+            raise CodebookFormatError(f"codes on {c.device}, codebooks on {cb.device}, scales on {s.device}")
+        if not torch.isfinite(cb).all():
+            raise CodebookFormatError("codebooks have NaN/Inf entries")
+        if not torch.isfinite(s).all():
+            raise CodebookFormatError("scales have NaN/Inf entries")
+
+    def to(self, device) -> "AdditiveTensor":
+        return AdditiveTensor(self.codes.to(device), self.codebooks.to(device), self.scales.to(device),
+                              None if self.bias is None else self.bias.to(device))
+
+    def dequantize(self, dtype=torch.float16) -> torch.Tensor:
+        """The (out, in) weight (computed in fp32, or float64 when asked for)."""
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        return _decode(self.codes, self.codebooks.to(work), self.scales.to(work)).to(dtype)
+
+    # -- serialization -------------------------------------------------------------------
+    def _tensors(self) -> dict:
+        t = {"codes": self.codes, "codebooks": self.codebooks, "scales": self.scales}
+        if self.bias is not None:
+            t["bias"] = self.bias
+        return {k: v.detach().cpu().contiguous() for k, v in t.items()}
+
+    def header(self) -> dict:
+        tensors = self._tensors()
+        return {
+            "format_version": FORMAT_VERSION,
+            "kind": KIND,
+            "M": self.M,
+            "K": K,
+            "D": D,
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            "shapes": {k: list(v.shape) for k, v in tensors.items()},
+            "sha256": {k: _sha(v) for k, v in tensors.items()},
+        }
+
+    def save(self, path: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        save_file(self._tensors(), str(path), metadata={"trapetum": json.dumps(self.header())})
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, device="cpu") -> "AdditiveTensor":
+        from safetensors import SafetensorError
+        from safetensors.torch import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no additive codebook file at {path}")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CodebookFormatError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from e
+        if "trapetum" not in meta:
+            raise CodebookFormatError(f"{path}: no 'trapetum' header in the safetensors metadata")
+        try:
+            h = json.loads(meta["trapetum"])
+        except json.JSONDecodeError as e:
+            raise CodebookFormatError(f"{path}: the 'trapetum' header is not JSON: {e}") from e
+        if h.get("format_version") != FORMAT_VERSION:
+            raise CodebookFormatError(f"{path}: format_version {h.get('format_version')!r}, this trapetum reads {FORMAT_VERSION}")
+        if h.get("kind") != KIND:
+            raise CodebookFormatError(f"{path}: kind {h.get('kind')!r} is not {KIND!r}")
+        if (h.get("K"), h.get("D")) != (K, D) or h.get("M") not in SUPPORTED_M:
+            raise CodebookFormatError(f"{path}: header M={h.get('M')!r}, K={h.get('K')!r}, D={h.get('D')!r}; "
+                                      f"this trapetum reads M in {SUPPORTED_M}, K={K}, D={D}")
+        names = set(tensors)
+        if not {"codes", "codebooks", "scales"} <= names <= {"codes", "codebooks", "scales", "bias"}:
+            raise CodebookFormatError(f"{path}: expected tensors codes, codebooks, scales (and optionally bias), found {sorted(names)}")
+        shapes, shas = h.get("shapes") or {}, h.get("sha256") or {}
+        if set(shapes) != names:
+            raise CodebookFormatError(f"{path}: the header lists tensors {sorted(shapes)}, the file holds {sorted(names)}")
+        for name, t in tensors.items():
+            if list(t.shape) != shapes.get(name):
+                raise CodebookFormatError(f"{path}: {name} shape {list(t.shape)} != header {shapes.get(name)}")
+            if _sha(t) != shas.get(name):
+                raise CodebookFormatError(f"{path}: {name} bytes do not match the header's SHA-256 (file tampered or corrupt)")
+        try:
+            t = cls(tensors["codes"], tensors["codebooks"], tensors["scales"], tensors.get("bias"))
+        except (ValueError, TypeError) as e:
+            raise CodebookFormatError(f"{path}: {e}") from e
+        if (t.M, t.in_features, t.out_features) != (h.get("M"), h.get("in_features"), h.get("out_features")):
+            raise CodebookFormatError(f"{path}: tensors are M={t.M}, {t.out_features} x {t.in_features}; the header says "
+                                      f"M={h.get('M')}, {h.get('out_features')} x {h.get('in_features')}")
+        return t.to(device)
+
+
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _decode(codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(out, in) weight from codes (out, G, M), float codebooks (M, K, D) and scales (out,)."""
+    n_out, G, M = codes.shape
+    flat = codebooks.reshape(M * K, D)
+    idx = codes.long() + torch.arange(M, device=codes.device) * K
+    vecs = flat[idx].sum(2)  # (out, G, D)
+    return (vecs * scales.reshape(n_out, 1, 1)).reshape(n_out, G * D)
+
+
+def random_additive_tensor(out_features: int, in_features: int, M: int, seed: int = 0, device="cpu",
+                           generator: torch.Generator | None = None) -> AdditiveTensor:
+    """Random codes, normal codebooks and scales near 1, made on ``device`` (what benchmarks use)."""
+    check_M(M)
+    check_in_features(in_features, M)
+    g = generator if generator is not None else torch.Generator(device=device).manual_seed(seed)
+    codes = torch.randint(0, K, (out_features, in_features // D, M), dtype=torch.uint8, device=device, generator=g)
+    cb = torch.randn(M, K, D, device=device, generator=g) * (0.02 / math.sqrt(M))
+    scales = 1 + 0.1 * torch.rand(out_features, device=device, generator=g)
+    return AdditiveTensor(codes, cb.half(), scales.half())
+
+
+# -- the AQLM checkpoint layout --------------------------------------------------------------
+class AqlmFormatError(CodebookFormatError):
+    """An AQLM checkpoint this loader cannot map onto AdditiveTensor (unsupported variant or bad tensors)."""
+
+
+def from_aqlm(state: dict, prefix: str = "") -> AdditiveTensor:
+    """One AQLM ``QuantizedLinear`` (Mx8, in_group_size 8, out_group_size 1) from a state dict.
+
+    ``{prefix}codes`` int8 (out, in/8, M): AQLM stores code c in [0, 256) as the int8 of the same
+    bits (c - 256 for c >= 128; aqlm.utils.unpack_int_data reads it back as c % 256), which is
+    exactly a uint8 view. ``{prefix}codebooks`` fp16 (M, 256, 1, 8), ``{prefix}scales`` fp16
+    (out, 1, 1, 1) and the optional ``{prefix}bias`` (out,) map one to one.
+    """
+    try:
+        codes, cb, scales = (state[prefix + k] for k in ("codes", "codebooks", "scales"))
+    except KeyError as e:
+        raise AqlmFormatError(f"no AQLM layer at prefix {prefix!r}: missing {e.args[0]!r}") from e
+    bias = state.get(prefix + "bias")
+    if cb.dim() != 4:
+        raise AqlmFormatError(f"{prefix}codebooks shape {tuple(cb.shape)} is not (M, codebook_size, out_group_size, in_group_size)")
+    M, size, og, ig = cb.shape
+    if size != K:
+        raise AqlmFormatError(f"{prefix}: codebook size {size} (nbits_per_codebook={int(size).bit_length() - 1}); only 8-bit codebooks (Mx8) are supported")
+    if og != 1:
+        raise AqlmFormatError(f"{prefix}: out_group_size={og}; only out_group_size=1 is supported")
+    if ig != D:
+        raise AqlmFormatError(f"{prefix}: in_group_size={ig}; only in_group_size={D} is supported")
+    if M not in SUPPORTED_M:
+        raise AqlmFormatError(f"{prefix}: {M} codebooks; supported: {SUPPORTED_M}")
+    if codes.dtype not in (torch.int8, torch.uint8):
+        raise AqlmFormatError(f"{prefix}codes dtype {codes.dtype}: Mx8 checkpoints store int8 codes")
+    if codes.dim() != 3 or codes.shape[2] != M:
+        raise AqlmFormatError(f"{prefix}codes shape {tuple(codes.shape)} is not (out, in/8, {M})")
+    if tuple(scales.shape) != (codes.shape[0], 1, 1, 1):
+        raise AqlmFormatError(f"{prefix}scales shape {tuple(scales.shape)} is not ({codes.shape[0]}, 1, 1, 1)")
+    try:
+        return AdditiveTensor(
+            codes.contiguous().view(torch.uint8),
+            cb.reshape(M, K, D).to(torch.float16).contiguous(),
+            scales.reshape(-1).to(torch.float16).contiguous(),
+            None if bias is None else bias.to(torch.float16).contiguous(),
+        )
+    except CodebookFormatError as e:
+        raise AqlmFormatError(f"{prefix}: {e}") from e
+
+
+def check_aqlm_config(config: dict) -> dict:
+    """The quantization_config of an AQLM checkpoint's config.json, checked for what we read."""
+    q = config.get("quantization_config")
+    if not isinstance(q, dict):
+        raise AqlmFormatError("config.json has no quantization_config: not a quantized checkpoint")
+    if q.get("quant_method") != "aqlm":
+        raise AqlmFormatError(f"quant_method {q.get('quant_method')!r} is not 'aqlm'")
+    want = {"in_group_size": D, "out_group_size": 1, "nbits_per_codebook": 8}
+    for k, v in want.items():
+        if q.get(k) != v:
+            raise AqlmFormatError(f"unsupported AQLM variant: {k}={q.get(k)!r} (this loader reads "
+                                  f"{q.get('num_codebooks')}x{q.get('nbits_per_codebook')} with {k}={v}; "
+                                  "1x16 and out_group_size > 1 have no kernel here)")
+    if q.get("num_codebooks") not in SUPPORTED_M:
+        raise AqlmFormatError(f"unsupported AQLM variant: num_codebooks={q.get('num_codebooks')!r}, supported {SUPPORTED_M}")
+    return q
+
+
+def load_aqlm_checkpoint(folder: str | Path, device="cpu") -> dict[str, AdditiveTensor]:
+    """{module name: AdditiveTensor} for every quantized linear of a Hugging Face AQLM checkpoint.
+
+    Reads config.json (quantization_config) and model.safetensors, or the shards a
+    model.safetensors.index.json names. A layer's bias, when present, rides on its tensor.
+    """
+    from safetensors.torch import safe_open
+
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"no config.json in {folder}")
+    q = check_aqlm_config(json.loads(cfg_path.read_text()))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+    state = {}
+    for name in files:
+        with safe_open(str(folder / name), framework="pt") as f:
+            for k in f.keys():
+                if k.rsplit(".", 1)[-1] in ("codes", "codebooks", "scales", "bias"):
+                    state[k] = f.get_tensor(k)
+    out = {}
+    for k in sorted(state):
+        if k.endswith(".codes"):
+            prefix = k[: -len("codes")]
+            t = from_aqlm(state, prefix)
+            if t.M != q["num_codebooks"]:
+                raise AqlmFormatError(f"{prefix}: {t.M} codebooks, config says num_codebooks={q['num_codebooks']}")
+            out[prefix[:-1]] = t.to(device)
+    if not out:
+        raise AqlmFormatError(f"{folder}: no AQLM layers (no '*.codes' tensors) in {files}")
+    return out
+
+
+# -- the quantizer ---------------------------------------------------------------------------
+@dataclass
+class AdditiveReport:
+    """What quantizing one matrix cost and how close it came."""
+
+    M: int
+    iters_run: int
+    objective: str  # "mse" or "calibration" (||(W - W_hat) X^T||^2)
+    rel_err_curve: list  # relative objective after init, then after each iteration (fp32 parameters)
+    rel_err: float  # relative objective of the stored fp16 tensor
+    rel_mse: float  # plain ||W - W_hat||^2 / ||W||^2 of the stored tensor
+    max_abs_err: float
+    seconds: float
+
+
+def _kmeans(v: torch.Tensor, k: int, iters: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain Lloyd k-means of rows of v (N, D), seeded start from k distinct samples; returns (centroids, labels)."""
+    N = v.shape[0]
+    pick = torch.randperm(N, generator=gen)[:k].to(v.device)
+    c = v[pick].clone()
+    if c.shape[0] < k:  # fewer vectors than entries: repeat them (the codebook is still valid)
+        c = c.repeat(-(-k // max(c.shape[0], 1)), 1)[:k]
+    for _ in range(iters):
+        lab = _nearest(v, c)
+        sums = torch.zeros_like(c).index_add_(0, lab, v)
+        cnt = torch.zeros(k, device=v.device, dtype=v.dtype).index_add_(0, lab, torch.ones_like(lab, dtype=v.dtype))
+        empty = cnt == 0
+        c = torch.where(empty[:, None], c, sums / cnt.clamp_min(1)[:, None])
+        if empty.any():  # restart empty clusters on seeded random members
+            c[empty] = v[torch.randint(0, N, (int(empty.sum()),), generator=gen).to(v.device)]
+    return c, _nearest(v, c)
+
+
+def _nearest(v: torch.Tensor, c: torch.Tensor, chunk: int = 65536) -> torch.Tensor:
+    cn = (c * c).sum(1)
+    return torch.cat([(cn - 2 * v[i:i + chunk] @ c.T).argmin(1) for i in range(0, v.shape[0], chunk)])
+
+
+def _beam_codes(b: torch.Tensor, s: torch.Tensor, Hg: torch.Tensor, cb: torch.Tensor, cur: torch.Tensor, beam: int) -> torch.Tensor:
+    """Best codes (N, M) for N groups minimizing s^2 c^T Hg c - 2 s c.b, c = sum_m cb[m, code_m].
+
+    Beam search: start from the current codes; for each codebook in turn, every beam entry tries
+    all K codes of that codebook, and the best ``beam`` (partial code sets) survive. The current
+    codes are always among the candidates, so the loss never increases.
+    """
+    N, M = cur.shape
+    CH = cb @ Hg  # (M, K, D)
+    q = (CH * cb).sum(-1)  # (M, K): c^T H c
+    codes = cur[:, None, :].clone()  # (N, 1, M)
+    s2 = (s * s)[:, None, None]
+    for m in range(M):
+        Bm = codes.shape[1]
+        vec = cb[torch.arange(M, device=cb.device), codes.long()].sum(2)  # (N, Bm, D) current sums
+        p = vec - cb[m][codes[..., m].long()]  # partial sum without codebook m
+        pH = p @ Hg
+        # loss(k) = s^2 [p H p + 2 CH_k . p + q_k] - 2 s [p.b + C_k.b]
+        base = s2[..., 0] * (pH * p).sum(-1) - 2 * s[:, None] * (p * b[:, None, :]).sum(-1)  # (N, Bm)
+        lk = s2 * (2 * p @ CH[m].T + q[m]) - 2 * (s[:, None] * (b @ cb[m].T))[:, None, :]  # (N, Bm, K)
+        loss = (base[..., None] + lk).reshape(N, Bm * K)
+        keep = min(beam, Bm * K)
+        top = loss.topk(keep, dim=1, largest=False).indices
+        src, k = top // K, top % K
+        codes = codes.gather(1, src[..., None].expand(N, keep, M)).clone()
+        codes[..., m] = k.to(codes.dtype)
+    vec = cb[torch.arange(M, device=cb.device), codes.long()].sum(2)
+    loss = (s2[..., 0] * ((vec @ Hg) * vec).sum(-1) - 2 * s[:, None] * (vec * b[:, None, :]).sum(-1))
+    return codes[torch.arange(N, device=cb.device), loss.argmin(1)]
+
+
+class _Objective:
+    """||(W - W_hat) X^T||^2 = tr(E H E^T) with H = X^T X, or plain ||E||^2 when H is None."""
+
+    def __init__(self, W: torch.Tensor, H: torch.Tensor | None):
+        self.W, self.H = W, H
+        self.total = self(torch.zeros_like(W))
+
+    def apply(self, E: torch.Tensor) -> torch.Tensor:
+        return E if self.H is None else E @ self.H
+
+    def __call__(self, W_hat: torch.Tensor) -> float:
+        E = self.W - W_hat
+        return float((self.apply(E) * E).sum())
+
+    def rel(self, W_hat: torch.Tensor) -> float:
+        return self(W_hat) / max(self.total, 1e-30)
+
+
+def _update_codebooks(obj: _Objective, codes: torch.Tensor, cb: torch.Tensor, s: torch.Tensor, cg_iters: int, ridge: float) -> torch.Tensor:
+    """Least squares for the codebooks with codes and scales fixed: min_C tr(E H E^T).
+
+    Plain MSE: the normal equations separate per dimension and are solved in closed form
+    (an (M K) x (M K) system, 8 right-hand sides). With H they couple every dimension and group;
+    they are solved matrix-free by preconditioned conjugate gradient started at the current
+    codebooks (every CG step lowers the objective, so the update never makes it worse).
+    """
+    n_out, G, M = codes.shape
+    idx = (codes.long() + torch.arange(M, device=codes.device) * K).reshape(n_out * G, M)
+    w_s = s.repeat_interleave(G)  # scale of every group
+    if obj.H is None:
+        A = torch.zeros(M * K, M * K, dtype=cb.dtype, device=cb.device)
+        s2 = (w_s * w_s)[:, None].expand(-1, M * M).reshape(-1)
+        A.index_put_((idx[:, :, None].expand(-1, M, M).reshape(-1), idx[:, None, :].expand(-1, M, M).reshape(-1)), s2, accumulate=True)
+        rhs = torch.zeros(M * K, D, dtype=cb.dtype, device=cb.device)
+        wv = obj.W.reshape(n_out * G, D) * w_s[:, None]
+        for m in range(M):
+            rhs.index_add_(0, idx[:, m], wv)
+        reg = ridge * A.diagonal().mean().clamp_min(1e-12)
+        A.diagonal().add_(reg)
+        rhs += reg * cb.reshape(M * K, D)  # pull unused entries toward where they are
+        return torch.linalg.solve(A, rhs).reshape(M, K, D)
+
+    def expand(theta):  # codebooks -> W_hat
+        return _decode(codes, theta, s)
+
+    def adjoint(R):  # (out, in) -> codebook space: sum over groups of s * R_group into each code used
+        rv = (R.reshape(n_out, G, D) * s[:, None, None]).reshape(n_out * G, D)
+        out = torch.zeros(M * K, D, dtype=R.dtype, device=R.device)
+        for m in range(M):
+            out.index_add_(0, idx[:, m], rv)
+        return out.reshape(M, K, D)
+
+    # Jacobi preconditioner from the block diagonal of H (exact diagonal when groups share no code).
+    Hd = obj.H.diagonal().reshape(G, D)
+    diag = torch.zeros(M * K, D, dtype=cb.dtype, device=cb.device)
+    dv = (Hd[None] * (s * s)[:, None, None]).reshape(n_out * G, D)
+    for m in range(M):
+        diag.index_add_(0, idx[:, m], dv)
+    reg = ridge * diag.mean().clamp_min(1e-12)
+    diag = (diag + reg).reshape(M, K, D)
+
+    def A(theta):
+        return adjoint(obj.apply(expand(theta))) + reg * theta
+
+    theta = cb.clone()
+    r = adjoint(obj.apply(obj.W)) + reg * cb - A(theta)
+    z = r / diag
+    p = z.clone()
+    rz = (r * z).sum()
+    for _ in range(cg_iters):
+        Ap = A(p)
+        pAp = (p * Ap).sum()
+        if pAp <= 0:
+            break
+        alpha = rz / pAp
+        theta = theta + alpha * p
+        r = r - alpha * Ap
+        z = r / diag
+        rz_new = (r * z).sum()
+        if rz_new <= 1e-30:
+            break
+        p = z + (rz_new / rz) * p
+        rz = rz_new
+    return theta
+
+
+def _update_scales(obj: _Objective, codes: torch.Tensor, cb: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Per-row least squares for the scale with codes and codebooks fixed: s_o = <w_o, u_o>_H / <u_o, u_o>_H."""
+    U = _decode(codes, cb, torch.ones_like(s))
+    UH = obj.apply(U)
+    num, den = (UH * obj.W).sum(1), (UH * U).sum(1)
+    return torch.where(den > 1e-30, num / den.clamp_min(1e-30), s)
+
+
+def quantize_additive(W: torch.Tensor, M: int = 2, X: torch.Tensor | None = None, H: torch.Tensor | None = None,
+                      iters: int = 6, beam: int = 4, seed: int = 0, kmeans_iters: int = 10, cg_iters: int = 12,
+                      ridge: float = 1e-4, progress: bool = True) -> tuple[AdditiveTensor, AdditiveReport]:
+    """AQLM-style additive quantization of an (out, in) weight into M codebooks of 256 x 8.
+
+    Objective: plain ||W - W_hat||^2, or with calibration inputs X (n, in) or H = X^T X (in, in)
+    the output error ||(W - W_hat) X^T||^2 = tr(E H E^T). Per-output-channel scales (init: row
+    RMS), codebooks from residual k-means, then ``iters`` rounds of (a) beam search over codes,
+    group by group when H couples the groups (Gauss-Seidel, the others' error held fixed), all
+    groups at once for plain MSE; (b) least squares for the codebooks; (c) least squares for the
+    scales. Every step is an exact or monotone minimization, so the objective does not increase.
+    Runs on W's device; deterministic for a seed.
+    """
+    t0 = time.perf_counter()
+    check_M(M)
+    if not isinstance(W, torch.Tensor) or W.dim() != 2:
+        raise ValueError(f"W must be a 2-D tensor (out_features, in_features), got {getattr(W, 'shape', type(W).__name__)}")
+    check_in_features(W.shape[1], M)
+    check_finite(W)
+    if X is not None and H is not None:
+        raise ValueError("pass X or H, not both")
+    dev = W.device
+    Wf = W.detach().float()
+    n_out, n_in = Wf.shape
+    G = n_in // D
+    if X is not None:
+        check_finite(X, "X")
+        if X.dim() != 2 or X.shape[1] != n_in:
+            raise ValueError(f"X must be (n_samples, {n_in}), got {tuple(X.shape)}")
+        Xf = X.detach().to(dev, torch.float32)
+        H = Xf.T @ Xf
+    if H is not None:
+        check_finite(H, "H")
+        if tuple(H.shape) != (n_in, n_in):
+            raise ValueError(f"H must be ({n_in}, {n_in}), got {tuple(H.shape)}")
+        H = H.detach().to(dev, torch.float32)
+        H = (H + H.T) / 2
+        H = H + 1e-6 * H.diagonal().mean().clamp_min(1e-12) * torch.eye(n_in, device=dev)  # dampening: H must be definite
+    obj = _Objective(Wf, H)
+    gen = torch.Generator().manual_seed(seed)
+
+    # Init: row-RMS scales, residual k-means codebooks.
+    s = Wf.pow(2).mean(1).sqrt().clamp_min(1e-8)
+    V = (Wf / s[:, None]).reshape(n_out * G, D)
+    res = V.clone()
+    cbs, labs = [], []
+    for _ in range(M):
+        c, lab = _kmeans(res, K, kmeans_iters, gen)
+        cbs.append(c)
+        labs.append(lab)
+        res = res - c[lab]
+    cb = torch.stack(cbs)
+    codes = torch.stack(labs, 1).reshape(n_out, G, M).to(torch.int16)
+    curve = [obj.rel(_decode(codes, cb, s))]
+
+    from tqdm.auto import tqdm
+
+    eye = torch.eye(D, device=dev)
+    bar = tqdm(range(iters), desc=f"additive M={M}", disable=not progress, leave=False)
+    for _ in bar:
+        # (a) codes
+        if H is None:
+            Nv = n_out * G
+            b = Wf.reshape(Nv, D)
+            sv = s.repeat_interleave(G)
+            flat = codes.reshape(Nv, M)
+            step = max(1, 2**22 // (beam * K))
+            codes = torch.cat([_beam_codes(b[i:i + step], sv[i:i + step], eye, cb, flat[i:i + step], beam)
+                               for i in range(0, Nv, step)]).reshape(n_out, G, M)
+        else:
+            W_hat = _decode(codes, cb, s)
+            R = (Wf - W_hat) @ H  # (out, in): H-weighted error, kept current group by group
+            for g in torch.randperm(G, generator=gen).tolist():
+                sl = slice(D * g, D * g + D)
+                Hg = H[sl, sl]
+                old = W_hat[:, sl]
+                b = R[:, sl] + old @ Hg  # the group's linear term with its own reconstruction taken out
+                new_codes = _beam_codes(b, s, Hg, cb, codes[:, g], beam)
+                codes[:, g] = new_codes
+                new = cb[torch.arange(M, device=dev), new_codes.long()].sum(1) * s[:, None]
+                R -= (new - old) @ H[sl, :]
+                W_hat[:, sl] = new
+        # (b) codebooks, (c) scales
+        cb = _update_codebooks(obj, codes, cb, s, cg_iters, ridge)
+        s = _update_scales(obj, codes, cb, s)
+        curve.append(obj.rel(_decode(codes, cb, s)))
+        bar.set_postfix(rel_err=f"{curve[-1]:.4g}")
+    t = AdditiveTensor(codes.to(torch.uint8), cb.to(torch.float16), s.to(torch.float16))
+    W16 = t.dequantize(torch.float32)
+    rep = AdditiveReport(M=M, iters_run=iters, objective="mse" if H is None else "calibration", rel_err_curve=curve,
+                         rel_err=obj.rel(W16), rel_mse=float(((Wf - W16) ** 2).sum() / (Wf**2).sum().clamp_min(1e-30)),
+                         max_abs_err=float((Wf - W16).abs().max()), seconds=time.perf_counter() - t0)
+    return t, rep
