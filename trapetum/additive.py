@@ -633,3 +633,414 @@ def quantize_additive(W: torch.Tensor, M: int = 2, X: torch.Tensor | None = None
                          rel_err=obj.rel(W16), rel_mse=float(((Wf - W16) ** 2).sum() / (Wf**2).sum().clamp_min(1e-30)),
                          max_abs_err=float((Wf - W16).abs().max()), seconds=time.perf_counter() - t0)
     return t, rep
+
+
+# -- the fused GEMV --------------------------------------------------------------------------
+SMEM_OPTIN_FLOOR = 48 * 1024  # shared memory every block gets without opting in
+CHUNK_LUT_BYTES = CHUNK_BYTES * K * 4  # fp32 table for one 16-byte chunk column (16 codes) of one batch row: 16 KiB
+_kernel_cache: dict = {}
+
+
+def tile_codes(codes: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout of (out, in/8, M) uint8 codes, as :func:`trapetum.codebook.tile` lays
+    out scalar codes: rows padded to a multiple of 32, then
+    tiled[((rb * nchunks + j) * 32 + lane) * 16 + t] = row (rb * 32 + lane)'s code byte j * 16 + t,
+    returned as int32 words: a warp's 16-byte-a-lane load of chunk j of row-block rb is 512
+    contiguous bytes. :func:`trapetum.codebook.untile` is the inverse."""
+    n_out = codes.shape[0]
+    flat = codes.reshape(n_out, -1)
+    nbytes = flat.shape[1]
+    rbs = -(-n_out // ROW_BLOCK)
+    if rbs * ROW_BLOCK != n_out:
+        flat = torch.cat([flat, flat.new_zeros(rbs * ROW_BLOCK - n_out, nbytes)])
+    t = flat.reshape(rbs, ROW_BLOCK, nbytes // CHUNK_BYTES, CHUNK_BYTES).permute(0, 2, 1, 3).contiguous()
+    return t.view(torch.int32).reshape(-1)
+
+
+def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int):
+    """The fused additive GEMV for M codebooks and batch B (compiled on first use, per plan).
+
+    Grid (row-groups of RB row-blocks, K-slices, batch tiles of bt). A block:
+    1. issues the loads of its warps' first row-block codes (cps chunks a lane),
+    2. builds LUT[b][g][m][k] = dot(codebooks[m, k], x[b, 8g:8g+8]) in fp32 dynamic shared memory
+       for its bt batch rows and its G = cps * 16 / M groups (thread t owns entries m*256+k = t + i*nt,
+       so stores are conflict-free; the codebook rows sit in registers, x is a broadcast load),
+    3. each warp streams its row-blocks (lane = row), the next row-block's chunks loading while the
+       current one is summed: a byte of code is (w >> 8t) masked into a byte offset, one shared
+       load and one add a lookup, no shuffles;
+    4. multiplies by the row's scale and writes y (plus bias), or its K-slice's partial to the fp32
+       workspace; the last block of a row-group to finish sums the partials (atomic counter it
+       resets, so the launch replays in a CUDA graph).
+    Arguments: x32 (B, in/2) int32 view of fp16 x; tiled int32 codes; cb32 (M*256*4,) int32 view of
+    the fp16 codebooks; scales, bias (out,) fp16; y (B, out) fp16; ws (ksplit, B, out_pad) fp32;
+    counters int32 (row-groups x batch tiles); n_out; rbs (row-blocks); nchunks (chunks a row).
+    """
+    key = (M, B, bt, warps, RB, cps)
+    if key in _kernel_cache:
+        return _kernel_cache[key]
+    gpc = groups_per_chunk(M)
+    G = cps * gpc
+    nt = warps * 32
+    pairs = M * K
+    ppt = -(-pairs // nt)
+    regs = cps * 4
+    zero = int32(0)
+    mask = uint32(0x3FC)
+
+    @cuda.jit(device=True)
+    def fetch(dst, off, tiled, rb, rbs, nchunks, j0, j1):
+        base = (rb * nchunks * 32 + cuda.laneid) * 4
+        for c in range(cps):
+            o = off + 4 * c
+            if rb < rbs and j0 + c < j1:
+                dst[o], dst[o + 1], dst[o + 2], dst[o + 3] = load16(tiled, base + (j0 + c) * 128)
+            else:
+                dst[o], dst[o + 1], dst[o + 2], dst[o + 3] = zero, zero, zero, zero
+
+    @cuda.jit(device=True)
+    def byte_offset(w, t):
+        # Byte t of word w, times 4 (an fp32 table entry's byte offset): two integer ops.
+        if t == 0:
+            return (w << uint32(2)) & mask
+        return (w >> uint32(8 * t - 2)) & mask
+
+    @cuda.jit(device=True)
+    def sum_chunks(ring, off, lut, acc, j0, j1):
+        for c in range(cps):
+            if j0 + c < j1:
+                for q in range(4):
+                    w = uint32(ring[off + 4 * c + q])
+                    for t in range(4):
+                        gi = (4 * q + t) // M
+                        m = (4 * q + t) % M
+                        o = byte_offset(w, t)
+                        for bb in range(bt):
+                            acc[bb] += load_byte_offset(lut, uint32(((bb * G + c * gpc + gi) * M + m) * K * 4) + o)
+
+    @cuda.jit
+    def kernel(x32, tiled, cb32, scales, bias, y, ws, counters, n_out, rbs, nchunks):
+        lut = cuda.shared.array(0, float32)  # [b][g][m][k]
+        last = cuda.shared.array(1, int32)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = cuda.laneid
+        rb0 = cuda.blockIdx.x * RB
+        split = cuda.blockIdx.y
+        nsplit = cuda.gridDim.y
+        b0 = cuda.blockIdx.z * bt
+        j0 = split * cps
+        j1 = min(j0 + cps, nchunks)
+
+        # 1. The first row-block's codes are in flight while the table is built.
+        ring = cuda.local.array(2 * regs, int32)
+        r = warp
+        fetch(ring, 0, tiled, rb0 + r if r < RB else rbs, rbs, nchunks, j0, j1)
+
+        # 2. The table.
+        cbv = cuda.local.array(ppt * 8, float32)
+        for i in range(ppt):
+            p = tid + i * nt
+            if p < pairs:
+                w0, w1, w2, w3 = load16(cb32, p * 4)
+                cbv[8 * i], cbv[8 * i + 1] = half2_to_float2(w0)
+                cbv[8 * i + 2], cbv[8 * i + 3] = half2_to_float2(w1)
+                cbv[8 * i + 4], cbv[8 * i + 5] = half2_to_float2(w2)
+                cbv[8 * i + 6], cbv[8 * i + 7] = half2_to_float2(w3)
+        g0 = j0 * gpc
+        g1 = j1 * gpc
+        for bb in range(bt):
+            if b0 + bb < B:
+                xrow = x32[b0 + bb]
+                for g in range(G):
+                    if g0 + g < g1:
+                        w0, w1, w2, w3 = load16(xrow, (g0 + g) * 4)
+                        xa, xb = half2_to_float2(w0)
+                        xc, xd = half2_to_float2(w1)
+                        xe, xf = half2_to_float2(w2)
+                        xg, xh = half2_to_float2(w3)
+                        for i in range(ppt):
+                            p = tid + i * nt
+                            if p < pairs:
+                                v = xa * cbv[8 * i]
+                                v = cuda.fma(xb, cbv[8 * i + 1], v)
+                                v = cuda.fma(xc, cbv[8 * i + 2], v)
+                                v = cuda.fma(xd, cbv[8 * i + 3], v)
+                                v = cuda.fma(xe, cbv[8 * i + 4], v)
+                                v = cuda.fma(xf, cbv[8 * i + 5], v)
+                                v = cuda.fma(xg, cbv[8 * i + 6], v)
+                                v = cuda.fma(xh, cbv[8 * i + 7], v)
+                                lut[(bb * G + g) * pairs + p] = v
+        cuda.syncthreads()
+
+        # 3. Rows: warp w owns row-blocks w, w + warps, ... of the block; slot s of the ring holds
+        #    the current row-block's chunks, slot 1 - s the next one's, loading.
+        acc = cuda.local.array(bt, float32)
+        while r < RB:
+            for s in range(2):
+                if r < RB:
+                    nr = r + warps
+                    fetch(ring, (1 - s) * regs, tiled, rb0 + nr if nr < RB else rbs, rbs, nchunks, j0, j1)
+                    for bb in range(bt):
+                        acc[bb] = float32(0.0)
+                    sum_chunks(ring, s * regs, lut, acc, j0, j1)
+                    # 4. Scale, then y or this K-slice's partial.
+                    rb = rb0 + r
+                    row = rb * 32 + lane
+                    if rb < rbs and row < n_out:
+                        sc = float32(scales[row])
+                        for bb in range(bt):
+                            if b0 + bb < B:
+                                if nsplit == 1:
+                                    y[b0 + bb, row] = acc[bb] * sc + float32(bias[row])
+                                else:
+                                    ws[split, b0 + bb, row] = acc[bb] * sc
+                r += warps
+
+        if nsplit > 1:
+            cuda.threadfence()
+            cuda.syncthreads()
+            cidx = cuda.blockIdx.x + cuda.gridDim.x * cuda.blockIdx.z
+            if tid == 0:
+                last[0] = 1 if cuda.atomic.add(counters, cidx, 1) == nsplit - 1 else 0
+            cuda.syncthreads()
+            if last[0] == 1:
+                for i in range(tid, RB * 32 * bt, nt):
+                    bb = i // (RB * 32)
+                    row = rb0 * 32 + (i - bb * RB * 32)
+                    if row < n_out and b0 + bb < B:
+                        v = float32(0.0)
+                        for sp in range(nsplit):
+                            v += load_cg(ws, sp, b0 + bb, row)
+                        y[b0 + bb, row] = v + float32(bias[row])
+                if tid == 0:
+                    counters[cidx] = 0
+
+    _kernel_cache[key] = kernel
+    return kernel
+
+
+@dataclass
+class AdditivePlan:
+    warps: int
+    RB: int  # row-blocks (of 32 rows) a thread block
+    cps: int  # 16-byte chunk columns a K-slice (groups a slice: cps * 16 / M)
+    ksplit: int
+    bt: int  # batch rows a block (grid z covers the batch in tiles of bt)
+    shared_bytes: int  # dynamic: the table, bt * cps * 16 KiB
+
+
+def plan_additive(n_out: int, nchunks: int, M: int, B: int, sms: int, smem: int, warps: int | None = None, RB: int | None = None,
+                  cps: int | None = None, ksplit: int | None = None, bt: int | None = None) -> AdditivePlan:
+    """Launch plan for one layer. Without overrides: blocks of up to 16 row-blocks (512 rows, so the
+    table is amortized over many rows), bt = the batch where it fits, and K-slices sized so about
+    two blocks share an SM. ``smem`` is what a block may opt in to (227 KiB on an H100)."""
+    rbs = -(-n_out // ROW_BLOCK)
+    budget = smem // 2 if smem > 2 * SMEM_OPTIN_FLOOR else smem  # two blocks an SM where the GPU allows
+    usable = smem - 64  # static shared memory: the 'last' flag
+    if bt is None:
+        bt = max(1, min(B, budget // CHUNK_LUT_BYTES, usable // CHUNK_LUT_BYTES))
+    if not 1 <= bt <= B:
+        raise ValueError(f"bt={bt}: batch rows a block must be in 1..{B}")
+    if ksplit is not None:
+        cps = -(-nchunks // ksplit)
+    elif cps is None:
+        cps = max(1, min(nchunks, budget // (bt * CHUNK_LUT_BYTES)))
+    cps = max(1, min(cps, nchunks))
+    if bt * cps * CHUNK_LUT_BYTES > usable:
+        raise ValueError(f"bt={bt} x cps={cps} chunk columns need {bt * cps * CHUNK_LUT_BYTES} bytes of table; "
+                         f"a block may use {usable} (more K-slices or a smaller batch tile)")
+    ksplit = -(-nchunks // cps)
+    cps = -(-nchunks // ksplit)  # even slices
+    RB = max(1, min(RB or 16, rbs))
+    warps = warps or max(1, min(8, RB))
+    return AdditivePlan(warps, RB, cps, ksplit, bt, bt * cps * CHUNK_LUT_BYTES)
+
+
+
+def candidate_plans(n_out: int, nchunks: int, M: int, B: int, sms: int, smem: int) -> list[AdditivePlan]:
+    """Plans the tuner times: row-blocks a block x table sizes (a quarter to all of the opt-in
+    shared memory) x batch tiles; each compiles its own kernel, so the list is kept short."""
+    rbs = -(-n_out // ROW_BLOCK)
+    per = max(1, (smem - 64) // CHUNK_LUT_BYTES)  # chunk columns x batch rows that fit at all
+    bts = sorted({min(B, b) for b in (1, 3, 6, per)} if B > 1 else {1})
+    out, seen = [], set()
+    for RB in (8, 16, 32):
+        for bt in bts:
+            if bt > per:
+                continue
+            for share in (4, 3, 2, 1):
+                c = max(1, per // share // bt)
+                try:
+                    p = plan_additive(n_out, nchunks, M, B, sms, smem, RB=RB, cps=c, bt=bt)
+                except ValueError:
+                    continue
+                key = (p.RB, p.cps, p.bt, p.warps)
+                blocks = -(-rbs // p.RB) * p.ksplit * -(-B // p.bt)
+                if key not in seen and blocks >= min(sms, rbs):
+                    seen.add(key)
+                    out.append(p)
+    return out or [plan_additive(n_out, nchunks, M, B, sms, smem)]
+
+
+_TUNED: dict = {}
+
+
+class AdditiveGemv:
+    """An additive-codebook weight prepared for the fused kernel on one device: ``y = gemv(x)``.
+
+    Holds the codes only in the kernel's tiled layout (:attr:`t` rebuilds the natural tensor).
+    ``plan``: optional overrides for :func:`plan_additive` (keys warps, RB, cps, ksplit, bt);
+    otherwise tuned on a GPU (``tune=True``) or taken from the heuristic.
+    """
+
+    def __init__(self, t: AdditiveTensor, device=None, plan: dict | None = None, tune: bool = True):
+        require_gpu()
+        if device is None:
+            device = "cpu" if SIM else "cuda"
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if not SIM and self.device.type != "cuda":
+            raise ValueError(f"AdditiveGemv runs on a CUDA device, got {self.device}")
+        if not isinstance(t, AdditiveTensor):
+            raise TypeError(f"AdditiveGemv takes an AdditiveTensor, got {type(t).__name__}")
+        t.validate()
+        t = t.to(self.device)
+        self.M, self.n_in, self.n_out = t.M, t.in_features, t.out_features
+        self.fixed_plan = plan
+        self.tune_on_gpu = tune and not SIM
+        self.weight_bytes = t.nbytes
+        self._ncode_bytes = t.codes.shape[1] * t.M
+        self.nchunks = self._ncode_bytes // CHUNK_BYTES
+        self.rbs = -(-self.n_out // ROW_BLOCK)
+        self._codebooks, self._scales = t.codebooks.contiguous(), t.scales.contiguous()
+        self._bias_t = t.bias
+        bias = t.bias if t.bias is not None else torch.zeros_like(t.scales)
+        self._tiled_t = tile_codes(t.codes)
+        self._cb32_t = self._codebooks.reshape(-1).view(torch.int32)
+        self._bias_k = bias.contiguous()
+        self._tiled = _as_kernel_array(self._tiled_t)
+        self._cb32 = _as_kernel_array(self._cb32_t)
+        self._sc = _as_kernel_array(self._scales)
+        self._bias = _as_kernel_array(self._bias_k)
+        self._plans: dict[int, tuple] = {}
+
+    @property
+    def t(self) -> AdditiveTensor:
+        """The weight in the natural layout (rebuilt from the tiled codes: a copy)."""
+        codes = untile(self._tiled_t, self.n_out, self._ncode_bytes).reshape(self.n_out, self.n_in // D, self.M)
+        return AdditiveTensor(codes, self._codebooks, self._scales, self._bias_t)
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes a batch-1 call must move at least: codes, codebooks, scales, x and y."""
+        return self.weight_bytes + 2 * (self.n_in + self.n_out)
+
+    def check_input(self, x: torch.Tensor) -> torch.Tensor:
+        return check_activation(x, self.n_in, self.device)
+
+    def _smem(self) -> int:
+        return max_shared_bytes(self.device)
+
+    def _launch_parts(self, B: int, plan: AdditivePlan):
+        kern = additive_kernel(self.M, B, plan.bt, plan.warps, plan.RB, plan.cps)
+        ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
+        groups = -(-self.rbs // plan.RB)
+        counters = torch.zeros(groups * -(-B // plan.bt), dtype=torch.int32, device=self.device)
+        grid = (groups, plan.ksplit, -(-B // plan.bt))
+        return kern, plan, grid, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters))
+
+    def _prepare(self, B: int):
+        if B in self._plans:
+            return self._plans[B]
+        sms, smem = sm_count(self.device), self._smem()
+        if self.fixed_plan is not None:
+            plan = plan_additive(self.n_out, self.nchunks, self.M, B, sms, smem, **self.fixed_plan)
+        elif self.tune_on_gpu:
+            plan = self.tune(B)
+        else:
+            plan = plan_additive(self.n_out, self.nchunks, self.M, B, sms, smem)
+        entry = self._launch_parts(B, plan)
+        self._plans[B] = entry
+        return entry
+
+    def plan(self, B: int = 1) -> AdditivePlan:
+        return self._prepare(B)[1]
+
+    def _args(self, xa, tiled, ya, views):
+        return (xa, tiled, self._cb32, self._sc, self._bias, ya, views[0], views[1], self.n_out, self.rbs, self.nchunks)
+
+    def tune(self, B: int = 1) -> AdditivePlan:
+        """Time every candidate plan (CUDA-graph replays over copies of the codes exceeding the L2)
+        and keep the fastest; cached per GPU model and shape."""
+        key = (torch.cuda.get_device_name(self.device), "additive", self.M, B, self.n_in, self.n_out)
+        if key in _TUNED:
+            return _TUNED[key]
+        from .bench import copies_for, time_graph
+
+        cands = candidate_plans(self.n_out, self.nchunks, self.M, B, sm_count(self.device), self._smem())
+        if len(cands) == 1:
+            _TUNED[key] = cands[0]
+            return cands[0]
+        copies = [self._tiled_t] + [self._tiled_t.clone() for _ in range(copies_for(self.weight_bytes) - 1)]
+        views = [_as_kernel_array(c) for c in copies]
+        x = torch.randn(B, self.n_in, device=self.device, dtype=torch.float16)
+        y = torch.empty(B, self.n_out, device=self.device, dtype=torch.float16)
+        xa, ya = _as_kernel_array(x.view(torch.int32)), _as_kernel_array(y)
+        best = None
+        for plan in cands:
+            kern, _, grid, owners, kviews = self._launch_parts(B, plan)
+            kern = with_shared_limit(kern, self._args(xa, views[0], ya, kviews), plan.shared_bytes)
+
+            def launcher(ta, kern=kern, grid=grid, plan=plan, kviews=kviews):
+                args = self._args(xa, ta, ya, kviews)
+
+                def go():
+                    stream = cuda.external_stream(torch.cuda.current_stream(self.device).cuda_stream)
+                    kern[grid, plan.warps * 32, stream, plan.shared_bytes](*args)
+                return go
+
+            ms = time_graph([launcher(v) for v in views], launches=max(10, len(views)), replays=5, warmup=1)
+            if best is None or ms < best[0]:
+                best = (ms, plan)
+        del copies, views
+        _TUNED[key] = best[1]
+        return best[1]
+
+    def bind(self, x: torch.Tensor, out: torch.Tensor):
+        """A zero-argument launcher for fixed x and out buffers (views made here, once; it launches on
+        torch's stream current at call time, so it can be captured in a CUDA graph)."""
+        x2 = self.check_input(x)
+        B = x2.shape[0]
+        check_output(out, B, self.n_out, x2.device)
+        kern, plan, grid, _owners, views = self._prepare(B)
+        ya = _as_kernel_array(out)
+        xa = _as_kernel_array(x2.view(torch.int32))
+        args = self._args(xa, self._tiled, ya, views)
+        kern = with_shared_limit(kern, args, plan.shared_bytes)
+        block, smem, dev = plan.warps * 32, plan.shared_bytes, self.device
+
+        def launch():
+            stream = 0 if SIM else cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
+            kern[grid, block, stream, smem](*args)
+            if SIM:
+                out.copy_(torch.from_numpy(ya).view(out.shape))
+
+        return launch
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        x2 = self.check_input(x)
+        y = out if out is not None else torch.empty(x2.shape[0], self.n_out, dtype=torch.float16, device=x2.device)
+        self.bind(x2, y)()
+        return y.reshape(self.n_out) if x.dim() == 1 else y
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp16 weight (out, in), rebuilt on the device (torch ops over the untiled codes)."""
+        return self.t.dequantize(torch.float16)
+
+
+def reference(x: torch.Tensor, t: AdditiveTensor) -> torch.Tensor:
+    """float64 reference y = x @ W.T (+ bias) on the CPU."""
+    W = t.dequantize(torch.float64).cpu()
+    y = x.detach().cpu().double() @ W.T
+    return y if t.bias is None else y + t.bias.cpu().double()
