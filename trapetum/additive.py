@@ -1044,3 +1044,81 @@ def reference(x: torch.Tensor, t: AdditiveTensor) -> torch.Tensor:
     W = t.dequantize(torch.float64).cpu()
     y = x.detach().cpu().double() @ W.T
     return y if t.bias is None else y + t.bias.cpu().double()
+
+
+# -- checks and timings for the chapter ------------------------------------------------------
+def check_additive(n_in: int, n_out: int, M: int, batch: int, seed: int, device="cuda", plan: dict | None = None,
+                   bias: bool = False) -> float:
+    """Max relative error of the fused kernel against float64 on fresh inputs, outputs poisoned
+    with NaN first; raises AssertionError if any output is left unwritten or is not finite."""
+    t = random_additive_tensor(n_out, n_in, M, seed=seed, device=device)
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    if bias:
+        t = AdditiveTensor(t.codes, t.codebooks, t.scales, (torch.randn(n_out, generator=g) * 0.1).half().to(device))
+    x = torch.randn(batch, n_in, generator=g).half().to(device)
+    y = torch.full((batch, n_out), float("nan"), dtype=torch.float16, device=device)
+    AdditiveGemv(t, device=device, plan=plan)(x, out=y)
+    if device != "cpu":
+        torch.cuda.synchronize()
+    if not torch.isfinite(y).all():
+        raise AssertionError(f"additive M={M} batch={batch} {n_in}x{n_out} plan={plan}: "
+                             f"{int((~torch.isfinite(y)).sum())} outputs unwritten or non-finite")
+    return max_rel_err(y, reference(x, t))
+
+
+def correctness_sweep(shapes, Ms=(2, 4), batches=(1, 2, 3, 8, 16), seed: int = 0, device="cuda", progress: bool = True) -> list[dict]:
+    """The kernel on fresh random inputs against float64 at every shape, M and batch (tuned plans),
+    plus forced plans on the first shape (K-split, row-blocks a block, batch tiles, warps).
+    Raises AssertionError listing every failure."""
+    from tqdm.auto import tqdm
+
+    jobs = [(s, M, b, None) for s in shapes for M in Ms for b in batches]
+    # cps=1: one chunk column a K-slice (the deepest K-split); cps=3: slices of 3 (an uneven last one).
+    jobs += [(shapes[0], M, b, dict(cps=c, RB=rb, bt=bt, warps=w)) for M in Ms for b in (1, 3) for c in (1, 3)
+             for rb in (1, 4) for bt in (1, 2) for w in (4, 8) if bt <= b]
+    recs, failures = [], []
+    for i, ((n_in, n_out), M, b, plan) in enumerate(tqdm(jobs, desc="additive correctness", disable=not progress)):
+        try:
+            err = check_additive(n_in, n_out, M, b, seed=seed + i, device=device, plan=plan, bias=i % 2 == 1)
+            ok = err <= TOLERANCE
+        except (AssertionError, ValueError) as e:
+            err, ok = float("nan"), False
+            failures.append(str(e))
+        recs.append({"kernel": "additive", "M": M, "scheme": SCHEMES[M], "batch": b, "in_features": n_in, "out_features": n_out,
+                     "max_rel_err": err, "passed": ok, "plan": str(plan) if plan else "tuned"})
+        if not ok and err == err:
+            failures.append(f"additive M={M} batch={b} {n_in}x{n_out} plan={plan}: max rel err {err:.3g} > {TOLERANCE}")
+    if failures:
+        raise AssertionError("additive correctness sweep failed:\n" + "\n".join(failures))
+    return recs
+
+
+def additive_launchers(n_in: int, n_out: int, M: int, batch: int, seed: int = 0):
+    """Rotated copies of one random additive weight (each AdditiveGemv holds its own tiled codes),
+    all bound to the same x and y."""
+    from .bench import copies_for
+
+    t = random_additive_tensor(n_out, n_in, M, seed=seed, device="cuda")
+    gemvs = [AdditiveGemv(t) for _ in range(copies_for(t.nbytes))]
+    x = torch.randn(batch, n_in, device="cuda", dtype=torch.float16)
+    y = torch.empty(batch, n_out, device="cuda", dtype=torch.float16)
+    return [g.bind(x, y) for g in gemvs], (gemvs, x, y, t)
+
+
+def time_additive(n_in: int, n_out: int, M: int, batch: int, fp16_ms: float, seed: int = 0) -> dict:
+    """One timing record (as bench.gemv_record): CUDA-graph replays over L2-exceeding copies, the
+    plan tuned first, and the error checked on fresh inputs with outputs poisoned."""
+    from .bench import gemv_record, time_graph
+
+    launchers, keep = additive_launchers(n_in, n_out, M, batch, seed=seed)
+    ms = time_graph(launchers)
+    g, t = keep[0][0], keep[3]
+    plan = g.plan(batch)
+    err = check_additive(n_in, n_out, M, batch, seed=seed + 7)
+    nbytes = g.weight_bytes + 2 * batch * (n_in + n_out)
+    bits = t.bits_per_weight
+    del launchers, keep, g, t
+    torch.cuda.empty_cache()
+    return gemv_record("additive", K, batch, n_in, n_out, ms, fp16_ms, nbytes, err, scheme=SCHEMES[M], M=M, bits_per_weight=bits,
+                       passed=err <= TOLERANCE, ksplit=plan.ksplit, warps=plan.warps, rb=plan.RB, cps=plan.cps, bt=plan.bt,
+                       shared_bytes=plan.shared_bytes)
