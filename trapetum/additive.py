@@ -835,8 +835,8 @@ def plan_additive(n_out: int, nchunks: int, M: int, B: int, sms: int, smem: int,
     table is amortized over many rows), bt = the batch where it fits, and K-slices sized so about
     two blocks share an SM. ``smem`` is what a block may opt in to (227 KiB on an H100)."""
     rbs = -(-n_out // ROW_BLOCK)
-    budget = smem // 2 if smem > 2 * SMEM_OPTIN_FLOOR else smem  # two blocks an SM where the GPU allows
     usable = smem - 64  # static shared memory: the 'last' flag
+    budget = smem // 2 if smem > 2 * SMEM_OPTIN_FLOOR else usable  # two blocks an SM where the GPU allows
     if bt is None:
         bt = max(1, min(B, budget // CHUNK_LUT_BYTES, usable // CHUNK_LUT_BYTES))
     if not 1 <= bt <= B:
