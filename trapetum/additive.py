@@ -684,10 +684,12 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int):
     pairs = M * K
     ppt = -(-pairs // nt)
     regs = cps * 4
+    ring_size = 2 * regs
+    cbv_size = ppt * 8
     zero = int32(0)
     mask = uint32(0x3FC)
 
-    @cuda.jit(device=True)
+    @cuda.jit(device=True, forceinline=True)
     def fetch(dst, off, tiled, rb, rbs, nchunks, j0, j1):
         base = (rb * nchunks * 32 + cuda.laneid) * 4
         for c in range(cps):
@@ -697,14 +699,14 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int):
             else:
                 dst[o], dst[o + 1], dst[o + 2], dst[o + 3] = zero, zero, zero, zero
 
-    @cuda.jit(device=True)
+    @cuda.jit(device=True, forceinline=True)
     def byte_offset(w, t):
         # Byte t of word w, times 4 (an fp32 table entry's byte offset): two integer ops.
         if t == 0:
             return (w << uint32(2)) & mask
         return (w >> uint32(8 * t - 2)) & mask
 
-    @cuda.jit(device=True)
+    @cuda.jit(device=True, forceinline=True)
     def sum_chunks(ring, off, lut, acc, j0, j1):
         for c in range(cps):
             if j0 + c < j1:
@@ -716,6 +718,26 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int):
                         o = byte_offset(w, t)
                         for bb in range(bt):
                             acc[bb] += load_byte_offset(lut, uint32(((bb * G + c * gpc + gi) * M + m) * K * 4) + o)
+
+    @cuda.jit(device=True, forceinline=True)
+    def row_block(ring, cur, nxt, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out):
+        # Prefetch the warp's next row-block into slot nxt, sum this one's (slot cur), then
+        # 4. scale and write y, or this K-slice's partial.
+        nr = r + warps
+        fetch(ring, nxt, tiled, rb0 + nr if nr < RB else rbs, rbs, nchunks, j0, j1)
+        for bb in range(bt):
+            acc[bb] = float32(0.0)
+        sum_chunks(ring, cur, lut, acc, j0, j1)
+        rb = rb0 + r
+        row = rb * 32 + cuda.laneid
+        if rb < rbs and row < n_out:
+            sc = float32(scales[row])
+            for bb in range(bt):
+                if b0 + bb < B:
+                    if nsplit == 1:
+                        y[b0 + bb, row] = acc[bb] * sc + float32(bias[row])
+                    else:
+                        ws[split, b0 + bb, row] = acc[bb] * sc
 
     @cuda.jit
     def kernel(x32, tiled, cb32, scales, bias, y, ws, counters, n_out, rbs, nchunks):
@@ -732,12 +754,12 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int):
         j1 = min(j0 + cps, nchunks)
 
         # 1. The first row-block's codes are in flight while the table is built.
-        ring = cuda.local.array(2 * regs, int32)
+        ring = cuda.local.array(ring_size, int32)
         r = warp
         fetch(ring, 0, tiled, rb0 + r if r < RB else rbs, rbs, nchunks, j0, j1)
 
         # 2. The table.
-        cbv = cuda.local.array(ppt * 8, float32)
+        cbv = cuda.local.array(cbv_size, float32)
         for i in range(ppt):
             p = tid + i * nt
             if p < pairs:
@@ -772,28 +794,15 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int):
                                 lut[(bb * G + g) * pairs + p] = v
         cuda.syncthreads()
 
-        # 3. Rows: warp w owns row-blocks w, w + warps, ... of the block; slot s of the ring holds
-        #    the current row-block's chunks, slot 1 - s the next one's, loading.
+        # 3. Rows: warp w owns row-blocks w, w + warps, ... of the block. The ring has two slots:
+        #    the current row-block's chunks and the next one's, loading. The loop body is written
+        #    out twice so that every ring index is a constant and the ring stays in registers.
         acc = cuda.local.array(bt, float32)
         while r < RB:
-            for s in range(2):
-                if r < RB:
-                    nr = r + warps
-                    fetch(ring, (1 - s) * regs, tiled, rb0 + nr if nr < RB else rbs, rbs, nchunks, j0, j1)
-                    for bb in range(bt):
-                        acc[bb] = float32(0.0)
-                    sum_chunks(ring, s * regs, lut, acc, j0, j1)
-                    # 4. Scale, then y or this K-slice's partial.
-                    rb = rb0 + r
-                    row = rb * 32 + lane
-                    if rb < rbs and row < n_out:
-                        sc = float32(scales[row])
-                        for bb in range(bt):
-                            if b0 + bb < B:
-                                if nsplit == 1:
-                                    y[b0 + bb, row] = acc[bb] * sc + float32(bias[row])
-                                else:
-                                    ws[split, b0 + bb, row] = acc[bb] * sc
+            row_block(ring, 0, regs, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out)
+            r += warps
+            if r < RB:
+                row_block(ring, regs, 0, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out)
                 r += warps
 
         if nsplit > 1:
