@@ -639,6 +639,9 @@ def quantize_additive(W: torch.Tensor, M: int = 2, X: torch.Tensor | None = None
 SMEM_OPTIN_FLOOR = 48 * 1024  # shared memory every block gets without opting in
 CHUNK_LUT_BYTES = CHUNK_BYTES * K * 4  # fp32 table for one 16-byte chunk column (16 codes) of one batch row: 16 KiB
 _kernel_cache: dict = {}
+# Device functions that take the code ring must be inlined, or the ring goes to local memory.
+# (The simulator's jit has no such option.)
+_INLINE = {} if SIM else {"forceinline": True}
 
 
 def tile_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -689,7 +692,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int):
     zero = int32(0)
     mask = uint32(0x3FC)
 
-    @cuda.jit(device=True, forceinline=True)
+    @cuda.jit(device=True, **_INLINE)
     def fetch(dst, off, tiled, rb, rbs, nchunks, j0, j1):
         base = (rb * nchunks * 32 + cuda.laneid) * 4
         for c in range(cps):
@@ -699,14 +702,14 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int):
             else:
                 dst[o], dst[o + 1], dst[o + 2], dst[o + 3] = zero, zero, zero, zero
 
-    @cuda.jit(device=True, forceinline=True)
+    @cuda.jit(device=True, **_INLINE)
     def byte_offset(w, t):
         # Byte t of word w, times 4 (an fp32 table entry's byte offset): two integer ops.
         if t == 0:
             return (w << uint32(2)) & mask
         return (w >> uint32(8 * t - 2)) & mask
 
-    @cuda.jit(device=True, forceinline=True)
+    @cuda.jit(device=True, **_INLINE)
     def sum_chunks(ring, off, lut, acc, j0, j1):
         for c in range(cps):
             if j0 + c < j1:
@@ -719,7 +722,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int):
                         for bb in range(bt):
                             acc[bb] += load_byte_offset(lut, uint32(((bb * G + c * gpc + gi) * M + m) * K * 4) + o)
 
-    @cuda.jit(device=True, forceinline=True)
+    @cuda.jit(device=True, **_INLINE)
     def row_block(ring, cur, nxt, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out):
         # Prefetch the warp's next row-block into slot nxt, sum this one's (slot cur), then
         # 4. scale and write y, or this K-slice's partial.
