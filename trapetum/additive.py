@@ -22,7 +22,6 @@ CUDA graph).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 import torch
 from numba import cuda, float32, int32, uint32
 
-from .codebook import CHUNK_BYTES, ROW_BLOCK, CodebookFormatError, untile
+from .codebook import CHUNK_BYTES, ROW_BLOCK, CodebookFormatError, _sha, untile
 from .gemv import (
     MAX_FUSED_BATCH,
     SIM,
@@ -247,10 +246,6 @@ class AdditiveTensor:
             raise CodebookFormatError(f"{path}: tensors are M={t.M}, {t.out_features} x {t.in_features}; the header says "
                                       f"M={h.get('M')}, {h.get('out_features')} x {h.get('in_features')}")
         return t.to(device)
-
-
-def _sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _decode(codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -895,6 +890,15 @@ def candidate_plans(n_out: int, nchunks: int, M: int, B: int, sms: int, smem: in
 
 
 _TUNED: dict = {}
+_LIMITED: dict = {}
+
+
+def _with_limit(kern, args, nbytes: int):
+    """gemv.with_shared_limit, once per kernel, table size and device (it specializes and compiles)."""
+    key = (id(kern), nbytes, None if SIM else torch.cuda.current_device())
+    if key not in _LIMITED:
+        _LIMITED[key] = with_shared_limit(kern, args, nbytes)
+    return _LIMITED[key]
 
 
 class AdditiveGemv:
@@ -1002,7 +1006,7 @@ class AdditiveGemv:
         best = None
         for plan in cands:
             kern, _, grid, owners, kviews = self._launch_parts(B, plan)
-            kern = with_shared_limit(kern, self._args(xa, views[0], ya, kviews), plan.shared_bytes)
+            kern = _with_limit(kern, self._args(xa, views[0], ya, kviews), plan.shared_bytes)
 
             def launcher(ta, kern=kern, grid=grid, plan=plan, kviews=kviews):
                 args = self._args(xa, ta, ya, kviews)
@@ -1029,7 +1033,7 @@ class AdditiveGemv:
         ya = _as_kernel_array(out)
         xa = _as_kernel_array(x2.view(torch.int32))
         args = self._args(xa, self._tiled, ya, views)
-        kern = with_shared_limit(kern, args, plan.shared_bytes)
+        kern = _with_limit(kern, args, plan.shared_bytes)
         block, smem, dev = plan.warps * 32, plan.shared_bytes, self.device
 
         def launch():
