@@ -184,9 +184,11 @@ def test_plans_fit_shared_memory_and_cover_every_chunk():
             for p in cands + [A.plan_additive(n_out, nchunks, M, B, 132, smem)]:
                 assert p.shared_bytes == p.bt * p.cps * 16384 <= smem - 64
                 assert (p.ksplit - 1) * p.cps < nchunks <= p.ksplit * p.cps
-                assert 1 <= p.bt <= B
+                assert 1 <= p.bt <= B and p.cps <= A.MAX_CPS
     with pytest.raises(ValueError, match="need .* bytes of table"):
         A.plan_additive(64, 8, 2, 1, 4, 48 * 1024, cps=4)
+    with pytest.raises(ValueError, match="at most 8"):
+        A.plan_additive(64, 64, 2, 1, 4, 227 * 1024, ksplit=4)
 
 
 # -- the format -------------------------------------------------------------------------------

@@ -632,6 +632,7 @@ def quantize_additive(W: torch.Tensor, M: int = 2, X: torch.Tensor | None = None
 
 # -- the fused GEMV --------------------------------------------------------------------------
 SMEM_OPTIN_FLOOR = 48 * 1024  # shared memory every block gets without opting in
+MAX_CPS = 8  # ptxas (sm_90) keeps the 2 x cps x 4-word code ring in registers up to cps=12 (152 regs); 8 leaves 120 for 2 blocks an SM
 CHUNK_LUT_BYTES = CHUNK_BYTES * K * 4  # fp32 table for one 16-byte chunk column (16 codes) of one batch row: 16 KiB
 _kernel_cache: dict = {}
 # Device functions that take the code ring must be inlined, or the ring goes to local memory.
@@ -851,8 +852,11 @@ def plan_additive(n_out: int, nchunks: int, M: int, B: int, sms: int, smem: int,
     if ksplit is not None:
         cps = -(-nchunks // ksplit)
     elif cps is None:
-        cps = max(1, min(nchunks, budget // (bt * CHUNK_LUT_BYTES)))
+        cps = max(1, min(nchunks, MAX_CPS, budget // (bt * CHUNK_LUT_BYTES)))
     cps = max(1, min(cps, nchunks))
+    if cps > MAX_CPS:
+        raise ValueError(f"cps={cps} chunk columns a K-slice: at most {MAX_CPS} (a lane holds two row-blocks' chunks in "
+                         f"registers; more spill to local memory); use ksplit >= {-(-nchunks // MAX_CPS)}")
     if bt * cps * CHUNK_LUT_BYTES > usable:
         raise ValueError(f"bt={bt} x cps={cps} chunk columns need {bt * cps * CHUNK_LUT_BYTES} bytes of table; "
                          f"a block may use {usable} (more K-slices or a smaller batch tile)")
@@ -876,7 +880,7 @@ def candidate_plans(n_out: int, nchunks: int, M: int, B: int, sms: int, smem: in
             if bt > per:
                 continue
             for share in (4, 3, 2, 1):
-                c = max(1, per // share // bt)
+                c = max(1, min(MAX_CPS, per // share // bt))
                 try:
                     p = plan_additive(n_out, nchunks, M, B, sms, smem, RB=RB, cps=c, bt=bt)
                 except ValueError:
@@ -1064,7 +1068,7 @@ def reference(x: torch.Tensor, t: AdditiveTensor) -> torch.Tensor:
 
 # -- checks and timings for the chapter ------------------------------------------------------
 def check_additive(n_in: int, n_out: int, M: int, batch: int, seed: int, device="cuda", plan: dict | None = None,
-                   bias: bool = False) -> float:
+                   bias: bool = False, tune: bool = True) -> float:
     """Max relative error of the fused kernel against float64 on fresh inputs, outputs poisoned
     with NaN first; raises AssertionError if any output is left unwritten or is not finite."""
     t = random_additive_tensor(n_out, n_in, M, seed=seed, device=device)
@@ -1073,7 +1077,7 @@ def check_additive(n_in: int, n_out: int, M: int, batch: int, seed: int, device=
         t = AdditiveTensor(t.codes, t.codebooks, t.scales, (torch.randn(n_out, generator=g) * 0.1).half().to(device))
     x = torch.randn(batch, n_in, generator=g).half().to(device)
     y = torch.full((batch, n_out), float("nan"), dtype=torch.float16, device=device)
-    AdditiveGemv(t, device=device, plan=plan)(x, out=y)
+    AdditiveGemv(t, device=device, plan=plan, tune=tune)(x, out=y)
     if device != "cpu":
         torch.cuda.synchronize()
     if not torch.isfinite(y).all():
@@ -1082,10 +1086,12 @@ def check_additive(n_in: int, n_out: int, M: int, batch: int, seed: int, device=
     return max_rel_err(y, reference(x, t))
 
 
-def correctness_sweep(shapes, Ms=(2, 4), batches=(1, 2, 3, 8, 16), seed: int = 0, device="cuda", progress: bool = True) -> list[dict]:
-    """The kernel on fresh random inputs against float64 at every shape, M and batch (tuned plans),
-    plus forced plans on the first shape (K-split, row-blocks a block, batch tiles, warps).
-    Raises AssertionError listing every failure."""
+def correctness_sweep(shapes, Ms=(2, 4), batches=(1, 2, 3, 8, 16), seed: int = 0, device="cuda", progress: bool = True,
+                      tune: bool = False) -> list[dict]:
+    """The kernel on fresh random inputs against float64 at every shape, M and batch, plus forced
+    plans on the first shape (K-split, row-blocks a block, batch tiles, warps). Shapes are
+    (in, out). Plans come from the heuristic unless ``tune`` (tuning compiles every candidate;
+    :func:`time_additive` checks the tuned plan it times). Raises AssertionError listing every failure."""
     from tqdm.auto import tqdm
 
     jobs = [(s, M, b, None) for s in shapes for M in Ms for b in batches]
@@ -1095,7 +1101,7 @@ def correctness_sweep(shapes, Ms=(2, 4), batches=(1, 2, 3, 8, 16), seed: int = 0
     recs, failures = [], []
     for i, ((n_in, n_out), M, b, plan) in enumerate(tqdm(jobs, desc="additive correctness", disable=not progress)):
         try:
-            err = check_additive(n_in, n_out, M, b, seed=seed + i, device=device, plan=plan, bias=i % 2 == 1)
+            err = check_additive(n_in, n_out, M, b, seed=seed + i, device=device, plan=plan, bias=i % 2 == 1, tune=tune)
             ok = err <= TOLERANCE
         except (AssertionError, ValueError) as e:
             err, ok = float("nan"), False
