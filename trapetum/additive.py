@@ -873,7 +873,7 @@ def candidate_plans(n_out: int, nchunks: int, M: int, B: int, sms: int, smem: in
     shared memory) x batch tiles; each compiles its own kernel, so the list is kept short."""
     rbs = -(-n_out // ROW_BLOCK)
     per = max(1, (smem - 64) // CHUNK_LUT_BYTES)  # chunk columns x batch rows that fit at all
-    bts = sorted({min(B, b) for b in (1, 3, 6, per)} if B > 1 else {1})
+    bts = sorted({min(B, b) for b in (3, 6, per)})  # a batch tile of 1 at B > 1 rebuilds the table B times
     out, seen = [], set()
     for RB in (8, 16, 32):
         for bt in bts:
