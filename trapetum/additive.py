@@ -933,7 +933,8 @@ class AdditiveGemv:
         self._ncode_bytes = t.codes.shape[1] * t.M
         self.nchunks = self._ncode_bytes // CHUNK_BYTES
         self.rbs = -(-self.n_out // ROW_BLOCK)
-        self._codebooks, self._scales = t.codebooks.contiguous(), t.scales.contiguous()
+        # Own copies: the kernel reads the codebooks 16 bytes at a time, so they must start 16-byte aligned.
+        self._codebooks, self._scales = t.codebooks.clone(memory_format=torch.contiguous_format), t.scales.contiguous()
         self._bias_t = t.bias
         bias = t.bias if t.bias is not None else torch.zeros_like(t.scales)
         self._tiled_t = tile_codes(t.codes)
