@@ -48,6 +48,7 @@ from .gemv import (
     sm_count,
     with_shared_limit,
 )
+from .bench import TOLERANCE  # max |y - ref| / max |ref| a kernel may be off by
 from .kmeans import check_finite
 
 FORMAT_VERSION = 1
@@ -55,7 +56,6 @@ KIND = "additive-codebook"
 K = 256  # entries a codebook (one byte a code)
 D = 8  # weights a group (the codebooks' vector dimension)
 SUPPORTED_M = (1, 2, 4)  # codebooks; 16 / M groups fill one 16-byte chunk of a row's codes
-TOLERANCE = 2e-3  # as bench.TOLERANCE: max |y - ref| / max |ref|
 SCHEMES = {1: "1-bit additive (M=1)", 2: "2-bit additive (M=2)", 4: "4-bit additive (M=4)"}
 
 
