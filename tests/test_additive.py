@@ -1,0 +1,510 @@
+"""Additive (AQLM-style) vector codebooks: format, files, quantizer, AQLM loader and the fused
+kernel in numba's CUDA simulator against float64 (conftest.py turns the simulator on).
+
+Simulated CUDA threads are Python threads, so shapes are tiny and plans are forced with 2 warps:
+a 16-byte chunk column is 8 groups (64 columns) at M=2 and 4 groups (32 columns) at M=4.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from trapetum import additive as A
+from trapetum import gemv
+from trapetum.additive import (
+    AdditiveGemv,
+    AdditiveTensor,
+    AqlmFormatError,
+    from_aqlm,
+    load_aqlm_checkpoint,
+    quantize_additive,
+    random_additive_tensor,
+    reference,
+)
+from trapetum.codebook import CodebookFormatError
+from trapetum.gemv import max_rel_err
+
+pytestmark = pytest.mark.skipif(
+    not gemv.SIM and os.environ.get("NUMBA_ENABLE_CUDASIM") == "0", reason="NUMBA_ENABLE_CUDASIM=0: written for the CUDA simulator"
+)
+TOL = A.TOLERANCE
+
+
+def x_for(n_in, batch, seed=1):
+    return torch.randn(batch, n_in, generator=torch.Generator().manual_seed(seed)).half()
+
+
+def check(g: AdditiveGemv, x: torch.Tensor, t: AdditiveTensor | None = None) -> torch.Tensor:
+    """g(x) into a NaN-poisoned output: every output written, within TOL of float64."""
+    y = torch.full((x.shape[0], g.n_out), float("nan"), dtype=torch.float16)
+    assert g(x, out=y) is y
+    assert torch.isfinite(y).all(), f"{int((~torch.isfinite(y)).sum())} outputs left unwritten"
+    err = max_rel_err(y, reference(x, t if t is not None else g.t))
+    assert err <= TOL, f"max rel err {err:.3g} > {TOL}"
+    return y
+
+
+def with_bias(t, seed=0):
+    b = (torch.randn(t.out_features, generator=torch.Generator().manual_seed(seed)) * 0.1).half()
+    return AdditiveTensor(t.codes, t.codebooks, t.scales, b)
+
+
+# -- the kernel -------------------------------------------------------------------------------
+@pytest.mark.parametrize("M, n_in", [(2, 64), (4, 32)])
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_kernel_matches_float64(M, n_in, batch):
+    t = random_additive_tensor(33, n_in, M, seed=M * batch)
+    plan = {"warps": 2}  # batch 16: 8 tiles of 2 (the simulator allows 48 KiB of table)
+    check(AdditiveGemv(t, plan=plan), x_for(n_in, batch, seed=batch), t)
+
+
+@pytest.mark.parametrize(
+    "M, n_out, n_in, batch, plan",
+    [
+        (2, 40, 192, 1, {"cps": 1, "warps": 2}),  # 3 chunk columns, K-split 3
+        (4, 37, 96, 3, {"cps": 2, "warps": 2, "bt": 1}),  # K-slices of 2 and 1 chunk; three batch tiles
+        (2, 70, 64, 2, {"RB": 1, "warps": 2}),  # 3 row-blocks, a block each; warp 1 idle in phase 2
+        (4, 130, 32, 1, {"RB": 4, "warps": 2}),  # 5 row-blocks: each warp streams two, the ring alternates
+        (2, 100, 128, 3, {"RB": 2, "cps": 1, "warps": 2, "bt": 2}),  # K-split, two row-groups, batch tiles of 2 and 1
+    ],
+)
+def test_kernel_plans(M, n_out, n_in, batch, plan):
+    t = with_bias(random_additive_tensor(n_out, n_in, M, seed=n_out), seed=n_in)
+    g = AdditiveGemv(t, plan=plan)
+    p = g.plan(batch)
+    for k, v in plan.items():
+        assert getattr(p, k) == v
+    check(g, x_for(n_in, batch, seed=n_out), t)
+
+
+def test_k_split_resets_its_counters_and_replays():
+    t = random_additive_tensor(40, 192, 2, seed=5)
+    g = AdditiveGemv(t, plan={"cps": 1, "warps": 2})
+    assert g.plan(2).ksplit == 3
+    y1 = check(g, x_for(192, 2, seed=1), t)
+    counters = g._plans[2][3][1]
+    assert not counters.any(), f"atomic counters not reset: {counters.tolist()}"
+    y2 = check(g, x_for(192, 2, seed=2), t)
+    assert not torch.equal(y1, y2)
+
+
+def test_kernel_adds_the_bias_and_the_scales_matter():
+    t = random_additive_tensor(33, 64, 2, seed=3)
+    x = x_for(64, 1, seed=4)
+    g = AdditiveGemv(t, plan={"warps": 2})
+    y = check(g, x, t)
+    tb = with_bias(t, seed=1)
+    yb = check(AdditiveGemv(tb, plan={"warps": 2}), x, tb)
+    assert (yb - y).float().sub(tb.bias.float()).abs().max() < 1e-2
+    t2 = AdditiveTensor(t.codes, t.codebooks, (t.scales.float() * 2).half())
+    y2 = check(AdditiveGemv(t2, plan={"warps": 2}), x, t2)
+    assert torch.allclose(y2.float(), 2 * y.float(), rtol=1e-2, atol=1e-3)
+
+
+def test_1d_input_gives_1d_output_and_bind_reads_x_at_call_time():
+    t = random_additive_tensor(33, 32, 4, seed=6)
+    g = AdditiveGemv(t, plan={"warps": 2})
+    x1 = x_for(32, 1, seed=8)[0]
+    y = g(x1)
+    assert y.shape == (33,) and y.dtype == torch.float16
+    assert max_rel_err(y, reference(x1, t)) <= TOL
+    x = x_for(32, 2, seed=6)
+    out = torch.full((2, 33), float("nan"), dtype=torch.float16)
+    launch = g.bind(x, out)
+    assert torch.isnan(out).all(), "bind() must not launch"
+    launch()
+    assert max_rel_err(out, reference(x, t)) <= TOL
+    x.copy_(x_for(32, 2, seed=7))
+    out.fill_(float("nan"))
+    launch()
+    assert max_rel_err(out, reference(x, t)) <= TOL
+
+
+@pytest.mark.parametrize("M, n_out, n_in", [(2, 33, 128), (4, 64, 32)])
+def test_tiled_layout_and_its_inverse(M, n_out, n_in):
+    t = random_additive_tensor(n_out, n_in, M, seed=2)
+    tiled = A.tile_codes(t.codes).view(torch.uint8)
+    nbytes = n_in // 8 * M
+    rbs = -(-n_out // 32)
+    flat = torch.cat([t.codes.reshape(n_out, -1), torch.zeros(rbs * 32 - n_out, nbytes, dtype=torch.uint8)])
+    for rb in range(rbs):
+        for j in range(nbytes // 16):
+            for lane in (0, 5, 31):
+                start = ((rb * (nbytes // 16) + j) * 32 + lane) * 16
+                assert torch.equal(tiled[start:start + 16], flat[rb * 32 + lane, j * 16:j * 16 + 16])
+    g = AdditiveGemv(t, plan={"warps": 2})
+    assert torch.equal(g.t.codes, t.codes)
+    assert torch.equal(g.dequantize(), t.dequantize())
+
+
+@pytest.fixture(scope="module")
+def small():
+    return AdditiveGemv(random_additive_tensor(33, 64, 2, seed=4), plan={"warps": 2})
+
+
+def test_x_wrong_dtype(small):
+    with pytest.raises(TypeError, match="x must be float16, got torch.float32"):
+        small(torch.randn(1, 64))
+
+
+@pytest.mark.parametrize("shape", [(1, 32), (65,), (2, 1, 64)])
+def test_x_wrong_shape(small, shape):
+    with pytest.raises(ValueError, match=r"x must have shape \(64,\) or \(batch, 64\)"):
+        small(torch.zeros(shape, dtype=torch.float16))
+
+
+def test_x_not_contiguous(small):
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        small(torch.zeros(64, 2, dtype=torch.float16).t())
+
+
+def test_x_on_another_device(small):
+    with pytest.raises(ValueError, match="x is on meta"):
+        small(torch.zeros(1, 64, dtype=torch.float16, device="meta"))
+
+
+def test_batch_above_the_fused_limit(small):
+    with pytest.raises(ValueError, match="fused kernels take batch 1..16"):
+        small(torch.zeros(17, 64, dtype=torch.float16))
+
+
+def test_gemv_takes_only_an_additive_tensor():
+    with pytest.raises(TypeError, match="AdditiveTensor"):
+        AdditiveGemv(torch.zeros(4, 4))
+
+
+def test_plans_fit_shared_memory_and_cover_every_chunk():
+    for n_out, nchunks, M, B in [(14336, 256, 2, 1), (4096, 512, 4, 1), (4096, 256, 2, 16), (40, 3, 2, 3)]:
+        for smem in (48 * 1024, 227 * 1024):
+            cands = A.candidate_plans(n_out, nchunks, M, B, 132, smem)
+            assert cands
+            for p in cands + [A.plan_additive(n_out, nchunks, M, B, 132, smem)]:
+                assert p.shared_bytes == p.bt * p.cps * 16384 <= smem - 64
+                assert (p.ksplit - 1) * p.cps < nchunks <= p.ksplit * p.cps
+                assert 1 <= p.bt <= B and p.cps <= A.MAX_CPS
+    with pytest.raises(ValueError, match="need .* bytes of table"):
+        A.plan_additive(64, 8, 2, 1, 4, 48 * 1024, cps=4)
+    with pytest.raises(ValueError, match="at most 8"):
+        A.plan_additive(64, 64, 2, 1, 4, 227 * 1024, ksplit=4)
+
+
+# -- the format -------------------------------------------------------------------------------
+def parts(t, **change):
+    p = {"codes": t.codes, "codebooks": t.codebooks, "scales": t.scales, **change}
+    return p["codes"], p["codebooks"], p["scales"]
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda t: {"codebooks": torch.zeros(4, 256, 8, dtype=torch.float16)}, r"codes shape .* M=4"),
+        (lambda t: {"codebooks": t.codebooks[:, :128]}, r"codebooks shape \(2, 128, 8\)"),
+        (lambda t: {"codebooks": torch.zeros(3, 256, 8, dtype=torch.float16)}, "M must be one of"),
+        (lambda t: {"codes": t.codes.to(torch.int32).index_fill(0, torch.tensor([1]), 256)}, r"codes out of range: found \[0, 256\]"),
+        (lambda t: {"codes": t.codes.to(torch.int64) - 1}, r"codes out of range: found \[-1"),
+        (lambda t: {"codes": t.codes.float()}, "codes must be an integer tensor"),
+        (lambda t: {"codebooks": t.codebooks.float()}, "codebooks must be float16"),
+        (lambda t: {"scales": t.scales.float()}, "scales must be float16"),
+        (lambda t: {"scales": t.scales[:-1]}, r"scales shape \(7,\)"),
+        (lambda t: {"codes": t.codes[:, :12]}, "in_features=96 is not divisible by 64"),
+        (lambda t: {"codebooks": t.codebooks.clone().index_fill(1, torch.tensor([3]), float("nan"))}, "codebooks have NaN/Inf"),
+        (lambda t: {"scales": t.scales.clone().fill_(float("inf"))}, "scales have NaN/Inf"),
+    ],
+)
+def test_additive_tensor_validates(change, match):
+    t = random_additive_tensor(8, 128, 2)
+    with pytest.raises(CodebookFormatError, match=match):
+        AdditiveTensor(*parts(t, **change(t)))
+
+
+def test_int_codes_in_range_are_stored_as_uint8():
+    t = random_additive_tensor(8, 128, 2)
+    t2 = AdditiveTensor(t.codes.long(), t.codebooks, t.scales)
+    assert t2.codes.dtype == torch.uint8 and torch.equal(t2.codes, t.codes)
+
+
+@pytest.mark.parametrize("M, n_in", [(2, 100), (2, 96), (4, 48), (2, 0)])
+def test_in_features_must_fill_groups_and_chunks(M, n_in):
+    with pytest.raises(ValueError, match=rf"in_features={n_in} is not divisible by"):
+        random_additive_tensor(8, n_in, M)
+    with pytest.raises(ValueError, match=rf"in_features={n_in} is not divisible by"):
+        quantize_additive(torch.randn(8, n_in), M=M, progress=False)
+
+
+@pytest.mark.parametrize("M, bits", [(2, 2 + (2 * 256 * 8 * 16) / (4096 * 4096) + 16 / 4096), (4, 4 + (4 * 256 * 8 * 16) / (4096 * 4096) + 16 / 4096)])
+def test_bits_per_weight_counts_codes_codebooks_and_scales(M, bits):
+    t = random_additive_tensor(4096, 4096, M)
+    assert t.bits_per_weight == pytest.approx(bits)
+    assert t.nbytes * 8 == pytest.approx(bits * 4096 * 4096)
+
+
+def test_dequantize_is_the_scaled_sum_of_codewords():
+    t = random_additive_tensor(5, 64, 4, seed=3)
+    W = t.dequantize(torch.float64)
+    o, g = 3, 6
+    want = sum(t.codebooks[m, int(t.codes[o, g, m])].double() for m in range(4)) * float(t.scales[o])
+    assert torch.allclose(W[o, 8 * g:8 * g + 8], want)
+
+
+# -- files ------------------------------------------------------------------------------------
+@pytest.fixture(params=[(2, False), (4, True)], ids=["M2", "M4-bias"])
+def saved(request, tmp_path):
+    M, bias = request.param
+    t = random_additive_tensor(40, 128, M, seed=M)
+    if bias:
+        t = with_bias(t)
+    return t, t.save(tmp_path / f"layer-m{M}.safetensors")
+
+
+def test_save_load_round_trip(saved):
+    t, path = saved
+    back = AdditiveTensor.load(path)
+    for name in ("codes", "codebooks", "scales"):
+        assert torch.equal(getattr(back, name), getattr(t, name))
+    assert (back.bias is None) == (t.bias is None)
+    if t.bias is not None:
+        assert torch.equal(back.bias, t.bias)
+    assert json.loads(__import__("safetensors").safe_open(str(path), "pt").metadata()["trapetum"])["M"] == t.M
+
+
+def test_truncated_file_is_refused(saved):
+    _, path = saved
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) * 2 // 3])
+    with pytest.raises(CodebookFormatError, match="truncated or corrupt"):
+        AdditiveTensor.load(path)
+
+
+@pytest.mark.parametrize("tensor", ["codes", "codebooks", "scales"])
+def test_tampered_tensor_fails_the_sha256(saved, tensor):
+    _, path = saved
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    lo, hi = json.loads(data[8:start])[tensor]["data_offsets"]
+    data[start + (lo + hi) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CodebookFormatError, match=rf"{tensor} bytes do not match the header's SHA-256"):
+        AdditiveTensor.load(path)
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"format_version": 2}, "format_version 2"),
+        ({"kind": "scalar-codebook"}, "kind 'scalar-codebook'"),
+        ({"M": 4}, "the header says M=4"),
+        ({"K": 16}, "K=16"),
+        ({"out_features": 41}, "41 x 128"),
+    ],
+)
+def test_edited_header_is_refused(tmp_path, changes, match):
+    from safetensors.torch import save_file
+
+    t = random_additive_tensor(40, 128, 2)
+    h = {**t.header(), **changes}
+    path = tmp_path / "edited.safetensors"
+    save_file(t._tensors(), str(path), metadata={"trapetum": json.dumps(h)})
+    with pytest.raises(CodebookFormatError, match=match):
+        AdditiveTensor.load(path)
+
+
+def test_extra_tensor_or_missing_header_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    t = random_additive_tensor(40, 128, 2)
+    path = tmp_path / "x.safetensors"
+    save_file({**t._tensors(), "junk": torch.zeros(3)}, str(path), metadata={"trapetum": json.dumps(t.header())})
+    with pytest.raises(CodebookFormatError, match="expected tensors codes, codebooks, scales"):
+        AdditiveTensor.load(path)
+    save_file(t._tensors(), str(path))
+    with pytest.raises(CodebookFormatError, match="no 'trapetum' header"):
+        AdditiveTensor.load(path)
+    with pytest.raises(FileNotFoundError):
+        AdditiveTensor.load(tmp_path / "absent.safetensors")
+
+
+# -- the quantizer ----------------------------------------------------------------------------
+def weight(n_out=32, n_in=128, seed=0):
+    return torch.randn(n_out, n_in, generator=torch.Generator().manual_seed(seed)) * 0.02
+
+
+@pytest.mark.parametrize("M", [2, 4])
+def test_quantizer_round_trip_and_error_decreases(M):
+    W = weight(64, 256, seed=M)  # 2048 groups: more than the 256 M codewords can fit exactly
+    t, rep = quantize_additive(W, M=M, iters=3, progress=False)
+    assert (t.M, t.out_features, t.in_features) == (M, 64, 256)
+    assert len(rep.rel_err_curve) == 4
+    assert all(b <= a * (1 + 1e-5) + 1e-9 for a, b in zip(rep.rel_err_curve, rep.rel_err_curve[1:])), rep.rel_err_curve
+    assert rep.rel_err_curve[-1] < rep.rel_err_curve[0]
+    W_hat = t.dequantize(torch.float32)
+    rel = float(((W - W_hat) ** 2).sum() / (W**2).sum())
+    assert rep.rel_mse == pytest.approx(rel, rel=1e-4)
+    assert rep.rel_err == pytest.approx(rel, rel=1e-4)  # plain objective: the same number
+    assert rel < (0.2 if M == 2 else 0.05)
+    assert rel == pytest.approx(rep.rel_err_curve[-1], rel=0.05)  # fp16 storage costs little
+
+
+def test_quantizer_is_deterministic_for_a_seed():
+    W = weight(32, 128, seed=3)
+    X = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
+    a, ra = quantize_additive(W, M=2, X=X, iters=2, seed=5, progress=False)
+    b, rb = quantize_additive(W, M=2, X=X, iters=2, seed=5, progress=False)
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.codebooks, b.codebooks) and torch.equal(a.scales, b.scales)
+    assert ra.rel_err_curve == rb.rel_err_curve
+
+
+def test_calibration_objective_weights_by_H():
+    # Inputs whose first 16 columns are 30x larger than the rest: the output error is almost all
+    # theirs, which the H-aware quantizer must see and plain MSE cannot.
+    n_in = 128
+    g = torch.Generator().manual_seed(2)
+    X = torch.randn(512, n_in, generator=g)
+    X[:, :16] *= 30
+    W = weight(64, n_in, seed=4)
+    H = X.T @ X
+
+    def out_err(t):
+        E = W - t.dequantize(torch.float32)
+        return float(((E @ H) * E).sum())
+
+    t_mse, r_mse = quantize_additive(W, M=2, iters=3, progress=False)
+    t_h, r_h = quantize_additive(W, M=2, X=X, iters=3, progress=False)
+    t_h2, _ = quantize_additive(W, M=2, H=H, iters=3, progress=False)
+    assert r_h.objective == "calibration" and r_mse.objective == "mse"
+    assert out_err(t_h) < 0.5 * out_err(t_mse), (out_err(t_h), out_err(t_mse))
+    assert torch.equal(t_h.codes, t_h2.codes)  # X and its H = X^T X give the same result
+    assert all(b <= a * (1 + 1e-5) for a, b in zip(r_h.rel_err_curve, r_h.rel_err_curve[1:])), r_h.rel_err_curve
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_quantizer_refuses_non_finite_weights(bad):
+    W = weight()
+    W[3, 7] = bad
+    with pytest.raises(ValueError, match=r"NaN.*\[3, 7\]"):
+        quantize_additive(W, progress=False)
+
+
+def test_quantizer_argument_checks():
+    with pytest.raises(ValueError, match="M .* must be one of"):
+        quantize_additive(weight(), M=3, progress=False)
+    with pytest.raises(ValueError, match="X must be"):
+        quantize_additive(weight(), X=torch.randn(4, 64), progress=False)
+    with pytest.raises(ValueError, match="pass X or H, not both"):
+        quantize_additive(weight(), X=torch.randn(4, 128), H=torch.eye(128), progress=False)
+
+
+# -- the AQLM checkpoint layout ---------------------------------------------------------------
+def aqlm_layer(n_out, n_in, M, seed, bias=False):
+    """One layer in the Hugging Face AQLM Mx8 layout, codes packed as AQLM's pack_int_data does."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (n_out, n_in // 8, M), generator=g)
+    packed = codes.clone()
+    packed[packed >= 128] -= 256
+    d = {
+        "codes": packed.to(torch.int8),
+        "codebooks": (torch.randn(M, 256, 1, 8, generator=g) * 0.02).half(),
+        "scales": (1 + torch.rand(n_out, 1, 1, 1, generator=g)).half(),
+    }
+    if bias:
+        d["bias"] = torch.randn(n_out, generator=g).half()
+    return d, codes
+
+
+def aqlm_dequantize(d):
+    """AQLM's own decoding (aqlm.utils: codes % 256, embedding-bag sum, times scales), in float64."""
+    codes = d["codes"].to(torch.int64) % 256
+    n_out, G, M = codes.shape
+    cb = d["codebooks"].double().reshape(M * 256, 8)
+    vec = cb[codes + torch.arange(M) * 256].sum(2)
+    return (vec * d["scales"].double().reshape(n_out, 1, 1)).reshape(n_out, G * 8)
+
+
+def write_checkpoint(folder, M=2, sharded=False, **qc):
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    layers = {"model.layers.0.self_attn.q_proj": (64, 128, False), "model.layers.0.mlp.down_proj": (40, 192, True)}
+    state, truth = {"model.embed_tokens.weight": torch.randn(10, 128).half(), "lm_head.weight": torch.randn(10, 128).half()}, {}
+    for i, (name, (o, n_in, b)) in enumerate(layers.items()):
+        d, _ = aqlm_layer(o, n_in, M, seed=i, bias=b)
+        truth[name] = d
+        state.update({f"{name}.{k}": v for k, v in d.items()})
+    config = {"model_type": "llama", "quantization_config": {"quant_method": "aqlm", "in_group_size": 8, "out_group_size": 1,
+              "num_codebooks": M, "nbits_per_codebook": 8, "linear_weights_not_to_quantize": ["model.embed_tokens.weight", "lm_head.weight"], **qc}}
+    (folder / "config.json").write_text(json.dumps(config))
+    if sharded:
+        keys = sorted(state)
+        shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+        for fname, ks in shards.items():
+            save_file({k: state[k] for k in ks}, str(folder / fname))
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: f for f, ks in shards.items() for k in ks}}))
+    else:
+        save_file(state, str(folder / "model.safetensors"))
+    return truth
+
+
+@pytest.mark.parametrize("M, sharded", [(2, False), (4, True)])
+def test_aqlm_checkpoint_round_trip(tmp_path, M, sharded):
+    truth = write_checkpoint(tmp_path / "ckpt", M=M, sharded=sharded)
+    layers = load_aqlm_checkpoint(tmp_path / "ckpt")
+    assert set(layers) == set(truth)
+    for name, d in truth.items():
+        t = layers[name]
+        assert t.M == M and t.codes.dtype == torch.uint8
+        assert torch.equal(t.codes.long(), d["codes"].long() % 256)
+        assert torch.equal(t.dequantize(torch.float64), aqlm_dequantize(d))
+        assert (t.bias is not None) == ("bias" in d)
+    # and the kernel computes the layer AQLM describes, bias included
+    name = "model.layers.0.mlp.down_proj"
+    d = truth[name]
+    x = x_for(192, 1, seed=3)
+    y = AdditiveGemv(layers[name], plan={"warps": 2})(x)
+    ref = x.double() @ aqlm_dequantize(d).T + d["bias"].double()
+    assert max_rel_err(y, ref) <= TOL
+
+
+def test_from_aqlm_maps_negative_int8_codes_to_high_codes():
+    d, codes = aqlm_layer(8, 64, 2, seed=0)
+    assert (d["codes"] < 0).any()
+    t = from_aqlm({f"m.{k}": v for k, v in d.items()}, prefix="m.")
+    assert torch.equal(t.codes.long(), codes)
+
+
+@pytest.mark.parametrize(
+    "qc, match",
+    [
+        ({"num_codebooks": 1, "nbits_per_codebook": 16}, "nbits_per_codebook=16"),  # 1x16
+        ({"out_group_size": 8, "in_group_size": 1}, "in_group_size=1"),
+        ({"out_group_size": 2}, "out_group_size=2"),
+        ({"num_codebooks": 3}, "num_codebooks=3"),
+        ({"quant_method": "gptq"}, "quant_method 'gptq'"),
+    ],
+)
+def test_unsupported_aqlm_variants_are_refused(tmp_path, qc, match):
+    write_checkpoint(tmp_path / "ckpt", M=2, **qc)
+    with pytest.raises(AqlmFormatError, match=match):
+        load_aqlm_checkpoint(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"codebooks": torch.zeros(1, 65536, 1, 8, dtype=torch.float16)}, "only 8-bit codebooks"),
+        ({"codebooks": torch.zeros(2, 256, 2, 8, dtype=torch.float16)}, "out_group_size=2"),
+        ({"codes": torch.zeros(8, 8, 2, dtype=torch.int16)}, "int8 codes"),
+        ({"scales": torch.ones(8, dtype=torch.float16)}, r"scales shape \(8,\)"),
+    ],
+)
+def test_from_aqlm_rejects_other_tensor_layouts(change, match):
+    d, _ = aqlm_layer(8, 64, 2, seed=0)
+    d.update(change)
+    with pytest.raises(AqlmFormatError, match=match):
+        from_aqlm(d)
+
+
+def test_from_aqlm_missing_tensor():
+    with pytest.raises(AqlmFormatError, match="missing 'q.codebooks'"):
+        from_aqlm({"q.codes": torch.zeros(8, 8, 2, dtype=torch.int8)}, prefix="q.")
