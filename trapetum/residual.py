@@ -541,6 +541,7 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     RQ = -(-res_words // (4 * nt))
     bpart_size = B * nt if norm else 1
     bred_size = B * 32 if norm else 1
+    ring_size, rbuf_size, wv_size = 2 * nreg, RQ * 4, 8 * RB  # local array sizes must be literals
     zero = int32(0)
 
     @cuda.jit(device=True)
@@ -614,17 +615,17 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
         ncols = (j1 - j0) * CHUNK
 
         # Start streaming this warp's first chunk before anything waits.
-        ring = cuda.local.array(2 * nreg, int32)
+        ring = cuda.local.array(ring_size, int32)
         fetch(ring, 0, tiled, rb0, rbs, nchunks, j0, j1)
 
         # Codebooks -> shared: every 16-byte load issued before the first store waits on one.
-        rbuf = cuda.local.array(RQ * 4, int32)
+        rbuf = cuda.local.array(rbuf_size, int32)
         for i in range(RQ):
             q = tid + i * nt
             if q * 4 < res_words:
                 rbuf[4 * i], rbuf[4 * i + 1], rbuf[4 * i + 2], rbuf[4 * i + 3] = load16(resq_g, q * 4)
         if main_shared:
-            mbuf = cuda.local.array(8 * 4, int32)
+            mbuf = cuda.local.array(32, int32)
             for i0 in range(0, MQ, 8):
                 for i in range(8):
                     q = tid + (i0 + i) * nt
@@ -678,7 +679,7 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
         acc = cuda.local.array(nacc, float32)
         for i in range(nacc):
             acc[i] = 0.0
-        wv = cuda.local.array(8 * RB, float32)
+        wv = cuda.local.array(wv_size, float32)
         # Two ring slots, unrolled so each slot index is a constant: refill the other slot with the
         # next chunk, then use this one.
         j = j0
