@@ -78,7 +78,7 @@ def test_plan_refuses_what_shared_memory_cannot_hold():
     with pytest.raises(ValueError, match="bytes of shared memory"):
         plan_residual(4096, 64, 8192, 512, 16, sms=132, ksplit=1, main="shared")
     p = plan_residual(4096, 64, 8192, 512, 16, sms=132, ksplit=16, main="shared")
-    assert p.cps == 4 and p.shared_bytes == 8192 * 16 + 16 * 4 * 256 * 4
+    assert p.cps == 4 and p.shared_bytes == 8192 * 16 + 512 * 16 + 16 * 4 * 256 * 4
 
 
 # -- packing and format ------------------------------------------------------------------------

@@ -508,9 +508,9 @@ _kernel_cache: dict = {}
 
 def _chunk_source(b: int) -> str:
     """chunk_dot: one vec() call for each of a chunk's 32 vectors, every bit offset a literal."""
-    lines = ["def chunk_dot(ring, s, mainq, dyn_i, resq, xs, xo, ncols, acc, wv):"]
+    lines = ["def chunk_dot(ring, s, mainq, dyn_i, xs, xo, ncols, acc, wv):"]
     for i, w, sh, straddle in _field_positions(b):
-        lines.append(f"    vec(ring, s, {w}, {sh}, {int(straddle)}, {i}, mainq, dyn_i, resq, xs, xo, ncols, acc, wv)")
+        lines.append(f"    vec(ring, s, {w}, {sh}, {int(straddle)}, {i}, mainq, dyn_i, xs, xo, ncols, acc, wv)")
     return "\n".join(lines) + "\n"
 
 
@@ -536,7 +536,10 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     nt = warps * 32
     nacc = RB * B
     res_words, main_words = Nr * 4, Nm * 4
-    XOFF = main_words if main_shared else 0  # x's offset (4-byte units) in the dynamic shared memory
+    # Dynamic shared memory (4-byte units): [main codebook if staged][residual codebook][B x slice of x].
+    # Everything read 16 bytes at a time lives there: its base is 16-byte aligned, a static array's need not be.
+    ROFF = main_words if main_shared else 0
+    XOFF = ROFF + res_words
     MQ = -(-main_words // (4 * nt))  # 16-byte pieces of the main codebook a thread stages
     RQ = -(-res_words // (4 * nt))
     bpart_size = B * nt if norm else 1
@@ -545,7 +548,7 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     zero = int32(0)
 
     @cuda.jit(device=True)
-    def vec(ring, s, j, sh, straddle, i, mainq, dyn_i, resq, xs, xo, ncols, acc, wv):
+    def vec(ring, s, j, sh, straddle, i, mainq, dyn_i, xs, xo, ncols, acc, wv):
         # Vector i of the chunk in ring slot s: its field starts at bit sh of word j.
         for r in range(RB):
             o = s + r * WPC + j
@@ -561,7 +564,7 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
                 m0, m1, m2, m3 = sload4(dyn_i, im)
             else:
                 m0, m1, m2, m3 = load16(mainq, im)
-            q0, q1, q2, q3 = sload4(resq, ir)
+            q0, q1, q2, q3 = sload4(dyn_i, ROFF + ir)
             a0, a1 = half2_to_float2(m0)
             c0, c1 = half2_to_float2(q0)
             a2, a3 = half2_to_float2(m1)
@@ -597,11 +600,10 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
 
     @cuda.jit
     def kernel(x32, tiled, mainq, resq_g, sc32, bi32, y, ws, counters, n_out, rbs, nchunks, cps):
-        resq = cuda.shared.array(res_words, int32)
         bpart = cuda.shared.array(bpart_size, float32)
         bred = cuda.shared.array(bred_size, float32)
         last = cuda.shared.array(1, int32)
-        dyn_i = cuda.shared.array(0, int32)  # [main codebook if staged][B x slice of x, fp32]
+        dyn_i = cuda.shared.array(0, int32)  # [main codebook if staged][residual codebook][B x slice of x, fp32]
         xs = cuda.shared.array(0, float32)  # the same memory (dynamic shared arrays alias)
         tid = cuda.threadIdx.x
         warp = tid // 32
@@ -639,7 +641,8 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
         for i in range(RQ):
             q = tid + i * nt
             if q * 4 < res_words:
-                resq[q * 4], resq[q * 4 + 1], resq[q * 4 + 2], resq[q * 4 + 3] = rbuf[4 * i], rbuf[4 * i + 1], rbuf[4 * i + 2], rbuf[4 * i + 3]
+                o = ROFF + q * 4
+                dyn_i[o], dyn_i[o + 1], dyn_i[o + 2], dyn_i[o + 3] = rbuf[4 * i], rbuf[4 * i + 1], rbuf[4 * i + 2], rbuf[4 * i + 3]
 
         # This block's slice of x -> fp32 (times scale), 8 values a 16-byte load; bias . x partials.
         xq = ncols // 8
@@ -687,7 +690,7 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
             for s in range(2):
                 fetch(ring, ((s + 1) % 2) * nreg, tiled, rb0, rbs, nchunks, j + 1, j1)
                 if j < j1:
-                    chunk_dot(ring, s * nreg, mainq, dyn_i, resq, xs, XOFF + (j - j0) * CHUNK, ncols, acc, wv)
+                    chunk_dot(ring, s * nreg, mainq, dyn_i, xs, XOFF + (j - j0) * CHUNK, ncols, acc, wv)
                 j += 1
 
         if norm:  # dot(bias, x) over this K-slice, the same for every row: warp 0 folds nt partials to 32
@@ -748,12 +751,12 @@ class ResidualPlan:
     cps: int  # chunks a K-slice
     RB: int  # row-blocks a warp
     main: str  # "shared" (staged by every block) or "global" (read through L1)
-    shared_bytes: int  # dynamic shared memory: main codebook if staged + B x K-slice of x (fp32)
+    shared_bytes: int  # dynamic shared memory: main codebook if staged + residual codebook + B x K-slice of x (fp32)
     static_bytes: int
 
 
 def _static_bytes(Nr: int, B: int, warps: int, norm: bool) -> int:
-    return Nr * 16 + 16 + ((B * warps * 32 + B * 32) * 4 if norm else 0)
+    return 16 + ((B * warps * 32 + B * 32) * 4 if norm else 0)
 
 
 def shared_budget(device) -> int:
@@ -785,7 +788,7 @@ def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, 
         main = "shared" if vectors_per_block >= 16 * Nm else "global"
     if main not in MAIN_PLACEMENTS:
         raise ValueError(f"main must be one of {MAIN_PLACEMENTS}, got {main!r}")
-    dyn = (Nm * 16 if main == "shared" else 0) + B * cps * CHUNK * 4
+    dyn = (Nm * 16 if main == "shared" else 0) + Nr * 16 + B * cps * CHUNK * 4
     if static + dyn > budget:
         raise ValueError(f"plan needs {static + dyn} bytes of shared memory (main {main}, {cps} chunks of x a block, "
                          f"batch {B}); the block may use {budget}: raise ksplit or place main in global memory")
