@@ -1,0 +1,220 @@
+"""Residual vector codebooks: format, packing, quantizer, and the fused kernel in numba's CUDA simulator.
+
+Shapes are tiny (one warp a block, 256-512 columns): every simulated thread is a Python thread.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from trapetum import gemv
+from trapetum.bench import TOLERANCE
+from trapetum.codebook import CodebookFormatError
+from trapetum.gemv import max_rel_err
+from trapetum.residual import (ResidualGemv, ResidualTensor, pack_indices, plan_residual, quantize_residual,
+                               random_residual_tensor, reference, unpack_indices)
+
+pytestmark = pytest.mark.skipif(
+    not gemv.SIM and os.environ.get("NUMBA_ENABLE_CUDASIM") == "0", reason="NUMBA_ENABLE_CUDASIM=0: written for the CUDA simulator"
+)
+
+
+def x_for(n_in, batch, seed=1):
+    return torch.randn(batch, n_in, generator=torch.Generator().manual_seed(seed)).half()
+
+
+def check(g: ResidualGemv, t: ResidualTensor, x: torch.Tensor) -> torch.Tensor:
+    y = torch.full((x.shape[0], g.n_out), float("nan"), dtype=torch.float16)
+    assert g(x, out=y) is y
+    assert torch.isfinite(y).all(), f"{int((~torch.isfinite(y)).sum())} outputs left unwritten"
+    err = max_rel_err(y, reference(x, t))
+    assert err <= TOLERANCE, f"max rel err {err:.3g} > {TOLERANCE}"
+    return y
+
+
+# -- kernel ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "Nm, Nr, norm, batch, n_out, n_in, plan",
+    [
+        (4096, 256, False, 1, 32, 256, dict(warps=1, RB=1, main="global", ksplit=1)),
+        (4096, 256, True, 3, 40, 256, dict(warps=1, RB=2, main="shared", ksplit=1)),  # 2 row-blocks, the second 8 rows
+        (8192, 512, False, 16, 32, 256, dict(warps=1, RB=1, main="shared", ksplit=1)),
+        (8192, 512, True, 1, 32, 512, dict(warps=1, RB=1, main="global", ksplit=2)),
+        (4096, 512, False, 3, 70, 512, dict(warps=2, RB=1, main="shared", ksplit=2)),  # K-split, a padded 3rd row-block
+    ],
+)
+def test_kernel_matches_float64_reference(Nm, Nr, norm, batch, n_out, n_in, plan):
+    t = random_residual_tensor(n_out, n_in, Nm, Nr, seed=Nm + batch, with_norm=norm)
+    g = ResidualGemv(t, plan=plan)
+    p = g.plan(batch)
+    assert (p.main, p.ksplit, p.RB, p.warps) == (plan["main"], plan["ksplit"], plan["RB"], plan["warps"])
+    check(g, t, x_for(n_in, batch, seed=batch))
+
+
+def test_k_split_counters_reset_so_the_launch_replays():
+    t = random_residual_tensor(32, 512, 4096, 256, seed=3, with_norm=True)
+    g = ResidualGemv(t, plan=dict(warps=1, RB=1, main="global", ksplit=2))
+    y1 = check(g, t, x_for(512, 1, seed=1))
+    assert not g._plans[1][2][1].any(), "atomic counters not reset"
+    y2 = check(g, t, x_for(512, 1, seed=2))
+    assert not torch.equal(y1, y2)
+
+
+def test_norm_is_applied_as_vptq_does():
+    # W = W_hat * scale[col] + bias[col]: the kernel (scale x, add bias . x) must agree with dequantize.
+    t = random_residual_tensor(32, 256, 4096, 256, seed=5, with_norm=True)
+    plain = ResidualTensor(t.indices, t.main, t.res, 256, 32)
+    W = plain.dequantize(torch.float64) * t.scale.double() + t.bias.double()
+    assert torch.allclose(t.dequantize(torch.float64), W)
+    x = x_for(256, 1, seed=9)
+    y = ResidualGemv(t, plan=dict(warps=1, main="global"))(x)
+    assert max_rel_err(y, x.double() @ W.T) <= TOLERANCE
+    assert max_rel_err(y, reference(x, plain)) > 10 * TOLERANCE  # the norm matters: the check can fail
+
+
+def test_plan_refuses_what_shared_memory_cannot_hold():
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        plan_residual(4096, 64, 8192, 512, 16, sms=132, ksplit=1, main="shared")
+    p = plan_residual(4096, 64, 8192, 512, 16, sms=132, ksplit=16, main="shared")
+    assert p.cps == 4 and p.shared_bytes == 8192 * 16 + 512 * 16 + 16 * 4 * 256 * 4
+
+
+# -- packing and format ------------------------------------------------------------------------
+@pytest.mark.parametrize("Nm, Nr", [(4096, 256), (4096, 512), (8192, 256), (8192, 512)])
+def test_packing_round_trip_at_exact_widths(Nm, Nr):
+    g = torch.Generator().manual_seed(Nm + Nr)
+    im = torch.randint(0, Nm, (3, 64), generator=g)
+    ir = torch.randint(0, Nr, (3, 64), generator=g)
+    im[0, :32], ir[0, :32] = Nm - 1, Nr - 1  # all-ones fields across every word boundary
+    im[1, :32], ir[1, :32] = 0, 0
+    words = pack_indices(im, ir, Nm, Nr)
+    bits = (Nm.bit_length() - 1) + (Nr.bit_length() - 1)
+    assert words.shape == (3, 64 * bits // 32) and words.dtype == torch.int32
+    assert (words[0, :bits] == -1).all() and (words[1, :bits] == 0).all()
+    a, b = unpack_indices(words, Nm, Nr)
+    assert torch.equal(a, im) and torch.equal(b, ir)
+
+
+def test_bits_per_weight():
+    t = random_residual_tensor(4096, 4096, 4096, 256)
+    assert abs(t.bits_per_weight - (2.5 + (4096 + 256) * 16 * 8 / 4096**2)) < 1e-9
+
+
+def test_save_load_round_trip(tmp_path):
+    for norm in (False, True):
+        t = random_residual_tensor(33, 256, 8192, 512, seed=2, with_norm=norm)
+        u = ResidualTensor.load(t.save(tmp_path / f"w{norm}.safetensors"))
+        assert torch.equal(u.dequantize(), t.dequantize()) and u.has_norm == norm
+
+
+def test_truncated_and_tampered_files(tmp_path):
+    t = random_residual_tensor(32, 256, 4096, 256, seed=1)
+    p = t.save(tmp_path / "w.safetensors")
+    data = p.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CodebookFormatError, match="truncated or corrupt"):
+        ResidualTensor.load(tmp_path / "cut.safetensors")
+    bad = bytearray(data)
+    bad[-5] ^= 0xFF
+    (tmp_path / "bad.safetensors").write_bytes(bytes(bad))
+    with pytest.raises(CodebookFormatError, match="SHA-256"):
+        ResidualTensor.load(tmp_path / "bad.safetensors")
+
+
+def test_bad_tensors():
+    t = random_residual_tensor(32, 256, 4096, 256)
+    with pytest.raises(CodebookFormatError, match=r"main codebook must be \(Nm, 8\)"):
+        ResidualTensor(t.indices, t.main[:, :4], t.res, 256, 32)
+    with pytest.raises(CodebookFormatError, match="Nm must be one of"):
+        ResidualTensor(t.indices, t.main[:2048], t.res, 256, 32)
+    with pytest.raises(CodebookFormatError, match="indices shape"):
+        ResidualTensor(t.indices[:, :-1], t.main, t.res, 256, 32)
+    with pytest.raises(CodebookFormatError, match="not divisible by 256"):
+        ResidualTensor(t.indices, t.main, t.res, 128, 32)
+    nan = t.main.clone()
+    nan[3, 1] = float("nan")
+    with pytest.raises(CodebookFormatError, match="NaN"):
+        ResidualTensor(t.indices, nan, t.res, 256, 32)
+    with pytest.raises(ValueError, match="main indices out of range"):
+        pack_indices(torch.full((1, 32), 4096), torch.zeros(1, 32, dtype=torch.long), 4096, 256)
+    with pytest.raises(ValueError, match="residual indices out of range"):
+        pack_indices(torch.zeros(1, 32, dtype=torch.long), torch.full((1, 32), -1), 4096, 256)
+
+
+# -- quantizer ---------------------------------------------------------------------------------
+def _weight(seed=0, n_out=160, n_in=256):
+    return torch.randn(n_out, n_in, generator=torch.Generator().manual_seed(seed))
+
+
+def test_quantizer_residual_lowers_error_and_is_deterministic():
+    W = _weight()
+    t, rep = quantize_residual(W, 4096, 256, iters=3, progress=False)
+    assert rep.rel_mse < rep.rel_mse_main < 1
+    err = float(((t.dequantize(torch.float32) - W) ** 2).sum() / (W**2).sum())
+    assert abs(err - rep.rel_mse) < 1e-4
+    t2, _ = quantize_residual(W, 4096, 256, iters=3, progress=False)
+    assert torch.equal(t.indices, t2.indices) and torch.equal(t.main, t2.main)
+
+
+def test_more_centroids_than_vectors_still_works():
+    W = _weight(n_out=8)  # 256 vectors, 8192 centroids
+    t, rep = quantize_residual(W, 8192, 512, iters=2, progress=False)
+    assert rep.rel_mse < 1e-5  # every vector has a centroid of its own
+    assert torch.unique(t.main.float(), dim=0).shape[0] == 8192
+
+
+def test_hessian_weighting_favours_important_columns():
+    W = _weight(1)
+    X = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
+    X[:, :64] *= 10  # the first 64 inputs dominate
+    h = (X * X).sum(0)
+
+    def weighted(t):
+        return float((((t.dequantize(torch.float32) - W) ** 2) * h).sum())
+
+    plain, _ = quantize_residual(W, 4096, 256, iters=3, progress=False)
+    cal, rep = quantize_residual(W, 4096, 256, X=X, iters=3, progress=False)
+    assert rep.weighted
+    assert weighted(cal) < 0.9 * weighted(plain)
+    hcal, _ = quantize_residual(W, 4096, 256, H=X.T @ X, iters=3, progress=False)
+    assert abs(weighted(hcal) - weighted(cal)) < 0.02 * weighted(cal)  # diag(X^T X) == sum of x^2, up to rounding
+
+
+def test_quantizer_rejects_bad_weights():
+    W = _weight()
+    W[3, 7] = float("inf")
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        quantize_residual(W, progress=False)
+    with pytest.raises(ValueError, match="not divisible by 256"):
+        quantize_residual(torch.randn(8, 320), progress=False)
+
+
+# -- bad activations ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small():
+    return ResidualGemv(random_residual_tensor(32, 256, 4096, 256, seed=4), plan=dict(warps=1, main="global"))
+
+
+def test_x_wrong_dtype(small):
+    with pytest.raises(TypeError, match="x must be float16"):
+        small(torch.randn(1, 256))
+
+
+@pytest.mark.parametrize("shape", [(1, 128), (2, 1, 256)])
+def test_x_wrong_shape(small, shape):
+    with pytest.raises(ValueError, match=r"x must have shape \(256,\)"):
+        small(torch.zeros(shape, dtype=torch.float16))
+
+
+def test_x_not_contiguous(small):
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        small(torch.zeros(256, 2, dtype=torch.float16).t())
+
+
+def test_x_wrong_device(small):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a second device type to put x on")
+    with pytest.raises(ValueError, match="x is on"):
+        small(torch.zeros(1, 256, dtype=torch.float16, device="cuda"))

@@ -1,0 +1,1049 @@
+"""Residual vector codebooks (VPTQ-style): W[o, 8g:8g+8] = main[im[o, g]] + res[ir[o, g]].
+
+Format (:class:`ResidualTensor`):
+
+* vectors of v = 8 consecutive input weights of one output row;
+* one fp16 main codebook (Nm, 8), Nm in {4096, 8192}, and one fp16 residual codebook (Nr, 8),
+  Nr in {256, 512}, shared by the whole layer;
+* per vector one b-bit field f = im | ir << log2(Nm) (main index in the low bits, as VPTQ packs
+  them), b = log2(Nm) + log2(Nr) in {20, 21, 22}; a row's fields form an LSB-first bit stream
+  in int32 words, so a row of ``in`` weights is ``in * b / 256`` words: exactly b / 8 bits a
+  weight plus the codebooks (2.5 bits for 4096/256);
+* optional per-input-channel fp16 ``scale`` and ``bias``, applied as VPTQ's ``enable_norm``:
+  W = W_hat * scale[col] + bias[col].  The GEMV scales x first and adds dot(bias, x) to every output.
+
+Every 32 vectors (256 input weights, a "chunk") fill exactly b words, so in_features must be a
+multiple of 256: the field of vector i of a chunk sits at the constant bit offset i * b.
+
+The fused GEMV (:class:`ResidualGemv`), "a lane owns a row" like :func:`trapetum.gemv.lut_kernel`:
+
+* the words are tiled at init as [row-block][chunk][word][lane]: a warp's load of word w of one
+  chunk for its 32 rows is 128 contiguous bytes;
+* each warp of a block owns RB row-blocks and streams every chunk of the block's K-slice (a ring
+  of two chunks in registers: one in use, one in flight); a chunk's 32 fields are extracted at
+  compile-time-constant bit offsets (the chunk body is generated, one call a vector);
+* the main codebook is read with one 16-byte load a lookup, from shared memory (staged by the
+  block, 64/128 KiB: needs the opt-in above 48 KiB) or through L1 from global memory (no
+  prologue) -- the ``main`` plan knob; the residual codebook (4/8 KiB) is always in shared;
+* the block's slice of x sits in shared memory as fp32 (scaled when the layer has a norm), read
+  as 16-byte broadcasts that serve RB rows;
+* K-slices of different blocks meet in an fp32 workspace summed by the last block to finish (an
+  atomic counter it resets, so the launch replays in a CUDA graph).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .codebook import ROW_BLOCK, CodebookFormatError
+from .gemv import (SIM, _as_kernel_array, check_activation, check_output, half2_to_float2, load16, max_rel_err,
+                   max_shared_bytes, require_gpu, sload4, sm_count, with_shared_limit)
+from .kmeans import check_finite
+
+from numba import cuda, float32, int32, uint32  # noqa: E402  (gemv set numba's environment first)
+
+FORMAT_VERSION = 1
+KIND = "residual-vector-codebook"
+VECTOR_LEN = 8
+CHUNK = 256  # input weights a chunk: 32 vectors, b words
+VECS_PER_CHUNK = CHUNK // VECTOR_LEN
+SUPPORTED_MAIN = (4096, 8192)
+SUPPORTED_RES = (256, 512)
+OPTIN_SIM = 227 * 1024  # the simulator plans as if it had an H100's opt-in shared memory
+STATIC_LIMIT = 48 * 1024
+TOLERANCE = 2e-3  # as bench.TOLERANCE (bench imports this module, so the value is repeated)
+
+
+def index_bits(Nm: int, Nr: int) -> tuple[int, int]:
+    """(main bits, residual bits) for supported codebook sizes."""
+    if Nm not in SUPPORTED_MAIN:
+        raise ValueError(f"main codebook size Nm must be one of {SUPPORTED_MAIN}, got {Nm}")
+    if Nr not in SUPPORTED_RES:
+        raise ValueError(f"residual codebook size Nr must be one of {SUPPORTED_RES}, got {Nr}")
+    return int(math.log2(Nm)), int(math.log2(Nr))
+
+
+def check_in_features(in_features: int) -> None:
+    if in_features <= 0 or in_features % CHUNK:
+        raise ValueError(
+            f"in_features={in_features} is not divisible by {CHUNK}: vectors of {VECTOR_LEN} weights are packed "
+            f"{VECS_PER_CHUNK} to a chunk of whole 32-bit words, and the kernel streams whole chunks")
+
+
+# -- packing ---------------------------------------------------------------------------------
+def _field_positions(b: int):
+    """(vector i, word, shift, straddles) of each of a chunk's 32 fields."""
+    out = []
+    for i in range(VECS_PER_CHUNK):
+        bit = i * b
+        out.append((i, bit >> 5, bit & 31, (bit & 31) + b > 32))
+    return out
+
+
+def pack_indices(im: torch.Tensor, ir: torch.Tensor, Nm: int, Nr: int) -> torch.Tensor:
+    """(out, in/8) main and residual indices -> (out, in*b/256) int32 words, LSB-first fields."""
+    bm, br = index_bits(Nm, Nr)
+    b = bm + br
+    if im.shape != ir.shape or im.dim() != 2:
+        raise ValueError(f"main and residual indices must be 2-D of one shape, got {tuple(im.shape)} and {tuple(ir.shape)}")
+    for name, t, n in (("main", im, Nm), ("residual", ir, Nr)):
+        if t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise TypeError(f"{name} indices must be integers, got {t.dtype}")
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= n):
+            raise ValueError(f"{name} indices out of range: found [{int(t.min())}, {int(t.max())}], allowed [0, {n - 1}]")
+    n_out, G = im.shape
+    check_in_features(G * VECTOR_LEN)
+    nch = G // VECS_PER_CHUNK
+    f = (im.long() | (ir.long() << bm)).reshape(n_out, nch, VECS_PER_CHUNK)
+    words = torch.zeros(n_out, nch, b, dtype=torch.int64, device=im.device)
+    for i, w, s, straddle in _field_positions(b):
+        words[:, :, w] |= (f[:, :, i] << s) & 0xFFFFFFFF
+        if straddle:
+            words[:, :, w + 1] |= f[:, :, i] >> (32 - s)
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32).reshape(n_out, nch * b).contiguous()
+
+
+def unpack_indices(words: torch.Tensor, Nm: int, Nr: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_indices`: (main, residual) int64 indices (out, in/8)."""
+    bm, br = index_bits(Nm, Nr)
+    b = bm + br
+    n_out = words.shape[0]
+    w = (words.long() & 0xFFFFFFFF).reshape(n_out, -1, b)
+    f = torch.empty(n_out, w.shape[1], VECS_PER_CHUNK, dtype=torch.int64, device=words.device)
+    for i, j, s, straddle in _field_positions(b):
+        v = w[:, :, j] >> s
+        if straddle:
+            v = v | (w[:, :, j + 1] << (32 - s))
+        f[:, :, i] = v & ((1 << b) - 1)
+    f = f.reshape(n_out, -1)
+    return f & (Nm - 1), f >> bm
+
+
+# -- the format ------------------------------------------------------------------------------
+@dataclass
+class ResidualTensor:
+    """A residual-VQ weight: packed index words, main and residual fp16 codebooks, optional norm."""
+
+    indices: torch.Tensor  # int32 (out, in * b / 256), natural layout
+    main: torch.Tensor  # float16 (Nm, 8)
+    res: torch.Tensor  # float16 (Nr, 8)
+    in_features: int
+    out_features: int
+    scale: torch.Tensor | None = None  # float16 (in,)
+    bias: torch.Tensor | None = None  # float16 (in,)
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def Nm(self) -> int:
+        return int(self.main.shape[0])
+
+    @property
+    def Nr(self) -> int:
+        return int(self.res.shape[0])
+
+    @property
+    def bits(self) -> tuple[int, int]:
+        return index_bits(self.Nm, self.Nr)
+
+    @property
+    def has_norm(self) -> bool:
+        return self.scale is not None
+
+    @property
+    def nbytes(self) -> int:
+        n = self.indices.numel() * 4 + (self.main.numel() + self.res.numel()) * 2
+        return n + (2 * self.in_features * 2 if self.has_norm else 0)
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Index bits (b / 8) plus the codebooks' and norm's share over the whole layer."""
+        return self.nbytes * 8 / (self.in_features * self.out_features)
+
+    def validate(self) -> None:
+        n_in, n_out = self.in_features, self.out_features
+        if self.main.dim() != 2 or self.main.shape[1] != VECTOR_LEN:
+            raise CodebookFormatError(f"main codebook must be (Nm, {VECTOR_LEN}), got {tuple(self.main.shape)} "
+                                      f"(only vector length {VECTOR_LEN} is supported)")
+        if self.res.dim() != 2 or self.res.shape[1] != VECTOR_LEN:
+            raise CodebookFormatError(f"residual codebook must be (Nr, {VECTOR_LEN}), got {tuple(self.res.shape)}")
+        try:
+            bm, br = self.bits
+            check_in_features(n_in)
+        except ValueError as e:
+            raise CodebookFormatError(str(e)) from e
+        if n_out <= 0:
+            raise CodebookFormatError(f"out_features must be positive, got {n_out}")
+        for name, t in (("main", self.main), ("res", self.res)):
+            if t.dtype != torch.float16:
+                raise CodebookFormatError(f"{name} codebook must be float16, got {t.dtype}")
+            if not torch.isfinite(t).all():
+                raise CodebookFormatError(f"{name} codebook has NaN/Inf entries")
+        if self.indices.dtype != torch.int32:
+            raise CodebookFormatError(f"indices must be int32 words, got {self.indices.dtype}")
+        want = (n_out, n_in * (bm + br) // CHUNK)
+        if tuple(self.indices.shape) != want:
+            raise CodebookFormatError(f"indices shape {tuple(self.indices.shape)} != {want} for out={n_out}, in={n_in}, "
+                                      f"{bm}+{br} bits a vector")
+        if (self.scale is None) != (self.bias is None):
+            raise CodebookFormatError("scale and bias come together (VPTQ's enable_norm) or not at all")
+        for name, t in (("scale", self.scale), ("bias", self.bias)):
+            if t is None:
+                continue
+            if t.dtype != torch.float16 or tuple(t.shape) != (n_in,):
+                raise CodebookFormatError(f"{name} must be float16 of shape ({n_in},), got {t.dtype} {tuple(t.shape)}")
+            if not torch.isfinite(t).all():
+                raise CodebookFormatError(f"{name} has NaN/Inf entries")
+        devs = {t.device for t in (self.indices, self.main, self.res, self.scale, self.bias) if t is not None}
+        if len(devs) > 1:
+            raise CodebookFormatError(f"tensors on several devices: {sorted(map(str, devs))}")
+        # Every b-bit field is a valid (main, residual) pair: the sizes are powers of two.
+
+    def to(self, device) -> "ResidualTensor":
+        mv = (lambda t: None if t is None else t.to(device))
+        return ResidualTensor(self.indices.to(device), self.main.to(device), self.res.to(device), self.in_features,
+                              self.out_features, mv(self.scale), mv(self.bias))
+
+    def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(main, residual) indices, int64 (out, in/8)."""
+        return unpack_indices(self.indices, self.Nm, self.Nr)
+
+    def dequantize(self, dtype=torch.float16, rows: int = 4096) -> torch.Tensor:
+        """The (out, in) weight: main + residual (summed in fp32, or in dtype if wider), then norm."""
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        W = torch.empty(self.out_features, self.in_features, dtype=dtype, device=self.indices.device)
+        main, res = self.main.to(acc), self.res.to(acc)
+        for r0 in range(0, self.out_features, rows):
+            im, ir = unpack_indices(self.indices[r0:r0 + rows], self.Nm, self.Nr)
+            w = (main[im] + res[ir]).reshape(im.shape[0], self.in_features)
+            if self.has_norm:
+                w = w * self.scale.to(acc) + self.bias.to(acc)
+            W[r0:r0 + rows] = w.to(dtype)
+        return W
+
+    # -- serialization -------------------------------------------------------------------
+    def _tensors(self) -> dict:
+        t = {"indices": self.indices, "main": self.main, "res": self.res}
+        if self.has_norm:
+            t.update(scale=self.scale, bias=self.bias)
+        return t
+
+    def header(self) -> dict:
+        bm, br = self.bits
+        return {
+            "format_version": FORMAT_VERSION,
+            "kind": KIND,
+            "vector_len": VECTOR_LEN,
+            "main_centroids": self.Nm,
+            "residual_centroids": self.Nr,
+            "index_bits": [bm, br],
+            "packing": "lsb-first fields main|res<<main_bits, int32 words",
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            "norm": self.has_norm,
+            "shapes": {k: list(v.shape) for k, v in self._tensors().items()},
+            "sha256": {k: _sha(v) for k, v in self._tensors().items()},
+        }
+
+    def save(self, path: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self._tensors().items()}
+        save_file(tensors, str(path), metadata={"trapetum": json.dumps(self.header())})
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, device="cpu") -> "ResidualTensor":
+        from safetensors import SafetensorError
+        from safetensors.torch import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no residual codebook file at {path}")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CodebookFormatError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from e
+        try:
+            h = json.loads(meta["trapetum"])
+        except KeyError as e:
+            raise CodebookFormatError(f"{path}: no 'trapetum' header in the safetensors metadata") from e
+        except json.JSONDecodeError as e:
+            raise CodebookFormatError(f"{path}: the 'trapetum' header is not JSON: {e}") from e
+        if h.get("format_version") != FORMAT_VERSION:
+            raise CodebookFormatError(f"{path}: format_version {h.get('format_version')!r}, this trapetum reads {FORMAT_VERSION}")
+        if h.get("kind") != KIND:
+            raise CodebookFormatError(f"{path}: kind {h.get('kind')!r} is not {KIND!r}")
+        if h.get("vector_len") != VECTOR_LEN:
+            raise CodebookFormatError(f"{path}: vector_len {h.get('vector_len')!r}, only {VECTOR_LEN} is supported")
+        want = {"indices", "main", "res"} | ({"scale", "bias"} if h.get("norm") else set())
+        if set(tensors) != want:
+            raise CodebookFormatError(f"{path}: expected tensors {sorted(want)}, found {sorted(tensors)}")
+        try:
+            Nm, Nr = int(h["main_centroids"]), int(h["residual_centroids"])
+            n_in, n_out = int(h["in_features"]), int(h["out_features"])
+            bits = list(index_bits(Nm, Nr))
+        except (KeyError, TypeError, ValueError) as e:
+            raise CodebookFormatError(f"{path}: bad header (sizes): {e}") from e
+        if h.get("index_bits") != bits:
+            raise CodebookFormatError(f"{path}: index_bits {h.get('index_bits')} do not fit Nm={Nm}, Nr={Nr}")
+        for name, t in tensors.items():
+            if list(t.shape) != h.get("shapes", {}).get(name):
+                raise CodebookFormatError(f"{path}: {name} shape {list(t.shape)} != header {h.get('shapes', {}).get(name)}")
+            if _sha(t) != h.get("sha256", {}).get(name):
+                raise CodebookFormatError(f"{path}: {name} bytes do not match the header's SHA-256 (file tampered or corrupt)")
+        if tensors["main"].shape[0] != Nm or tensors["res"].shape[0] != Nr:
+            raise CodebookFormatError(f"{path}: codebook sizes {tensors['main'].shape[0]}/{tensors['res'].shape[0]} != header {Nm}/{Nr}")
+        try:
+            t = cls(tensors["indices"], tensors["main"], tensors["res"], n_in, n_out, tensors.get("scale"), tensors.get("bias"))
+        except (ValueError, TypeError) as e:
+            raise CodebookFormatError(f"{path}: {e}") from e
+        return t.to(device)
+
+
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def random_residual_tensor(out_features: int, in_features: int, Nm: int = 4096, Nr: int = 256, seed: int = 0, device="cpu",
+                           with_norm: bool = False) -> ResidualTensor:
+    """Random words (every b-bit field is a valid index pair) and normal codebooks, made on ``device``.
+
+    The residual codebook is ~4x smaller than the main one, as k-means of residuals gives.
+    """
+    bm, br = index_bits(Nm, Nr)
+    check_in_features(in_features)
+    g = torch.Generator(device=device).manual_seed(seed)
+    words = torch.randint(-(2**31), 2**31, (out_features, in_features * (bm + br) // CHUNK), dtype=torch.int64,
+                          device=device, generator=g).to(torch.int32)
+    main = (torch.randn(Nm, VECTOR_LEN, device=device, generator=g) * 0.02).half()
+    res = (torch.randn(Nr, VECTOR_LEN, device=device, generator=g) * 0.005).half()
+    scale = bias = None
+    if with_norm:
+        scale = (1 + 0.25 * torch.rand(in_features, device=device, generator=g)).half()
+        bias = (0.01 * torch.randn(in_features, device=device, generator=g)).half()
+    return ResidualTensor(words, main, res, in_features, out_features, scale, bias)
+
+
+# -- quantizer -------------------------------------------------------------------------------
+@dataclass
+class ResidualReport:
+    Nm: int
+    Nr: int
+    iters: int
+    rel_mse_main: float  # after the main codebook alone (Hessian-diagonal weighted when calibrated)
+    rel_mse: float  # after main + residual
+    max_abs_err: float
+    weighted: bool
+    errors: dict = field(default_factory=dict)  # per-stage error history
+
+
+def _nearest(V: torch.Tensor, h: torch.Tensor | None, C: torch.Tensor, rows: int = 2048) -> torch.Tensor:
+    """Index of the (column-weighted) nearest centroid of every vector: argmin sum_k h_k (v_k - c_k)^2.
+
+    Rows in blocks of ``rows`` keep the (rows, K) distance block in cache (memory, not FLOPs, is the cost at 8 dims).
+    """
+    out = torch.empty(V.shape[0], dtype=torch.int64, device=V.device)
+    C2 = (C * C).T.contiguous()  # (8, K)
+    CT = C.T.contiguous()
+    c2 = C2.sum(0)
+    for r0 in range(0, V.shape[0], rows):
+        v = V[r0:r0 + rows]
+        if h is None:
+            d = torch.addmm(c2, v, CT, alpha=-2)
+        else:
+            hv = h[r0:r0 + rows]
+            d = torch.addmm(hv @ C2, hv * v, CT, alpha=-2)
+        out[r0:r0 + rows] = d.argmin(1)
+    return out
+
+
+def _kmeans(V: torch.Tensor, h: torch.Tensor | None, K: int, iters: int, gen: torch.Generator, desc: str, progress: bool,
+            history: list, sample: int) -> torch.Tensor:
+    """Weighted Lloyd k-means of (N, 8) vectors, trained on at most ``sample`` of them (seeded);
+    returns the centroids (K, 8), fp32. The caller assigns every vector at the end."""
+    from tqdm.auto import tqdm
+
+    perm = torch.randperm(V.shape[0], generator=gen).to(V.device)
+    if V.shape[0] > sample:
+        V = V[perm[:sample]]
+        h = None if h is None else h[perm[:sample]]
+        perm = torch.arange(sample, device=V.device)
+    N = V.shape[0]
+    if N >= K:
+        C = V[perm[:K]].clone()
+    else:
+        # Fewer vectors than centroids: every vector gets its own centroid (an exact fit); the
+        # rest start as perturbed copies, so the codebook has no duplicates and nothing breaks.
+        extra = torch.randint(0, N, (K - N,), generator=gen).to(V.device)
+        noise = torch.randn(K - N, V.shape[1], generator=gen).to(V.device) * (V.std() * 1e-2 + 1e-6)
+        C = torch.cat([V[perm], V[extra] + noise])
+    hw = torch.ones_like(V) if h is None else h
+    assign = _nearest(V, h, C)
+    for _ in tqdm(range(iters), desc=desc, disable=not progress, leave=False):
+        sums = torch.zeros_like(C).index_add_(0, assign, V * hw)
+        cnt = torch.zeros_like(C).index_add_(0, assign, hw)
+        C = torch.where(cnt > 0, sums / cnt.clamp_min(1e-30), C)  # an empty cluster keeps its centroid
+        new = _nearest(V, h, C)
+        history.append(float(((V - C[new]) ** 2 * hw).sum()))
+        if torch.equal(new, assign):
+            assign = new
+            break
+        assign = new
+    return C
+
+
+def quantize_residual(W: torch.Tensor, Nm: int = 4096, Nr: int = 256, X: torch.Tensor | None = None,
+                      H: torch.Tensor | None = None, iters: int = 8, seed: int = 0, norm: bool = False,
+                      sample: int = 2**16, progress: bool = True) -> tuple[ResidualTensor, ResidualReport]:
+    """k-means of W's 8-weight vectors into Nm main centroids, then of the residuals into Nr.
+
+    With calibration data (X (n, in) activations, or H = X^T X (in, in)) each column's error is
+    weighted by diag(H), as VPTQ's Hessian-weighted k-means does. ``norm``: normalize each input
+    column first (scale = std, bias = mean; VPTQ's enable_norm). Runs on W's device, deterministic
+    for a seed. Each k-means trains on at most ``sample`` vectors (a seeded subset), then assigns all.
+    """
+    index_bits(Nm, Nr)
+    if W.dim() != 2:
+        raise ValueError(f"W must be 2-D (out_features, in_features), got shape {tuple(W.shape)}")
+    n_out, n_in = W.shape
+    check_in_features(n_in)
+    check_finite(W)
+    if X is not None and H is not None:
+        raise ValueError("give calibration activations X or their Hessian H, not both")
+    dev = W.device
+    Wf = W.detach().float()
+    hdiag = None
+    if X is not None:
+        check_finite(X, "X")
+        if X.shape[-1] != n_in:
+            raise ValueError(f"X has {X.shape[-1]} features, W has {n_in} input columns")
+        Xf = X.detach().to(dev, torch.float32).reshape(-1, n_in)
+        hdiag = (Xf * Xf).sum(0)
+    elif H is not None:
+        check_finite(H, "H")
+        if tuple(H.shape) != (n_in, n_in):
+            raise ValueError(f"H must be ({n_in}, {n_in}), got {tuple(H.shape)}")
+        hdiag = H.detach().to(dev, torch.float32).diagonal().clone()
+    if hdiag is not None:
+        if (hdiag < 0).any():
+            raise ValueError("the Hessian's diagonal must be non-negative")
+        hdiag = hdiag / hdiag.mean().clamp_min(1e-30) + 1e-6  # scale-free; an all-zero column still counts a little
+    scale = bias = None
+    if norm:
+        bias = Wf.mean(0)
+        scale = Wf.std(0).clamp_min(1e-8)
+        scale, bias = scale.half(), bias.half()
+        Wn = (Wf - bias.float()) / scale.float()
+    else:
+        Wn = Wf
+    G = n_in // VECTOR_LEN
+    V = Wn.reshape(n_out * G, VECTOR_LEN)
+    h = None
+    if hdiag is not None:
+        hcol = hdiag if scale is None else hdiag * scale.float() ** 2  # error in W, not in normalized W
+        h = hcol.reshape(1, G, VECTOR_LEN).expand(n_out, G, VECTOR_LEN).reshape(-1, VECTOR_LEN).contiguous()
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    hist_m, hist_r = [], []
+    Cm = _kmeans(V, h, Nm, iters, gen, f"main k-means ({Nm})", progress, hist_m, sample)
+    main = Cm.half()
+    im = _nearest(V, h, main.float())
+    R = V - main.float()[im]
+    Cr = _kmeans(R, h, Nr, iters, gen, f"residual k-means ({Nr})", progress, hist_r, sample)
+    res = Cr.half()
+    ir = _nearest(R, h, res.float())
+    words = pack_indices(im.reshape(n_out, G), ir.reshape(n_out, G), Nm, Nr)
+    t = ResidualTensor(words, main, res, n_in, n_out, scale, bias)
+
+    w = torch.ones(n_in, device=dev) if hdiag is None else hdiag
+    denom = (Wf * Wf * w).sum().clamp_min(1e-30)
+    main_only = (main.float()[im].reshape(n_out, n_in))
+    if norm:
+        main_only = main_only * scale.float() + bias.float()
+    W_hat = t.dequantize(torch.float32)
+    rep = ResidualReport(
+        Nm=Nm, Nr=Nr, iters=iters,
+        rel_mse_main=float(((Wf - main_only) ** 2 * w).sum() / denom),
+        rel_mse=float(((Wf - W_hat) ** 2 * w).sum() / denom),
+        max_abs_err=float((Wf - W_hat).abs().max()),
+        weighted=hdiag is not None,
+        errors={"main_kmeans": hist_m, "residual_kmeans": hist_r},
+    )
+    return t, rep
+
+
+# -- the fused GEMV --------------------------------------------------------------------------
+def tile_indices(words: torch.Tensor, out_features: int, b: int) -> torch.Tensor:
+    """The kernel's layout: rows padded to 32, then [row-block][chunk][word][lane], flat int32.
+
+    A warp reading word w of chunk j of its row-block reads 128 contiguous bytes.
+    """
+    rbs = -(-out_features // ROW_BLOCK)
+    pad = rbs * ROW_BLOCK - out_features
+    if pad:
+        words = torch.cat([words, words.new_zeros(pad, words.shape[1])])
+    nchunks = words.shape[1] // b
+    return words.reshape(rbs, ROW_BLOCK, nchunks, b).permute(0, 2, 3, 1).contiguous().reshape(-1)
+
+
+def untile_indices(tiled: torch.Tensor, out_features: int, n_words: int, b: int) -> torch.Tensor:
+    """The natural (out, n_words) int32 words back from :func:`tile_indices` (a copy)."""
+    rbs = -(-out_features // ROW_BLOCK)
+    t = tiled.reshape(rbs, n_words // b, b, ROW_BLOCK).permute(0, 3, 1, 2)
+    return t.reshape(rbs * ROW_BLOCK, n_words)[:out_features].contiguous()
+
+
+_kernel_cache: dict = {}
+
+
+def _chunk_source(b: int) -> str:
+    """chunk_dot: one vec() call for each of a chunk's 32 vectors, every bit offset a literal."""
+    lines = ["def chunk_dot(ring, s, mainq, dyn_i, xs, xo, ncols, acc, wv):"]
+    for i, w, sh, straddle in _field_positions(b):
+        lines.append(f"    vec(ring, s, {w}, {sh}, {int(straddle)}, {i}, mainq, dyn_i, xs, xo, ncols, acc, wv)")
+    return "\n".join(lines) + "\n"
+
+
+def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: bool, norm: bool):
+    """The fused residual-VQ GEMV for one codebook configuration, batch and plan shape (compiled on first use).
+
+    Grid (row-groups, K-slices); a block has ``warps`` warps, warp w owning row-blocks
+    (blk * warps + w) * RB ... + RB - 1 over the block's K-slice of ``cps`` chunks.
+    Arguments: x32 (B, in/2) int32 view of fp16 x; tiled int32 words; mainq (Nm*4,) and resq
+    (Nr*4,) int32 views of the fp16 codebooks; sc32, bi32 int32 views of scale and bias (any
+    4 words without a norm); y (B, out) fp16; ws (ksplit, B, rbs*32) fp32; counters (row-groups,)
+    int32; n_out; rbs; nchunks; cps.
+    """
+    key = ("residual", Nm, Nr, B, warps, RB, main_shared, norm)
+    if key in _kernel_cache:
+        return _kernel_cache[key]
+    from .gemv import load_cg
+
+    bm, br = index_bits(Nm, Nr)
+    WPC = bm + br  # words a chunk of one row
+    FMASK, MMASK, BM, TWO = uint32((1 << WPC) - 1), uint32(Nm - 1), uint32(bm), uint32(2)
+    nreg = RB * WPC
+    nt = warps * 32
+    nacc = RB * B
+    res_words, main_words = Nr * 4, Nm * 4
+    # Dynamic shared memory (4-byte units): [main codebook if staged][residual codebook][B x slice of x].
+    # Everything read 16 bytes at a time lives there: its base is 16-byte aligned, a static array's need not be.
+    ROFF = main_words if main_shared else 0
+    XOFF = ROFF + res_words
+    MQ = -(-main_words // (4 * nt))  # 16-byte pieces of the main codebook a thread stages
+    RQ = -(-res_words // (4 * nt))
+    bpart_size = B * nt if norm else 1
+    bred_size = B * 32 if norm else 1
+    ring_size, rbuf_size, wv_size = 2 * nreg, RQ * 4, 8 * RB  # local array sizes must be literals
+    zero = int32(0)
+
+    @cuda.jit(device=True)
+    def vec(ring, s, j, sh, straddle, i, mainq, dyn_i, xs, xo, ncols, acc, wv):
+        # Vector i of the chunk in ring slot s: its field starts at bit sh of word j.
+        for r in range(RB):
+            o = s + r * WPC + j
+            lo = uint32(ring[o])
+            if straddle:
+                f = (lo >> uint32(sh)) | (uint32(ring[o + 1]) << uint32(32 - sh))
+            else:
+                f = lo >> uint32(sh)
+            f = f & FMASK
+            im = (f & MMASK) << TWO
+            ir = (f >> BM) << TWO
+            if main_shared:
+                m0, m1, m2, m3 = sload4(dyn_i, im)
+            else:
+                m0, m1, m2, m3 = load16(mainq, im)
+            q0, q1, q2, q3 = sload4(dyn_i, ROFF + ir)
+            a0, a1 = half2_to_float2(m0)
+            c0, c1 = half2_to_float2(q0)
+            a2, a3 = half2_to_float2(m1)
+            c2, c3 = half2_to_float2(q1)
+            a4, a5 = half2_to_float2(m2)
+            c4, c5 = half2_to_float2(q2)
+            a6, a7 = half2_to_float2(m3)
+            c6, c7 = half2_to_float2(q3)
+            k = 8 * r
+            wv[k], wv[k + 1], wv[k + 2], wv[k + 3] = a0 + c0, a1 + c1, a2 + c2, a3 + c3
+            wv[k + 4], wv[k + 5], wv[k + 6], wv[k + 7] = a4 + c4, a5 + c5, a6 + c6, a7 + c7
+        xi = xo + 8 * i
+        for bb in range(B):
+            x0, x1, x2, x3 = sload4(xs, xi + bb * ncols)
+            x4, x5, x6, x7 = sload4(xs, xi + bb * ncols + 4)
+            for r in range(RB):
+                k = 8 * r
+                t = cuda.fma(wv[k + 3], x3, cuda.fma(wv[k + 2], x2, cuda.fma(wv[k + 1], x1, cuda.fma(wv[k], x0, acc[r * B + bb]))))
+                acc[r * B + bb] = cuda.fma(wv[k + 7], x7, cuda.fma(wv[k + 6], x6, cuda.fma(wv[k + 5], x5, cuda.fma(wv[k + 4], x4, t))))
+
+    ns = {"vec": vec}
+    exec(compile(_chunk_source(WPC), f"<residual chunk_dot b={WPC}>", "exec"), ns)
+    chunk_dot = cuda.jit(device=True)(ns["chunk_dot"])
+
+    @cuda.jit(device=True)
+    def fetch(dst, off, tiled, rb0, rbs, nchunks, j, j1):
+        lane = cuda.laneid
+        for r in range(RB):
+            ok = rb0 + r < rbs and j < j1
+            base = ((rb0 + r) * nchunks + j) * (WPC * 32) + lane
+            for w in range(WPC):
+                dst[off + r * WPC + w] = tiled[base + w * 32] if ok else zero
+
+    @cuda.jit
+    def kernel(x32, tiled, mainq, resq_g, sc32, bi32, y, ws, counters, n_out, rbs, nchunks, cps):
+        bpart = cuda.shared.array(bpart_size, float32)
+        bred = cuda.shared.array(bred_size, float32)
+        last = cuda.shared.array(1, int32)
+        dyn_i = cuda.shared.array(0, int32)  # [main codebook if staged][residual codebook][B x slice of x, fp32]
+        xs = cuda.shared.array(0, float32)  # the same memory (dynamic shared arrays alias)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = cuda.laneid
+        blk = cuda.blockIdx.x
+        rb0 = (blk * warps + warp) * RB
+        split = cuda.blockIdx.y
+        nsplit = cuda.gridDim.y
+        j0 = split * cps
+        j1 = min(j0 + cps, nchunks)
+        ncols = (j1 - j0) * CHUNK
+
+        # Start streaming this warp's first chunk before anything waits.
+        ring = cuda.local.array(ring_size, int32)
+        fetch(ring, 0, tiled, rb0, rbs, nchunks, j0, j1)
+
+        # Codebooks -> shared: every 16-byte load issued before the first store waits on one.
+        rbuf = cuda.local.array(rbuf_size, int32)
+        for i in range(RQ):
+            q = tid + i * nt
+            if q * 4 < res_words:
+                rbuf[4 * i], rbuf[4 * i + 1], rbuf[4 * i + 2], rbuf[4 * i + 3] = load16(resq_g, q * 4)
+        if main_shared:
+            mbuf = cuda.local.array(32, int32)
+            for i0 in range(0, MQ, 8):
+                for i in range(8):
+                    q = tid + (i0 + i) * nt
+                    if i0 + i < MQ and q * 4 < main_words:
+                        mbuf[4 * i], mbuf[4 * i + 1], mbuf[4 * i + 2], mbuf[4 * i + 3] = load16(mainq, q * 4)
+                for i in range(8):
+                    q = tid + (i0 + i) * nt
+                    if i0 + i < MQ and q * 4 < main_words:
+                        dyn_i[q * 4], dyn_i[q * 4 + 1], dyn_i[q * 4 + 2], dyn_i[q * 4 + 3] = (
+                            mbuf[4 * i], mbuf[4 * i + 1], mbuf[4 * i + 2], mbuf[4 * i + 3])
+        for i in range(RQ):
+            q = tid + i * nt
+            if q * 4 < res_words:
+                o = ROFF + q * 4
+                dyn_i[o], dyn_i[o + 1], dyn_i[o + 2], dyn_i[o + 3] = rbuf[4 * i], rbuf[4 * i + 1], rbuf[4 * i + 2], rbuf[4 * i + 3]
+
+        # This block's slice of x -> fp32 (times scale), 8 values a 16-byte load; bias . x partials.
+        xq = ncols // 8
+        xbase = j0 * (CHUNK // 2)
+        pb = cuda.local.array(B, float32)
+        for bb in range(B):
+            pb[bb] = 0.0
+        for t in range(tid, B * xq, nt):
+            bb = t // xq
+            q = t - bb * xq
+            w0, w1, w2, w3 = load16(x32[bb], xbase + q * 4)
+            o = XOFF + bb * ncols + q * 8
+            v0, v1 = half2_to_float2(w0)
+            v2, v3 = half2_to_float2(w1)
+            v4, v5 = half2_to_float2(w2)
+            v6, v7 = half2_to_float2(w3)
+            if norm:
+                s0, s1, s2, s3 = load16(sc32, xbase + q * 4)
+                e0, e1, e2, e3 = load16(bi32, xbase + q * 4)
+                g0, g1 = half2_to_float2(e0)
+                g2, g3 = half2_to_float2(e1)
+                g4, g5 = half2_to_float2(e2)
+                g6, g7 = half2_to_float2(e3)
+                pb[bb] += g0 * v0 + g1 * v1 + g2 * v2 + g3 * v3 + g4 * v4 + g5 * v5 + g6 * v6 + g7 * v7
+                h0, h1 = half2_to_float2(s0)
+                h2, h3 = half2_to_float2(s1)
+                h4, h5 = half2_to_float2(s2)
+                h6, h7 = half2_to_float2(s3)
+                v0, v1, v2, v3, v4, v5, v6, v7 = v0 * h0, v1 * h1, v2 * h2, v3 * h3, v4 * h4, v5 * h5, v6 * h6, v7 * h7
+            xs[o], xs[o + 1], xs[o + 2], xs[o + 3] = v0, v1, v2, v3
+            xs[o + 4], xs[o + 5], xs[o + 6], xs[o + 7] = v4, v5, v6, v7
+        if norm:
+            for bb in range(B):
+                bpart[bb * nt + tid] = pb[bb]
+        cuda.syncthreads()
+
+        acc = cuda.local.array(nacc, float32)
+        for i in range(nacc):
+            acc[i] = 0.0
+        wv = cuda.local.array(wv_size, float32)
+        # Two ring slots, unrolled so each slot index is a constant: refill the other slot with the
+        # next chunk, then use this one.
+        j = j0
+        while j < j1:
+            for s in range(2):
+                fetch(ring, ((s + 1) % 2) * nreg, tiled, rb0, rbs, nchunks, j + 1, j1)
+                if j < j1:
+                    chunk_dot(ring, s * nreg, mainq, dyn_i, xs, XOFF + (j - j0) * CHUNK, ncols, acc, wv)
+                j += 1
+
+        if norm:  # dot(bias, x) over this K-slice, the same for every row: warp 0 folds nt partials to 32
+            if warp == 0:
+                for bb in range(B):
+                    s = float32(0.0)
+                    for t in range(lane, nt, 32):
+                        s += bpart[bb * nt + t]
+                    bred[bb * 32 + lane] = s
+            cuda.syncthreads()
+            for bb in range(B):
+                s = float32(0.0)
+                for t in range(32):
+                    s += bred[bb * 32 + t]
+                for r in range(RB):
+                    acc[r * B + bb] += s
+        for r in range(RB):
+            rb = rb0 + r
+            row = rb * 32 + lane
+            for bb in range(B):
+                if nsplit == 1:
+                    if row < n_out:
+                        y[bb, row] = acc[r * B + bb]
+                elif rb < rbs:
+                    ws[split, bb, row] = acc[r * B + bb]
+        if nsplit > 1:
+            cuda.threadfence()
+            cuda.syncthreads()
+            if tid == 0:
+                last[0] = 1 if cuda.atomic.add(counters, blk, 1) == nsplit - 1 else 0
+            cuda.syncthreads()
+            if last[0] == 1:
+                for r in range(RB):
+                    rb = rb0 + r
+                    row = rb * 32 + lane
+                    if rb < rbs:
+                        for bb in range(B):
+                            s = float32(0.0)
+                            for sp in range(nsplit):
+                                s += load_cg(ws, sp, bb, row)
+                            if row < n_out:
+                                y[bb, row] = s
+                if tid == 0:
+                    counters[blk] = 0
+
+    _kernel_cache[key] = kernel
+    return kernel
+
+
+# -- host side -------------------------------------------------------------------------------
+MAIN_PLACEMENTS = ("shared", "global")
+
+
+@dataclass
+class ResidualPlan:
+    warps: int
+    ksplit: int
+    cps: int  # chunks a K-slice
+    RB: int  # row-blocks a warp
+    main: str  # "shared" (staged by every block) or "global" (read through L1)
+    shared_bytes: int  # dynamic shared memory: main codebook if staged + residual codebook + B x K-slice of x (fp32)
+    static_bytes: int
+
+
+def _static_bytes(Nr: int, B: int, warps: int, norm: bool) -> int:
+    return 16 + ((B * warps * 32 + B * 32) * 4 if norm else 0)
+
+
+def shared_budget(device) -> int:
+    return OPTIN_SIM if SIM else max_shared_bytes(device)
+
+
+def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool = False, budget: int = OPTIN_SIM,
+                  warps: int | None = None, RB: int | None = None, ksplit: int | None = None, main: str | None = None) -> ResidualPlan:
+    """Grid shape for one layer. Without overrides: 4 warps, RB = 2 for batches up to 4, a K-split
+    giving about two blocks an SM, and the main codebook staged in shared memory only where a block
+    streams enough vectors to repay the staging. :meth:`ResidualGemv.tune` times candidates instead."""
+    warps = warps or 4
+    RB = RB or (2 if B <= 4 else 1)
+    if warps not in (1, 2, 4, 8) or RB not in (1, 2):
+        raise ValueError(f"warps must be 1, 2, 4 or 8 and RB 1 or 2, got warps={warps}, RB={RB}")
+    rbs = -(-n_out // ROW_BLOCK)
+    groups = -(-rbs // (warps * RB))
+    static = _static_bytes(Nr, B, warps, norm)
+    if static > STATIC_LIMIT:
+        raise ValueError(f"batch {B} with {warps} warps needs {static} bytes of static shared memory (> {STATIC_LIMIT})")
+    if ksplit is None:
+        ksplit = max(1, min(nchunks, math.ceil(2 * sms / groups)))
+    if not 1 <= ksplit:
+        raise ValueError(f"ksplit must be positive, got {ksplit}")
+    cps = math.ceil(nchunks / min(ksplit, nchunks))
+    ksplit = math.ceil(nchunks / cps)
+    if main is None:
+        vectors_per_block = warps * RB * ROW_BLOCK * cps * VECS_PER_CHUNK
+        main = "shared" if vectors_per_block >= 16 * Nm else "global"
+    if main not in MAIN_PLACEMENTS:
+        raise ValueError(f"main must be one of {MAIN_PLACEMENTS}, got {main!r}")
+    dyn = (Nm * 16 if main == "shared" else 0) + Nr * 16 + B * cps * CHUNK * 4
+    if static + dyn > budget:
+        raise ValueError(f"plan needs {static + dyn} bytes of shared memory (main {main}, {cps} chunks of x a block, "
+                         f"batch {B}); the block may use {budget}: raise ksplit or place main in global memory")
+    return ResidualPlan(warps, ksplit, cps, RB, main, dyn, static)
+
+
+def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool, budget: int) -> list[ResidualPlan]:
+    """What the tuner times: warps 4/8, RB 1/2, both main placements, a K-split ladder, grids of at most 16 blocks an SM."""
+    seen, out = set(), []
+    rbs = -(-n_out // ROW_BLOCK)
+    for warps in (4, 8):
+        for RB in ((1, 2) if B <= 8 else (1,)):
+            for main in MAIN_PLACEMENTS:
+                for ks in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
+                    if ks > nchunks:
+                        continue
+                    try:
+                        p = plan_residual(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ks, main=main)
+                    except ValueError:
+                        continue
+                    blocks = -(-rbs // (warps * RB)) * p.ksplit
+                    k = (p.warps, p.RB, p.main, p.ksplit)
+                    if k not in seen and blocks <= 16 * sms:
+                        seen.add(k)
+                        out.append(p)
+    return out or [plan_residual(n_out, nchunks, Nm, Nr, B, sms, norm, budget)]
+
+
+_TUNED: dict = {}
+
+
+class ResidualGemv:
+    """A residual-VQ weight prepared for the fused kernel on one device: ``y = gemv(x)``.
+
+    ``plan``: overrides for :func:`plan_residual` (keys warps, RB, ksplit, main); otherwise the plan is
+    tuned on a GPU (``tune=True``) or taken from the heuristic. Holds the words in the kernel's tiled
+    layout only; :attr:`t` rebuilds the natural layout on demand.
+    """
+
+    def __init__(self, t: ResidualTensor, device=None, plan: dict | None = None, tune: bool = True):
+        require_gpu()
+        if device is None:
+            device = "cpu" if SIM else "cuda"
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if not SIM and self.device.type != "cuda":
+            raise ValueError(f"ResidualGemv runs on a CUDA device, got {self.device}")
+        t.validate()
+        t = t.to(self.device)
+        self.n_in, self.n_out, self.Nm, self.Nr = t.in_features, t.out_features, t.Nm, t.Nr
+        self.b = sum(t.bits)
+        self.norm = t.has_norm
+        self.fixed_plan = plan
+        self.tune_on_gpu = tune and not SIM
+        self.weight_bytes = t.nbytes
+        self.nchunks = self.n_in // CHUNK
+        self.rbs = -(-self.n_out // ROW_BLOCK)
+        self._n_words = t.indices.shape[1]
+        self._tiled_t = tile_indices(t.indices, self.n_out, self.b)
+        self._main_t, self._res_t = t.main.contiguous(), t.res.contiguous()
+        self._scale_t, self._bias_t = t.scale, t.bias
+        self._mainq_t = self._main_t.reshape(-1).view(torch.int32)
+        self._resq_t = self._res_t.reshape(-1).view(torch.int32)
+        if self.norm:
+            self._sc_t, self._bi_t = t.scale.view(torch.int32), t.bias.view(torch.int32)
+        else:
+            self._sc_t = self._bi_t = torch.zeros(4, dtype=torch.int32, device=self.device)
+        self._tiled = _as_kernel_array(self._tiled_t)
+        self._fixed_args = tuple(_as_kernel_array(a) for a in (self._mainq_t, self._resq_t, self._sc_t, self._bi_t))
+        self._plans: dict[int, list] = {}
+
+    @property
+    def t(self) -> ResidualTensor:
+        """The weight in the natural layout (rebuilt from the tiled words: a copy)."""
+        words = untile_indices(self._tiled_t, self.n_out, self._n_words, self.b)
+        return ResidualTensor(words, self._main_t, self._res_t, self.n_in, self.n_out, self._scale_t, self._bias_t)
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes a batch-1 call must move at least: words, codebooks, norm, x and y."""
+        return self.weight_bytes + 2 * (self.n_in + self.n_out)
+
+    def check_input(self, x: torch.Tensor) -> torch.Tensor:
+        return check_activation(x, self.n_in, self.device)
+
+    def _plan_for(self, B: int, **over) -> ResidualPlan:
+        return plan_residual(self.n_out, self.nchunks, self.Nm, self.Nr, B, sm_count(self.device), self.norm,
+                             shared_budget(self.device), **over)
+
+    def _launch_parts(self, B: int, plan: ResidualPlan) -> list:
+        kern = residual_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.main == "shared", self.norm)
+        groups = -(-self.rbs // (plan.warps * plan.RB))
+        ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
+        counters = torch.zeros(groups, dtype=torch.int32, device=self.device)
+        # [kernel, plan, torch owners, views, grid, specialized kernel (made at first bind)]
+        return [kern, plan, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters)), (groups, plan.ksplit), None]
+
+    def _prepare(self, B: int) -> list:
+        if B not in self._plans:
+            if self.fixed_plan is not None:
+                plan = self._plan_for(B, **self.fixed_plan)
+            elif self.tune_on_gpu:
+                plan = self.tune(B)
+            else:
+                plan = self._plan_for(B)
+            self._plans[B] = self._launch_parts(B, plan)
+        return self._plans[B]
+
+    def plan(self, B: int = 1) -> ResidualPlan:
+        return self._prepare(B)[1]
+
+    def _launcher(self, entry: list, xa, ya, tiled, out=None):
+        kern, plan, _owners, (wsa, cnta), grid, _ = entry
+        args = (xa, tiled, *self._fixed_args, ya, wsa, cnta, self.n_out, self.rbs, self.nchunks, plan.cps)
+        if entry[5] is None:
+            entry[5] = with_shared_limit(kern, args, plan.shared_bytes)
+        spec, block, smem, dev = entry[5], plan.warps * 32, plan.shared_bytes, self.device
+
+        def launch():
+            stream = 0 if SIM else cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
+            spec[grid, block, stream, smem](*args)
+            if SIM and out is not None:
+                out.copy_(torch.from_numpy(ya).view(out.shape))
+
+        return launch
+
+    def tune(self, B: int = 1) -> ResidualPlan:
+        """Time every candidate plan once (CUDA-graph replays over copies of the words that exceed
+        the L2) and keep the fastest; cached per GPU model and shape."""
+        key = (torch.cuda.get_device_name(self.device), self.Nm, self.Nr, self.norm, B, self.n_in, self.n_out)
+        if key in _TUNED:
+            return _TUNED[key]
+        from .bench import copies_for, time_graph
+
+        cands = candidate_plans(self.n_out, self.nchunks, self.Nm, self.Nr, B, sm_count(self.device), self.norm,
+                                shared_budget(self.device))
+        if len(cands) == 1:
+            _TUNED[key] = cands[0]
+            return cands[0]
+        copies = [self._tiled_t] + [self._tiled_t.clone() for _ in range(copies_for(self.weight_bytes) - 1)]
+        views = [_as_kernel_array(c) for c in copies]
+        x = torch.randn(B, self.n_in, device=self.device, dtype=torch.float16)
+        y = torch.empty(B, self.n_out, device=self.device, dtype=torch.float16)
+        xa, ya = _as_kernel_array(x.view(torch.int32)), _as_kernel_array(y)
+        best = None
+        for plan in cands:
+            entry = self._launch_parts(B, plan)
+            ms = time_graph([self._launcher(entry, xa, ya, v) for v in views], launches=max(10, len(views)), replays=5, warmup=1)
+            if best is None or ms < best[0]:
+                best = (ms, plan)
+        del copies, views
+        _TUNED[key] = best[1]
+        return best[1]
+
+    def bind(self, x: torch.Tensor, out: torch.Tensor, tiled=None):
+        """A zero-argument launcher for fixed x and out buffers (views made here, so it can be
+        captured in a CUDA graph; it launches on torch's stream current at call time).
+        ``tiled``: another copy of the tiled words (a kernel-array view), for L2-rotating benchmarks."""
+        x2 = self.check_input(x)
+        B = x2.shape[0]
+        check_output(out, B, self.n_out, x2.device)
+        entry = self._prepare(B)
+        return self._launcher(entry, _as_kernel_array(x2.view(torch.int32)), _as_kernel_array(out),
+                              self._tiled if tiled is None else tiled, out)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        x2 = self.check_input(x)
+        y = out if out is not None else torch.empty(x2.shape[0], self.n_out, dtype=torch.float16, device=x2.device)
+        self.bind(x2, y)()
+        return y.reshape(self.n_out) if x.dim() == 1 else y
+
+    def dequantize(self, dtype=torch.float16) -> torch.Tensor:
+        """The (out, in) weight, built on the device with torch ops (from a transient natural copy)."""
+        return self.t.dequantize(dtype)
+
+
+def reference(x: torch.Tensor, t: ResidualTensor, rows: int = 4096) -> torch.Tensor:
+    """float64 y = x @ W.T, computed on t's device in row blocks (no full float64 weight), returned on the CPU."""
+    x64 = x.detach().to(t.indices.device, torch.float64).reshape(-1, t.in_features)
+    out = torch.empty(x64.shape[0], t.out_features, dtype=torch.float64, device=t.indices.device)
+    for r0 in range(0, t.out_features, rows):
+        part = ResidualTensor(t.indices[r0:r0 + rows], t.main, t.res, t.in_features, min(rows, t.out_features - r0), t.scale, t.bias)
+        out[:, r0:r0 + rows] = x64 @ part.dequantize(torch.float64).T
+    return out.cpu()
+
+
+# -- GPU checks and timing (the notebook's entry points) --------------------------------------
+def check_residual(n_in: int, n_out: int, Nm: int, Nr: int, batch: int, seed: int, device="cuda", plan: dict | None = None,
+                   with_norm: bool = False, tune: bool = True) -> float:
+    """Max relative error against float64 on fresh random inputs, output poisoned first; raises if any output is unwritten."""
+    t = random_residual_tensor(n_out, n_in, Nm, Nr, seed=seed, device=device, with_norm=with_norm)
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    x = torch.randn(batch, n_in, generator=g).half().to(device)
+    y = torch.full((batch, n_out), float("nan"), dtype=torch.float16, device=device)
+    ResidualGemv(t, device=device, plan=plan, tune=tune)(x, out=y)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    if not torch.isfinite(y).all():
+        raise AssertionError(f"residual {Nm}/{Nr} batch={batch} {n_in}x{n_out} plan={plan}: "
+                             f"{int((~torch.isfinite(y)).sum())} outputs unwritten or non-finite")
+    return max_rel_err(y, reference(x, t))
+
+
+# Forced plans the sweep adds: every value of every knob at least once, few kernel variants to compile.
+FORCED_PLANS = (dict(main="shared", ksplit=1, RB=2, warps=4), dict(main="global", ksplit=3, RB=1, warps=8),
+                dict(main="shared", ksplit=3, RB=1, warps=8), dict(main="global", ksplit=1, RB=2, warps=4))
+
+
+def correctness_sweep(shapes, configs=((4096, 256), (8192, 512)), batches=(1, 2, 3, 8, 16), seed=0, norms=(False, True),
+                      progress=True, device="cuda", tune: bool = False) -> list[dict]:
+    """The kernel (heuristic plan, or tuned with ``tune=True``: slower, it compiles every candidate) on
+    every shape x config x batch x norm, plus :data:`FORCED_PLANS` at batch 3 on the first shape;
+    raises AssertionError listing every failure (tolerance 2e-3 of max |ref|)."""
+    from tqdm.auto import tqdm
+
+    jobs = [(s, c, b, nm, None) for s in shapes for c in configs for b in batches for nm in norms]
+    jobs += [(shapes[0], c, 3, bool(k % 2) if len(norms) > 1 else norms[0], p) for c in configs for k, p in enumerate(FORCED_PLANS)]
+    recs, failures = [], []
+    for i, ((n_in, n_out), (Nm, Nr), b, nm, plan) in enumerate(tqdm(jobs, desc="residual correctness", disable=not progress)):
+        try:
+            err = check_residual(n_in, n_out, Nm, Nr, b, seed=seed + i, device=device, plan=plan, with_norm=nm, tune=tune)
+            ok = err <= TOLERANCE
+        except (AssertionError, ValueError) as e:
+            err, ok = float("nan"), False
+            failures.append(str(e))
+        recs.append({"kernel": "residual", "main_centroids": Nm, "residual_centroids": Nr, "norm": nm, "batch": b,
+                     "in_features": n_in, "out_features": n_out, "max_rel_err": err, "passed": ok,
+                     "plan": str(plan) if plan else ("tuned" if tune else "heuristic")})
+        if not ok and err == err:
+            failures.append(f"residual {Nm}/{Nr} norm={nm} batch={b} {n_in}x{n_out} plan={plan}: max rel err {err:.3g} > {TOLERANCE}")
+    if failures:
+        raise AssertionError("residual correctness sweep failed:\n" + "\n".join(failures))
+    return recs
+
+
+def time_residual(n_in: int, n_out: int, Nm: int, Nr: int, batch: int, fp16_ms: float, seed: int = 0, with_norm: bool = False) -> dict:
+    """CUDA-graph time of the tuned kernel over rotated copies of the words (past L2), as bench.time_lut."""
+    from .bench import copies_for, gemv_record, time_graph
+
+    t = random_residual_tensor(n_out, n_in, Nm, Nr, seed=seed, device="cuda", with_norm=with_norm)
+    g = ResidualGemv(t)
+    del t
+    x = torch.randn(batch, n_in, device="cuda", dtype=torch.float16)
+    y = torch.empty(batch, n_out, device="cuda", dtype=torch.float16)
+    copies = [g._tiled_t] + [g._tiled_t.clone() for _ in range(copies_for(g.weight_bytes) - 1)]
+    launchers = [g.bind(x, y, tiled=_as_kernel_array(c)) for c in copies]
+    ms = time_graph(launchers)
+    plan = g.plan(batch)
+    del launchers, copies, g
+    torch.cuda.empty_cache()
+    err = check_residual(n_in, n_out, Nm, Nr, batch, seed=seed + 7, with_norm=with_norm)
+    bm, br = index_bits(Nm, Nr)
+    nbytes = n_out * n_in * (bm + br) // 64 + (Nm + Nr) * 16 + (4 * n_in if with_norm else 0) + 2 * batch * (n_in + n_out)
+    return gemv_record("residual", None, batch, n_in, n_out, ms, fp16_ms, nbytes, err,
+                       scheme=f"residual VQ {Nm}+{Nr} (v=8)", main_centroids=Nm, residual_centroids=Nr, vector_len=VECTOR_LEN,
+                       bits_per_weight=(nbytes - 2 * batch * (n_in + n_out)) * 8 / (n_in * n_out), norm=with_norm,
+                       ksplit=plan.ksplit, warps=plan.warps, rb=plan.RB, main_placement=plan.main)
