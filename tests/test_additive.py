@@ -19,6 +19,7 @@ from trapetum.additive import (
     AdditiveTensor,
     AqlmFormatError,
     from_aqlm,
+    to_aqlm,
     load_aqlm_checkpoint,
     quantize_additive,
     random_additive_tensor,
@@ -508,3 +509,11 @@ def test_from_aqlm_rejects_other_tensor_layouts(change, match):
 def test_from_aqlm_missing_tensor():
     with pytest.raises(AqlmFormatError, match="missing 'q.codebooks'"):
         from_aqlm({"q.codes": torch.zeros(8, 8, 2, dtype=torch.int8)}, prefix="q.")
+
+
+def test_to_aqlm_is_the_inverse_of_from_aqlm():
+    t = random_additive_tensor(40, 64, 2, seed=3)
+    d = to_aqlm(t)
+    assert d["codes"].dtype == torch.int8 and d["codebooks"].shape == (2, 256, 1, 8) and d["scales"].shape == (40, 1, 1, 1)
+    back = from_aqlm(d)
+    assert torch.equal(back.codes, t.codes) and torch.equal(back.dequantize(), t.dequantize())

@@ -315,6 +315,17 @@ def from_aqlm(state: dict, prefix: str = "") -> AdditiveTensor:
         raise AqlmFormatError(f"{prefix}: {e}") from e
 
 
+def to_aqlm(t: AdditiveTensor) -> dict:
+    """The inverse of :func:`from_aqlm`: AQLM's Mx8 tensors (codes int8, codebooks (M, 256, 1, 8),
+    scales (out, 1, 1, 1), bias if any), on t's device; what the aqlm package's kernels take."""
+    d = {"codes": t.codes.contiguous().view(torch.int8),
+         "codebooks": t.codebooks.reshape(t.M, K, 1, D).contiguous(),
+         "scales": t.scales.reshape(-1, 1, 1, 1).contiguous()}
+    if t.bias is not None:
+        d["bias"] = t.bias
+    return d
+
+
 def check_aqlm_config(config: dict) -> dict:
     """The quantization_config of an AQLM checkpoint's config.json, checked for what we read."""
     q = config.get("quantization_config")
