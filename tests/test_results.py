@@ -224,3 +224,17 @@ def test_adopt_brings_a_run_in_and_keeps_the_older_one(tmp_path):
     bad.write_text('{"records": []}')
     with pytest.raises(ValueError, match="not a Trapetum results file"):
         R.adopt(bad, folder=local)
+
+
+def test_adopt_partial_keeps_what_a_stopped_run_measured(tmp_path):
+    lines = [json.dumps({"provenance": prov()}), json.dumps({"copy": {"copy_gbps": 3000.0}}),
+             json.dumps({"kernel": "a", "time_ms": 1.0}), json.dumps({"kernel": "b", "time_ms": 2.0})]
+    src = tmp_path / "vq_gemv.partial.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    path = R.adopt_partial(src, folder=tmp_path / "data")
+    p, df = R.read(path)
+    assert path.name == "vq_gemv.json" and list(df["kernel"]) == ["a", "b"] and (df["copy_gbps"] == 3000.0).all()
+    assert p["copy_gbps"] == 3000.0 and "2 records" in p["partial"]
+    src.write_text(lines[2] + "\n")
+    with pytest.raises(ValueError, match="provenance"):
+        R.adopt_partial(src, folder=tmp_path / "data")

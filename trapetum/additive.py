@@ -46,6 +46,7 @@ from .gemv import (
     max_shared_bytes,
     require_gpu,
     sm_count,
+    tuning_enabled,
     with_shared_limit,
 )
 from .bench import TOLERANCE  # max |y - ref| / max |ref| a kernel may be off by
@@ -939,7 +940,7 @@ class AdditiveGemv:
         t = t.to(self.device)
         self.M, self.n_in, self.n_out = t.M, t.in_features, t.out_features
         self.fixed_plan = plan
-        self.tune_on_gpu = tune and not SIM
+        self.tune_on_gpu = tune and not SIM and tuning_enabled("additive")
         self.weight_bytes = t.nbytes
         self._ncode_bytes = t.codes.shape[1] * t.M
         self.nchunks = self._ncode_bytes // CHUNK_BYTES

@@ -332,45 +332,56 @@ def time_aqlm_package(n_in: int, n_out: int, fp16_ms: float, seed: int = 0) -> d
                        bits_per_weight=t.bits_per_weight, grid="additive")
 
 
-def vq_suite(grid: dict = RESIDUAL_GRID, additive_shapes=ADDITIVE_SHAPES, Ms=(2, 4), aqlm: bool = True, progress: bool = True) -> tuple[list[dict], dict]:
-    """The residual grid and the additive table, fp16 timed beside every shape; returns (records, extra provenance)."""
+def vq_suite(grid: dict = RESIDUAL_GRID, additive_shapes=ADDITIVE_SHAPES, Ms=(2, 4), aqlm: bool = True, progress: bool = True,
+             on_record=None) -> tuple[list[dict], dict]:
+    """The additive table, then the residual grid, fp16 timed beside every shape; returns (records,
+    extra provenance). A configuration that fails is recorded in ``extra["failures"]`` and the
+    suite goes on; ``on_record(rec)`` sees every record as it is made (for partial saves)."""
+    import traceback
+
     from tqdm.auto import tqdm
 
     from . import additive, residual
 
-    recs, fp16, extra = [], {}, {}
+    recs, fp16, extra = [], {}, {"failures": []}
+
+    def add(r):
+        recs.append(r)
+        if on_record is not None:
+            on_record(r)
+        if progress and r["kernel"] != "torch fp16":
+            print(f"{r['grid']:9s} {r['kernel']:18s} {r['in_features']:>5d}x{r['out_features']:<5d} {r.get('scheme', ''):26s} "
+                  f"{r['time_ms'] * 1e3:8.2f} us  fp16 {r['fp16_ms'] * 1e3:8.2f} us  {r['speedup']:.2f}x  {r['gbps']:.0f} GB/s  "
+                  f"err {r['max_rel_err']:.1e}", flush=True)
 
     def base(n_in, n_out):
         if (n_in, n_out) not in fp16:
             fp16[(n_in, n_out)] = time_fp16(n_in, n_out, 1)
-            recs.append(gemv_record("torch fp16", None, 1, n_in, n_out, fp16[(n_in, n_out)], fp16[(n_in, n_out)],
-                                    2 * n_in * n_out + 2 * (n_in + n_out), None, scheme="dense fp16", grid="baseline"))
+            add(gemv_record("torch fp16", None, 1, n_in, n_out, fp16[(n_in, n_out)], fp16[(n_in, n_out)],
+                            2 * n_in * n_out + 2 * (n_in + n_out), None, scheme="dense fp16", grid="baseline"))
         return fp16[(n_in, n_out)]
 
-    def show(r):
-        if progress:
-            print(f"{r['grid']:9s} {r['kernel']:18s} {r['in_features']:>5d}x{r['out_features']:<5d} {r.get('scheme', ''):22s} "
-                  f"{r['time_ms'] * 1e3:8.2f} us  fp16 {r['fp16_ms'] * 1e3:8.2f} us  {r['speedup']:.2f}x  {r['gbps']:.0f} GB/s  "
-                  f"err {r['max_rel_err']:.1e}", flush=True)
+    def attempt(what, f, grid_name):
+        try:
+            r = f()
+            r["grid"] = grid_name
+            add(r)
+        except Exception as e:  # noqa: BLE001 - one configuration's failure must not lose the run
+            extra["failures"].append(f"{what}: {type(e).__name__}: {e}")
+            print(f"FAILED {what}:\n{traceback.format_exc()[-1500:]}", flush=True)
+            torch.cuda.synchronize()
 
-    jobs = [(n_in, n_out, m, r) for m in grid["mains"] for r in grid["residuals"]
-            for n_out in grid["out_features"] for n_in in grid["in_features"]]
-    for n_in, n_out, m, r in tqdm(jobs, desc="residual grid", disable=not progress):
-        rec = residual.time_residual(n_in, n_out, m, r, 1, base(n_in, n_out))
-        rec["grid"] = "residual"
-        recs.append(rec)
-        show(rec)
     why = aqlm_package_available() if aqlm else "not requested"
     extra["aqlm_package"] = why or "built"
     for n_in, n_out in tqdm(additive_shapes, desc="additive", disable=not progress):
         f = base(n_in, n_out)
         for M in Ms:
-            rec = additive.time_additive(n_in, n_out, M, 1, f)
-            rec["grid"] = "additive"
-            recs.append(rec)
-            show(rec)
+            attempt(f"additive M={M} {n_in}x{n_out}", lambda: additive.time_additive(n_in, n_out, M, 1, f), "additive")
         if why is None:
-            rec = time_aqlm_package(n_in, n_out, f)
-            recs.append(rec)
-            show(rec)
+            attempt(f"aqlm package {n_in}x{n_out}", lambda: time_aqlm_package(n_in, n_out, f), "additive")
+    jobs = [(n_in, n_out, m, r) for m in grid["mains"] for r in grid["residuals"]
+            for n_out in grid["out_features"] for n_in in grid["in_features"]]
+    for n_in, n_out, m, r in tqdm(jobs, desc="residual grid", disable=not progress):
+        f = base(n_in, n_out)
+        attempt(f"residual {m}+{r} {n_in}x{n_out}", lambda: residual.time_residual(n_in, n_out, m, r, 1, f), "residual")
     return recs, extra

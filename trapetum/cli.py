@@ -5,6 +5,7 @@ import argparse
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def _gemv(args) -> int:
@@ -51,30 +52,63 @@ def _vq(args) -> int:
 
     if not torch.cuda.is_available():
         raise NoGPUError("`trapetum vq` measures on a CUDA GPU and none is visible; the book renders recorded data without one")
+    import json
+
     from . import additive, bench, residual, results
+
     t0 = time.time()
-    checks = additive.correctness_sweep([(256, 96), (1024, 1000), (4096, 4096), (2048, 14336)], progress=not args.quiet)
-    checks += residual.correctness_sweep([(256, 96), (1024, 1000), (4096, 4096), (2048, 14336)], progress=not args.quiet)
-    print(f"correctness: {len(checks)} checks passed in {time.time() - t0:.0f} s", flush=True)
+    # Every timed record below is also checked on fresh inputs with its output poisoned; this sweep
+    # adds batches, K-splits and the other plans the tuner may pick. Each plan and batch compiles.
+    partial = None
+    if args.out:
+        # The provenance, then each record as it is made, so a run stopped part way still leaves
+        # its measurements (results.adopt_partial turns the file into a results file).
+        partial = Path(args.out) / results.slug(torch.cuda.get_device_name()) / "vq_gemv.partial.jsonl"
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"provenance": results.provenance(command=args.command or " ".join(sys.argv))}) + "\n")
+
+    def keep(r):
+        if partial is not None:
+            with partial.open("a") as f:
+                f.write(json.dumps(r, default=str) + "\n")
+
+    checks, extra = [], {}
+    sweeps = (("additive", lambda: additive.correctness_sweep([(1024, 1000), (4096, 4096)], batches=(1, 3), progress=not args.quiet)),
+              ("residual", lambda: residual.correctness_sweep([(1024, 1000)], batches=(1, 3), forced=False, progress=not args.quiet)))
+    for name, sweep in sweeps:
+        try:
+            got = sweep()
+        except AssertionError as e:  # recorded and shown; the timings still run, each with its own check
+            extra[f"{name}_correctness_failures"] = str(e)[-3000:]
+            print(f"CORRECTNESS FAILURES ({name}):\n{e}", flush=True)
+            continue
+        for c in got:
+            c["grid"] = "correctness"
+            keep(c)
+        checks += got
+        print(f"correctness ({name}): {len(got)} checks passed, {time.time() - t0:.0f} s so far", flush=True)
     copy = bench.copy_bandwidth()
     print("copy bandwidth: " + ", ".join(f"{k} {v:.0f} GB/s" for k, v in copy.items()), flush=True)
-    grid = dict(bench.RESIDUAL_GRID)
-    if args.quick:  # a corner of the grid, for a first look on a new GPU
-        grid.update(in_features=(1024, 4096), out_features=(1024, 14336), mains=(4096,), residuals=(256,))
-    recs, extra = bench.vq_suite(grid=grid, additive_shapes=bench.ADDITIVE_SHAPES[:3] if args.quick else bench.ADDITIVE_SHAPES,
-                                 aqlm=args.aqlm, progress=not args.quiet)
+    keep({"copy": copy})
+    recs = []
     if args.cuda_cpp:
         try:
             for r in bench.run_cuda_cpp(args.arch, program="gemv_additive_2bit"):
                 r["grid"] = "additive"
                 recs.append(r)
+                keep(r)
         except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
             print(f"CUDA C++ counterpart failed: {e}", file=sys.stderr)
             extra["cuda_cpp_error"] = str(e)[-2000:]
+    grid = dict(bench.RESIDUAL_GRID)
+    if args.quick:  # a corner of the grid, for a first look on a new GPU
+        grid.update(in_features=(1024, 4096), out_features=(1024, 14336), mains=(4096,), residuals=(256,))
+    suite, suite_extra = bench.vq_suite(grid=grid, additive_shapes=bench.ADDITIVE_SHAPES[:3] if args.quick else bench.ADDITIVE_SHAPES,
+                                        aqlm=args.aqlm, progress=not args.quiet, on_record=keep)
+    recs += suite
+    extra.update(suite_extra)
     for r in recs:
         r.update(copy)
-    for c in checks:
-        c["grid"] = "correctness"
     prov = results.provenance(command=args.command or " ".join(sys.argv), **copy, **extra, seconds=round(time.time() - t0, 1))
     path = results.save("vq_gemv", recs + checks, prov, folder=args.out)
     print(f"wrote {path}")

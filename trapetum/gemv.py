@@ -431,10 +431,53 @@ def check_output(out: torch.Tensor, batch: int, n_out: int, device) -> None:
 
 
 def max_shared_bytes(device) -> int:
-    """Shared memory a block may opt in to (227 KiB on an H100); the 48 KiB default in the simulator."""
-    if SIM or not torch.cuda.is_available():
+    """Shared memory a block may opt in to (227 KiB on an H100); the 48 KiB default in the simulator,
+    or where raising a numba kernel's limit does not work here (see :func:`shared_optin_works`)."""
+    if SIM or not torch.cuda.is_available() or not shared_optin_works(device):
         return SMEM_BUDGET
     return int(getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", SMEM_BUDGET))
+
+
+def tuning_enabled(family: str) -> bool:
+    """False where TRAPETUM_NO_TUNE (a comma-separated list, or "all") names this kernel family:
+    its planner's heuristic plan is used instead of timing every candidate (each one compiles)."""
+    off = {f.strip() for f in os.environ.get("TRAPETUM_NO_TUNE", "").split(",") if f.strip()}
+    return not ({family, "all"} & off)
+
+
+_OPTIN: dict = {}
+
+
+def shared_optin_works(device) -> bool:
+    """Whether a numba kernel raised by :func:`with_shared_limit` really launches with 64 KiB of
+    dynamic shared memory on this device (tried once, on a tiny kernel; a failure is reported and
+    the planners then keep every kernel under 48 KiB)."""
+    dev = torch.device(device)
+    key = dev.index if dev.index is not None else torch.cuda.current_device()
+    if key not in _OPTIN:
+        import warnings
+
+        @cuda.jit
+        def probe(out):
+            buf = cuda.shared.array(0, float32)
+            i = cuda.threadIdx.x
+            buf[i * 512] = float32(i)
+            cuda.syncthreads()
+            out[i] = buf[i * 512]
+
+        n = 64 * 1024
+        out = torch.zeros(32, dtype=torch.float32, device=dev)
+        args = (_as_kernel_array(out),)
+        try:
+            k = with_shared_limit(probe, args, n)
+            k[1, 32, cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream), n](*args)
+            torch.cuda.synchronize(dev)
+            _OPTIN[key] = bool((out == torch.arange(32, device=dev, dtype=torch.float32)).all())
+        except Exception as e:  # noqa: BLE001 - any failure means: stay under 48 KiB
+            warnings.warn(f"raising a numba kernel's shared-memory limit failed here ({type(e).__name__}: {e}); "
+                          "kernels stay under 48 KiB of shared memory", RuntimeWarning, stacklevel=2)
+            _OPTIN[key] = False
+    return _OPTIN[key]
 
 
 def with_shared_limit(dispatcher, args, nbytes: int):
@@ -454,6 +497,10 @@ def with_shared_limit(dispatcher, args, nbytes: int):
     for k in spec.overloads.values():
         f = k._codelibrary.get_cufunc()
         driver.cuKernelSetAttribute(attr, int(nbytes), f.handle, f.device.id)
+        # and on this context's function of that kernel, which is what a launch runs
+        err, fn = binding.cuKernelGetFunction(f.handle)
+        if int(err) == 0:
+            binding.cuFuncSetAttribute(fn, attr, int(nbytes))
     return spec
 
 
@@ -564,7 +611,7 @@ class LutGemv:
         self.K, self.n_in, self.n_out = ct.K, ct.in_features, ct.out_features
         self.variant = variant
         self.fixed_plan = plan
-        self.tune_on_gpu = tune and not SIM
+        self.tune_on_gpu = tune and not SIM and tuning_enabled("lut")
         self.weight_bytes = ct.nbytes
         self._ncode_bytes = ct.codes.shape[1]
         self.nchunks = self._ncode_bytes // CHUNK_BYTES

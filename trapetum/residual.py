@@ -42,7 +42,7 @@ import torch
 
 from .codebook import ROW_BLOCK, CodebookFormatError
 from .gemv import (SIM, _as_kernel_array, check_activation, check_output, half2_to_float2, load16, max_rel_err,
-                   max_shared_bytes, require_gpu, sload4, sm_count, with_shared_limit)
+                   max_shared_bytes, require_gpu, sload4, sm_count, tuning_enabled, with_shared_limit)
 from .kmeans import check_finite
 
 from numba import cuda, float32, int32, uint32  # noqa: E402  (gemv set numba's environment first)
@@ -843,7 +843,7 @@ class ResidualGemv:
         self.b = sum(t.bits)
         self.norm = t.has_norm
         self.fixed_plan = plan
-        self.tune_on_gpu = tune and not SIM
+        self.tune_on_gpu = tune and not SIM and tuning_enabled("residual")
         self.weight_bytes = t.nbytes
         self.nchunks = self.n_in // CHUNK
         self.rbs = -(-self.n_out // ROW_BLOCK)
@@ -999,14 +999,15 @@ FORCED_PLANS = (dict(main="shared", ksplit=1, RB=2, warps=4), dict(main="global"
 
 
 def correctness_sweep(shapes, configs=((4096, 256), (8192, 512)), batches=(1, 2, 3, 8, 16), seed=0, norms=(False, True),
-                      progress=True, device="cuda", tune: bool = False) -> list[dict]:
+                      progress=True, device="cuda", tune: bool = False, forced: bool = True) -> list[dict]:
     """The kernel (heuristic plan, or tuned with ``tune=True``: slower, it compiles every candidate) on
     every shape x config x batch x norm, plus :data:`FORCED_PLANS` at batch 3 on the first shape;
     raises AssertionError listing every failure (tolerance 2e-3 of max |ref|)."""
     from tqdm.auto import tqdm
 
     jobs = [(s, c, b, nm, None) for s in shapes for c in configs for b in batches for nm in norms]
-    jobs += [(shapes[0], c, 3, bool(k % 2) if len(norms) > 1 else norms[0], p) for c in configs for k, p in enumerate(FORCED_PLANS)]
+    if forced:  # every plan knob, each one a kernel to compile
+        jobs += [(shapes[0], c, 3, bool(k % 2) if len(norms) > 1 else norms[0], p) for c in configs for k, p in enumerate(FORCED_PLANS)]
     recs, failures = [], []
     for i, ((n_in, n_out), (Nm, Nr), b, nm, plan) in enumerate(tqdm(jobs, desc="residual correctness", disable=not progress)):
         try:

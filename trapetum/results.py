@@ -161,6 +161,26 @@ def adopt(path: Path | str, folder: Path | str | None = None) -> Path:
     return save(path.name.split(".")[0], records, prov, folder=folder)
 
 
+def adopt_partial(path: Path | str, folder: Path | str | None = None) -> Path:
+    """A run stopped part way (``<name>.partial.jsonl``: its provenance, the copy bandwidth, then one
+    record a line) saved as ``<name>.json``, its provenance saying it is partial and how many records it holds."""
+    path = Path(path)
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not lines or "provenance" not in lines[0]:
+        raise ValueError(f"{path} does not start with a provenance line")
+    prov = dict(lines[0]["provenance"])
+    records, copy = [], {}
+    for d in lines[1:]:
+        if "copy" in d and len(d) == 1:
+            copy = d["copy"]
+        else:
+            records.append(d)
+    for r in records:
+        r.update(copy)
+    prov.update(copy, partial=f"stopped before the end: {len(records)} records kept, written as they were measured")
+    return save(path.name.split(".")[0], records, prov, folder=folder)
+
+
 def read(path: Path | str) -> tuple[dict, pd.DataFrame]:
     """Read one results file; raise ResultsFileError if it does not follow the contract."""
     path = Path(path)
