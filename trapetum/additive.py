@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import warnings
+
 import torch
 from numba import cuda, float32, int32, uint32
 
@@ -1033,10 +1035,16 @@ class AdditiveGemv:
                     kern[grid, plan.warps * 32, stream, plan.shared_bytes](*args)
                 return go
 
-            ms = time_graph([launcher(v) for v in views], launches=max(10, len(views)), replays=5, warmup=1)
+            try:
+                ms = time_graph([launcher(v) for v in views], launches=max(10, len(views)), replays=5, warmup=1)
+            except Exception as e:  # noqa: BLE001 - a candidate that cannot launch here is skipped, not fatal
+                warnings.warn(f"additive plan {plan} skipped: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+                continue
             if best is None or ms < best[0]:
                 best = (ms, plan)
         del copies, views
+        if best is None:
+            raise RuntimeError(f"no additive plan launches for M={self.M}, batch {B}, {self.n_in}x{self.n_out}")
         _TUNED[key] = best[1]
         return best[1]
 

@@ -480,6 +480,9 @@ def shared_optin_works(device) -> bool:
     return _OPTIN[key]
 
 
+_RAISED: dict = {}  # id(specialized dispatcher) -> the limit it was raised to
+
+
 def with_shared_limit(dispatcher, args, nbytes: int):
     """A dispatcher specialized to `args` whose kernel may use `nbytes` of dynamic shared memory.
 
@@ -493,6 +496,10 @@ def with_shared_limit(dispatcher, args, nbytes: int):
     from numba.cuda.cudadrv.driver import binding, driver
 
     spec = dispatcher.specialize(*args)
+    # The limit belongs to the kernel, shared by every launch of it: never lower it, or a launcher
+    # bound earlier with more shared memory fails ("invalid argument").
+    nbytes = max(int(nbytes), _RAISED.get(id(spec), 0))
+    _RAISED[id(spec)] = nbytes
     attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     for k in spec.overloads.values():
         f = k._codelibrary.get_cufunc()

@@ -38,6 +38,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import warnings
+
 import torch
 
 from .codebook import ROW_BLOCK, CodebookFormatError
@@ -936,8 +938,12 @@ class ResidualGemv:
         xa, ya = _as_kernel_array(x.view(torch.int32)), _as_kernel_array(y)
         best = None
         for plan in cands:
-            entry = self._launch_parts(B, plan)
-            ms = time_graph([self._launcher(entry, xa, ya, v) for v in views], launches=max(10, len(views)), replays=5, warmup=1)
+            try:
+                entry = self._launch_parts(B, plan)
+                ms = time_graph([self._launcher(entry, xa, ya, v) for v in views], launches=max(10, len(views)), replays=5, warmup=1)
+            except Exception as e:  # noqa: BLE001 - a candidate that cannot launch here is skipped, not fatal
+                warnings.warn(f"residual plan {plan} skipped: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+                continue
             if best is None or ms < best[0]:
                 best = (ms, plan)
         del copies, views
