@@ -56,7 +56,10 @@ df = report.load_decode(out if out is not None else results.DATA_DIR)
 #
 # *vs fp16* divides by the fp16 model's tok/s in the same run on the same graphed path (graphed
 # or compiled); the naive and eager rows divide by fp16 graphed, the baseline a user would run.
-# Where fp16 does not fit on the GPU the row says so.
+# Where fp16 does not fit on the GPU the row says so. Rows come from several runs (a later run
+# of some paths replaces only those rows); *run* names each row's commit, and the provenance table
+# at the end gives each file's command and versions. The 4-bit rows measured before the codes
+# were held once (commit e73851b) report the higher VRAM of that older code.
 
 # %%
 report.styled(report.decode_table(df))
@@ -84,4 +87,4 @@ report.fig_decode_pareto(df)
 # ## Where the numbers come from
 
 # %%
-df[["gpu", "model", "file", "driver", "cuda", "torch", "git_commit", "date", "command"]].drop_duplicates(["gpu", "model"])
+df[["gpu", "file", "driver", "cuda", "torch", "git_commit", "date", "command"]].drop_duplicates("file")

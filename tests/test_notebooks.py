@@ -8,7 +8,7 @@ import papermill as pm
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-CHAPTERS = ["gemv", "decode"]
+CHAPTERS = ["gemv", "vq_gemv", "decode"]
 
 
 @pytest.fixture

@@ -332,6 +332,15 @@ def test_decode_chapter_reads_every_run_and_keeps_the_newest_per_model(tmp_path)
     run("decode.json", "2026-02-01", [("llama-2-13b", 60.0)])
     df = report.load_decode(tmp_path)
     assert sorted(df.groupby("model")["tok_s"].max().items()) == [("llama-2-13b", 60.0), ("llama-2-7b", 100.0)]
+    # a later run of another path adds rows; it does not hide the older run's paths
+    run("decode.20260301T000000.json", "2026-03-01", [("llama-2-7b", 150.0)])
+    p = tmp_path / "h100" / "decode.20260301T000000.json"
+    d = json.loads(p.read_text())
+    for r in d["records"]:
+        r["path"] = "compiled"
+    p.write_text(json.dumps(d))
+    both = report.load_decode(tmp_path)
+    assert sorted(both[both["model"] == "llama-2-7b"]["path"].unique()) == ["compiled", "graphed"]
     t = report.decode_table(df)
     assert len(t) == 4 and set(t["vs fp16"].round(2)) == {0.6, 1.0}
     _check_figure(report.fig_decode(df))

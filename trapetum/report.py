@@ -704,13 +704,15 @@ PATH_ORDER = ["naive", "eager", "graphed", "compiled"]
 def load_decode(folder=None) -> pd.DataFrame:
     """Every recorded decode run as one DataFrame; raises if there is none.
 
-    Unlike the GEMV chapter, runs of one GPU may cover different models (a 7B run, then a
-    13B + 70B run), so every ``decode*.json`` is read and, per GPU and model, the newest run wins.
+    Unlike the GEMV chapter, runs of one GPU may cover different models and paths (a 7B run of
+    every path, then a 13B + 70B run, then a run of the compiled path alone), so every
+    ``decode*.json`` is read and, per GPU, model, scheme and path, the newest run wins. Each row
+    keeps its own run's fp16 baseline and provenance (``file``).
     """
     root = _root(folder)
     df = results.load(DECODE, root, every_run=True)
     if not df.empty:
-        newest = df.groupby(["gpu", "model"])["date"].transform("max")
+        newest = df.groupby(["gpu", "model", "scheme", "path"], dropna=False)["date"].transform("max")
         df = df[df["date"] == newest].reset_index(drop=True)
     if df.empty:
         raise NoRecordedDataError(
@@ -736,6 +738,7 @@ def decode_table(df: pd.DataFrame) -> pd.DataFrame:
         "tok/s": d["tok_s"], "vs fp16": d["tok_s"] / d["fp16_tok_s"],
         "Peak VRAM (GB)": d["vram_gb"], "J/token": d["j_per_token"],
         "share of kernel bound": d.get("fraction_of_kernel_bound", np.nan),
+        "run (commit)": d.get("git_commit", pd.Series(None, index=d.index)).astype(str).str[:7],
     }).reset_index(drop=True)
 
 
