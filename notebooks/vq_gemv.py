@@ -67,6 +67,14 @@ df = report.load_vq(folder)
 df[["gpu", "file", "driver", "cuda", "torch", "numba_cuda", "git_commit", "date", "command"]].drop_duplicates("gpu")
 
 # %% [markdown]
+# What each run's provenance records as having gone wrong or been left out: a correctness sweep
+# that stopped on an error, a configuration that failed, whether the `aqlm` package built. Every
+# timing row below carries its own check (fresh inputs, outputs poisoned first) whatever this says.
+
+# %%
+report.styled(report.vq_run_notes(folder))
+
+# %% [markdown]
 # ## The residual grid
 #
 # Seed 000 timed the VPTQ kernel against torch on an H100 over 120 configurations: five input
@@ -87,6 +95,17 @@ report.styled(report.residual_summary(df))
 
 # %% mystnb={"figure": {"caption": "Speedup over torch fp16 on the 120-config residual grid: ours (top, measured here) and VPTQ (bottom, reported by seed 000). Random weights.", "name": "fig-vq-heatmap"}}
 report.fig_residual_heatmap(df)
+
+# %% [markdown]
+# **Why our residual kernel loses to fp16.** Each group of 8 weights costs two random 16-byte
+# reads from the codebooks in shared memory (main and residual), and random 16-byte reads from a
+# 32-bank shared memory collide: a warp's request takes several times the passes a conflict-free
+# one would. Counted per SM, those passes take longer than reading the packed indices from DRAM,
+# so the kernel is bound by shared memory, not by bandwidth: compare *median % of copy bandwidth*
+# above with the additive kernels below. The remedy we did not get to: turn the residual codebook
+# into a per-group table of dot products (one 4-byte lookup instead of a 16-byte read and eight
+# multiply-adds), and let a block own many rows of one K-slice so that table pays for itself.
+# The recorded run used the planner's heuristic plans for this kernel, untuned.
 
 # %% [markdown]
 # The full grid in the seed's table format. *VPTQ speedup* columns are the seeds' torch time
@@ -110,3 +129,17 @@ report.styled(report.additive_table(df))
 
 # %% mystnb={"figure": {"caption": "Additive codebooks: speedup over torch fp16 by shape, ours beside the aqlm package's kernel. Random weights.", "name": "fig-vq-additive"}}
 report.fig_additive(df)
+
+# %% [markdown]
+# ## numba, CUDA C++ and the aqlm package side by side
+#
+# The same 2-bit format three ways, each speedup against the fp16 time of its own measurement, and
+# the two ratios that matter: ours against the `aqlm` package's kernel, and the numba kernel's time
+# over the CUDA C++ kernel's. The C++ program (`kernels/gemv_additive_2bit.cu`) differs from the
+# numba kernel in two ways: it builds the lookup table on the tensor cores (`mma.m16n8k8`, the
+# codebooks times the block's slice of x) instead of eight multiply-adds a table entry, and its
+# tuner may store the table in fp16, which halves the shared-memory traffic of the lookups; each
+# of its records names the plan it ran. The numba kernel has neither.
+
+# %%
+report.styled(report.additive_side_by_side(df))

@@ -46,9 +46,12 @@ def synthetic_vq(copy: float) -> list[dict]:
 def vq(tmp_path_factory):
     folder = tmp_path_factory.mktemp("data")
     prov = {"gpu": "NVIDIA H100 Test", "driver": "1", "cuda": "12", "torch": "2", "numba": "0", "numba_cuda": "0",
-            "git_commit": "abc", "date": "2026-01-01T00:00:00+00:00", "command": "trapetum vq", "copy_gbps": 3000.0}
+            "git_commit": "abc", "date": "2026-01-01T00:00:00+00:00", "command": "trapetum vq", "copy_gbps": 3000.0,
+            "failures": [], "residual_correctness_failures": "3 checks over tolerance", "aqlm_package": "built"}
     results.save(report.VQ, synthetic_vq(3000.0), prov, folder=folder)
-    return report.load_vq(folder)
+    df = report.load_vq(folder)
+    df.attrs["folder"] = folder
+    return df
 
 
 def test_load_vq_raises_clearly_without_data(tmp_path):
@@ -115,3 +118,15 @@ def test_seed_tables_match_the_seed_texts(which):
         assert (r["in_features"], r["out_features"], r["vptq_ms"], r["torch_ms"], r["ratio"]) == (
             src["in_features"], src["out_features"], src["vptq (ms)"], src["torch (ms)"], src["ratio"])
         assert r["main_centroids"] == src.get("main_centroids", "")
+
+
+def test_vq_run_notes_surface_what_went_wrong(vq):
+    notes = report.vq_run_notes(vq.attrs["folder"])
+    assert set(notes["what"]) == {"residual_correctness_failures", "aqlm_package"}  # empty lists are not news
+    assert "3 checks" in notes.set_index("what").loc["residual_correctness_failures", "note"]
+
+
+def test_additive_side_by_side(vq):
+    t = report.additive_side_by_side(vq)
+    assert len(t) == 3
+    assert t["ours (numba) vs aqlm package"].round(6).tolist() == [round(4.0 / 1.5, 6)] * 3  # synthetic: 4x vs 1.5x fp16

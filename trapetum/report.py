@@ -942,6 +942,42 @@ def additive_table(df: pd.DataFrame) -> pd.DataFrame:
     })
 
 
+def additive_side_by_side(df: pd.DataFrame, scheme: str = "2-bit additive (M=2)") -> pd.DataFrame:
+    """2-bit additive, one row per GPU and shape: each kernel's speedup over fp16, and ours over the aqlm package."""
+    d = df[(df["grid"] == "additive") & (df["scheme"] == scheme) & df["time_ms"].notna()].copy()
+    d["who"] = d["kernel"].map(lambda k: ADDITIVE_KERNELS.get(k, k))
+    t = d.pivot_table(index=["gpu", "in_features", "out_features"], columns="who", values="time_ms", aggfunc="min")
+    sp = d.pivot_table(index=["gpu", "in_features", "out_features"], columns="who", values="speedup", aggfunc="max")
+    out = pd.DataFrame({"GPU": [gpu_label(g) for g, _, _ in t.index],
+                        "in x out": [shape_label((a, b)) for _, a, b in t.index]})
+    for who in ("ours (numba)", "ours (CUDA C++)", "aqlm package"):
+        if who in t:  # each against the fp16 time of its own measurement (the C++ program times cuBLAS itself)
+            out[f"{who}: speedup"] = sp[who].to_numpy()
+    if "aqlm package" in t:
+        for who in ("ours (numba)", "ours (CUDA C++)"):
+            if who in t:
+                out[f"{who} vs aqlm package"] = (t["aqlm package"] / t[who]).to_numpy()
+    if "ours (CUDA C++)" in t and "ours (numba)" in t:
+        out["numba time / CUDA C++ time"] = (t["ours (numba)"] / t["ours (CUDA C++)"]).to_numpy()
+    return out
+
+
+def vq_run_notes(folder=None) -> pd.DataFrame:
+    """What each GPU's ``vq_gemv.json`` provenance says went wrong or was left out (failed sweeps, skipped peers)."""
+    rows = []
+    for path in sorted(_root(folder).glob(f"*/{VQ}.json")):
+        prov, _ = results.read(path)
+        f = f"{path.parent.name}/{path.name}"
+        for key in sorted(prov):
+            if key.endswith("_failures") or key in ("failures", "aqlm_package", "cuda_cpp_error", "partial"):
+                v = prov[key]
+                if v in (None, [], ""):
+                    continue
+                rows.append({"file": f, "GPU": gpu_label(prov.get("gpu", "")), "what": key,
+                             "note": "; ".join(v) if isinstance(v, list) else str(v)})
+    return pd.DataFrame(rows, columns=["file", "GPU", "what", "note"])
+
+
 def fig_additive(df: pd.DataFrame) -> Figure:
     """Speedup over fp16 by shape for each additive kernel, one panel a GPU."""
     d = df[(df["grid"] == "additive") & df["time_ms"].notna()].copy()
@@ -950,7 +986,7 @@ def fig_additive(df: pd.DataFrame) -> Figure:
     shapes = sorted({(int(a), int(b)) for a, b in zip(d["in_features"], d["out_features"])}, key=lambda s: s[0] * s[1])
     series = sorted(d["series"].unique())
     with _style():
-        fig = Figure(figsize=(6.2 * len(gpus), 4.4), layout="constrained")
+        fig = Figure(figsize=(max(9.0, 6.2 * len(gpus)), 4.8), layout="constrained")
         axes = np.atleast_1d(fig.subplots(1, len(gpus), sharey=True))
         w = 0.8 / max(1, len(series))
         for ax, gpu in zip(axes, gpus):
@@ -964,7 +1000,7 @@ def fig_additive(df: pd.DataFrame) -> Figure:
             ax.set_title(gpu_label(gpu))
             ax.set_xlabel("in x out")
         axes[0].set_ylabel("speedup over torch fp16")
-        _shared_legend(fig, axes, ncols=min(3, len(series)))
+        _shared_legend(fig, axes, ncols=2)
     return fig
 
 
