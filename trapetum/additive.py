@@ -33,7 +33,7 @@ import warnings
 import torch
 from numba import cuda, float32, int32, uint32
 
-from .codebook import CHUNK_BYTES, ROW_BLOCK, CodebookFormatError, _sha, untile
+from .codebook import CHUNK_BYTES, ROW_BLOCK, CodebookFormatError, _sha, read_layer_file, untile
 from .gemv import (
     MAX_FUSED_BATCH,
     SIM,
@@ -205,28 +205,8 @@ class AdditiveTensor:
 
     @classmethod
     def load(cls, path: str | Path, device="cpu") -> "AdditiveTensor":
-        from safetensors import SafetensorError
-        from safetensors.torch import safe_open
-
+        h, tensors = read_layer_file(path, KIND, FORMAT_VERSION, "additive codebook")
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no additive codebook file at {path}")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise CodebookFormatError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from e
-        if "trapetum" not in meta:
-            raise CodebookFormatError(f"{path}: no 'trapetum' header in the safetensors metadata")
-        try:
-            h = json.loads(meta["trapetum"])
-        except json.JSONDecodeError as e:
-            raise CodebookFormatError(f"{path}: the 'trapetum' header is not JSON: {e}") from e
-        if h.get("format_version") != FORMAT_VERSION:
-            raise CodebookFormatError(f"{path}: format_version {h.get('format_version')!r}, this trapetum reads {FORMAT_VERSION}")
-        if h.get("kind") != KIND:
-            raise CodebookFormatError(f"{path}: kind {h.get('kind')!r} is not {KIND!r}")
         if (h.get("K"), h.get("D")) != (K, D) or h.get("M") not in SUPPORTED_M:
             raise CodebookFormatError(f"{path}: header M={h.get('M')!r}, K={h.get('K')!r}, D={h.get('D')!r}; "
                                       f"this trapetum reads M in {SUPPORTED_M}, K={K}, D={D}")

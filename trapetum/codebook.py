@@ -153,29 +153,8 @@ class CodebookTensor:
 
     @classmethod
     def load(cls, path: str | Path, device="cpu") -> "CodebookTensor":
-        from safetensors import SafetensorError
-        from safetensors.torch import safe_open
-
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no codebook file at {path}")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                names = set(f.keys())
-                tensors = {k: f.get_tensor(k) for k in names}
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise CodebookFormatError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from e
-        if "trapetum" not in meta:
-            raise CodebookFormatError(f"{path}: no 'trapetum' header in the safetensors metadata")
-        try:
-            h = json.loads(meta["trapetum"])
-        except json.JSONDecodeError as e:
-            raise CodebookFormatError(f"{path}: the 'trapetum' header is not JSON: {e}") from e
-        if h.get("format_version") != FORMAT_VERSION:
-            raise CodebookFormatError(f"{path}: format_version {h.get('format_version')!r}, this trapetum reads {FORMAT_VERSION}")
-        if h.get("kind") != "scalar-codebook":
-            raise CodebookFormatError(f"{path}: kind {h.get('kind')!r} is not 'scalar-codebook'")
+        h, tensors = read_layer_file(path, "scalar-codebook", FORMAT_VERSION, "codebook")
+        names = set(tensors)
         if names != {"codes", "codebook"}:
             raise CodebookFormatError(f"{path}: expected tensors codes and codebook, found {sorted(names)}")
         try:
@@ -197,6 +176,34 @@ class CodebookTensor:
         except (ValueError, TypeError) as e:
             raise CodebookFormatError(f"{path}: {e}") from e
         return ct.to(device)
+
+
+def read_layer_file(path: str | Path, kind: str, version: int, what: str) -> tuple[dict, dict]:
+    """(header, tensors) of a Trapetum layer file, after the checks every format shares: the file
+    exists and reads as safetensors, carries a JSON 'trapetum' header of this kind and version."""
+    from safetensors import SafetensorError
+    from safetensors.torch import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no {what} file at {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CodebookFormatError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from e
+    if "trapetum" not in meta:
+        raise CodebookFormatError(f"{path}: no 'trapetum' header in the safetensors metadata")
+    try:
+        h = json.loads(meta["trapetum"])
+    except json.JSONDecodeError as e:
+        raise CodebookFormatError(f"{path}: the 'trapetum' header is not JSON: {e}") from e
+    if h.get("format_version") != version:
+        raise CodebookFormatError(f"{path}: format_version {h.get('format_version')!r}, this trapetum reads {version}")
+    if h.get("kind") != kind:
+        raise CodebookFormatError(f"{path}: kind {h.get('kind')!r} is not {kind!r}")
+    return h, tensors
 
 
 def _sha(t: torch.Tensor) -> str:

@@ -42,7 +42,7 @@ import warnings
 
 import torch
 
-from .codebook import ROW_BLOCK, CodebookFormatError
+from .codebook import ROW_BLOCK, CodebookFormatError, read_layer_file
 from .gemv import (SIM, _as_kernel_array, check_activation, check_output, half2_to_float2, load16, max_rel_err,
                    max_shared_bytes, require_gpu, sload4, sm_count, tuning_enabled, with_shared_limit)
 from .kmeans import check_finite
@@ -264,28 +264,8 @@ class ResidualTensor:
 
     @classmethod
     def load(cls, path: str | Path, device="cpu") -> "ResidualTensor":
-        from safetensors import SafetensorError
-        from safetensors.torch import safe_open
-
+        h, tensors = read_layer_file(path, KIND, FORMAT_VERSION, "residual codebook")
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no residual codebook file at {path}")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise CodebookFormatError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from e
-        try:
-            h = json.loads(meta["trapetum"])
-        except KeyError as e:
-            raise CodebookFormatError(f"{path}: no 'trapetum' header in the safetensors metadata") from e
-        except json.JSONDecodeError as e:
-            raise CodebookFormatError(f"{path}: the 'trapetum' header is not JSON: {e}") from e
-        if h.get("format_version") != FORMAT_VERSION:
-            raise CodebookFormatError(f"{path}: format_version {h.get('format_version')!r}, this trapetum reads {FORMAT_VERSION}")
-        if h.get("kind") != KIND:
-            raise CodebookFormatError(f"{path}: kind {h.get('kind')!r} is not {KIND!r}")
         if h.get("vector_len") != VECTOR_LEN:
             raise CodebookFormatError(f"{path}: vector_len {h.get('vector_len')!r}, only {VECTOR_LEN} is supported")
         want = {"indices", "main", "res"} | ({"scale", "bias"} if h.get("norm") else set())
