@@ -116,9 +116,10 @@ def test_cli_generate_from_a_saved_quantized_folder_without_tokenizer(models, tm
 
 @pytest.mark.gpu
 @pytest.mark.skipif(gemv.SIM or not torch.cuda.is_available(), reason="needs a CUDA GPU and NUMBA_ENABLE_CUDASIM=0")
-def test_graphed_matches_eager_on_gpu():
+@pytest.mark.parametrize("K", [16, "A2"])
+def test_graphed_matches_eager_on_gpu(K):
     tiny = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
-    m = decode.random_llama("llama-2-7b", 16, device="cuda", progress=False, **tiny)
+    m = decode.random_llama("llama-2-7b", K, device="cuda", progress=False, **tiny)
     prompt = torch.randint(0, 512, (1, 24), device="cuda")
     e = generate(m, prompt, 32, path="eager", energy=False)
     g = generate(m, prompt, 32, path="graphed", energy=False)
@@ -140,6 +141,17 @@ def test_decode_bench_records_follow_the_contract():
             assert key in r, key
         assert r["weights"] == "random" and r["gen_len"] == 6 and r["tok_s"] > 0
     assert "matches_graphed_tokens" not in recs[0]  # fp16 has no graphed run to compare with
+
+
+def test_decode_bench_runs_an_additive_model():
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=96)
+    recs = decode.decode_bench("llama-2-7b", Ks=("A2",), paths=("eager", "graphed"), fp16_paths=("graphed",), gen_len=6,
+                               prompt_len=20, energy=False, progress=False, device="cpu", **tiny)
+    a2 = [r for r in recs if r["K"] == "A2"]
+    assert [r["scheme"] for r in a2] == ["2-bit additive (M=2)"] * 2
+    assert a2[0]["matches_graphed_tokens"] is True and a2[0]["bits_per_weight_codes"] == 2.0
+    assert a2[0]["bits_per_weight"] > 2.0  # codes plus codebooks (8 KiB a layer: most of these tiny layers) and scales
+    assert decode._parse_quantize("a4") == "A4"
 
 
 def test_check_equivalence_with_a_fake_graph(models):

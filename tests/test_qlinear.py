@@ -235,3 +235,43 @@ def test_qlinear_on_gpu_matches_dequantized(rows):
         y = q(x)
         assert y.dtype == torch.float16
         assert (y.double() - ref).abs().max() <= 2e-3 * ref.abs().max()
+
+
+# -- additive codebook layers ----------------------------------------------------------------------
+def test_additive_qlinear_matches_its_dequantized_weight():
+    from trapetum.additive import random_additive_tensor
+    from trapetum.qlinear import AdditiveQLinear
+
+    t = random_additive_tensor(40, 128, 2, seed=4)
+    q = AdditiveQLinear.from_additive(t, bias=torch.randn(40))
+    x = torch.randn(3, 128)
+    W = t.dequantize(torch.float32)
+    torch.testing.assert_close(q(x), x @ W.T + q.bias.float(), atol=1e-4, rtol=1e-4)
+    assert q.bits_per_weight == pytest.approx(t.bits_per_weight) and "M=2" in repr(q)
+    q.float()
+    assert q.codebooks.dtype == torch.float16 and q.scales.dtype == torch.float16  # the format survives model.float()
+    with pytest.raises(ValueError, match="M"):
+        AdditiveQLinear(128, 40, M=3)
+    with pytest.raises(ValueError, match="divisible"):
+        AdditiveQLinear(100, 40, M=2)
+
+
+@pytest.mark.skipif(not gemv.SIM, reason="the kernel dispatch on CPU tensors needs the CUDA simulator")
+def test_additive_qlinear_kernel_dispatch_in_simulator():
+    from trapetum.additive import random_additive_tensor
+    from trapetum.qlinear import AdditiveQLinear
+
+    t = random_additive_tensor(32, 64, 2, seed=5)
+    q = AdditiveQLinear.from_additive(t)
+    q.simulate = True
+    x = torch.randn(1, 64).half()
+    torch.testing.assert_close(q(x).float(), x.float() @ t.dequantize(torch.float32).T, atol=2e-2, rtol=2e-2)
+
+
+def test_saving_an_additive_model_says_it_is_not_supported(tmp_path):
+    from trapetum import decode
+
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, vocab_size=96)
+    m = decode.random_llama("llama-2-7b", "A2", device="cpu", progress=False, **tiny)
+    with pytest.raises(NotImplementedError, match="additive"):
+        save_quantized(m, tmp_path / "m")

@@ -351,6 +351,12 @@ def llama_config(arch: str, **overrides):
 
 def random_qlinear(in_features: int, out_features: int, K: int, device, generator=None) -> QLinear:
     """A QLinear with random codes and codebooks made on the device (speed does not depend on values)."""
+    if isinstance(K, str):  # "A2" / "A4": additive codebooks with M = 2 / 4
+        from .additive import random_additive_tensor
+        from .qlinear import AdditiveQLinear
+
+        t = random_additive_tensor(out_features, in_features, int(K[1:]), device=device, generator=generator)
+        return AdditiveQLinear.from_additive(t)
     from .codebook import random_codebook_tensor
 
     return QLinear.from_codebook(random_codebook_tensor(out_features, in_features, K, device=device, generator=generator))
@@ -438,11 +444,17 @@ def load(name: str, device=None, dtype=None, quantize: int | None = None, exclud
 
 
 # -- benchmark ------------------------------------------------------------------------------------
-SCHEME_NAMES = {None: "fp16", 16: "4-bit K=16", 64: "uint8 K=64", 256: "uint8 K=256"}
+SCHEME_NAMES = {None: "fp16", 16: "4-bit K=16", 64: "uint8 K=64", 256: "uint8 K=256",
+                "A2": "2-bit additive (M=2)", "A4": "4-bit additive (M=4)"}
 
 
 def _bits(K):
-    return 16.0 if K is None else 8 / (2 if K == 16 else 1)
+    """Code bits per weight: 16 for fp16, M for additive "A<M>", else 4 (K=16) or 8."""
+    if K is None:
+        return 16.0
+    if isinstance(K, str):
+        return float(K[1:])
+    return 8 / (2 if K == 16 else 1)
 
 
 def projection_bits(model) -> float:
@@ -476,7 +488,14 @@ def kernel_bound(cfg, K: int | None) -> dict:
     for n_in, n_out in projection_shapes(cfg).values():
         if (n_in, n_out) not in times:
             fp16 = bench.time_fp16(n_in, n_out, 1)
-            times[(n_in, n_out)] = fp16 if K is None else bench.time_lut(n_in, n_out, K, 1, "lut", fp16)["time_ms"]
+            if K is None:
+                times[(n_in, n_out)] = fp16
+            elif isinstance(K, str):
+                from .additive import time_additive
+
+                times[(n_in, n_out)] = time_additive(n_in, n_out, int(K[1:]), 1, fp16)["time_ms"]
+            else:
+                times[(n_in, n_out)] = bench.time_lut(n_in, n_out, K, 1, "lut", fp16)["time_ms"]
         per_layer += times[(n_in, n_out)]
     head = bench.time_fp16(cfg.hidden_size, cfg.vocab_size, 1)
     ms = cfg.num_hidden_layers * per_layer + head
@@ -585,7 +604,12 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
         r["speedup"] = r["tok_s"] / f if r.get("tok_s") and f else None
         # Bytes a token must read at least (projections at their bits, embeddings/lm_head fp16): the bandwidth bound's numerator.
         K = r["K"]
-        per_w = 2.0 if K is None else (1 / (2 if K == 16 else 1) + K * 2 / h)  # codes + codebook share (in >= hidden)
+        if K is None:
+            per_w = 2.0
+        elif isinstance(K, str):
+            per_w = _bits(K) / 8  # codes; codebooks (8 KiB a layer) and scales are negligible
+        else:
+            per_w = 1 / (2 if K == 16 else 1) + K * 2 / h  # codes + codebook share (in >= hidden)
         r["weight_bytes_per_token"] = proj * per_w + 2 * v * h
         if r.get("oom"):
             r["weights_gb_needed"] = (proj * per_w + 2 * 2 * v * h) / 1e9
@@ -642,11 +666,13 @@ def _check_cmd(args) -> int:
 def _parse_quantize(spec):
     if spec in (None, "", "none", "fp16"):
         return None
-    s = str(spec).upper().removeprefix("K")
+    s = str(spec).upper()
+    if s in ("A2", "A4"):
+        return s
     try:
-        return int(s)
+        return int(s.removeprefix("K"))
     except ValueError:
-        raise SystemExit(f"--quantize takes K16, K64 or K256, got {spec!r}") from None
+        raise SystemExit(f"--quantize takes K16, K64, K256 (scalar) or A2, A4 (additive), got {spec!r}") from None
 
 
 def _bench_cmd(args) -> int:

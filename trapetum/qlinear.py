@@ -221,6 +221,69 @@ class QLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
 
+class AdditiveQLinear(QLinear):
+    """A QLinear backed by an additive (AQLM-style) codebook: M codebooks of 256 vectors of 8,
+    per-output scales (:class:`trapetum.additive.AdditiveTensor`); ``scheme`` is "A<M>"."""
+
+    def __init__(self, in_features: int, out_features: int, M: int = 2, bias: bool = False, device=None):
+        nn.Module.__init__(self)
+        from .additive import D, K, check_in_features as check_additive_in, check_M
+
+        check_M(M)
+        check_additive_in(in_features, M)
+        if out_features <= 0:
+            raise ValueError(f"out_features must be positive, got {out_features}")
+        self.in_features, self.out_features, self.M, self.K = in_features, out_features, M, f"A{M}"
+        self.register_buffer("codes", torch.zeros(out_features, in_features // D, M, dtype=torch.uint8, device=device))
+        self.register_buffer("codebooks", torch.zeros(M, K, D, dtype=torch.float16, device=device))
+        self.register_buffer("scales", torch.ones(out_features, dtype=torch.float16, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float16, device=device) if bias else None)
+        self.mode, self.simulate, self._gemv, self._codes_in_kernel = "fast", False, None, False
+
+    @classmethod
+    def from_additive(cls, t, bias: torch.Tensor | None = None) -> "AdditiveQLinear":
+        t.validate()
+        q = cls(t.in_features, t.out_features, t.M, bias=bias is not None, device="meta")
+        q.codes, q.codebooks, q.scales = t.codes, t.codebooks, t.scales
+        if t.bias is not None and bias is None:
+            bias = t.bias
+            q.register_buffer("bias", None)
+        if bias is not None:
+            q.bias = bias.detach().to(device=t.codes.device, dtype=torch.float16).clone()
+        return q
+
+    def codebook_tensor(self):
+        from .additive import AdditiveTensor
+
+        return AdditiveTensor(self.codes, self.codebooks, self.scales)
+
+    @property
+    def bits_per_weight(self) -> float:
+        return self.codebook_tensor().bits_per_weight
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, M={self.M}, bias={self.bias is not None}, mode={self.mode}"
+
+    def _apply(self, fn, *args, **kwargs):
+        self._gemv = None
+        nn.Module._apply(self, fn, *args, **kwargs)
+        for name in ("codebooks", "scales", "bias"):  # the format stays fp16 under model.float()
+            t = getattr(self, name)
+            if t is not None and t.dtype != torch.float16:
+                setattr(self, name, t.half())
+        return self
+
+    def gemv(self):
+        if self._gemv is None:
+            from .additive import AdditiveGemv
+
+            dev = self.codes.device
+            self._gemv = AdditiveGemv(self.codebook_tensor(), device=dev if dev.type == "cuda" else None)
+            self._handle = id(self)
+            _LAYERS[self._handle] = self
+        return self._gemv
+
+
 def qlinears(model: nn.Module) -> dict[str, QLinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, QLinear)}
 
@@ -297,6 +360,9 @@ def save_quantized(model, folder: str | Path, tokenizer=None) -> Path:
     if set(found) != set(summary["layers"]):
         raise ValueError(f"model.trapetum_quant lists {sorted(summary['layers'])} but the model's QLinears are {sorted(found)}")
     for q in found.values():
+        if isinstance(q, AdditiveQLinear):
+            raise NotImplementedError("saving a model with additive codebook layers is not supported yet; "
+                                      "save its layers one by one with AdditiveTensor.save")
         q.codebook_tensor()  # refuse to write an invalid layer
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
