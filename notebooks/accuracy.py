@@ -49,9 +49,10 @@ stride = 2048  # 2048: non-overlapping (GPTQ/AWQ papers); 512: as seed 004 repor
 # Run in this order; with a time limit the last ones are the first to be left out.
 schemes = [
     "rtn:group_size=96", "hqq:group_size=96", "kmeans", "kmeans-act", "kmeans-awq", "kmeans-hadamard",
-    "kmeans-act-scale", "gptq:group_size=96", "gptq-kmeans", "rtn:group_size=192", "awq:group_size=96",
-    "gptq-kmeans-hadamard", "hqq:group_size=64", "rtn:group_size=64",
-    "hqq:bits=2,group_size=64", "gptq:bits=2,group_size=64", "gptq-kmeans:bits=2", "gptq-kmeans-hadamard:bits=2",
+    "kmeans-act-scale", "gptq:group_size=96", "hqq-gptq:group_size=96", "awq-gptq:group_size=96", "gptq-kmeans",
+    "rtn:group_size=192", "awq:group_size=96", "gptq-kmeans-hadamard", "hqq:group_size=64", "rtn:group_size=64",
+    "hqq:bits=2,group_size=96", "gptq:bits=2,group_size=96", "hqq-gptq:bits=2,group_size=96", "gptq-kmeans:bits=2",
+    "gptq-kmeans-hadamard:bits=2",
 ]
 measure = False
 output_folder = None  # None: data/accuracy of the repository
@@ -60,6 +61,7 @@ calibration_source = "auto"  # auto | wikitext2-train | pydoc
 n_calib = 32  # calibration samples of calib_len tokens
 calib_len = 512
 time_limit_s = None  # start no scheme after this many seconds (the rest are recorded as not run)
+quantize_threads = None  # torch threads while quantizing (None: as set); 1 on CPU cores shared with other work
 llmcompressor_note = ""  # what was found when trying llmcompressor's GPTQ on this machine (kept in provenance)
 
 # %%
@@ -86,7 +88,7 @@ path = folder / f"{results.slug(model)}.json"
 if measure:
     params = dict(model=model, token_budget=token_budget, ctx=ctx, stride=stride, schemes=list(schemes),
                   calibration_source=calibration_source, n_calib=n_calib, calib_len=calib_len,
-                  time_limit_s=time_limit_s, llmcompressor_note=llmcompressor_note)
+                  time_limit_s=time_limit_s, quantize_threads=quantize_threads, llmcompressor_note=llmcompressor_note)
     command = "papermill notebooks/accuracy.ipynb out.ipynb -k python3 -p measure True " + " ".join(
         f"-p {k} {shlex.quote(str(v))}" for k, v in params.items() if k != "schemes") + f" -y {shlex.quote('schemes: ' + str(list(schemes)))}"
     text_path = text_file or os.environ.get(ppl.WIKITEXT_ENV)
@@ -108,7 +110,8 @@ if measure:
 
     records = pipelines.compare(model, schemes, text_file=text_file, token_budget=token_budget, ctx=ctx,
                                 stride=stride, calibration_source=calibration_source, n_calib=n_calib,
-                                calib_len=calib_len, time_limit_s=time_limit_s, callback=keep)
+                                calib_len=calib_len, time_limit_s=time_limit_s, quantize_threads=quantize_threads,
+                                callback=keep)
     path = pipelines.save_accuracy(model, records, prov, folder=folder)
     partial.unlink(missing_ok=True)
 prov, df = results.read(path)
@@ -142,7 +145,18 @@ display(Markdown(f"**Setting.** {setting()} Recorded {prov.get('date')} at commi
 # ## Perplexity by scheme and bits per weight
 #
 # One row per scheme; `label` is the exact scheme spec passed to `trapetum.pipelines.quantize`.
-# Quantize seconds are wall clock, calibration forwards included, on the device named above.
+# Quantize seconds are wall clock, calibration forwards included, on the device named above; on a
+# CPU the run records how many torch threads quantized (`quantize_threads`: one thread is the robust
+# choice on cores shared with other work, where GPTQ's thousands of small per-column ops otherwise
+# wait on thread-pool barriers).
+#
+# Two rows combine steps rather than re-create one paper: `awq-gptq` searches AWQ's per-channel
+# scales and per-group clip ratios with RTN, then runs GPTQ on the scaled weight with each group's
+# grid spanning its clipped range; `hqq-gptq` takes each group's grid (scale and zero) from the
+# `hqq` peer and lets GPTQ's error feedback choose the rounding on it. Both store exactly what
+# their grid's format stores (AWQ adds one fp16 scale per input channel), so their bits per weight
+# are those of `awq` and `hqq`. `hqq-gptq` counts as ours in the targets below, though its grid is
+# the peer's.
 
 # %%
 cols = ["label", "title", "bit class", "bits_per_weight", "ppl", "vs reference (%)", "quantize_seconds"]

@@ -56,6 +56,58 @@ def test_gptq_beats_rtn_on_correlated_inputs():
         assert err(W, P.gptq(W, H, group_size=64, act_order=act_order), H) < 0.8 * e_rtn
 
 
+def naive_gptq(W, H, group_size, damp=0.01):
+    """GPTQ as the paper's equations, one column at a time over the whole matrix (no blocks, no act-order)."""
+    W = W.float().clone()
+    n = W.shape[1]
+    H = H + damp * torch.diagonal(H).mean() * torch.eye(n)
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    Q = torch.zeros_like(W)
+    for j in range(n):
+        if j % group_size == 0:
+            d, m = P._rtn_grid(W[:, j : j + group_size], 4)
+        Q[:, j] = P._rtn_apply(W[:, j : j + 1], d, m, 4)[:, 0]
+        e = (W[:, j] - Q[:, j]) / U[j, j]
+        W[:, j:] -= e[:, None] * U[j, j:][None, :]
+    return Q
+
+
+def test_gptq_blocks_match_the_column_by_column_equations():
+    # Lazy batch updates only reorder the arithmetic: any block size gives the paper's result.
+    X, H = correlated_inputs()
+    W = torch.randn(64, 256) * 0.02
+    ref = naive_gptq(W, H, 32)
+    for bs in (32, 128, 256):
+        got = P.gptq(W, H, group_size=32, act_order=False, blocksize=bs).W_hat
+        assert (got != ref).float().mean() < 1e-3, bs  # a rare weight may round the other way on float noise
+        assert abs(err(W, P.Quantized(got, 0), H) / err(W, P.Quantized(ref, 0), H) - 1) < 1e-3
+
+
+def test_gptq_leaves_thread_setting_alone():
+    X, H = correlated_inputs()
+    before = torch.get_num_threads()
+    P.gptq(torch.randn(16, 256), H, group_size=64)
+    with P.torch_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+
+
+def test_gptq_on_a_given_grid_and_its_combinations():
+    X, H = correlated_inputs()
+    W = torch.randn(128, 256) * 0.02
+    # With H diagonal there is no feedback: GPTQ on a given grid is plain rounding onto that grid.
+    d, m = P._rtn_grid(W.reshape(128, 4, 64), 4, 0.9)
+    plain = P._rtn_apply(W.reshape(128, 4, 64), d, m, 4).reshape(128, 256)
+    got = P.gptq(W, torch.eye(256), group_size=64, act_order=False, grid=(d[..., 0], m[..., 0])).W_hat
+    assert torch.allclose(got, plain, atol=1e-6)
+    # Error feedback on top of AWQ's search and on top of hqq's grid beats each alone.
+    assert err(W, P.awq_gptq(W, H, group_size=64, n_grid=5), H) < 0.8 * err(W, P.awq(W, H, inner=lambda w, h: P.rtn(w, group_size=64), group_size=64, n_grid=5), H)
+    pytest.importorskip("hqq")
+    assert err(W, P.hqq_gptq(W, H, group_size=64), H) < 0.8 * err(W, P.hqq(W, group_size=64), H)
+    with pytest.raises(P.SchemeError):
+        P.gptq(W, H, quantizer="kmeans", grid=(d[..., 0], m[..., 0]))
+
+
 def test_gptq_without_correlation_is_rtn():
     # With H diagonal there is nothing to feed the error to: GPTQ (no act-order) is exactly RTN.
     W = torch.randn(32, 128) * 0.02
@@ -192,7 +244,7 @@ def test_end_to_end_tiny_llama(tmp_path):
     saved = {n: m.weight.data.clone() for n, m in P.decoder_linears(model).items()}
     for spec in ["rtn:group_size=32", "kmeans", "kmeans-act", "kmeans-awq", "awq:group_size=32,n_grid=4",
                  "kmeans-hadamard", "gptq:group_size=32", "gptq-kmeans:act_order=false", "gptq-kmeans-hadamard",
-                 "hqq:group_size=32", "gptq:bits=8,group_size=64"]:
+                 "hqq:group_size=32", "gptq:bits=8,group_size=64", "awq-gptq:group_size=32,n_grid=4", "hqq-gptq:group_size=32"]:
         for n, m in P.decoder_linears(model).items():
             m.weight.data.copy_(saved[n])
         name, opts = P.parse_spec(spec)

@@ -28,6 +28,7 @@ each with its perplexity.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import functools
 import importlib.util
@@ -176,6 +177,16 @@ def awq(
         raise SchemeError("AWQ scale search needs calibration statistics (H)")
     search_inner = search_inner or inner
     W = W.float()
+    s = _awq_scales(W, H, search_inner, n_grid)
+    Ws, Hs = W * s, H / (s[:, None] * s[None, :])
+    if clip:
+        Ws = _clip(Ws, _clip_ratios(Ws, Hs, search_inner, clip_grid, group_size), group_size or W.shape[1])
+    q = inner(Ws, Hs)
+    return Quantized(q.W_hat / s, q.bits + 16 * W.shape[1])
+
+
+def _awq_scales(W: torch.Tensor, H: torch.Tensor, inner: Callable[..., Quantized], n_grid: int) -> torch.Tensor:
+    """AWQ's per-input-channel scale s = a^alpha (a = RMS of each input), alpha on a grid, least output error of inner."""
     a = torch.diagonal(H).clamp_min(0).sqrt().clamp_min(1e-8)
     best = None
     for i in range(n_grid):
@@ -183,15 +194,39 @@ def awq(
         s = a**alpha
         s = s / (s.max() * s.min()).sqrt()
         Hs = H / (s[:, None] * s[None, :])
-        W_hat = search_inner(W * s, Hs).W_hat / s
+        W_hat = inner(W * s, Hs).W_hat / s
         err = float(output_error(W, W_hat, H).sum())
         if best is None or err < best[0]:
             best = (err, s)
-    s = best[1]
+    return best[1]
+
+
+def awq_gptq(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    *,
+    bits: int = 4,
+    group_size: int = 128,
+    n_grid: int = 20,
+    clip: bool = True,
+    act_order: bool = True,
+    clip_grid: tuple[float, ...] = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7),
+) -> Quantized:
+    """AWQ's scale and clip search, then GPTQ on the scaled weight (the two combined, as in AutoAWQ+GPTQ recipes).
+
+    The scale s and the per-(row, group) clip ratios are searched with RTN exactly as in
+    :func:`awq`; then GPTQ quantizes W diag(s) against diag(s)^-1 H diag(s)^-1 with each group's
+    grid spanning the clipped range (static groups under act-order), but its error feedback
+    targets the unclipped weight. Bits as AWQ: RTN's plus one fp16 scale per input channel.
+    """
+    if H is None:
+        raise SchemeError("AWQ scale search needs calibration statistics (H)")
+    W = W.float()
+    search = functools.partial(rtn, bits=bits, group_size=group_size)
+    s = _awq_scales(W, H, search, n_grid)
     Ws, Hs = W * s, H / (s[:, None] * s[None, :])
-    if clip:
-        Ws = _clip(Ws, _clip_ratios(Ws, Hs, search_inner, clip_grid, group_size), group_size or W.shape[1])
-    q = inner(Ws, Hs)
+    ratio = _clip_ratios(Ws, Hs, search, clip_grid, group_size) if clip else None
+    q = gptq(Ws, Hs, quantizer="rtn", bits=bits, group_size=group_size, act_order=act_order, grid_ratio=ratio)
     return Quantized(q.W_hat / s, q.bits + 16 * W.shape[1])
 
 
@@ -302,6 +337,28 @@ def incoherent(W: torch.Tensor, H: torch.Tensor | None = None, *, inner: Callabl
 # --------------------------------------------------------------------------- GPTQ
 
 
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """Run the block with ``n`` intra-op torch threads (None: leave the setting alone).
+
+    The per-column loop of GPTQ (and the searches of AWQ and k-means) is thousands of small
+    tensor ops. With more than one thread every op ends in a thread-pool barrier; on CPU cores
+    shared with other processes a barrier waits for a thread that is not scheduled. Measured on
+    this project's 2 shared cores (SmolLM2-135M): GPTQ with a k-means codebook took 36-51 s for
+    one decoder layer with two threads while other jobs ran, ~5 s with one; plain GPTQ on one
+    1536 x 576 matrix 0.13 s with one thread, 1-8 s with two.
+    """
+    if n is None:
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 def gptq(
     W: torch.Tensor,
     H: torch.Tensor,
@@ -315,6 +372,8 @@ def gptq(
     kmeans_iters: int = 25,
     refit: bool = True,
     seed: int = 0,
+    grid_ratio: torch.Tensor | float | None = None,
+    grid: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Quantized:
     """GPTQ: quantize column by column, pushing each column's error onto the columns not yet done.
 
@@ -324,6 +383,15 @@ def gptq(
     codebook of K = 2**bits fp16 entries from importance-weighted k-means (importance diag H),
     each column rounded to its row's nearest entry; with refit the entries are then solved by
     least squares for the codes GPTQ chose (GPTVQ's codebook update).
+    grid_ratio (rtn only): each group's grid spans ratio x its range (a clip, e.g. AWQ's clip
+    search), a float or a (out, n // group_size) tensor; GPTQ still targets the unclipped W.
+    grid (rtn only): each group's (step, min), each (out, n // group_size), taken as given
+    (static groups, with or without act-order), e.g. from another quantizer.
+
+    The column loop follows the paper's lazy batch updates: H^-1's upper Cholesky factor is
+    computed once; inside a block of ``blocksize`` columns each column costs a handful of
+    out-sized ops and one rank-1 update of the block; the rest of the matrix is updated once
+    per block with one matmul.
     """
     if H is None:
         raise SchemeError("GPTQ needs calibration statistics (H)")
@@ -337,53 +405,44 @@ def gptq(
     W[:, dead] = 0
     W_orig, H_obj = W.clone(), H.clone()
 
-    maxq = 2**bits - 1
+    ratio = 1.0 if grid_ratio is None else grid_ratio
     if quantizer == "rtn":
         _check_group(n, group_size)
+        G = n // group_size
         blocksize = group_size * max(1, blocksize // group_size)
-        if act_order:
-            d_all, m_all = _rtn_grid(W.reshape(out, n // group_size, group_size), bits)
+        if torch.is_tensor(ratio):
+            ratio = ratio.reshape(out, G, 1)
+        if grid is not None:
+            d_all, m_all = (t.float().reshape(out, G) for t in grid)
+        elif act_order:
+            d_all, m_all = _rtn_grid(W.reshape(out, G, group_size), bits, ratio)
             d_all, m_all = d_all[..., 0], m_all[..., 0]  # out, groups
-        bits_total = W.numel() * bits + out * (n // group_size) * 32
+        bits_total = W.numel() * bits + out * G * 32
     else:
+        if grid_ratio is not None or grid is not None:
+            raise SchemeError("grid_ratio and grid apply to GPTQ's RTN quantizer only")
         from .kmeans import kmeans_rows
 
         K = 2**bits
         _, cb = kmeans_rows(W, K, iters=kmeans_iters, seed=seed, importance=torch.diagonal(H).clamp_min(0))[:2]
-        cb = _fp16(cb)
+        cb = _fp16(cb)  # sorted per row (fp16 rounding is monotone), so nearest entry = search over midpoints
+        mid = ((cb[:, 1:] + cb[:, :-1]) * 0.5).contiguous()
         codes = torch.empty(out, n, dtype=torch.long)
         bits_total = W.numel() * bits + out * K * 16
 
     perm = torch.argsort(torch.diagonal(H), descending=True) if act_order else torch.arange(n)
-    W, H = W[:, perm], H[perm][:, perm]
+    W, H = W[:, perm].contiguous(), H[perm][:, perm]
     H += damp * torch.diagonal(H).mean() * torch.eye(n)
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    dinv = 1.0 / torch.diagonal(Hinv)
 
-    Q = torch.zeros_like(W)
-    for i1 in range(0, n, blocksize):
-        i2 = min(i1 + blocksize, n)
-        W1, Hinv1 = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2]
-        Err1 = torch.zeros_like(W1)
-        for i in range(i2 - i1):
-            col = int(perm[i1 + i])
-            w = W1[:, i]
-            if quantizer == "rtn":
-                if act_order:
-                    d, m = d_all[:, col // group_size], m_all[:, col // group_size]
-                elif col % group_size == 0:
-                    # The group's grid from its current weights, earlier errors already pushed in.
-                    d, m = _rtn_grid(W1[:, i : i + group_size], bits)
-                    d, m = d[:, 0], m[:, 0]
-                q = torch.clamp(torch.round((w - m) / d), 0, maxq) * d + m
-            else:
-                c = (w[:, None] - cb).abs().argmin(1)
-                codes[:, col] = c
-                q = cb.gather(1, c[:, None])[:, 0]
-            Q[:, i1 + i] = q
-            err = (w - q) / Hinv1[i, i]
-            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
-            Err1[:, i] = err
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    Q = torch.empty_like(W)
+    with torch_threads(1 if W.device.type == "cpu" else None):
+        static = quantizer == "rtn" and (act_order or grid is not None)
+        _gptq_blocks(W, Q, Hinv, dinv, perm, quantizer, blocksize, group_size, bits, static, ratio,
+                     d_all if static else None, m_all if static else None,
+                     cb if quantizer == "kmeans" else None, mid if quantizer == "kmeans" else None,
+                     codes if quantizer == "kmeans" else None)
 
     Q = Q[:, torch.argsort(perm)]
     if quantizer == "kmeans" and refit:
@@ -392,6 +451,50 @@ def gptq(
         better = output_error(W_orig, Q_refit, H_obj) < output_error(W_orig, Q, H_obj)
         Q = torch.where(better[:, None], Q_refit, Q)
     return Quantized(Q, bits_total)
+
+
+def _gptq_blocks(W, Q, Hinv, dinv, perm, quantizer, blocksize, group_size, bits, static, ratio, d_all, m_all, cb, mid, codes):
+    """GPTQ's lazy-batch column loop (see gptq): fills Q (permuted order), updates W in place, records k-means codes."""
+    out, n = W.shape
+    maxq = 2**bits - 1
+    for i1 in range(0, n, blocksize):
+        i2 = min(i1 + blocksize, n)
+        # Columns are the inner dimension of every per-column op: work on the block transposed,
+        # so a column is a contiguous row and the rank-1 update is one addr_ on contiguous memory.
+        W1 = W[:, i1:i2].T.contiguous()  # b, out
+        Q1, E1 = torch.empty_like(W1), torch.empty_like(W1)
+        Hinv1, dinv1 = Hinv[i1:i2, i1:i2], dinv[i1:i2]
+        if quantizer == "rtn":
+            if static:
+                g = perm[i1:i2] // group_size
+                D1, M1 = d_all[:, g].T.contiguous(), m_all[:, g].T.contiguous()  # b, out
+        else:
+            C1 = torch.empty(i2 - i1, out, dtype=torch.long)
+        for i in range(i2 - i1):
+            w = W1[i]
+            if quantizer == "rtn":
+                if static:
+                    d, m = D1[i], M1[i]
+                elif i % group_size == 0:
+                    # The group's grid from its current weights, earlier errors already pushed in.
+                    r = ratio[:, (i1 + i) // group_size] if torch.is_tensor(ratio) else ratio
+                    d, m = _rtn_grid(W1[i : i + group_size].T, bits, r)
+                    d, m = d[:, 0], m[:, 0]
+                q = torch.clamp(torch.round((w - m) / d), 0, maxq).mul_(d).add_(m)
+            else:
+                c = torch.searchsorted(mid, w[:, None])
+                C1[i] = c[:, 0]
+                q = cb.gather(1, c)[:, 0]
+            Q1[i] = q
+            e = (w - q).mul_(dinv1[i])
+            E1[i] = e
+            if i + 1 < i2 - i1:
+                W1[i + 1 :].addr_(Hinv1[i, i + 1 :], e, alpha=-1)
+        Q[:, i1:i2] = Q1.T
+        if quantizer == "kmeans":
+            codes[:, perm[i1:i2]] = C1.T
+        if i2 < n:
+            W[:, i2:].addmm_(E1.T, Hinv[i1:i2, i2:], alpha=-1)
 
 
 # --------------------------------------------------------------------------- the peer
@@ -415,6 +518,28 @@ def hqq(W: torch.Tensor, H: torch.Tensor | None = None, *, bits: int = 4, group_
     meta["scale"], meta["zero"] = _fp16(meta["scale"]), _fp16(meta["zero"])
     W_hat = HQQQuantizer.dequantize(Wq, meta).reshape(W.shape)
     return Quantized(W_hat, W.numel() * bits + W.numel() // group_size * 32)
+
+
+def hqq_grid(W: torch.Tensor, *, bits: int = 4, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """hqq's per-group grid as (step, min), each (out, n // group_size): w_hat = q * step + min, from fp16 scale and zero."""
+    from hqq.core.quantize import Quantizer as HQQQuantizer
+
+    _check_group(W.shape[1], group_size)
+    _, meta = HQQQuantizer.quantize(
+        W.float(), nbits=bits, group_size=group_size, optimize=True, round_zero=bits == 4, axis=1,
+        bitpack=False, compute_dtype=torch.float32, device=str(W.device),
+    )
+    scale, zero = _fp16(meta["scale"]).reshape(W.shape[0], -1), _fp16(meta["zero"]).reshape(W.shape[0], -1)
+    return scale, -zero * scale
+
+
+def hqq_gptq(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int = 128, act_order: bool = True) -> Quantized:
+    """GPTQ error feedback on hqq's grids: each group's step and min from the hqq peer (static groups), then GPTQ rounds
+    every column onto its group's grid with the error pushed forward. Bits as hqq and RTN (fp16 scale and zero per group)."""
+    if H is None:
+        raise SchemeError("GPTQ needs calibration statistics (H)")
+    return gptq(W, H, quantizer="rtn", bits=bits, group_size=group_size, act_order=act_order,
+                grid=hqq_grid(W, bits=bits, group_size=group_size))
 
 
 # --------------------------------------------------------------------------- the registry
@@ -472,6 +597,13 @@ SCHEMES: dict[str, Scheme] = {
                dict(bits=4, group_size=128, n_grid=20), calibrated=True),
         Scheme("gptq", "GPTQ with RTN per group",
                lambda bits, group_size, act_order: functools.partial(gptq, quantizer="rtn", bits=bits, group_size=group_size, act_order=act_order),
+               dict(bits=4, group_size=128, act_order=True), calibrated=True),
+        Scheme("awq-gptq", "AWQ scale + clip search, then GPTQ on the scaled weight",
+               lambda bits, group_size, n_grid, clip, act_order: functools.partial(
+                   awq_gptq, bits=bits, group_size=group_size, n_grid=n_grid, clip=clip, act_order=act_order),
+               dict(bits=4, group_size=128, n_grid=20, clip=True, act_order=True), calibrated=True),
+        Scheme("hqq-gptq", "GPTQ on hqq's per-group grids",
+               lambda bits, group_size, act_order: functools.partial(hqq_gptq, bits=bits, group_size=group_size, act_order=act_order),
                dict(bits=4, group_size=128, act_order=True), calibrated=True),
         Scheme("gptq-kmeans", "GPTQ with a k-means codebook per output channel",
                lambda bits, act_order, refit, seed: functools.partial(gptq, quantizer="kmeans", bits=bits, act_order=act_order, refit=refit, seed=seed),
@@ -677,12 +809,16 @@ def quantize(
     calibration: str | None = None,
     batch_size: int = 8,
     progress: bool = True,
+    threads: int | None = None,
     **options,
 ) -> QuantReport:
     """Quantize every decoder nn.Linear of ``model`` in place with ``scheme`` (fake quantization).
 
     calib: LongTensor [n_samples, seq_len] of calibration tokens (see calibration_ids); needed by
     calibrated schemes, ignored by the others. calibration: a description of it for the report.
+    threads: torch intra-op threads for the matrix quantizers (None: as set); the calibration
+    forwards keep the setting. 1 is the robust choice on CPU cores shared with other work (see
+    torch_threads).
     """
     spec, opts, qfn = get_scheme(scheme, **options)
     linears = decoder_linears(model)
@@ -696,7 +832,8 @@ def quantize(
     def apply(name, m, H):
         nonlocal bits, weights
         W = m.weight.data
-        q = qfn(W.float(), H)
+        with torch_threads(threads):
+            q = qfn(W.float(), H)
         if H is not None:
             rel_err[name] = float(output_error(W.float(), q.W_hat, H).sum() / output_error(W.float(), torch.zeros_like(q.W_hat), H).sum().clamp_min(1e-30))
         m.weight.data.copy_(q.W_hat.to(W.dtype))
@@ -758,6 +895,7 @@ def compare(
     progress: bool = True,
     callback: Callable[[list[dict]], None] | None = None,
     time_limit_s: float | None = None,
+    quantize_threads: int | None = None,
 ) -> list[dict]:
     """Reference perplexity, then each scheme spec ('name' or 'name:key=value,...') on a fresh copy
     of the reference weights, quantized and evaluated on the same tokens. One record per row.
@@ -765,7 +903,8 @@ def compare(
 
     callback(records) runs after every row, so a long run can keep what it has measured.
     time_limit_s: no scheme is started once the run has taken this long; each scheme left out
-    gets a record with ppl None and ``skipped`` saying why, so the file names what was not measured."""
+    gets a record with ppl None and ``skipped`` saying why, so the file names what was not measured.
+    quantize_threads: passed to quantize as threads (the perplexity passes keep the setting)."""
     t_start = time.perf_counter()
     stride = ctx if stride is None else stride
     _ppl.windows(ctx, ctx, stride)  # ValueError for a bad ctx or stride, before anything loads
@@ -804,7 +943,7 @@ def compare(
             continue
         for n, m in decoder_linears(model).items():
             m.weight.data.copy_(saved[n])
-        rep = quantize(model, name, calib, calibration=calib_desc, progress=progress, **opts)
+        rep = quantize(model, name, calib, calibration=calib_desc, progress=progress, threads=quantize_threads, **opts)
         r = _ppl.perplexity(model, input_ids=ids, ctx=ctx, stride=stride, progress=progress)
         records.append(dict(
             base, scheme=name, label=spec, title=s.title, bits=rep.options["bits"],
@@ -813,6 +952,7 @@ def compare(
             eval_seconds=r.seconds, calibration=rep.calibration, calibration_tokens=rep.calibration_tokens,
             mean_rel_output_error=(sum(rep.rel_output_error.values()) / len(rep.rel_output_error)) if rep.rel_output_error else None,
             peer=s.peer, peer_version=_package_version(s.peer) if s.peer else None,
+            quantize_threads=quantize_threads if quantize_threads is not None else torch.get_num_threads(),
         ))
         if callback:
             callback(records)
