@@ -41,12 +41,12 @@ from .gemv import (
     check_activation,
     check_output,
     half2_to_float2,
+    kernel_device,
     load16,
     load_byte_offset,
     load_cg,
     max_rel_err,
     max_shared_bytes,
-    require_gpu,
     sm_count,
     tuning_enabled,
     with_shared_limit,
@@ -908,14 +908,7 @@ class AdditiveGemv:
     """
 
     def __init__(self, t: AdditiveTensor, device=None, plan: dict | None = None, tune: bool = True):
-        require_gpu()
-        if device is None:
-            device = "cpu" if SIM else "cuda"
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        if not SIM and self.device.type != "cuda":
-            raise ValueError(f"AdditiveGemv runs on a CUDA device, got {self.device}")
+        self.device = kernel_device(device, "AdditiveGemv")
         if not isinstance(t, AdditiveTensor):
             raise TypeError(f"AdditiveGemv takes an AdditiveTensor, got {type(t).__name__}")
         t.validate()

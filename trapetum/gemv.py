@@ -511,6 +511,20 @@ def with_shared_limit(dispatcher, args, nbytes: int):
     return spec
 
 
+def kernel_device(device, who: str) -> torch.device:
+    """The device a fused kernel runs on: a CUDA device with its index (the CPU under the simulator);
+    raises NoGPUError without a GPU and a clear ValueError for a non-CUDA device."""
+    require_gpu()
+    if device is None:
+        device = "cpu" if SIM else "cuda"
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if not SIM and dev.type != "cuda":
+        raise ValueError(f"{who} runs on a CUDA device, got {dev}")
+    return dev
+
+
 def sm_count(device) -> int:
     if SIM or not torch.cuda.is_available():
         return 4
@@ -605,14 +619,7 @@ class LutGemv:
                  keep_natural: bool = True):
         if variant not in self.VARIANTS:
             raise ValueError(f"unknown kernel variant {variant!r}; choose one of {self.VARIANTS}")
-        require_gpu()
-        if device is None:
-            device = "cpu" if SIM else "cuda"
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        if not SIM and self.device.type != "cuda":
-            raise ValueError(f"LutGemv runs on a CUDA device, got {self.device}")
+        self.device = kernel_device(device, "LutGemv")
         ct.validate()
         ct = ct.to(self.device)
         self.K, self.n_in, self.n_out = ct.K, ct.in_features, ct.out_features

@@ -43,8 +43,8 @@ import warnings
 import torch
 
 from .codebook import ROW_BLOCK, CodebookFormatError, read_layer_file
-from .gemv import (SIM, _as_kernel_array, check_activation, check_output, half2_to_float2, load16, max_rel_err,
-                   max_shared_bytes, require_gpu, sload4, sm_count, tuning_enabled, with_shared_limit)
+from .gemv import (SIM, _as_kernel_array, check_activation, check_output, half2_to_float2, kernel_device, load16, max_rel_err,
+                   max_shared_bytes, sload4, sm_count, tuning_enabled, with_shared_limit)
 from .kmeans import check_finite
 
 from numba import cuda, float32, int32, uint32  # noqa: E402  (gemv set numba's environment first)
@@ -811,14 +811,7 @@ class ResidualGemv:
     """
 
     def __init__(self, t: ResidualTensor, device=None, plan: dict | None = None, tune: bool = True):
-        require_gpu()
-        if device is None:
-            device = "cpu" if SIM else "cuda"
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        if not SIM and self.device.type != "cuda":
-            raise ValueError(f"ResidualGemv runs on a CUDA device, got {self.device}")
+        self.device = kernel_device(device, "ResidualGemv")
         t.validate()
         t = t.to(self.device)
         self.n_in, self.n_out, self.Nm, self.Nr = t.in_features, t.out_features, t.Nm, t.Nr
