@@ -56,6 +56,16 @@ def test_gptq_beats_rtn_on_correlated_inputs():
         assert err(W, P.gptq(W, H, group_size=64, act_order=act_order), H) < 0.8 * e_rtn
 
 
+def test_additive_2bit_beats_rtn_2bit_and_counts_its_bits():
+    X, H = correlated_inputs(n=128)
+    W = torch.randn(64, 128) * 0.02
+    q = P.additive(W, H, M=2, iters=1, beam=2)
+    assert err(W, q, H) < err(W, P.rtn(W, bits=2, group_size=32), H)
+    assert q.bits == 64 * 16 * 2 * 8 + 2 * 256 * 8 * 16 + 64 * 16  # codes, codebooks, scales
+    with pytest.raises(P.SchemeError, match="divisible"):
+        P.additive(torch.randn(8, 72), None, M=2)
+
+
 def naive_gptq(W, H, group_size, damp=0.01):
     """GPTQ as the paper's equations, one column at a time over the whole matrix (no blocks, no act-order)."""
     W = W.float().clone()

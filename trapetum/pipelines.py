@@ -542,6 +542,21 @@ def hqq_gptq(W: torch.Tensor, H: torch.Tensor, *, bits: int = 4, group_size: int
                 grid=hqq_grid(W, bits=bits, group_size=group_size))
 
 
+# --------------------------------------------------------------------------- vector codebooks
+
+
+def additive(W: torch.Tensor, H: torch.Tensor | None = None, *, M: int = 2, iters: int = 2, beam: int = 4, seed: int = 0) -> Quantized:
+    """The additive (AQLM-style) vector codebook of :mod:`trapetum.additive`: M codebooks of 256
+    vectors of 8, per-output scales, fitted to the calibration-aware objective when H is given.
+    Bits: exactly what the format stores (codes, fp16 codebooks and scales)."""
+    from .additive import quantize_additive
+
+    if W.shape[1] % (128 // M):
+        raise SchemeError(f"additive M={M} needs in_features divisible by {128 // M}, got {W.shape[1]}")
+    t, _ = quantize_additive(W.float(), M=M, H=H, iters=iters, beam=beam, seed=seed, progress=False)
+    return Quantized(t.dequantize(torch.float32), t.nbytes * 8)
+
+
 # --------------------------------------------------------------------------- the registry
 
 
@@ -610,6 +625,9 @@ SCHEMES: dict[str, Scheme] = {
                dict(bits=4, act_order=True, refit=True, seed=0), calibrated=True),
         Scheme("gptq-kmeans-hadamard", "Hadamard rotation + GPTQ with a k-means codebook",
                _incoherent_gptq_kmeans, dict(bits=4, act_order=True, seed=0), calibrated=True),
+        Scheme("additive", "additive vector codebooks (AQLM-style beam search + least squares, M codebooks of 256 x 8)",
+               lambda M, iters, beam, seed: functools.partial(additive, M=M, iters=iters, beam=beam, seed=seed),
+               dict(M=2, iters=2, beam=4, seed=0), calibrated=True),
         Scheme("hqq", "hqq (peer, half-quadratic quantization per group)",
                lambda bits, group_size: functools.partial(hqq, bits=bits, group_size=group_size),
                dict(bits=4, group_size=128), calibrated=False, peer="hqq"),
