@@ -626,8 +626,9 @@ SCHEMES: dict[str, Scheme] = {
         Scheme("gptq-kmeans-hadamard", "Hadamard rotation + GPTQ with a k-means codebook",
                _incoherent_gptq_kmeans, dict(bits=4, act_order=True, seed=0), calibrated=True),
         Scheme("additive", "additive vector codebooks (AQLM-style beam search + least squares, M codebooks of 256 x 8)",
-               lambda M, iters, beam, seed: functools.partial(additive, M=M, iters=iters, beam=beam, seed=seed),
-               dict(M=2, iters=2, beam=4, seed=0), calibrated=True),
+               # bits = M: each codebook spends an 8-bit code on 8 weights
+               lambda bits, iters, beam, seed: functools.partial(additive, M=bits, iters=iters, beam=beam, seed=seed),
+               dict(bits=2, iters=2, beam=4, seed=0), calibrated=True),
         Scheme("hqq", "hqq (peer, half-quadratic quantization per group)",
                lambda bits, group_size: functools.partial(hqq, bits=bits, group_size=group_size),
                dict(bits=4, group_size=128), calibrated=False, peer="hqq"),
