@@ -35,7 +35,6 @@ from numba import cuda, float32, int32, uint32
 
 from .codebook import CHUNK_BYTES, ROW_BLOCK, CodebookFormatError, _sha, read_layer_file, untile
 from .gemv import (
-    MAX_FUSED_BATCH,
     SIM,
     _as_kernel_array,
     check_activation,
@@ -45,13 +44,13 @@ from .gemv import (
     load16,
     load_byte_offset,
     load_cg,
-    max_rel_err,
     max_shared_bytes,
     sm_count,
     tuning_enabled,
+    tuning_inputs,
     with_shared_limit,
 )
-from .bench import TOLERANCE  # max |y - ref| / max |ref| a kernel may be off by
+from .bench import TOLERANCE, poisoned_check  # TOLERANCE: max |y - ref| / max |ref| a kernel may be off by
 from .kmeans import check_finite
 
 FORMAT_VERSION = 1
@@ -738,7 +737,6 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int):
         last = cuda.shared.array(1, int32)
         tid = cuda.threadIdx.x
         warp = tid // 32
-        lane = cuda.laneid
         rb0 = cuda.blockIdx.x * RB
         split = cuda.blockIdx.y
         nsplit = cuda.gridDim.y
@@ -984,17 +982,13 @@ class AdditiveGemv:
         key = (torch.cuda.get_device_name(self.device), "additive", self.M, B, self.n_in, self.n_out)
         if key in _TUNED:
             return _TUNED[key]
-        from .bench import copies_for, time_graph
+        from .bench import time_graph
 
         cands = candidate_plans(self.n_out, self.nchunks, self.M, B, sm_count(self.device), self._smem())
         if len(cands) == 1:
             _TUNED[key] = cands[0]
             return cands[0]
-        copies = [self._tiled_t] + [self._tiled_t.clone() for _ in range(copies_for(self.weight_bytes) - 1)]
-        views = [_as_kernel_array(c) for c in copies]
-        x = torch.randn(B, self.n_in, device=self.device, dtype=torch.float16)
-        y = torch.empty(B, self.n_out, device=self.device, dtype=torch.float16)
-        xa, ya = _as_kernel_array(x.view(torch.int32)), _as_kernel_array(y)
+        copies, views, xa, ya = tuning_inputs(self._tiled_t, self.weight_bytes, self.n_in, self.n_out, B, self.device)
         best = None
         for plan in cands:
             kern, _, grid, owners, kviews = self._launch_parts(B, plan)
@@ -1070,14 +1064,8 @@ def check_additive(n_in: int, n_out: int, M: int, batch: int, seed: int, device=
     if bias:
         t = AdditiveTensor(t.codes, t.codebooks, t.scales, (torch.randn(n_out, generator=g) * 0.1).half().to(device))
     x = torch.randn(batch, n_in, generator=g).half().to(device)
-    y = torch.full((batch, n_out), float("nan"), dtype=torch.float16, device=device)
-    AdditiveGemv(t, device=device, plan=plan, tune=tune)(x, out=y)
-    if device != "cpu":
-        torch.cuda.synchronize()
-    if not torch.isfinite(y).all():
-        raise AssertionError(f"additive M={M} batch={batch} {n_in}x{n_out} plan={plan}: "
-                             f"{int((~torch.isfinite(y)).sum())} outputs unwritten or non-finite")
-    return max_rel_err(y, reference(x, t))
+    return poisoned_check(AdditiveGemv(t, device=device, plan=plan, tune=tune), x, lambda x: reference(x, t),
+                          f"additive M={M} batch={batch} {n_in}x{n_out} plan={plan}")
 
 
 def correctness_sweep(shapes, Ms=(2, 4), batches=(1, 2, 3, 8, 16), seed: int = 0, device="cuda", progress: bool = True,

@@ -94,21 +94,27 @@ def lut_launchers(n_in: int, n_out: int, K: int, batch: int, variant: str = "lut
     return [g.bind(x, y) for g in gemvs], (gemvs, x, y)
 
 
-def check_kernel(n_in: int, n_out: int, K: int, batch: int, variant: str, seed: int, device="cuda", plan: dict | None = None) -> float:
-    """Max relative error of one kernel against float64, on fresh inputs, with y poisoned first.
+def poisoned_check(gemv, x: torch.Tensor, ref: Callable[[torch.Tensor], torch.Tensor], what: str) -> float:
+    """Run ``gemv(x, out=y)`` with y poisoned (NaN) first; max relative error against ``ref(x)``.
 
     Raises AssertionError if any output was left unwritten (still NaN) or is not finite.
     """
+    y = torch.full((x.shape[0], gemv.n_out), float("nan"), dtype=torch.float16, device=x.device)
+    gemv(x, out=y)
+    if x.device.type == "cuda":
+        torch.cuda.synchronize()
+    if not torch.isfinite(y).all():
+        raise AssertionError(f"{what}: {int((~torch.isfinite(y)).sum())} outputs unwritten or non-finite")
+    return max_rel_err(y, ref(x))
+
+
+def check_kernel(n_in: int, n_out: int, K: int, batch: int, variant: str, seed: int, device="cuda", plan: dict | None = None) -> float:
+    """Max relative error of one kernel against float64, on fresh inputs, with y poisoned first."""
     ct = random_codebook_tensor(n_out, n_in, K, seed=seed, device=device)
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
     x = torch.randn(batch, n_in, generator=g).half().to(device)
-    y = torch.full((batch, n_out), float("nan"), dtype=torch.float16, device=device)
-    LutGemv(ct, device=device, variant=variant, plan=plan)(x, out=y)
-    if device != "cpu":
-        torch.cuda.synchronize()
-    if not torch.isfinite(y).all():
-        raise AssertionError(f"{variant} K={K} batch={batch} {n_in}x{n_out}: {int((~torch.isfinite(y)).sum())} outputs unwritten or non-finite")
-    return max_rel_err(y, reference(x, ct))
+    return poisoned_check(LutGemv(ct, device=device, variant=variant, plan=plan), x, lambda x: reference(x, ct),
+                          f"{variant} K={K} batch={batch} {n_in}x{n_out}")
 
 
 def gemv_record(kernel: str, K: int | None, batch: int, n_in: int, n_out: int, ms: float, fp16_ms: float, nbytes: int, err: float | None, **extra) -> dict:

@@ -525,6 +525,18 @@ def kernel_device(device, who: str) -> torch.device:
     return dev
 
 
+def tuning_inputs(tiled: torch.Tensor, weight_bytes: int, n_in: int, n_out: int, B: int, device):
+    """What a tuner times its candidates on: copies of the kernel's tiled codes that together
+    exceed the L2 (kernel views of each), and fp16 x (as int32 words) and y buffers.
+    Returns (owners, views, xa, ya); keep ``owners`` alive while the views are used."""
+    from .bench import copies_for  # bench imports this module
+
+    copies = [tiled] + [tiled.clone() for _ in range(copies_for(weight_bytes) - 1)]
+    x = torch.randn(B, n_in, device=device, dtype=torch.float16)
+    y = torch.empty(B, n_out, device=device, dtype=torch.float16)
+    return (copies, x, y), [_as_kernel_array(c) for c in copies], _as_kernel_array(x.view(torch.int32)), _as_kernel_array(y)
+
+
 def sm_count(device) -> int:
     if SIM or not torch.cuda.is_available():
         return 4
@@ -690,17 +702,13 @@ class LutGemv:
         key = (torch.cuda.get_device_name(self.device), self.variant, self.K, B, self.n_in, self.n_out)
         if key in _TUNED:
             return _TUNED[key]
-        from .bench import copies_for, time_graph  # bench imports this module
+        from .bench import time_graph  # bench imports this module
 
         cands = candidate_plans(self.n_out, self.nchunks, self.K, B, sm_count(self.device))
         if len(cands) == 1:
             _TUNED[key] = cands[0]
             return cands[0]
-        copies = [self._tiled_t] + [self._tiled_t.clone() for _ in range(copies_for(self.weight_bytes) - 1)]
-        views = [_as_kernel_array(t) for t in copies]
-        x = torch.randn(B, self.n_in, device=self.device, dtype=torch.float16)
-        y = torch.empty(B, self.n_out, device=self.device, dtype=torch.float16)
-        xa, ya = _as_kernel_array(x.view(torch.int32)), _as_kernel_array(y)
+        copies, views, xa, ya = tuning_inputs(self._tiled_t, self.weight_bytes, self.n_in, self.n_out, B, self.device)
         best = None
         for plan in cands:
             kern, _, owners, (wsa, cnta) = self._launch_parts(B, plan)

@@ -43,8 +43,8 @@ import warnings
 import torch
 
 from .codebook import ROW_BLOCK, CodebookFormatError, read_layer_file
-from .gemv import (SIM, _as_kernel_array, check_activation, check_output, half2_to_float2, kernel_device, load16, max_rel_err,
-                   max_shared_bytes, sload4, sm_count, tuning_enabled, with_shared_limit)
+from .gemv import (SIM, _as_kernel_array, check_activation, check_output, half2_to_float2, kernel_device, load16,
+                   max_shared_bytes, sload4, sm_count, tuning_enabled, tuning_inputs, with_shared_limit)
 from .kmeans import check_finite
 
 from numba import cuda, float32, int32, uint32  # noqa: E402  (gemv set numba's environment first)
@@ -897,18 +897,14 @@ class ResidualGemv:
         key = (torch.cuda.get_device_name(self.device), self.Nm, self.Nr, self.norm, B, self.n_in, self.n_out)
         if key in _TUNED:
             return _TUNED[key]
-        from .bench import copies_for, time_graph
+        from .bench import time_graph
 
         cands = candidate_plans(self.n_out, self.nchunks, self.Nm, self.Nr, B, sm_count(self.device), self.norm,
                                 shared_budget(self.device))
         if len(cands) == 1:
             _TUNED[key] = cands[0]
             return cands[0]
-        copies = [self._tiled_t] + [self._tiled_t.clone() for _ in range(copies_for(self.weight_bytes) - 1)]
-        views = [_as_kernel_array(c) for c in copies]
-        x = torch.randn(B, self.n_in, device=self.device, dtype=torch.float16)
-        y = torch.empty(B, self.n_out, device=self.device, dtype=torch.float16)
-        xa, ya = _as_kernel_array(x.view(torch.int32)), _as_kernel_array(y)
+        copies, views, xa, ya = tuning_inputs(self._tiled_t, self.weight_bytes, self.n_in, self.n_out, B, self.device)
         best = None
         for plan in cands:
             try:
@@ -961,15 +957,11 @@ def check_residual(n_in: int, n_out: int, Nm: int, Nr: int, batch: int, seed: in
     """Max relative error against float64 on fresh random inputs, output poisoned first; raises if any output is unwritten."""
     t = random_residual_tensor(n_out, n_in, Nm, Nr, seed=seed, device=device, with_norm=with_norm)
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    from .bench import poisoned_check
+
     x = torch.randn(batch, n_in, generator=g).half().to(device)
-    y = torch.full((batch, n_out), float("nan"), dtype=torch.float16, device=device)
-    ResidualGemv(t, device=device, plan=plan, tune=tune)(x, out=y)
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-    if not torch.isfinite(y).all():
-        raise AssertionError(f"residual {Nm}/{Nr} batch={batch} {n_in}x{n_out} plan={plan}: "
-                             f"{int((~torch.isfinite(y)).sum())} outputs unwritten or non-finite")
-    return max_rel_err(y, reference(x, t))
+    return poisoned_check(ResidualGemv(t, device=device, plan=plan, tune=tune), x, lambda x: reference(x, t),
+                          f"residual {Nm}/{Nr} batch={batch} {n_in}x{n_out} plan={plan}")
 
 
 # Forced plans the sweep adds: every value of every knob at least once, few kernel variants to compile.
