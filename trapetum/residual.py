@@ -44,7 +44,7 @@ import torch
 
 from .codebook import ROW_BLOCK, CodebookFormatError, read_layer_file
 from .gemv import (SIM, _as_kernel_array, check_activation, check_output, half2_to_float2, kernel_device, load16,
-                   max_shared_bytes, sload4, sm_count, tuning_enabled, tuning_inputs, with_shared_limit)
+                   load_byte_offset, max_shared_bytes, sload4, sm_count, tuning_enabled, tuning_inputs, with_shared_limit)
 from .kmeans import check_finite
 
 from numba import cuda, float32, int32, uint32  # noqa: E402  (gemv set numba's environment first)
@@ -59,6 +59,8 @@ SUPPORTED_RES = (256, 512)
 OPTIN_SIM = 227 * 1024  # the simulator plans as if it had an H100's opt-in shared memory
 STATIC_LIMIT = 48 * 1024
 TOLERANCE = 2e-3  # as bench.TOLERANCE (bench imports this module, so the value is repeated)
+TABLE_STEPS = (1, 2, 4, 8)  # groups (vectors) a table step of the table kernel: it must divide a chunk's 32
+_INLINE = {} if SIM else {"forceinline": True}
 
 
 def index_bits(Nm: int, Nr: int) -> tuple[int, int]:
@@ -488,6 +490,115 @@ def untile_indices(tiled: torch.Tensor, out_features: int, n_words: int, b: int)
 _kernel_cache: dict = {}
 
 
+def _step_layout(b: int, G: int) -> list[tuple[int, int, list]]:
+    """For each table step s of a chunk (vectors s*G .. s*G+G-1): (first word, words spanned,
+    [(word relative to the first, shift, straddles)] of its G fields)."""
+    pos = _field_positions(b)
+    out = []
+    for s in range(VECS_PER_CHUNK // G):
+        fields = pos[s * G:(s + 1) * G]
+        w_lo = fields[0][1]
+        w_hi = max(w + st for _, w, _, st in fields)
+        out.append((w_lo, w_hi - w_lo + 1, [(w - w_lo, sh, st) for _, w, sh, st in fields]))
+    return out
+
+
+def _common_device_functions(B: int, nt: int, RB: int, norm: bool):
+    """What both residual kernels share: staging a K-slice of x, and writing the rows out.
+
+    ``stage_x`` puts x[:, col0:col0+ncols] in shared memory as fp32 (times scale under a norm) and
+    keeps each thread's part of dot(bias, x) in ``pb``; ``finish`` adds the block's dot(bias, x),
+    then writes y (one K-slice) or the slice's partial, and the last block of a row-group to finish
+    sums the partials (an atomic counter it resets, so the launch replays in a CUDA graph).
+    """
+    from .gemv import load_cg
+
+    @cuda.jit(device=True, **_INLINE)
+    def stage_x(x32, sc32, bi32, xs, xoff, col0, ncols, pb, tid):
+        xq = ncols // 8
+        xbase = col0 // 2
+        for bb in range(B):
+            pb[bb] = 0.0
+        for t in range(tid, B * xq, nt):
+            bb = t // xq
+            q = t - bb * xq
+            w0, w1, w2, w3 = load16(x32[bb], xbase + q * 4)
+            o = xoff + bb * ncols + q * 8
+            v0, v1 = half2_to_float2(w0)
+            v2, v3 = half2_to_float2(w1)
+            v4, v5 = half2_to_float2(w2)
+            v6, v7 = half2_to_float2(w3)
+            if norm:
+                s0, s1, s2, s3 = load16(sc32, xbase + q * 4)
+                e0, e1, e2, e3 = load16(bi32, xbase + q * 4)
+                g0, g1 = half2_to_float2(e0)
+                g2, g3 = half2_to_float2(e1)
+                g4, g5 = half2_to_float2(e2)
+                g6, g7 = half2_to_float2(e3)
+                pb[bb] += g0 * v0 + g1 * v1 + g2 * v2 + g3 * v3 + g4 * v4 + g5 * v5 + g6 * v6 + g7 * v7
+                h0, h1 = half2_to_float2(s0)
+                h2, h3 = half2_to_float2(s1)
+                h4, h5 = half2_to_float2(s2)
+                h6, h7 = half2_to_float2(s3)
+                v0, v1, v2, v3, v4, v5, v6, v7 = v0 * h0, v1 * h1, v2 * h2, v3 * h3, v4 * h4, v5 * h5, v6 * h6, v7 * h7
+            xs[o], xs[o + 1], xs[o + 2], xs[o + 3] = v0, v1, v2, v3
+            xs[o + 4], xs[o + 5], xs[o + 6], xs[o + 7] = v4, v5, v6, v7
+
+    @cuda.jit(device=True, **_INLINE)
+    def finish(acc, pb, bpart, bred, last, y, ws, counters, rb0, rbs, n_out, tid):
+        lane = cuda.laneid
+        blk = cuda.blockIdx.x
+        split = cuda.blockIdx.y
+        nsplit = cuda.gridDim.y
+        if norm:  # dot(bias, x) over this K-slice, the same for every row: warp 0 folds nt partials to 32
+            for bb in range(B):
+                bpart[bb * nt + tid] = pb[bb]
+            cuda.syncthreads()
+            if tid < 32:
+                for bb in range(B):
+                    s = float32(0.0)
+                    for t in range(lane, nt, 32):
+                        s += bpart[bb * nt + t]
+                    bred[bb * 32 + lane] = s
+            cuda.syncthreads()
+            for bb in range(B):
+                s = float32(0.0)
+                for t in range(32):
+                    s += bred[bb * 32 + t]
+                for r in range(RB):
+                    acc[r * B + bb] += s
+        for r in range(RB):
+            rb = rb0 + r
+            row = rb * 32 + lane
+            for bb in range(B):
+                if nsplit == 1:
+                    if row < n_out:
+                        y[bb, row] = acc[r * B + bb]
+                elif rb < rbs:
+                    ws[split, bb, row] = acc[r * B + bb]
+        if nsplit > 1:
+            cuda.threadfence()
+            cuda.syncthreads()
+            if tid == 0:
+                last[0] = 1 if cuda.atomic.add(counters, blk, 1) == nsplit - 1 else 0
+            cuda.syncthreads()
+            if last[0] == 1:
+                for r in range(RB):
+                    rb = rb0 + r
+                    row = rb * 32 + lane
+                    if rb < rbs:
+                        for bb in range(B):
+                            s = float32(0.0)
+                            for sp in range(nsplit):
+                                s += load_cg(ws, sp, bb, row)
+                            if row < n_out:
+                                y[bb, row] = s
+                if tid == 0:
+                    counters[blk] = 0
+
+    return stage_x, finish
+
+
 def _chunk_source(b: int) -> str:
     """chunk_dot: one vec() call for each of a chunk's 32 vectors, every bit offset a literal."""
     lines = ["def chunk_dot(ring, s, mainq, dyn_i, xs, xo, ncols, acc, wv):"]
@@ -497,7 +608,7 @@ def _chunk_source(b: int) -> str:
 
 
 def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: bool, norm: bool):
-    """The fused residual-VQ GEMV for one codebook configuration, batch and plan shape (compiled on first use).
+    """The "gather" residual-VQ GEMV (v1): every vector's weights rebuilt from two 16-byte codebook reads.
 
     Grid (row-groups, K-slices); a block has ``warps`` warps, warp w owning row-blocks
     (blk * warps + w) * RB ... + RB - 1 over the block's K-slice of ``cps`` chunks.
@@ -509,7 +620,6 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     key = ("residual", Nm, Nr, B, warps, RB, main_shared, norm)
     if key in _kernel_cache:
         return _kernel_cache[key]
-    from .gemv import load_cg
 
     bm, br = index_bits(Nm, Nr)
     WPC = bm + br  # words a chunk of one row
@@ -528,6 +638,7 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     bred_size = B * 32 if norm else 1
     ring_size, rbuf_size, wv_size = 2 * nreg, RQ * 4, 8 * RB  # local array sizes must be literals
     zero = int32(0)
+    stage_x, finish = _common_device_functions(B, nt, RB, norm)
 
     @cuda.jit(device=True)
     def vec(ring, s, j, sh, straddle, i, mainq, dyn_i, xs, xo, ncols, acc, wv):
@@ -589,12 +700,9 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
         xs = cuda.shared.array(0, float32)  # the same memory (dynamic shared arrays alias)
         tid = cuda.threadIdx.x
         warp = tid // 32
-        lane = cuda.laneid
         blk = cuda.blockIdx.x
         rb0 = (blk * warps + warp) * RB
-        split = cuda.blockIdx.y
-        nsplit = cuda.gridDim.y
-        j0 = split * cps
+        j0 = cuda.blockIdx.y * cps
         j1 = min(j0 + cps, nchunks)
         ncols = (j1 - j0) * CHUNK
 
@@ -626,39 +734,8 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
                 o = ROFF + q * 4
                 dyn_i[o], dyn_i[o + 1], dyn_i[o + 2], dyn_i[o + 3] = rbuf[4 * i], rbuf[4 * i + 1], rbuf[4 * i + 2], rbuf[4 * i + 3]
 
-        # This block's slice of x -> fp32 (times scale), 8 values a 16-byte load; bias . x partials.
-        xq = ncols // 8
-        xbase = j0 * (CHUNK // 2)
         pb = cuda.local.array(B, float32)
-        for bb in range(B):
-            pb[bb] = 0.0
-        for t in range(tid, B * xq, nt):
-            bb = t // xq
-            q = t - bb * xq
-            w0, w1, w2, w3 = load16(x32[bb], xbase + q * 4)
-            o = XOFF + bb * ncols + q * 8
-            v0, v1 = half2_to_float2(w0)
-            v2, v3 = half2_to_float2(w1)
-            v4, v5 = half2_to_float2(w2)
-            v6, v7 = half2_to_float2(w3)
-            if norm:
-                s0, s1, s2, s3 = load16(sc32, xbase + q * 4)
-                e0, e1, e2, e3 = load16(bi32, xbase + q * 4)
-                g0, g1 = half2_to_float2(e0)
-                g2, g3 = half2_to_float2(e1)
-                g4, g5 = half2_to_float2(e2)
-                g6, g7 = half2_to_float2(e3)
-                pb[bb] += g0 * v0 + g1 * v1 + g2 * v2 + g3 * v3 + g4 * v4 + g5 * v5 + g6 * v6 + g7 * v7
-                h0, h1 = half2_to_float2(s0)
-                h2, h3 = half2_to_float2(s1)
-                h4, h5 = half2_to_float2(s2)
-                h6, h7 = half2_to_float2(s3)
-                v0, v1, v2, v3, v4, v5, v6, v7 = v0 * h0, v1 * h1, v2 * h2, v3 * h3, v4 * h4, v5 * h5, v6 * h6, v7 * h7
-            xs[o], xs[o + 1], xs[o + 2], xs[o + 3] = v0, v1, v2, v3
-            xs[o + 4], xs[o + 5], xs[o + 6], xs[o + 7] = v4, v5, v6, v7
-        if norm:
-            for bb in range(B):
-                bpart[bb * nt + tid] = pb[bb]
+        stage_x(x32, sc32, bi32, xs, XOFF, j0 * CHUNK, ncols, pb, tid)
         cuda.syncthreads()
 
         acc = cuda.local.array(nacc, float32)
@@ -674,49 +751,187 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
                 if j < j1:
                     chunk_dot(ring, s * nreg, mainq, dyn_i, xs, XOFF + (j - j0) * CHUNK, ncols, acc, wv)
                 j += 1
+        finish(acc, pb, bpart, bred, last, y, ws, counters, rb0, rbs, n_out, tid)
 
-        if norm:  # dot(bias, x) over this K-slice, the same for every row: warp 0 folds nt partials to 32
-            if warp == 0:
-                for bb in range(B):
-                    s = float32(0.0)
-                    for t in range(lane, nt, 32):
-                        s += bpart[bb * nt + t]
-                    bred[bb * 32 + lane] = s
-            cuda.syncthreads()
-            for bb in range(B):
-                s = float32(0.0)
-                for t in range(32):
-                    s += bred[bb * 32 + t]
-                for r in range(RB):
-                    acc[r * B + bb] += s
+    _kernel_cache[key] = kernel
+    return kernel
+
+
+def _table_source(b: int, G: int) -> str:
+    """chunk_steps: the table steps of one chunk, every word index and bit offset a literal."""
+    lines = ["def chunk_steps(j, q0, q1, ncols, wreg, tiled, rb0, rbs, nchunks, tab, tabi, cbm, cbr, xv, acc, tid):"]
+    for s, (w_lo, nw, fields) in enumerate(_step_layout(b, G)):
+        lines += [f"    q = j * {VECS_PER_CHUNK // G} + {s}",
+                  "    if q >= q0 and q < q1:",
+                  f"        load_words(wreg, tiled, rb0, rbs, nchunks, j, {w_lo}, {nw})",
+                  "        cuda.syncthreads()",
+                  "        build(tab, tabi, cbm, cbr, xv, (q - q0) * G8, ncols, tid)",
+                  "        cuda.syncthreads()"]
+        lines += [f"        look(wreg, {rel}, {sh}, {int(st)}, {gi}, tab, acc)" for gi, (rel, sh, st) in enumerate(fields)]
+    return "\n".join(lines) + "\n"
+
+
+def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int, norm: bool, cb_shared: bool = False):
+    """The "table" residual-VQ GEMV (v2): lookups of dot products instead of codebook vectors.
+
+    The K-slice of a block is walked in steps of G vectors (8G input columns). Each step, every
+    thread of the block computes its share of the table T[b][g][c] = dot(x[b, group g], codebook
+    entry c) for the G groups and every main and residual entry, then a lane's row costs one 4-byte
+    table read per index and an add a vector: two shared loads where the gather kernel needed two
+    16-byte gathers, eight conversions and eight multiply-adds a batch row. The table is
+    B x G x (Nm + Nr) fp32 (64 KiB for 4096 + 256 at G = 4), so it is rebuilt for every step, and
+    a block owns many rows (warps x RB x 32) to spread that cost.
+
+    The main codebook is loaded once a block, into registers (Nm / threads entries a thread: ptxas
+    keeps them converted to fp32, 8 registers an entry, so only up to 8 entries a thread fit) or,
+    with ``cb_shared``, into shared memory (one 16-byte read an entry a step); the residual codebook
+    always sits in registers.
+
+    Grid (row-groups, K-slices); K-slices are ``sps`` steps long (not whole chunks: small layers
+    spread over more SMs). The index words a step needs (at most ceil(8 G b / 32) + 1 a row)
+    load before the step's table is built, so their latency hides behind the build.
+    Arguments as :func:`residual_kernel`, with ``sps`` (steps a K-slice) in place of ``cps``.
+    """
+    key = ("residual-table", Nm, Nr, B, warps, RB, G, norm, cb_shared)
+    if key in _kernel_cache:
+        return _kernel_cache[key]
+    if G not in TABLE_STEPS:
+        raise ValueError(f"G (groups a table step) must be one of {TABLE_STEPS}, got {G}")
+    bm, br = index_bits(Nm, Nr)
+    WPC = bm + br
+    layout = _step_layout(WPC, G)
+    WS = max(nw for _, nw, _ in layout)  # words a row a step, at most
+    nt = warps * 32
+    nper = -(-Nm // nt)  # main entries a thread (registers: 4 words each)
+    rper = -(-Nr // nt)
+    TS = Nm + Nr  # table stride a (batch row, group)
+    CBW = 4 * Nm if cb_shared else 0  # [main codebook (fp16 pairs as int32) if shared][tables][x slice], 4-byte units
+    XOFF = CBW + B * G * TS
+    MMASK4 = uint32((Nm - 1) << 2)
+    RMASK4 = uint32((Nr - 1) << 2)
+    RSHIFT = uint32(bm - 2)
+    NMB = uint32(Nm * 4)
+    bpart_size = B * nt if norm else 1
+    bred_size = B * 32 if norm else 1
+    cbm_size = 1 if cb_shared else 4 * nper  # local array sizes must be literals
+    cbr_size, acc_size, wreg_size, xv_size = 4 * rper, RB * B, RB * WS, 8 * G
+    zero = int32(0)
+    stage_x, finish = _common_device_functions(B, nt, RB, norm)
+
+    @cuda.jit(device=True, **_INLINE)
+    def load_words(wreg, tiled, rb0, rbs, nchunks, j, w_lo, nw):
+        lane = cuda.laneid
         for r in range(RB):
-            rb = rb0 + r
-            row = rb * 32 + lane
+            ok = rb0 + r < rbs
+            base = ((rb0 + r) * nchunks + j) * (WPC * 32) + w_lo * 32 + lane
+            for q in range(nw):
+                wreg[r * WS + q] = tiled[base + q * 32] if ok else zero
+
+    @cuda.jit(device=True, **_INLINE)
+    def dot8(w0, w1, w2, w3, xv, g):
+        c0, c1 = half2_to_float2(w0)
+        c2, c3 = half2_to_float2(w1)
+        c4, c5 = half2_to_float2(w2)
+        c6, c7 = half2_to_float2(w3)
+        o = 8 * g
+        v = xv[o] * c0
+        v = cuda.fma(xv[o + 1], c1, v)
+        v = cuda.fma(xv[o + 2], c2, v)
+        v = cuda.fma(xv[o + 3], c3, v)
+        v = cuda.fma(xv[o + 4], c4, v)
+        v = cuda.fma(xv[o + 5], c5, v)
+        v = cuda.fma(xv[o + 6], c6, v)
+        return cuda.fma(xv[o + 7], c7, v)
+
+    @cuda.jit(device=True, **_INLINE)
+    def build(tab, tabi, cbm, cbr, xv, xo, ncols, tid):
+        # This step's G groups of x (already scaled under a norm) into registers, once a batch row;
+        # then thread tid writes entries tid, tid + nt, ...: consecutive lanes, consecutive banks.
+        for bb in range(B):
+            for g in range(G):
+                o = XOFF + bb * ncols + xo + 8 * g
+                xv[8 * g], xv[8 * g + 1], xv[8 * g + 2], xv[8 * g + 3] = sload4(tab, o)
+                xv[8 * g + 4], xv[8 * g + 5], xv[8 * g + 6], xv[8 * g + 7] = sload4(tab, o + 4)
+            for k in range(nper):
+                c = tid + k * nt
+                if c < Nm:
+                    if cb_shared:
+                        w0, w1, w2, w3 = sload4(tabi, 4 * c)
+                    else:
+                        w0, w1, w2, w3 = cbm[4 * k], cbm[4 * k + 1], cbm[4 * k + 2], cbm[4 * k + 3]
+                    for g in range(G):
+                        tab[CBW + (bb * G + g) * TS + c] = dot8(w0, w1, w2, w3, xv, g)
+            for k in range(rper):
+                c = tid + k * nt
+                if c < Nr:
+                    for g in range(G):
+                        tab[CBW + (bb * G + g) * TS + Nm + c] = dot8(cbr[4 * k], cbr[4 * k + 1], cbr[4 * k + 2], cbr[4 * k + 3], xv, g)
+
+    @cuda.jit(device=True, **_INLINE)
+    def look(wreg, q, sh, straddle, gi, tab, acc):
+        # Vector gi of the step: its field starts at bit sh of the step's word q.
+        for r in range(RB):
+            lo = uint32(wreg[r * WS + q])
+            if straddle:
+                f = (lo >> uint32(sh)) | (uint32(wreg[r * WS + q + 1]) << uint32(32 - sh))
+            else:
+                f = lo >> uint32(sh)
+            om = (f << uint32(2)) & MMASK4  # byte offsets of the two table entries
+            orr = (f >> RSHIFT) & RMASK4
             for bb in range(B):
-                if nsplit == 1:
-                    if row < n_out:
-                        y[bb, row] = acc[r * B + bb]
-                elif rb < rbs:
-                    ws[split, bb, row] = acc[r * B + bb]
-        if nsplit > 1:
-            cuda.threadfence()
-            cuda.syncthreads()
-            if tid == 0:
-                last[0] = 1 if cuda.atomic.add(counters, blk, 1) == nsplit - 1 else 0
-            cuda.syncthreads()
-            if last[0] == 1:
-                for r in range(RB):
-                    rb = rb0 + r
-                    row = rb * 32 + lane
-                    if rb < rbs:
-                        for bb in range(B):
-                            s = float32(0.0)
-                            for sp in range(nsplit):
-                                s += load_cg(ws, sp, bb, row)
-                            if row < n_out:
-                                y[bb, row] = s
-                if tid == 0:
-                    counters[blk] = 0
+                base = uint32((CBW + (bb * G + gi) * TS) * 4)
+                acc[r * B + bb] += load_byte_offset(tab, base + om) + load_byte_offset(tab, base + NMB + orr)
+
+    ns = {"cuda": cuda, "load_words": load_words, "build": build, "look": look, "G8": 8 * G}
+    exec(compile(_table_source(WPC, G), f"<residual chunk_steps b={WPC} G={G}>", "exec"), ns)
+    chunk_steps = cuda.jit(device=True, **_INLINE)(ns["chunk_steps"])
+    spc = VECS_PER_CHUNK // G
+
+    @cuda.jit(**({} if SIM else {"launch_bounds": (nt,)}))  # ptxas keeps to 65536 / nt registers a thread
+    def kernel(x32, tiled, mainq, resq, sc32, bi32, y, ws, counters, n_out, rbs, nchunks, sps):
+        bpart = cuda.shared.array(bpart_size, float32)
+        bred = cuda.shared.array(bred_size, float32)
+        last = cuda.shared.array(1, int32)
+        tab = cuda.shared.array(0, float32)  # [main codebook if shared][B][G][Nm + Nr] table, then the B x K-slice of x
+        tabi = cuda.shared.array(0, int32)  # the same memory
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        rb0 = (cuda.blockIdx.x * warps + warp) * RB
+        nsteps = nchunks * spc
+        q0 = cuda.blockIdx.y * sps
+        q1 = min(q0 + sps, nsteps)
+
+        # The codebooks, once a block: entry c = tid + k * nt is thread tid's k-th.
+        cbm = cuda.local.array(cbm_size, int32)
+        for k in range(nper):
+            c = tid + k * nt
+            if c < Nm:
+                w0, w1, w2, w3 = load16(mainq, 4 * c)
+                if cb_shared:
+                    tabi[4 * c], tabi[4 * c + 1], tabi[4 * c + 2], tabi[4 * c + 3] = w0, w1, w2, w3
+                else:
+                    cbm[4 * k], cbm[4 * k + 1], cbm[4 * k + 2], cbm[4 * k + 3] = w0, w1, w2, w3
+        cbr = cuda.local.array(cbr_size, int32)
+        for k in range(rper):
+            c = tid + k * nt
+            if c < Nr:
+                cbr[4 * k], cbr[4 * k + 1], cbr[4 * k + 2], cbr[4 * k + 3] = load16(resq, 4 * c)
+
+        pb = cuda.local.array(B, float32)
+        ncols = (q1 - q0) * 8 * G
+        stage_x(x32, sc32, bi32, tab, XOFF, q0 * 8 * G, ncols, pb, tid)
+        # (the first step's barrier orders these stores before any read)
+
+        acc = cuda.local.array(acc_size, float32)
+        for i in range(acc_size):
+            acc[i] = 0.0
+        wreg = cuda.local.array(wreg_size, int32)
+        xv = cuda.local.array(xv_size, float32)
+        j = q0 // spc
+        while j * spc < q1:
+            chunk_steps(j, q0, q1, ncols, wreg, tiled, rb0, rbs, nchunks, tab, tabi, cbm, cbr, xv, acc, tid)
+            j += 1
+        finish(acc, pb, bpart, bred, last, y, ws, counters, rb0, rbs, n_out, tid)
 
     _kernel_cache[key] = kernel
     return kernel
@@ -726,15 +941,25 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
 MAIN_PLACEMENTS = ("shared", "global")
 
 
+KINDS = ("table", "gather")
+
+
 @dataclass
 class ResidualPlan:
     warps: int
     ksplit: int
-    cps: int  # chunks a K-slice
+    cps: int  # gather: chunks a K-slice; table: table steps a K-slice (G vectors a step)
     RB: int  # row-blocks a warp
-    main: str  # "shared" (staged by every block) or "global" (read through L1)
-    shared_bytes: int  # dynamic shared memory: main codebook if staged + residual codebook + B x K-slice of x (fp32)
+    main: str  # gather: "shared" (staged by every block) or "global" (read through L1); table: "registers"
+    shared_bytes: int  # dynamic shared memory (see plan_residual / plan_table)
     static_bytes: int
+    kind: str = "gather"
+    G: int = 0  # table: groups a step
+
+    def overrides(self) -> dict:
+        """The keyword arguments of :func:`plan_residual` that rebuild this plan (for ``ResidualGemv(plan=...)``)."""
+        d = dict(kind=self.kind, warps=self.warps, RB=self.RB, ksplit=self.ksplit, main=self.main)
+        return d | ({"G": self.G} if self.kind == "table" else {})
 
 
 def _static_bytes(Nr: int, B: int, warps: int, norm: bool) -> int:
@@ -746,10 +971,28 @@ def shared_budget(device) -> int:
 
 
 def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool = False, budget: int = OPTIN_SIM,
-                  warps: int | None = None, RB: int | None = None, ksplit: int | None = None, main: str | None = None) -> ResidualPlan:
-    """Grid shape for one layer. Without overrides: 4 warps, RB = 2 for batches up to 4, a K-split
-    giving about two blocks an SM, and the main codebook staged in shared memory only where a block
-    streams enough vectors to repay the staging. :meth:`ResidualGemv.tune` times candidates instead."""
+                  warps: int | None = None, RB: int | None = None, ksplit: int | None = None, main: str | None = None,
+                  kind: str | None = None, G: int | None = None) -> ResidualPlan:
+    """Grid shape for one layer. ``kind`` picks the kernel: "table" (:func:`residual_table_kernel`,
+    the default up to batch :data:`TABLE_MAX_BATCH`) or "gather" (:func:`residual_kernel`).
+
+    Gather, without overrides: 4 warps, RB = 2 for batches up to 4, a K-split giving about two
+    blocks an SM, and the main codebook staged in shared memory only where a block streams enough
+    vectors to repay the staging. :meth:`ResidualGemv.tune` times candidates instead."""
+    if kind is None and (G is not None or main == "registers"):
+        kind = "table"
+    if kind is None and main is None and B <= TABLE_MAX_BATCH:  # the table kernel where its table fits
+        try:
+            return plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ksplit)
+        except ValueError:
+            pass
+    kind = kind or "gather"  # main="shared" or "global" alone names the gather kernel's placement
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind == "table":
+        return plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ksplit, G=G, main=main)
+    if G is not None:
+        raise ValueError("G (groups a table step) is a table-kernel option")
     warps = warps or 4
     RB = RB or (2 if B <= 4 else 1)
     if warps not in (1, 2, 4, 8) or RB not in (1, 2):
@@ -777,25 +1020,96 @@ def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, 
     return ResidualPlan(warps, ksplit, cps, RB, main, dyn, static)
 
 
+TABLE_MAX_BATCH = 4  # the table is B x G x (Nm + Nr) fp32: past this the gather kernel is the default
+
+
+TABLE_PLACEMENTS = ("registers", "shared")  # where the table kernel keeps the main codebook
+
+
+def table_bytes(Nm: int, Nr: int, B: int, G: int, steps: int, main: str = "registers") -> int:
+    """Dynamic shared memory of a table-kernel block: the main codebook if in shared memory, the
+    tables, then the K-slice of x (fp32)."""
+    return (16 * Nm if main == "shared" else 0) + 4 * B * G * (Nm + Nr) + 4 * B * steps * 8 * G
+
+
+def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool = False, budget: int = OPTIN_SIM,
+               warps: int | None = None, RB: int | None = None, ksplit: int | None = None, G: int | None = None,
+               main: str | None = None) -> ResidualPlan:
+    """Table-kernel plan. Without overrides: 16 warps, the main codebook in registers where a
+    thread holds at most 8 entries (4096 centroids) and in shared memory otherwise, RB = 2 (1024
+    rows a block share each table; RB = 4 spills at 128 registers), G = 4 groups a step (2 for
+    8192 centroids), and a K-split, in steps, that gives about two blocks an SM."""
+    warps = warps or 16
+    if warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"warps must be a power of two from 1 to 32, got {warps}")
+    if main is None:
+        main = "registers" if Nm <= 8 * warps * 32 else "shared"
+    if G is None:  # 4 groups a step for 4096 centroids, 2 for 8192, fewer where a batch's tables do not fit
+        fits = [g for g in TABLE_STEPS if g <= (4 if Nm <= 4096 else 2) and table_bytes(Nm, Nr, B, g, 1, main) <= budget // 2]
+        G = max(fits) if fits else 1
+    if G not in TABLE_STEPS:
+        raise ValueError(f"G (groups a table step) must be one of {TABLE_STEPS}, got {G}")
+    rbs = -(-n_out // ROW_BLOCK)
+    if main not in TABLE_PLACEMENTS:
+        raise ValueError(f"the table kernel's main codebook goes in one of {TABLE_PLACEMENTS}, got {main!r}")
+    if RB is None:
+        RB = max(1, min(2, -(-rbs // warps)))
+    if RB not in (1, 2, 4):
+        raise ValueError(f"RB (row-blocks a warp) must be 1, 2 or 4, got {RB}")
+    static = _static_bytes(Nr, B, warps, norm)
+    if static > STATIC_LIMIT:
+        raise ValueError(f"batch {B} with {warps} warps needs {static} bytes of static shared memory (> {STATIC_LIMIT})")
+    nsteps = nchunks * VECS_PER_CHUNK // G
+    groups = -(-rbs // (warps * RB))
+    if ksplit is None:
+        ksplit = max(1, min(nsteps, math.ceil(2 * sms / groups)))
+    if ksplit < 1:
+        raise ValueError(f"ksplit must be positive, got {ksplit}")
+    sps = math.ceil(nsteps / min(ksplit, nsteps))
+    ksplit = math.ceil(nsteps / sps)
+    dyn = table_bytes(Nm, Nr, B, G, sps, main)
+    if static + dyn > budget:
+        raise ValueError(f"plan needs {static + dyn} bytes of shared memory (a {B} x {G} x {Nm + Nr} fp32 table and "
+                         f"{sps * 8 * G} columns of x, batch {B}); the block may use {budget}: lower G or raise ksplit")
+    return ResidualPlan(warps, ksplit, sps, RB, main, dyn, static, kind="table", G=G)
+
+
 def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool, budget: int) -> list[ResidualPlan]:
-    """What the tuner times: warps 4/8, RB 1/2, both main placements, a K-split ladder, grids of at most 16 blocks an SM."""
+    """What the tuner times. Table kernel (batches up to :data:`TABLE_MAX_BATCH`): the heuristic G and
+    half of it, RB 2 (and 4 with the codebook in shared memory), the heuristic K-split and half and
+    twice it: few kernels to compile, as each one takes seconds. Gather kernel (larger
+    batches): warps 4/8, RB 1/2, both main placements, a K-split ladder. Grids of at most 16 blocks an SM."""
     seen, out = set(), []
     rbs = -(-n_out // ROW_BLOCK)
-    for warps in (4, 8):
-        for RB in ((1, 2) if B <= 8 else (1,)):
-            for main in MAIN_PLACEMENTS:
-                for ks in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
-                    if ks > nchunks:
-                        continue
-                    try:
-                        p = plan_residual(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ks, main=main)
-                    except ValueError:
-                        continue
-                    blocks = -(-rbs // (warps * RB)) * p.ksplit
-                    k = (p.warps, p.RB, p.main, p.ksplit)
-                    if k not in seen and blocks <= 16 * sms:
-                        seen.add(k)
-                        out.append(p)
+
+    def add(**kw):
+        try:
+            p = plan_residual(n_out, nchunks, Nm, Nr, B, sms, norm, budget, **kw)
+        except ValueError:
+            return
+        blocks = -(-rbs // (p.warps * p.RB)) * p.ksplit
+        k = (p.kind, p.warps, p.RB, p.main, p.ksplit, p.G)
+        if k not in seen and blocks <= 16 * sms:
+            seen.add(k)
+            out.append(p)
+
+    if B <= TABLE_MAX_BATCH:
+        h = plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget)
+        for G in sorted({h.G, max(1, h.G // 2)}):
+            for RB in sorted({h.RB, 4 if h.main == "shared" else h.RB}):  # RB = 4 spills with the codebook in registers
+                try:
+                    k = plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget, G=G, RB=RB)
+                except ValueError:
+                    continue
+                for ks in sorted({k.ksplit, max(1, k.ksplit // 2), 2 * k.ksplit}):
+                    add(kind="table", RB=RB, G=G, ksplit=ks)
+    else:
+        for warps in (4, 8):
+            for RB in ((1, 2) if B <= 8 else (1,)):
+                for main in MAIN_PLACEMENTS:
+                    for ks in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
+                        if ks <= nchunks:
+                            add(kind="gather", warps=warps, RB=RB, main=main, ksplit=ks)
     return out or [plan_residual(n_out, nchunks, Nm, Nr, B, sms, norm, budget)]
 
 
@@ -855,7 +1169,10 @@ class ResidualGemv:
                              shared_budget(self.device), **over)
 
     def _launch_parts(self, B: int, plan: ResidualPlan) -> list:
-        kern = residual_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.main == "shared", self.norm)
+        if plan.kind == "table":
+            kern = residual_table_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.G, self.norm, plan.main == "shared")
+        else:
+            kern = residual_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.main == "shared", self.norm)
         groups = -(-self.rbs // (plan.warps * plan.RB))
         ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
         counters = torch.zeros(groups, dtype=torch.int32, device=self.device)
@@ -966,27 +1283,34 @@ def check_residual(n_in: int, n_out: int, Nm: int, Nr: int, batch: int, seed: in
 
 # Forced plans the sweep adds: every value of every knob at least once, few kernel variants to compile.
 FORCED_PLANS = (dict(main="shared", ksplit=1, RB=2, warps=4), dict(main="global", ksplit=3, RB=1, warps=8),
-                dict(main="shared", ksplit=3, RB=1, warps=8), dict(main="global", ksplit=1, RB=2, warps=4))
+                dict(main="shared", ksplit=3, RB=1, warps=8), dict(main="global", ksplit=1, RB=2, warps=4),
+                # the table kernel: every G but 8, both codebook placements, RB 1/2/4, uneven K-slices of steps
+                dict(kind="table", G=1, RB=1, warps=8, ksplit=7, main="shared"),
+                dict(kind="table", G=2, RB=4, warps=16, ksplit=3, main="shared"),
+                dict(kind="table", G=4, RB=2, warps=32, ksplit=2, main="registers"))
 
 
 def correctness_sweep(shapes, configs=((4096, 256), (8192, 512)), batches=(1, 2, 3, 8, 16), seed=0, norms=(False, True),
                       progress=True, device="cuda", tune: bool = False, forced: bool = True) -> list[dict]:
     """The kernel (heuristic plan, or tuned with ``tune=True``: slower, it compiles every candidate) on
-    every shape x config x batch x norm, plus :data:`FORCED_PLANS` at batch 3 on the first shape;
+    every shape x config x batch x norm, plus :data:`FORCED_PLANS` on the first shape (gather plans
+    at batch 3, table plans at batch 1: a table of 3 batch rows does not fit beside 8192 centroids);
     raises AssertionError listing every failure (tolerance 2e-3 of max |ref|)."""
     from tqdm.auto import tqdm
 
     jobs = [(s, c, b, nm, None) for s in shapes for c in configs for b in batches for nm in norms]
     if forced:  # every plan knob, each one a kernel to compile
-        jobs += [(shapes[0], c, 3, bool(k % 2) if len(norms) > 1 else norms[0], p) for c in configs for k, p in enumerate(FORCED_PLANS)]
+        jobs += [(shapes[0], c, 1 if p.get("kind") == "table" else 3, bool(k % 2) if len(norms) > 1 else norms[0], p)
+                 for c in configs for k, p in enumerate(FORCED_PLANS)]
     recs, failures = [], []
     for i, ((n_in, n_out), (Nm, Nr), b, nm, plan) in enumerate(tqdm(jobs, desc="residual correctness", disable=not progress)):
         try:
             err = check_residual(n_in, n_out, Nm, Nr, b, seed=seed + i, device=device, plan=plan, with_norm=nm, tune=tune)
             ok = err <= TOLERANCE
-        except (AssertionError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - a driver error names its plan and the sweep goes on
             err, ok = float("nan"), False
-            failures.append(str(e))
+            failures.append(str(e) if isinstance(e, AssertionError) else f"{type(e).__name__} at plan={plan} "
+                            f"batch={b} {n_in}x{n_out}: {e}")
         recs.append({"kernel": "residual", "main_centroids": Nm, "residual_centroids": Nr, "norm": nm, "batch": b,
                      "in_features": n_in, "out_features": n_out, "max_rel_err": err, "passed": ok,
                      "plan": str(plan) if plan else ("tuned" if tune else "heuristic")})
@@ -997,25 +1321,27 @@ def correctness_sweep(shapes, configs=((4096, 256), (8192, 512)), batches=(1, 2,
     return recs
 
 
-def time_residual(n_in: int, n_out: int, Nm: int, Nr: int, batch: int, fp16_ms: float, seed: int = 0, with_norm: bool = False) -> dict:
-    """CUDA-graph time of the tuned kernel over rotated copies of the words (past L2), as bench.time_lut."""
+def time_residual(n_in: int, n_out: int, Nm: int, Nr: int, batch: int, fp16_ms: float, seed: int = 0, with_norm: bool = False,
+                  plan: dict | None = None) -> dict:
+    """CUDA-graph time of the tuned kernel (or of ``plan``'s overrides) over rotated copies of the
+    words (past L2), as bench.time_lut; the same plan then checked on fresh inputs."""
     from .bench import copies_for, gemv_record, time_graph
 
     t = random_residual_tensor(n_out, n_in, Nm, Nr, seed=seed, device="cuda", with_norm=with_norm)
-    g = ResidualGemv(t)
+    g = ResidualGemv(t, plan=plan)
     del t
     x = torch.randn(batch, n_in, device="cuda", dtype=torch.float16)
     y = torch.empty(batch, n_out, device="cuda", dtype=torch.float16)
     copies = [g._tiled_t] + [g._tiled_t.clone() for _ in range(copies_for(g.weight_bytes) - 1)]
     launchers = [g.bind(x, y, tiled=_as_kernel_array(c)) for c in copies]
     ms = time_graph(launchers)
-    plan = g.plan(batch)
+    p = g.plan(batch)
     del launchers, copies, g
     torch.cuda.empty_cache()
-    err = check_residual(n_in, n_out, Nm, Nr, batch, seed=seed + 7, with_norm=with_norm)
+    err = check_residual(n_in, n_out, Nm, Nr, batch, seed=seed + 7, with_norm=with_norm, plan=p.overrides())
     bm, br = index_bits(Nm, Nr)
     nbytes = n_out * n_in * (bm + br) // 64 + (Nm + Nr) * 16 + (4 * n_in if with_norm else 0) + 2 * batch * (n_in + n_out)
     return gemv_record("residual", None, batch, n_in, n_out, ms, fp16_ms, nbytes, err,
                        scheme=f"residual VQ {Nm}+{Nr} (v=8)", main_centroids=Nm, residual_centroids=Nr, vector_len=VECTOR_LEN,
                        bits_per_weight=(nbytes - 2 * batch * (n_in + n_out)) * 8 / (n_in * n_out), norm=with_norm,
-                       ksplit=plan.ksplit, warps=plan.warps, rb=plan.RB, main_placement=plan.main)
+                       ksplit=p.ksplit, warps=p.warps, rb=p.RB, main_placement=p.main, variant=p.kind, G=p.G)
