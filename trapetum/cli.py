@@ -45,6 +45,17 @@ def _gemv(args) -> int:
     return 0
 
 
+VQ_PARTS = ("additive", "residual")
+
+
+def _parts(text: str) -> tuple[str, ...]:
+    parts = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in parts if p not in VQ_PARTS]
+    if bad or not parts:
+        raise argparse.ArgumentTypeError(f"parts must be a comma-separated subset of {','.join(VQ_PARTS)}, got {text!r}")
+    return parts
+
+
 def _vq(args) -> int:
     import torch
 
@@ -72,10 +83,12 @@ def _vq(args) -> int:
             with partial.open("a") as f:
                 f.write(json.dumps(r, default=str) + "\n")
 
-    checks, extra = [], {}
+    checks, extra = [], {"parts": list(args.parts)}
     sweeps = (("additive", lambda: additive.correctness_sweep([(1024, 1000), (4096, 4096)], batches=(1, 3), progress=not args.quiet)),
               ("residual", lambda: residual.correctness_sweep([(1024, 1000)], batches=(1, 3), forced=False, progress=not args.quiet)))
     for name, sweep in sweeps:
+        if name not in args.parts:
+            continue
         try:
             got = sweep()
         except Exception as e:  # noqa: BLE001 - recorded and shown; the timings still run, each with its own check
@@ -91,7 +104,7 @@ def _vq(args) -> int:
     print("copy bandwidth: " + ", ".join(f"{k} {v:.0f} GB/s" for k, v in copy.items()), flush=True)
     keep({"copy": copy})
     recs = []
-    if args.cuda_cpp:
+    if args.cuda_cpp and "additive" in args.parts:
         try:
             for r in bench.run_cuda_cpp(args.arch, program="gemv_additive_2bit"):
                 r["grid"] = "additive"
@@ -103,8 +116,11 @@ def _vq(args) -> int:
     grid = dict(bench.RESIDUAL_GRID)
     if args.quick:  # a corner of the grid, for a first look on a new GPU
         grid.update(in_features=(1024, 4096), out_features=(1024, 14336), mains=(4096,), residuals=(256,))
-    suite, suite_extra = bench.vq_suite(grid=grid, additive_shapes=bench.ADDITIVE_SHAPES[:3] if args.quick else bench.ADDITIVE_SHAPES,
-                                        aqlm=args.aqlm, progress=not args.quiet, on_record=keep)
+    if "residual" not in args.parts:
+        grid.update(in_features=())
+    shapes = (bench.ADDITIVE_SHAPES[:3] if args.quick else bench.ADDITIVE_SHAPES) if "additive" in args.parts else ()
+    suite, suite_extra = bench.vq_suite(grid=grid, additive_shapes=shapes, aqlm=args.aqlm and "additive" in args.parts,
+                                        progress=not args.quiet, on_record=keep)
     recs += suite
     extra.update(suite_extra)
     for r in recs:
@@ -140,6 +156,9 @@ def main(argv=None) -> int:
     v.add_argument("--no-aqlm", dest="aqlm", action="store_false", default=True,
                    help="skip the `aqlm` package's kernel (by default timed where it builds)")
     v.add_argument("--quick", action="store_true", help="a corner of the grid only")
+    v.add_argument("--parts", type=_parts, default=VQ_PARTS,
+                   help="comma-separated parts to measure: additive (table, CUDA C++, aqlm) and/or residual (the grid); "
+                        "the book shows each part's newest run")
     v.set_defaults(func=_vq)
     # generate / check / bench live in trapetum.decode; `trapetum generate ...` hands them over.
     for name in DECODE_COMMANDS:

@@ -491,7 +491,9 @@ def with_shared_limit(dispatcher, args, nbytes: int):
     argument types and raises the kernel's limit through the driver, as cudaFuncSetAttribute
     would. Call it once, outside any CUDA-graph capture.
     """
-    if SIM or nbytes <= SMEM_BUDGET:
+    # Static shared memory counts against the same 48 KiB default: a 48 KiB table beside a 4-byte
+    # static flag failed ("invalid argument") until this raised every limit above zero.
+    if SIM or nbytes <= 0:
         return dispatcher
     from numba.cuda.cudadrv.driver import binding, driver
 

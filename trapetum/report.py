@@ -810,14 +810,40 @@ LARGE_RESIDUAL = 4096 * 28672  # the grid's target region: in x out at least thi
 
 
 def load_vq(folder=None) -> pd.DataFrame:
-    """Every GPU's ``vq_gemv.json`` as one DataFrame (timings and checks); raises if there is none."""
+    """Every recorded ``vq_gemv*.json`` run as one DataFrame (timings and checks); raises if there is none.
+
+    A run may measure one part only (``trapetum vq --parts residual``), so per GPU and part (the
+    additive table, the residual grid, each kernel's correctness sweep, the fp16 baselines) the
+    newest run that has it wins; every row keeps its own run's fp16 time and provenance (``file``).
+    """
     root = _root(folder)
-    df = results.load(VQ, root)
+    df = results.load(VQ, root, every_run=True)
+    if not df.empty:
+        df["part"] = _vq_part(df)
+        newest = df.groupby(["gpu", "part"], dropna=False)["date"].transform("max")
+        df = df[df["date"] == newest].drop(columns="part").reset_index(drop=True)
     if df.empty:
         raise NoRecordedDataError(
             f"no GPU has recorded the vector-codebook measurements: found no {root}/<gpu>/{VQ}.json. "
             "Measure on a CUDA GPU with `trapetum vq` (or run notebooks/vq_gemv.ipynb with papermill), then rebuild the book.")
     df = _normalise(df)
+    df["gpu_label"] = df["gpu"].map(gpu_label)
+    return df
+
+
+def _vq_part(df: pd.DataFrame) -> pd.Series:
+    grid = df["grid"].astype(str)
+    kernel = df.get("kernel", pd.Series("", index=df.index)).astype(str)
+    return grid.where(grid != "correctness", "correctness " + kernel)
+
+
+def load_vq_runs(folder=None, grid: str = "residual") -> pd.DataFrame:
+    """One grid's records from every recorded run (kept-aside runs too), each with its run's commit:
+    for comparing kernel versions measured in different runs."""
+    df = results.load(VQ, _root(folder), every_run=True)
+    if df.empty:
+        return df
+    df = _normalise(df[df["grid"] == grid].copy())
     df["gpu_label"] = df["gpu"].map(gpu_label)
     return df
 

@@ -1020,6 +1020,7 @@ def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, 
     return ResidualPlan(warps, ksplit, cps, RB, main, dyn, static)
 
 
+TABLE_RB = (1, 2, 4, 8)  # row-blocks a warp in the table kernel (RB = 8 at 16 warps: 128 registers, no spills)
 TABLE_MAX_BATCH = 4  # the table is B x G x (Nm + Nr) fp32: past this the gather kernel is the default
 
 
@@ -1035,34 +1036,36 @@ def table_bytes(Nm: int, Nr: int, B: int, G: int, steps: int, main: str = "regis
 def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool = False, budget: int = OPTIN_SIM,
                warps: int | None = None, RB: int | None = None, ksplit: int | None = None, G: int | None = None,
                main: str | None = None) -> ResidualPlan:
-    """Table-kernel plan. Without overrides: 16 warps, the main codebook in registers where a
-    thread holds at most 8 entries (4096 centroids) and in shared memory otherwise, RB = 2 (1024
-    rows a block share each table; RB = 4 spills at 128 registers), G = 4 groups a step (2 for
-    8192 centroids), and a K-split, in steps, that gives about two blocks an SM."""
+    """Table-kernel plan. Without overrides: 16 warps, the main codebook in shared memory, RB up to
+    8 row-blocks a warp (4096 rows a block share each table: building a table costs (Nm + Nr) x 8
+    multiply-adds a step, so a vector-row pays (Nm + Nr) x 8 / rows of them; at RB = 2 that was 34,
+    as much as the gather kernel's whole vector), G = 2 groups a step (fewer where a batch's tables
+    do not fit), and a K-split, in steps, that gives about one wave of blocks (one 512-thread block
+    of 128 registers fills an SM's register file)."""
     warps = warps or 16
     if warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"warps must be a power of two from 1 to 32, got {warps}")
-    if main is None:
-        main = "registers" if Nm <= 8 * warps * 32 else "shared"
-    if G is None:  # 4 groups a step for 4096 centroids, 2 for 8192, fewer where a batch's tables do not fit
-        fits = [g for g in TABLE_STEPS if g <= (4 if Nm <= 4096 else 2) and table_bytes(Nm, Nr, B, g, 1, main) <= budget // 2]
+    main = main or "shared"
+    if main not in TABLE_PLACEMENTS:
+        raise ValueError(f"the table kernel's main codebook goes in one of {TABLE_PLACEMENTS}, got {main!r}")
+    if G is None:
+        fits = [g for g in TABLE_STEPS if g <= 2 and table_bytes(Nm, Nr, B, g, 1, main) <= budget - 8192]
         G = max(fits) if fits else 1
     if G not in TABLE_STEPS:
         raise ValueError(f"G (groups a table step) must be one of {TABLE_STEPS}, got {G}")
     rbs = -(-n_out // ROW_BLOCK)
-    if main not in TABLE_PLACEMENTS:
-        raise ValueError(f"the table kernel's main codebook goes in one of {TABLE_PLACEMENTS}, got {main!r}")
     if RB is None:
-        RB = max(1, min(2, -(-rbs // warps)))
-    if RB not in (1, 2, 4):
-        raise ValueError(f"RB (row-blocks a warp) must be 1, 2 or 4, got {RB}")
+        need = -(-rbs // warps)
+        RB = next(r for r in TABLE_RB if r >= min(need, TABLE_RB[-1]))
+    if RB not in TABLE_RB:
+        raise ValueError(f"RB (row-blocks a warp) must be one of {TABLE_RB}, got {RB}")
     static = _static_bytes(Nr, B, warps, norm)
     if static > STATIC_LIMIT:
         raise ValueError(f"batch {B} with {warps} warps needs {static} bytes of static shared memory (> {STATIC_LIMIT})")
     nsteps = nchunks * VECS_PER_CHUNK // G
     groups = -(-rbs // (warps * RB))
     if ksplit is None:
-        ksplit = max(1, min(nsteps, math.ceil(2 * sms / groups)))
+        ksplit = max(1, min(nsteps, math.ceil(sms / groups)))
     if ksplit < 1:
         raise ValueError(f"ksplit must be positive, got {ksplit}")
     sps = math.ceil(nsteps / min(ksplit, nsteps))
@@ -1075,9 +1078,8 @@ def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
 
 
 def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool, budget: int) -> list[ResidualPlan]:
-    """What the tuner times. Table kernel (batches up to :data:`TABLE_MAX_BATCH`): the heuristic G and
-    half of it, RB 2 (and 4 with the codebook in shared memory), the heuristic K-split and half and
-    twice it: few kernels to compile, as each one takes seconds. Gather kernel (larger
+    """What the tuner times. Table kernel (batches up to :data:`TABLE_MAX_BATCH`): the heuristic plan
+    with one, two and four waves of K-slices (one kernel: each takes ~10 s to compile). Gather kernel (larger
     batches): warps 4/8, RB 1/2, both main placements, a K-split ladder. Grids of at most 16 blocks an SM."""
     seen, out = set(), []
     rbs = -(-n_out // ROW_BLOCK)
@@ -1093,16 +1095,10 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
             seen.add(k)
             out.append(p)
 
-    if B <= TABLE_MAX_BATCH:
+    if B <= TABLE_MAX_BATCH:  # one kernel (the heuristic's), K-splits for one, two and four waves
         h = plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget)
-        for G in sorted({h.G, max(1, h.G // 2)}):
-            for RB in sorted({h.RB, 4 if h.main == "shared" else h.RB}):  # RB = 4 spills with the codebook in registers
-                try:
-                    k = plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget, G=G, RB=RB)
-                except ValueError:
-                    continue
-                for ks in sorted({k.ksplit, max(1, k.ksplit // 2), 2 * k.ksplit}):
-                    add(kind="table", RB=RB, G=G, ksplit=ks)
+        for ks in (h.ksplit, 2 * h.ksplit, 4 * h.ksplit):
+            add(kind="table", RB=h.RB, G=h.G, main=h.main, warps=h.warps, ksplit=ks)
     else:
         for warps in (4, 8):
             for RB in ((1, 2) if B <= 8 else (1,)):
