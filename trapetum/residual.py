@@ -1078,8 +1078,9 @@ def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
 
 
 def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool, budget: int) -> list[ResidualPlan]:
-    """What the tuner times. Table kernel (batches up to :data:`TABLE_MAX_BATCH`): the heuristic plan
-    with one, two and four waves of K-slices (one kernel: each takes ~10 s to compile). Gather kernel (larger
+    """What the tuner times. Batches up to :data:`TABLE_MAX_BATCH`: the table kernel's heuristic plan
+    with one, two and four waves of K-slices, its register-codebook variant at RB <= 2, and the
+    gather kernel's heuristic plan (three kernels: each takes seconds to compile). Gather kernel (larger
     batches): warps 4/8, RB 1/2, both main placements, a K-split ladder. Grids of at most 16 blocks an SM."""
     seen, out = set(), []
     rbs = -(-n_out // ROW_BLOCK)
@@ -1095,10 +1096,21 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
             seen.add(k)
             out.append(p)
 
-    if B <= TABLE_MAX_BATCH:  # one kernel (the heuristic's), K-splits for one, two and four waves
+    if B <= TABLE_MAX_BATCH:
+        # Measured (H100): the shared-codebook table with 4096 rows a table wins only at the largest
+        # layers; the register-codebook table at RB = 2 (no 64 KiB staging a block) and the gather
+        # kernel win at smaller ones. So all three compete: three kernels, K-splits of 1-4 waves.
         h = plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget)
         for ks in (h.ksplit, 2 * h.ksplit, 4 * h.ksplit):
             add(kind="table", RB=h.RB, G=h.G, main=h.main, warps=h.warps, ksplit=ks)
+        if Nm <= 8 * 16 * 32:  # 8 entries a thread of 16 warps: the codebook fits in registers
+            try:
+                r = plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget, main="registers", RB=min(2, h.RB))
+                for ks in (r.ksplit, 2 * r.ksplit):
+                    add(kind="table", RB=r.RB, G=r.G, main="registers", warps=r.warps, ksplit=ks)
+            except ValueError:
+                pass
+        add(kind="gather")
     else:
         for warps in (4, 8):
             for RB in ((1, 2) if B <= 8 else (1,)):
