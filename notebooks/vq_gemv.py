@@ -93,19 +93,35 @@ report.styled(report.residual_summary(df))
 # (its own H100, its own torch baseline). Look at where each row turns red: at which input and output
 # sizes does a kernel stop paying for its codebook traffic?
 
-# %% mystnb={"figure": {"caption": "Speedup over torch fp16 on the 120-config residual grid: ours (top, measured here) and VPTQ (bottom, reported by seed 000). Random weights.", "name": "fig-vq-heatmap"}}
+# %% mystnb={"figure": {"caption": "Speedup over torch fp16 on the 120-config residual grid: ours (top, measured here; blank cells were not reached by the run) and VPTQ (bottom, reported by seed 000). Random weights.", "name": "fig-vq-heatmap"}}
 report.fig_residual_heatmap(df)
 
 # %% [markdown]
-# **Why our residual kernel loses to fp16.** Each group of 8 weights costs two random 16-byte
-# reads from the codebooks in shared memory (main and residual), and random 16-byte reads from a
-# 32-bank shared memory collide: a warp's request takes several times the passes a conflict-free
-# one would. Counted per SM, those passes take longer than reading the packed indices from DRAM,
-# so the kernel is bound by shared memory, not by bandwidth: compare *median % of copy bandwidth*
-# above with the additive kernels below. The remedy we did not get to: turn the residual codebook
-# into a per-group table of dot products (one 4-byte lookup instead of a 16-byte read and eight
-# multiply-adds), and let a block own many rows of one K-slice so that table pays for itself.
-# The recorded run used the planner's heuristic plans for this kernel, untuned.
+# **Why our residual kernel loses to fp16, and what we tried.** The first kernel (*gather*)
+# rebuilds each group of 8 weights from two random 16-byte reads of the codebooks, and random
+# 16-byte reads from a 32-bank shared memory collide: a warp's request takes several times the
+# passes a conflict-free one would. Counted per SM those passes take longer than reading the
+# packed indices from DRAM, so the kernel is bound by shared memory, not by bandwidth: compare
+# *median % of copy bandwidth* above with the additive kernels below. The second kernel (*table*)
+# turns each step of 8G input columns into tables of dot products, one entry per codebook vector,
+# so a vector costs two 4-byte lookups and an add. But a table has Nm + Nr entries of eight
+# multiply-adds each, rebuilt every step, and it pays for itself only over thousands of rows:
+# it wins at the largest layers and loses badly at small ones. The recorded runs, oldest first
+# (each row its own run and fp16 times; the last run lets the tuner pick, per shape, among the
+# gather kernel, the table with the codebook in registers (1024 rows a table) and the table with
+# the codebook in shared memory (4096 rows); it stopped at its time limit before the grid's end):
+
+# %%
+report.styled(report.residual_versions(folder))
+
+# %% [markdown]
+# Which kernel the tuner chose, by output size (the newest run). Both table variants lose to the
+# VPTQ format's real cost: with Nm = 4096 or 8192 entries, a table is as large as the rows it
+# serves unless a block owns thousands of them, and the lookups themselves are random 4-byte
+# reads of shared memory, a few passes a warp. NOTES.md has each version's prediction and why it missed.
+
+# %%
+report.styled(report.residual_choices(df))
 
 # %% [markdown]
 # The full grid in the seed's table format. *VPTQ speedup* columns are the seeds' torch time

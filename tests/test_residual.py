@@ -13,7 +13,7 @@ from trapetum import gemv
 from trapetum.bench import TOLERANCE
 from trapetum.codebook import CodebookFormatError
 from trapetum.gemv import max_rel_err
-from trapetum.residual import (ResidualGemv, ResidualTensor, pack_indices, plan_residual, quantize_residual,
+from trapetum.residual import (ResidualGemv, ResidualTensor, candidate_plans, pack_indices, plan_residual, quantize_residual,
                                random_residual_tensor, reference, unpack_indices)
 
 pytestmark = pytest.mark.skipif(
@@ -51,6 +51,41 @@ def test_kernel_matches_float64_reference(Nm, Nr, norm, batch, n_out, n_in, plan
     p = g.plan(batch)
     assert (p.main, p.ksplit, p.RB, p.warps) == (plan["main"], plan["ksplit"], plan["RB"], plan["warps"])
     check(g, t, x_for(n_in, batch, seed=batch))
+
+
+@pytest.mark.parametrize(
+    "Nm, Nr, norm, n_out, n_in, plan",
+    [
+        # the tuner's large-layer plan: codebook in shared memory, 8 row-blocks a warp (the 8th partly
+        # padded), G = 2, an uneven K-split in steps (16 steps in slices of 6, 6, 4)
+        (4096, 256, True, 250, 256, dict(kind="table", warps=1, RB=8, G=2, main="shared", ksplit=3)),
+        # codebook in registers, one group a step, K-slices that start inside a chunk (64 steps by 5s)
+        (4096, 512, False, 32, 512, dict(kind="table", warps=1, RB=1, G=1, main="registers", ksplit=13)),
+    ],
+)
+def test_table_kernel_matches_float64_reference(Nm, Nr, norm, n_out, n_in, plan):
+    t = random_residual_tensor(n_out, n_in, Nm, Nr, seed=n_out, with_norm=norm)
+    g = ResidualGemv(t, plan=plan)
+    p = g.plan(1)
+    assert (p.kind, p.RB, p.G, p.main, p.ksplit) == ("table", plan["RB"], plan["G"], plan["main"], plan["ksplit"])
+    check(g, t, x_for(n_in, 1, seed=n_out))
+
+
+def test_the_planner_picks_the_table_kernel_where_its_table_fits():
+    kw = dict(sms=132, budget=227 * 1024)
+    p = plan_residual(28672, 16, 4096, 256, 1, **kw)
+    assert (p.kind, p.main, p.RB, p.G) == ("table", "shared", 8, 2)
+    assert p.shared_bytes == 4096 * 16 + 2 * 4352 * 4 + p.cps * 16 * 4  # codebook, tables, x slice
+    assert plan_residual(1024, 4, 4096, 256, 1, **kw).RB == 2  # 32 row-blocks over 16 warps
+    assert plan_residual(4096, 16, 8192, 512, 3, **kw).kind == "gather"  # 3 tables beside 128 KiB of codebook
+    assert plan_residual(4096, 16, 4096, 256, 8, **kw).kind == "gather"  # past TABLE_MAX_BATCH
+    assert plan_residual(4096, 16, 4096, 256, 1, main="shared", **kw).kind == "gather"  # as before the table kernel
+    for bad, match in ((dict(G=3), "G"), (dict(kind="table", RB=3), "RB"), (dict(kind="table", main="global"), "main codebook"),
+                       (dict(kind="bogus"), "kind"), (dict(kind="gather", G=2), "table-kernel option")):
+        with pytest.raises(ValueError, match=match):
+            plan_residual(4096, 16, 4096, 256, 1, **bad, **kw)
+    kinds = {(c.kind, c.main) for c in candidate_plans(4096, 16, 4096, 256, 1, 132, False, 227 * 1024)}
+    assert kinds == {("table", "shared"), ("table", "registers"), ("gather", "global")}
 
 
 def test_k_split_counters_reset_so_the_launch_replays():

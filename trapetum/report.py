@@ -916,6 +916,50 @@ def residual_summary(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+RESIDUAL_VERSION_SHAPES = ((4096, 4096), (4096, 28672), (16384, 53248))
+
+
+def _residual_kernel_label(g: pd.DataFrame) -> str:
+    variants = set(g["variant"].dropna()) if "variant" in g else set()
+    if not variants:
+        return "gather (v1): codebook vectors rebuilt a group"
+    if variants == {"table"}:
+        return "table (v2): dot-product tables, 4096 rows a table"
+    return "per shape: " + " or ".join(sorted(variants)) + ", tuned"
+
+
+def residual_versions(folder=None, Nm: int = 4096, Nr: int = 256) -> pd.DataFrame:
+    """Every recorded run of the residual grid, oldest first: which kernel, how much of the grid it
+    covered, how often it beat fp16, its geometric mean, and its speedup at a few shapes (codebooks
+    Nm + Nr). Each run's own fp16 times; the commit says which code measured it."""
+    d = load_vq_runs(folder, "residual")
+    if d.empty:
+        return pd.DataFrame()
+    d = d[d["time_ms"].notna()]
+    rows = []
+    for (gpu, f), g in sorted(d.groupby(["gpu", "file"]), key=lambda kv: str(kv[1]["date"].iloc[0])):
+        r = {"GPU": gpu_label(gpu), "commit": g["git_commit"].iloc[0], "date": str(g["date"].iloc[0])[:16],
+             "kernel": _residual_kernel_label(g), "configs": len(g), "faster than fp16": int((g["speedup"] > 1).sum()),
+             "geometric-mean speedup": _geomean(g["speedup"])}
+        c = g[(g["main_centroids"].astype(int) == Nm) & (g["residual_centroids"].astype(int) == Nr)]
+        for n_in, n_out in RESIDUAL_VERSION_SHAPES:
+            v = c[(c["in_features"].astype(int) == n_in) & (c["out_features"].astype(int) == n_out)]["speedup"]
+            r[f"{n_in} x {n_out} ({Nm}+{Nr})"] = float(v.iloc[0]) if len(v) else np.nan
+        rows.append(r)
+    return pd.DataFrame(rows)
+
+
+def residual_choices(df: pd.DataFrame) -> pd.DataFrame:
+    """How often the tuner picked each residual kernel and placement, by output size (newest run)."""
+    d = _residual(df)
+    if "variant" not in d:
+        return pd.DataFrame()
+    d["kernel chosen"] = d["variant"].fillna("gather") + ", codebook in " + d["main_placement"].astype(str)
+    t = d.pivot_table(index="kernel chosen", columns="out_features", values="speedup", aggfunc="size", fill_value=0)
+    t.columns = [f"out {c}" for c in t.columns]
+    return t.reset_index()
+
+
 def fig_residual_heatmap(df: pd.DataFrame, gpu: str | None = None) -> Figure:
     """Speedup over fp16 on the grid: ours (top row) and VPTQ as seed 000 reports it (bottom)."""
     d = _residual(df)
@@ -989,11 +1033,13 @@ def additive_side_by_side(df: pd.DataFrame, scheme: str = "2-bit additive (M=2)"
 
 
 def vq_run_notes(folder=None) -> pd.DataFrame:
-    """What each GPU's ``vq_gemv.json`` provenance says went wrong or was left out (failed sweeps, skipped peers)."""
+    """What the provenance of each run the chapter shows says went wrong or was left out (failed
+    sweeps, skipped peers, a run stopped part way)."""
     rows = []
-    for path in sorted(_root(folder).glob(f"*/{VQ}.json")):
+    root = _root(folder)
+    for f in sorted(load_vq(folder)["file"].unique()):  # every run the chapter shows a part of
+        path = root / f
         prov, _ = results.read(path)
-        f = f"{path.parent.name}/{path.name}"
         for key in sorted(prov):
             if key.endswith("_failures") or key in ("failures", "aqlm_package", "cuda_cpp_error", "partial"):
                 v = prov[key]
