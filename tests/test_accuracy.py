@@ -145,6 +145,39 @@ def test_awq_scale_search_reduces_output_error():
     assert e_full <= e_scale * 1.001  # ratio 1.0 is on the clip grid
 
 
+def test_rtn_lsq_refits_each_groups_grid_by_least_squares():
+    X, H = correlated_inputs()
+    W = torch.randn(128, 256) * 0.02
+    W[:3, :64] = 0.01  # constant groups: all codes equal, no unique (step, min); must stay finite
+    g = 64
+    q_rtn, q = P.rtn(W, group_size=g), P.rtn_lsq(W, H, group_size=g)
+    # per (row, group) output error on the group's own block of H never above RTN's, and well below in total
+    Hb = P._group_blocks(H, g)
+
+    def per(Q):
+        E = (W - Q.W_hat).reshape(128, -1, g)
+        return torch.einsum("rgi,gij,rgj->rg", E, Hb, E)
+
+    assert bool((per(q) <= per(q_rtn) * (1 + 1e-5) + 1e-12).all())
+    assert float(per(q).sum()) < 0.8 * float(per(q_rtn).sum())
+    assert torch.isfinite(q.W_hat).all() and torch.equal(q.W_hat[:3, :64], q_rtn.W_hat[:3, :64])
+    # with H = I the refit is the least-squares line through (code, weight): a skewed group gets a
+    # better grid than min-max RTN, still 2**bits levels
+    row = torch.linspace(-1, 1, g)[None] ** 3
+    one = P.rtn_lsq(row, torch.eye(g), group_size=g, bits=2, iters=1).W_hat
+    levels = one.unique()
+    assert len(levels) <= 4
+    assert float(((row - one) ** 2).sum()) < float(((row - P.rtn(row, group_size=g, bits=2).W_hat) ** 2).sum())
+    # without statistics (or with iters=0) it is RTN; same storage as RTN
+    assert torch.equal(P.rtn_lsq(W, group_size=g).W_hat, q_rtn.W_hat)
+    assert torch.equal(P.rtn_lsq(W, H, group_size=g, iters=0).W_hat, q_rtn.W_hat)
+    assert q.bits == q_rtn.bits
+    with pytest.raises(P.SchemeError, match="does not divide"):
+        P.rtn_lsq(W, H, group_size=96)
+    with pytest.raises(P.SchemeError, match="calibrated"):
+        P.quantize(tiny_llama(), "awq-lsq", group_size=32)
+
+
 def test_activation_aware_kmeans_lowers_weighted_error():
     X, H = correlated_inputs()
     W = torch.randn(64, 256) * 0.02

@@ -8,6 +8,8 @@ from smaller ones:
 * :func:`rtn` round-to-nearest, asymmetric, per group (fp16 scale and min, as GGUF Q4_1);
 * :func:`kmeans` scalar k-means per output channel (K = 2**bits, fp16 codebook per row),
   optionally importance-weighted by diag(H) (activation-aware calibration);
+* :func:`rtn_lsq` RTN whose per-group step and min are then refit by least squares on the
+  calibration statistics (GPTVQ's codebook update, for an affine grid);
 * :func:`awq` the AWQ recipe around any quantizer: per-input-channel scale search, then clip
   search (Lin et al. 2023);
 * :func:`incoherent` randomized Hadamard rotation of both sides around any quantizer
@@ -101,6 +103,57 @@ def rtn(W: torch.Tensor, H: torch.Tensor | None = None, *, bits: int = 4, group_
     d, m = _rtn_grid(Wg, bits, ratio)
     W_hat = _rtn_apply(Wg, d, m, bits).reshape(out, n)
     return Quantized(W_hat, W.numel() * bits + out * (n // group_size) * 32)
+
+
+def _group_blocks(H: torch.Tensor, g: int) -> torch.Tensor:
+    """The diagonal blocks of H, one per group of g inputs: (n // g, g, g); each group's own share of the output error."""
+    return torch.stack([H[j * g : (j + 1) * g, j * g : (j + 1) * g] for j in range(H.shape[0] // g)])
+
+
+def rtn_lsq(W: torch.Tensor, H: torch.Tensor | None = None, *, bits: int = 4, group_size: int = 128, ratio=1.0, iters: int = 2) -> Quantized:
+    """RTN per group, then each group's (step, min) refit to its codes by least squares, and re-rounded, ``iters`` times.
+
+    For fixed codes q the output error of one (row, group) is (w - d q - m)^T H_g (w - d q - m),
+    H_g the group's diagonal block of H: a 2 x 2 linear system in (d, m), the affine-grid
+    version of GPTVQ's codebook update (see refit_codebook). Each round solves it, rounds d and
+    m to fp16, re-rounds w onto the new grid, and keeps the new grid of a group only where its
+    error fell (so it never does worse than RTN on the calibration statistics). Same storage as
+    :func:`rtn`. Without H it is :func:`rtn`.
+    """
+    out, n = W.shape
+    _check_group(n, group_size)
+    G, g, maxq = n // group_size, group_size, 2**bits - 1
+    Wg = W.float().reshape(out, G, g)
+    if torch.is_tensor(ratio):
+        ratio = ratio.reshape(out, G, 1)
+    d, m = _rtn_grid(Wg, bits, ratio)
+    q = torch.clamp(torch.round((Wg - m) / d), 0, maxq)
+    if H is not None and iters > 0:
+        Hb = _group_blocks(H.float(), g)  # G, g, g
+        h1 = Hb.sum(-1)  # H_g 1
+        s11 = h1.sum(-1)  # 1^T H_g 1
+
+        def err(q, d, m):
+            E = Wg - q * d - m
+            return torch.einsum("rgi,gij,rgj->rg", E, Hb, E)
+
+        best = err(q, d, m)
+        for _ in range(iters):
+            Hq = torch.einsum("gij,rgj->rgi", Hb, q)
+            sqq, sq1 = (Hq * q).sum(-1), (h1 * q).sum(-1)
+            sqw, s1w = (Hq * Wg).sum(-1), (h1 * Wg).sum(-1)
+            det = sqq * s11 - sq1 * sq1
+            ok = det > 1e-12 * (sqq * s11).clamp_min(1e-30)  # a group whose codes are all equal has no unique fit
+            safe = torch.where(ok, det, torch.ones_like(det))
+            d_new = torch.where(ok, (sqw * s11 - sq1 * s1w) / safe, d[..., 0])
+            m_new = torch.where(ok, (sqq * s1w - sq1 * sqw) / safe, m[..., 0])
+            d_new, m_new = _fp16(d_new.clamp_min(1e-8))[..., None], _fp16(m_new)[..., None]
+            q_new = torch.clamp(torch.round((Wg - m_new) / d_new), 0, maxq)
+            e = err(q_new, d_new, m_new)
+            better = (e < best)[..., None]
+            d, m, q = torch.where(better, d_new, d), torch.where(better, m_new, m), torch.where(better, q_new, q)
+            best = torch.minimum(e, best)
+    return Quantized((q * d + m).reshape(out, n), W.numel() * bits + out * G * 32)
 
 
 # --------------------------------------------------------------------------- k-means codebooks
@@ -244,7 +297,7 @@ def _clip_ratios(W, H, inner, grid, group_size) -> torch.Tensor:
     g = group_size or n
     _check_group(n, g)
     G = n // g
-    Hb = torch.stack([H[j * g : (j + 1) * g, j * g : (j + 1) * g] for j in range(G)])  # each group's own output
+    Hb = _group_blocks(H, g)  # each group's own output
     best_err = best_r = None
     for r in grid:
         E = (W - inner(_clip(W, r, g), H).W_hat).reshape(out, G, g)
@@ -610,6 +663,11 @@ SCHEMES: dict[str, Scheme] = {
                lambda bits, group_size, n_grid: functools.partial(
                    awq, inner=functools.partial(rtn, bits=bits, group_size=group_size), n_grid=n_grid, group_size=group_size),
                dict(bits=4, group_size=128, n_grid=20), calibrated=True),
+        Scheme("awq-lsq", "AWQ (scale + clip search) with RTN per group, each group's step and min refit by least squares",
+               lambda bits, group_size, n_grid, iters: functools.partial(
+                   awq, inner=functools.partial(rtn_lsq, bits=bits, group_size=group_size, iters=iters), n_grid=n_grid,
+                   group_size=group_size),
+               dict(bits=4, group_size=128, n_grid=20, iters=2), calibrated=True),
         Scheme("gptq", "GPTQ with RTN per group",
                lambda bits, group_size, act_order: functools.partial(gptq, quantizer="rtn", bits=bits, group_size=group_size, act_order=act_order),
                dict(bits=4, group_size=128, act_order=True), calibrated=True),
