@@ -145,6 +145,18 @@ def test_awq_scale_search_reduces_output_error():
     assert e_full <= e_scale * 1.001  # ratio 1.0 is on the clip grid
 
 
+@pytest.mark.parametrize("quantizer", [P.rtn, P.rtn_lsq])
+def test_a_constant_group_is_kept_exactly_not_turned_into_nan(quantizer):
+    # The step of an all-zero group once clamped to 1e-8 and then rounded to 0 in fp16: 0 / 0.
+    W = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    W[1, :32] = 0.0
+    W[2, 32:] = 0.25
+    X = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
+    q = quantizer(W, X.T @ X, bits=4, group_size=32)
+    assert torch.isfinite(q.W_hat).all()
+    assert (q.W_hat[1, :32] == 0).all() and (q.W_hat[2, 32:] == 0.25).all()
+
+
 def test_rtn_lsq_refits_each_groups_grid_by_least_squares():
     X, H = correlated_inputs()
     W = torch.randn(128, 256) * 0.02

@@ -74,6 +74,11 @@ def _fp16(t: torch.Tensor) -> torch.Tensor:
     return t.half().float()
 
 
+# The smallest normal fp16: a step is clamped after its fp16 rounding, since a step clamped before
+# (to 1e-8) rounds to 0 in fp16 and a constant group (all zeros, say) then divides 0 by 0.
+FP16_TINY = float(torch.finfo(torch.float16).tiny)
+
+
 # --------------------------------------------------------------------------- round to nearest
 
 
@@ -85,7 +90,7 @@ def _check_group(in_features: int, group_size: int) -> None:
 def _rtn_grid(Wg: torch.Tensor, bits: int, ratio: float | torch.Tensor = 1.0):
     lo = Wg.amin(-1, keepdim=True) * ratio
     hi = Wg.amax(-1, keepdim=True) * ratio
-    d = _fp16(((hi - lo) / (2**bits - 1)).clamp_min(1e-8))
+    d = _fp16((hi - lo) / (2**bits - 1)).clamp_min(FP16_TINY)
     return d, _fp16(lo)
 
 
@@ -147,7 +152,7 @@ def rtn_lsq(W: torch.Tensor, H: torch.Tensor | None = None, *, bits: int = 4, gr
             safe = torch.where(ok, det, torch.ones_like(det))
             d_new = torch.where(ok, (sqw * s11 - sq1 * s1w) / safe, d[..., 0])
             m_new = torch.where(ok, (sqq * s1w - sq1 * sqw) / safe, m[..., 0])
-            d_new, m_new = _fp16(d_new.clamp_min(1e-8))[..., None], _fp16(m_new)[..., None]
+            d_new, m_new = _fp16(d_new).clamp_min(FP16_TINY)[..., None], _fp16(m_new)[..., None]
             q_new = torch.clamp(torch.round((Wg - m_new) / d_new), 0, maxq)
             e = err(q_new, d_new, m_new)
             better = (e < best)[..., None]
