@@ -74,9 +74,10 @@ def _fp16(t: torch.Tensor) -> torch.Tensor:
     return t.half().float()
 
 
-# The smallest normal fp16: a step is clamped after its fp16 rounding, since a step clamped before
-# (to 1e-8) rounds to 0 in fp16 and a constant group (all zeros, say) then divides 0 by 0.
-FP16_TINY = float(torch.finfo(torch.float16).tiny)
+# The smallest positive fp16 (a subnormal): a step is clamped after its fp16 rounding, since a step
+# clamped before (to 1e-8) rounds to 0 in fp16 and a constant group (all zeros, say) then divides
+# 0 by 0. Any step that did not round to 0 is left as it was.
+FP16_TINY = 2.0**-24
 
 
 # --------------------------------------------------------------------------- round to nearest
