@@ -34,3 +34,20 @@ def test_generate_is_handed_to_trapetum_decode(capsys):
         cli.main(["generate", "--help"])
     assert e.value.code == 0
     assert "python -m trapetum.decode" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("parts", ["bogus", "residual,bogus", ","])
+def test_vq_parts_must_name_known_parts(parts, capsys):
+    from trapetum import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["vq", "--parts", parts])
+    assert e.value.code == 2
+    assert "additive,residual" in capsys.readouterr().err
+
+
+def test_vq_parts_parse():
+    from trapetum import cli
+
+    assert cli._parts("residual") == ("residual",)
+    assert cli._parts(" additive , residual ") == ("additive", "residual")
