@@ -35,12 +35,14 @@ from numba import cuda, float32, int32, uint32
 
 from .codebook import CHUNK_BYTES, ROW_BLOCK, CodebookFormatError, _sha, read_layer_file, untile
 from .gemv import (
+    INLINE,
     SIM,
     _as_kernel_array,
     check_activation,
     check_output,
     half2_to_float2,
     kernel_device,
+    last_to_finish,
     load16,
     load_byte_offset,
     load_cg,
@@ -630,7 +632,6 @@ CHUNK_LUT_BYTES = CHUNK_BYTES * K * 4  # fp32 table for one 16-byte chunk column
 _kernel_cache: dict = {}
 # Device functions that take the code ring must be inlined, or the ring goes to local memory.
 # (The simulator's jit has no such option.)
-_INLINE = {} if SIM else {"forceinline": True}
 
 
 def tile_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -681,7 +682,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int):
     zero = int32(0)
     mask = uint32(0x3FC)
 
-    @cuda.jit(device=True, **_INLINE)
+    @cuda.jit(device=True, **INLINE)
     def fetch(dst, off, tiled, rb, rbs, nchunks, j0, j1):
         base = (rb * nchunks * 32 + cuda.laneid) * 4
         for c in range(cps):
@@ -691,14 +692,14 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int):
             else:
                 dst[o], dst[o + 1], dst[o + 2], dst[o + 3] = zero, zero, zero, zero
 
-    @cuda.jit(device=True, **_INLINE)
+    @cuda.jit(device=True, **INLINE)
     def byte_offset(w, t):
         # Byte t of word w, times 4 (an fp32 table entry's byte offset): two integer ops.
         if t == 0:
             return (w << uint32(2)) & mask
         return (w >> uint32(8 * t - 2)) & mask
 
-    @cuda.jit(device=True, **_INLINE)
+    @cuda.jit(device=True, **INLINE)
     def sum_chunks(ring, off, lut, acc, j0, j1):
         for c in range(cps):
             if j0 + c < j1:
@@ -711,7 +712,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int):
                         for bb in range(bt):
                             acc[bb] += load_byte_offset(lut, uint32(((bb * G + c * gpc + gi) * M + m) * K * 4) + o)
 
-    @cuda.jit(device=True, **_INLINE)
+    @cuda.jit(device=True, **INLINE)
     def row_block(ring, cur, nxt, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out):
         # Prefetch the warp's next row-block into slot nxt, sum this one's (slot cur), then
         # 4. scale and write y, or this K-slice's partial.
@@ -796,24 +797,18 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int):
                 row_block(ring, regs, 0, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out)
                 r += warps
 
-        if nsplit > 1:
-            cuda.threadfence()
-            cuda.syncthreads()
-            cidx = cuda.blockIdx.x + cuda.gridDim.x * cuda.blockIdx.z
+        cidx = cuda.blockIdx.x + cuda.gridDim.x * cuda.blockIdx.z
+        if nsplit > 1 and last_to_finish(counters, cidx, nsplit, last, tid):
+            for i in range(tid, RB * 32 * bt, nt):
+                bb = i // (RB * 32)
+                row = rb0 * 32 + (i - bb * RB * 32)
+                if row < n_out and b0 + bb < B:
+                    v = float32(0.0)
+                    for sp in range(nsplit):
+                        v += load_cg(ws, sp, b0 + bb, row)
+                    y[b0 + bb, row] = v + float32(bias[row])
             if tid == 0:
-                last[0] = 1 if cuda.atomic.add(counters, cidx, 1) == nsplit - 1 else 0
-            cuda.syncthreads()
-            if last[0] == 1:
-                for i in range(tid, RB * 32 * bt, nt):
-                    bb = i // (RB * 32)
-                    row = rb0 * 32 + (i - bb * RB * 32)
-                    if row < n_out and b0 + bb < B:
-                        v = float32(0.0)
-                        for sp in range(nsplit):
-                            v += load_cg(ws, sp, b0 + bb, row)
-                        y[b0 + bb, row] = v + float32(bias[row])
-                if tid == 0:
-                    counters[cidx] = 0
+                counters[cidx] = 0
 
     _kernel_cache[key] = kernel
     return kernel

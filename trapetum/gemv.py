@@ -128,6 +128,25 @@ else:
         return cuda.ldcg(a, (int64(i), int64(j), int64(k)))
 
 
+INLINE = {} if SIM else {"forceinline": True}  # cuda.jit options of device functions that must inline
+
+
+@cuda.jit(device=True, **INLINE)
+def last_to_finish(counters, idx, nsplit, last, tid) -> bool:
+    """Whether this block is the last of the ``nsplit`` K-slices of output group ``idx`` to finish.
+
+    Every thread of the block must call it (it holds two barriers). The block's partials are made
+    visible first; counter ``idx`` counts finished K-slices, and the last block must reset it to 0
+    after its reduction so the launch replays in a CUDA graph. ``last``: a 1-element shared int32 array.
+    """
+    cuda.threadfence()
+    cuda.syncthreads()
+    if tid == 0:
+        last[0] = 1 if cuda.atomic.add(counters, idx, 1) == nsplit - 1 else 0
+    cuda.syncthreads()
+    return last[0] == 1
+
+
 @cuda.jit(device=True)
 def load4(a, i):
     return a[i], a[i + 1], a[i + 2], a[i + 3]
@@ -308,24 +327,18 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
                             y[bb, row] = s
                     elif rb0 + r < rbs:
                         ws[split, bb, row] = s
-        if nsplit > 1:
-            cuda.threadfence()
-            cuda.syncthreads()
-            if tid == 0:
-                last[0] = 1 if cuda.atomic.add(counters, blk, 1) == nsplit - 1 else 0
-            cuda.syncthreads()
-            if last[0] == 1 and warp == 0:
-                for r in range(RB):
-                    row = (rb0 + r) * 32 + cuda.laneid
-                    for bb in range(B):
-                        s = float32(0.0)
-                        for sp in range(nsplit):
-                            if rb0 + r < rbs:
-                                s += load_cg(ws, sp, bb, row)
-                        if row < n_out:
-                            y[bb, row] = s
-                if cuda.laneid == 0:
-                    counters[blk] = 0
+        if nsplit > 1 and last_to_finish(counters, blk, nsplit, last, tid) and warp == 0:
+            for r in range(RB):
+                row = (rb0 + r) * 32 + cuda.laneid
+                for bb in range(B):
+                    s = float32(0.0)
+                    for sp in range(nsplit):
+                        if rb0 + r < rbs:
+                            s += load_cg(ws, sp, bb, row)
+                    if row < n_out:
+                        y[bb, row] = s
+            if cuda.laneid == 0:
+                counters[blk] = 0
 
     _kernel_cache[key] = kernel
     return kernel

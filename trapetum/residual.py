@@ -43,7 +43,7 @@ import warnings
 import torch
 
 from .codebook import ROW_BLOCK, CodebookFormatError, read_layer_file
-from .gemv import (SIM, _as_kernel_array, check_activation, check_output, half2_to_float2, kernel_device, load16,
+from .gemv import (INLINE, SIM, _as_kernel_array, check_activation, check_output, half2_to_float2, kernel_device, load16,
                    load_byte_offset, max_shared_bytes, sload4, sm_count, tuning_enabled, tuning_inputs, with_shared_limit)
 from .kmeans import check_finite
 
@@ -60,7 +60,6 @@ OPTIN_SIM = 227 * 1024  # the simulator plans as if it had an H100's opt-in shar
 STATIC_LIMIT = 48 * 1024
 TOLERANCE = 2e-3  # as bench.TOLERANCE (bench imports this module, so the value is repeated)
 TABLE_STEPS = (1, 2, 4, 8)  # groups (vectors) a table step of the table kernel: it must divide a chunk's 32
-_INLINE = {} if SIM else {"forceinline": True}
 
 
 def index_bits(Nm: int, Nr: int) -> tuple[int, int]:
@@ -511,9 +510,9 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool):
     then writes y (one K-slice) or the slice's partial, and the last block of a row-group to finish
     sums the partials (an atomic counter it resets, so the launch replays in a CUDA graph).
     """
-    from .gemv import load_cg
+    from .gemv import last_to_finish, load_cg
 
-    @cuda.jit(device=True, **_INLINE)
+    @cuda.jit(device=True, **INLINE)
     def stage_x(x32, sc32, bi32, xs, xoff, col0, ncols, pb, tid):
         xq = ncols // 8
         xbase = col0 // 2
@@ -544,7 +543,7 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool):
             xs[o], xs[o + 1], xs[o + 2], xs[o + 3] = v0, v1, v2, v3
             xs[o + 4], xs[o + 5], xs[o + 6], xs[o + 7] = v4, v5, v6, v7
 
-    @cuda.jit(device=True, **_INLINE)
+    @cuda.jit(device=True, **INLINE)
     def finish(acc, pb, bpart, bred, last, y, ws, counters, rb0, rbs, n_out, tid):
         lane = cuda.laneid
         blk = cuda.blockIdx.x
@@ -576,25 +575,19 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool):
                         y[bb, row] = acc[r * B + bb]
                 elif rb < rbs:
                     ws[split, bb, row] = acc[r * B + bb]
-        if nsplit > 1:
-            cuda.threadfence()
-            cuda.syncthreads()
+        if nsplit > 1 and last_to_finish(counters, blk, nsplit, last, tid):
+            for r in range(RB):
+                rb = rb0 + r
+                row = rb * 32 + lane
+                if rb < rbs:
+                    for bb in range(B):
+                        s = float32(0.0)
+                        for sp in range(nsplit):
+                            s += load_cg(ws, sp, bb, row)
+                        if row < n_out:
+                            y[bb, row] = s
             if tid == 0:
-                last[0] = 1 if cuda.atomic.add(counters, blk, 1) == nsplit - 1 else 0
-            cuda.syncthreads()
-            if last[0] == 1:
-                for r in range(RB):
-                    rb = rb0 + r
-                    row = rb * 32 + lane
-                    if rb < rbs:
-                        for bb in range(B):
-                            s = float32(0.0)
-                            for sp in range(nsplit):
-                                s += load_cg(ws, sp, bb, row)
-                            if row < n_out:
-                                y[bb, row] = s
-                if tid == 0:
-                    counters[blk] = 0
+                counters[blk] = 0
 
     return stage_x, finish
 
@@ -818,7 +811,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     zero = int32(0)
     stage_x, finish = _common_device_functions(B, nt, RB, norm)
 
-    @cuda.jit(device=True, **_INLINE)
+    @cuda.jit(device=True, **INLINE)
     def load_words(wreg, tiled, rb0, rbs, nchunks, j, w_lo, nw):
         lane = cuda.laneid
         for r in range(RB):
@@ -827,7 +820,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
             for q in range(nw):
                 wreg[r * WS + q] = tiled[base + q * 32] if ok else zero
 
-    @cuda.jit(device=True, **_INLINE)
+    @cuda.jit(device=True, **INLINE)
     def dot8(w0, w1, w2, w3, xv, g):
         c0, c1 = half2_to_float2(w0)
         c2, c3 = half2_to_float2(w1)
@@ -843,7 +836,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         v = cuda.fma(xv[o + 6], c6, v)
         return cuda.fma(xv[o + 7], c7, v)
 
-    @cuda.jit(device=True, **_INLINE)
+    @cuda.jit(device=True, **INLINE)
     def build(tab, tabi, cbm, cbr, xv, xo, ncols, tid):
         # This step's G groups of x (already scaled under a norm) into registers, once a batch row;
         # then thread tid writes entries tid, tid + nt, ...: consecutive lanes, consecutive banks.
@@ -867,7 +860,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
                     for g in range(G):
                         tab[CBW + (bb * G + g) * TS + Nm + c] = dot8(cbr[4 * k], cbr[4 * k + 1], cbr[4 * k + 2], cbr[4 * k + 3], xv, g)
 
-    @cuda.jit(device=True, **_INLINE)
+    @cuda.jit(device=True, **INLINE)
     def look(wreg, q, sh, straddle, gi, tab, acc):
         # Vector gi of the step: its field starts at bit sh of the step's word q.
         for r in range(RB):
@@ -884,7 +877,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
 
     ns = {"cuda": cuda, "load_words": load_words, "build": build, "look": look, "G8": 8 * G}
     exec(compile(_table_source(WPC, G), f"<residual chunk_steps b={WPC} G={G}>", "exec"), ns)
-    chunk_steps = cuda.jit(device=True, **_INLINE)(ns["chunk_steps"])
+    chunk_steps = cuda.jit(device=True, **INLINE)(ns["chunk_steps"])
     spc = VECS_PER_CHUNK // G
 
     @cuda.jit(**({} if SIM else {"launch_bounds": (nt,)}))  # ptxas keeps to 65536 / nt registers a thread
