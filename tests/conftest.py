@@ -19,6 +19,12 @@ import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
+if os.environ["NUMBA_ENABLE_CUDASIM"] == "1":
+    sys.path.insert(0, str(Path(__file__).parent))
+    import sim_scheduler  # noqa: E402
+
+    sim_scheduler.install()
+
 
 @pytest.fixture(scope="session")
 def repo_root() -> Path:

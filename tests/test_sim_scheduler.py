@@ -1,0 +1,68 @@
+"""The simulator's replacement block scheduler (sim_scheduler.py) keeps the simulator's semantics."""
+import numpy as np
+import pytest
+from numba import cuda
+
+import sim_scheduler
+
+
+def test_it_is_installed():
+    from numba.cuda.simulator import kernel as simk
+
+    assert getattr(simk.BlockManager, "_trapetum_patched", False)
+    assert sim_scheduler.install()  # a second call is a no-op
+
+
+@cuda.jit
+def _reverse_in_shared(out, rounds):
+    buf = cuda.shared.array(64, dtype=np.float32)
+    t = cuda.threadIdx.x
+    n = cuda.blockDim.x
+    buf[t] = t + 100 * cuda.blockIdx.x
+    for _ in range(rounds):
+        cuda.syncthreads()
+        v = buf[n - 1 - t]  # another thread's value: wrong without the barrier
+        cuda.syncthreads()
+        buf[t] = v
+    cuda.syncthreads()
+    out[cuda.blockIdx.x, t] = buf[t]
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_syncthreads_orders_shared_memory(rounds):
+    out = np.full((3, 64), np.nan, dtype=np.float32)
+    _reverse_in_shared[3, 64](out, rounds)
+    base = np.arange(64, dtype=np.float32)
+    expect = base[::-1] if rounds % 2 else base
+    np.testing.assert_array_equal(out, expect[None, :] + 100 * np.arange(3, dtype=np.float32)[:, None])
+
+
+@cuda.jit
+def _fails_in_one_thread(out):
+    t = cuda.threadIdx.x
+    cuda.syncthreads()
+    if t == 5:
+        out[1000] = 1.0  # out of bounds: the simulator raises IndexError in this thread
+    cuda.syncthreads()
+    out[t] = 1.0
+
+
+def test_an_exception_in_one_thread_aborts_the_launch():
+    out = np.zeros(32, dtype=np.float32)
+    with pytest.raises(IndexError):
+        _fails_in_one_thread[1, 32](out)
+
+
+@cuda.jit
+def _early_exit(out):
+    t = cuda.threadIdx.x
+    if t >= 16:
+        return  # threads that ended no longer count at the barrier
+    cuda.syncthreads()
+    out[t] = 2.0
+
+
+def test_threads_that_exit_early_do_not_hang_the_block():
+    out = np.zeros(32, dtype=np.float32)
+    _early_exit[1, 32](out)
+    assert (out[:16] == 2).all() and (out[16:] == 0).all()
