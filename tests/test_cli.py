@@ -1,6 +1,8 @@
 """The command line on a machine without a GPU: a clear error, not a crash deep in a kernel."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 
@@ -51,3 +53,84 @@ def test_vq_parts_parse():
 
     assert cli._parts("residual") == ("residual",)
     assert cli._parts(" additive , residual ") == ("additive", "residual")
+
+
+@pytest.fixture
+def fake_gpu_run(monkeypatch):
+    """`trapetum vq` with the GPU, the clock-bound measurements and the provenance faked: what the
+    command keeps, skips and writes is real."""
+    import torch
+
+    from trapetum import bench, residual, results
+
+    calls = {"sweeps": 0, "copy": 0, "skip": None}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    commit = {"sha": "abc1234"}
+    monkeypatch.setattr(results, "provenance", lambda command=None, **extra: {
+        "gpu": "Fake GPU", "git_commit": commit["sha"], "date": "2026-11-23T00:00:00+00:00", "command": command or "x", **extra})
+
+    def sweep(*a, **k):
+        calls["sweeps"] += 1
+        return [{"grid": "correctness", "kernel": "residual", "max_rel_err": 1e-4}]
+
+    def copy_bandwidth():
+        calls["copy"] += 1
+        return {"copy_gbps": 3000.0}
+
+    def suite(grid, skip_residual=frozenset(), **k):
+        calls["skip"] = set(skip_residual)
+        todo = [(i, o, m, r) for m in grid["mains"] for r in grid["residuals"] for o in grid["out_features"]
+                for i in grid["in_features"] if (i, o, m, r) not in skip_residual]
+        recs = [{"grid": "residual", "kernel": "residual", "in_features": i, "out_features": o, "main_centroids": m,
+                 "residual_centroids": r, "time_ms": 1.0} for i, o, m, r in todo]
+        for rec in recs:
+            k["on_record"](rec)
+        return recs, {"failures": []}
+
+    monkeypatch.setattr(residual, "correctness_sweep", sweep)
+    monkeypatch.setattr(bench, "copy_bandwidth", copy_bandwidth)
+    monkeypatch.setattr(bench, "vq_suite", suite)
+    return calls, commit
+
+
+def test_vq_resume_keeps_the_first_process_and_measures_the_rest(fake_gpu_run, tmp_path):
+    from trapetum import bench, cli
+
+    calls, commit = fake_gpu_run
+    out = tmp_path / "out"
+    partial = out / "fake-gpu" / "vq_gemv.partial.jsonl"
+    grid = bench.RESIDUAL_GRID
+    first = [(i, o, m, r) for m in grid["mains"] for r in grid["residuals"] for o in grid["out_features"] for i in grid["in_features"]][:7]
+    partial.parent.mkdir(parents=True)
+    lines = [{"provenance": {"gpu": "Fake GPU", "git_commit": "abc1234", "date": "2026-11-22T00:00:00+00:00", "command": "first"}},
+             {"grid": "correctness", "kernel": "residual", "max_rel_err": 2e-4}, {"copy": {"copy_gbps": 2900.0}}]
+    lines += [{"grid": "residual", "kernel": "residual", "in_features": i, "out_features": o, "main_centroids": m,
+               "residual_centroids": r, "time_ms": 2.0} for i, o, m, r in first]
+    partial.write_text("".join(json.dumps(d) + "\n" for d in lines))
+    saved = tmp_path / "first.jsonl"
+    saved.write_text(partial.read_text())
+
+    commit["sha"] = "def5678"
+    with pytest.raises(ValueError, match="git_commit"):
+        cli.main(["vq", "--parts", "residual", "--no-cuda-cpp", "--quiet", "--out", str(out), "--resume", str(saved)])
+    commit["sha"] = "abc1234"
+    assert cli.main(["vq", "--parts", "residual", "--no-cuda-cpp", "--quiet", "--out", str(out), "--resume", str(saved)]) == 0
+    assert calls["sweeps"] == 0 and calls["copy"] == 0  # both were in the first process's file
+    assert calls["skip"] == set(first)
+    d = json.loads((out / "fake-gpu" / "vq_gemv.json").read_text())
+    res = [r for r in d["records"] if r["grid"] == "residual"]
+    assert len(res) == 120 and len({(r["in_features"], r["out_features"], r["main_centroids"], r["residual_centroids"]) for r in res}) == 120
+    assert sum(r["time_ms"] == 2.0 for r in res) == 7 and all(r["copy_gbps"] == 2900.0 for r in res)
+    prov = d["provenance"]
+    assert prov["date"] == "2026-11-22T00:00:00+00:00" and prov["command"] == "first"
+    assert "two processes" in prov["resumed"] and "kept 8 records" in prov["resumed"] and "partial" not in prov
+
+
+def test_vq_resume_refuses_a_file_that_is_not_a_partial_run(fake_gpu_run, tmp_path):
+    from trapetum import cli
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"records": []}\n')
+    with pytest.raises(ValueError, match="provenance line"):
+        cli.main(["vq", "--parts", "residual", "--quiet", "--out", str(tmp_path), "--resume", str(bad)])

@@ -86,6 +86,11 @@ def test_the_planner_picks_the_table_kernel_where_its_table_fits():
             plan_residual(4096, 16, 4096, 256, 1, **bad, **kw)
     kinds = {(c.kind, c.main) for c in candidate_plans(4096, 16, 4096, 256, 1, 132, False, 227 * 1024)}
     assert kinds == {("table", "shared"), ("table", "registers"), ("gather", "global")}
+    # a small layer's heuristic gather grid underfills the GPU: narrower gather blocks compete too
+    small = candidate_plans(1024, 4, 4096, 256, 1, 132, False, 227 * 1024)
+    narrow = [(c.warps, c.RB, c.ksplit) for c in small if c.kind == "gather" and c.warps < 4]
+    assert narrow == [(2, 1, 4), (1, 1, 4)]
+    assert all(c.warps == 4 for c in candidate_plans(16384, 64, 4096, 256, 1, 132, False, 227 * 1024) if c.kind == "gather")
 
 
 def test_k_split_counters_reset_so_the_launch_replays():

@@ -338,11 +338,17 @@ def time_aqlm_package(n_in: int, n_out: int, fp16_ms: float, seed: int = 0) -> d
                        bits_per_weight=t.bits_per_weight, grid="additive")
 
 
+def residual_key(rec: dict) -> tuple:
+    """A residual-grid configuration: (in, out, main centroids, residual centroids)."""
+    return rec["in_features"], rec["out_features"], rec["main_centroids"], rec["residual_centroids"]
+
+
 def vq_suite(grid: dict = RESIDUAL_GRID, additive_shapes=ADDITIVE_SHAPES, Ms=(2, 4), aqlm: bool = True, progress: bool = True,
-             on_record=None) -> tuple[list[dict], dict]:
+             on_record=None, skip_residual=frozenset()) -> tuple[list[dict], dict]:
     """The additive table, then the residual grid, fp16 timed beside every shape; returns (records,
     extra provenance). A configuration that fails is recorded in ``extra["failures"]`` and the
-    suite goes on; ``on_record(rec)`` sees every record as it is made (for partial saves)."""
+    suite goes on; ``on_record(rec)`` sees every record as it is made (for partial saves).
+    ``skip_residual``: :func:`residual_key` s already measured (a resumed run)."""
     import traceback
 
     from tqdm.auto import tqdm
@@ -386,7 +392,7 @@ def vq_suite(grid: dict = RESIDUAL_GRID, additive_shapes=ADDITIVE_SHAPES, Ms=(2,
         if why is None:
             attempt(f"aqlm package {n_in}x{n_out}", lambda: time_aqlm_package(n_in, n_out, f), "additive")
     jobs = [(n_in, n_out, m, r) for m in grid["mains"] for r in grid["residuals"]
-            for n_out in grid["out_features"] for n_in in grid["in_features"]]
+            for n_out in grid["out_features"] for n_in in grid["in_features"] if (n_in, n_out, m, r) not in skip_residual]
     for n_in, n_out, m, r in tqdm(jobs, desc="residual grid", disable=not progress):
         f = base(n_in, n_out)
         attempt(f"residual {m}+{r} {n_in}x{n_out}", lambda: residual.time_residual(n_in, n_out, m, r, 1, f), "residual")

@@ -68,6 +68,18 @@ def _vq(args) -> int:
     from . import additive, bench, residual, results
 
     t0 = time.time()
+    done, resumed = [], None
+    if args.resume:
+        # One commit on one GPU, two processes: the records of the first are kept as they are, and
+        # each configuration the second measures is timed beside its own fp16 run.
+        prov0, copy0, done = results.read_partial(args.resume)
+        now = results.provenance()
+        for k in ("gpu", "git_commit"):
+            if prov0.get(k) != now.get(k):
+                raise ValueError(f"--resume {args.resume}: that run has {k} {prov0.get(k)!r}, this one {now.get(k)!r}; "
+                                 "a resumed run must continue one commit on one GPU")
+        resumed = {"prov": prov0, "copy": copy0, "records": len(done)}
+    have = {(r.get("grid"), r.get("kernel")) for r in done}
     # Every timed record below is also checked on fresh inputs with its output poisoned; this sweep
     # adds batches, K-splits and the other plans the tuner may pick. Each plan and batch compiles.
     partial = None
@@ -76,18 +88,22 @@ def _vq(args) -> int:
         # its measurements (results.adopt_partial turns the file into a results file).
         partial = Path(args.out) / results.slug(torch.cuda.get_device_name()) / "vq_gemv.partial.jsonl"
         partial.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps({"provenance": results.provenance(command=args.command or " ".join(sys.argv))}) + "\n")
+        head = resumed["prov"] if resumed else results.provenance(command=args.command or " ".join(sys.argv))
+        lines = [{"provenance": head}] + ([{"copy": resumed["copy"]}] if resumed and resumed["copy"] else []) + done
+        partial.write_text("".join(json.dumps(d, default=str) + "\n" for d in lines))
 
     def keep(r):
         if partial is not None:
             with partial.open("a") as f:
                 f.write(json.dumps(r, default=str) + "\n")
 
-    checks, extra = [], {"parts": list(args.parts)}
+    checks = [r for r in done if r.get("grid") == "correctness"]
+    recs = [r for r in done if r.get("grid") != "correctness"]
+    extra = {"parts": list(args.parts)}
     sweeps = (("additive", lambda: additive.correctness_sweep([(1024, 1000), (4096, 4096)], batches=(1, 3), progress=not args.quiet)),
               ("residual", lambda: residual.correctness_sweep([(1024, 1000)], batches=(1, 3), forced=False, progress=not args.quiet)))
     for name, sweep in sweeps:
-        if name not in args.parts:
+        if name not in args.parts or ("correctness", name) in have:
             continue
         try:
             got = sweep()
@@ -100,11 +116,14 @@ def _vq(args) -> int:
             keep(c)
         checks += got
         print(f"correctness ({name}): {len(got)} checks passed, {time.time() - t0:.0f} s so far", flush=True)
-    copy = bench.copy_bandwidth()
-    print("copy bandwidth: " + ", ".join(f"{k} {v:.0f} GB/s" for k, v in copy.items()), flush=True)
-    keep({"copy": copy})
-    recs = []
-    if args.cuda_cpp and "additive" in args.parts:
+    if resumed and resumed["copy"]:
+        copy = resumed["copy"]
+    else:
+        copy = bench.copy_bandwidth()
+        print("copy bandwidth: " + ", ".join(f"{k} {v:.0f} GB/s" for k, v in copy.items()), flush=True)
+        keep({"copy": copy})
+    additive_done = any(g == "additive" for g, _ in have)  # the additive part is measured whole, or not again
+    if args.cuda_cpp and "additive" in args.parts and not additive_done:
         try:
             for r in bench.run_cuda_cpp(args.arch, program="gemv_additive_2bit"):
                 r["grid"] = "additive"
@@ -119,13 +138,20 @@ def _vq(args) -> int:
     if "residual" not in args.parts:
         grid.update(in_features=())
     shapes = (bench.ADDITIVE_SHAPES[:3] if args.quick else bench.ADDITIVE_SHAPES) if "additive" in args.parts else ()
-    suite, suite_extra = bench.vq_suite(grid=grid, additive_shapes=shapes, aqlm=args.aqlm and "additive" in args.parts,
-                                        progress=not args.quiet, on_record=keep)
+    suite, suite_extra = bench.vq_suite(grid=grid, additive_shapes=() if additive_done else shapes,
+                                        aqlm=args.aqlm and "additive" in args.parts and not additive_done, progress=not args.quiet,
+                                        on_record=keep, skip_residual={bench.residual_key(r) for r in done if r.get("grid") == "residual"})
     recs += suite
     extra.update(suite_extra)
     for r in recs:
         r.update(copy)
-    prov = results.provenance(command=args.command or " ".join(sys.argv), **copy, **extra, seconds=round(time.time() - t0, 1))
+    if resumed:
+        p0 = resumed["prov"]
+        extra["resumed"] = (f"measured by two processes of one commit: the first kept {resumed['records']} records "
+                            f"(started {p0.get('date')}), the second ({' '.join(sys.argv)}) the rest")
+        prov = {**p0, **copy, **extra, "seconds_second_process": round(time.time() - t0, 1)}
+    else:
+        prov = results.provenance(command=args.command or " ".join(sys.argv), **copy, **extra, seconds=round(time.time() - t0, 1))
     path = results.save("vq_gemv", recs + checks, prov, folder=args.out)
     print(f"wrote {path}")
     return 0
@@ -159,6 +185,9 @@ def main(argv=None) -> int:
     v.add_argument("--parts", type=_parts, default=VQ_PARTS,
                    help="comma-separated parts to measure: additive (table, CUDA C++, aqlm) and/or residual (the grid); "
                         "the book shows each part's newest run")
+    v.add_argument("--resume", type=Path, default=None, metavar="PARTIAL",
+                   help="continue a run that stopped part way, from its <out>/<gpu>/vq_gemv.partial.jsonl "
+                        "(same commit and GPU): what it holds is kept, the rest is measured")
     v.set_defaults(func=_vq)
     # generate / check / bench live in trapetum.decode; `trapetum generate ...` hands them over.
     for name in DECODE_COMMANDS:

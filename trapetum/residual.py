@@ -1073,7 +1073,8 @@ def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
 def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool, budget: int) -> list[ResidualPlan]:
     """What the tuner times. Batches up to :data:`TABLE_MAX_BATCH`: the table kernel's heuristic plan
     with one, two and four waves of K-slices, its register-codebook variant at RB <= 2, and the
-    gather kernel's heuristic plan (three kernels: each takes seconds to compile). Gather kernel (larger
+    gather kernel's heuristic plan (three kernels: each takes seconds to compile), and where that
+    plan leaves SMs idle, gather blocks of 2 and 1 warps over every chunk. Gather kernel (larger
     batches): warps 4/8, RB 1/2, both main placements, a K-split ladder. Grids of at most 16 blocks an SM."""
     seen, out = set(), []
     rbs = -(-n_out // ROW_BLOCK)
@@ -1104,6 +1105,12 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
             except ValueError:
                 pass
         add(kind="gather")
+        g = plan_residual(n_out, nchunks, Nm, Nr, B, sms, norm, budget, kind="gather")
+        if -(-rbs // (g.warps * g.RB)) * g.ksplit < sms:
+            # Small layers: the heuristic gather grid (4 warps, RB = 2, at most one K-slice a chunk)
+            # leaves SMs idle (1024 x 1024: 16 blocks). Narrower blocks over every chunk fill more.
+            for warps, RB in ((2, 1), (1, 1)):
+                add(kind="gather", warps=warps, RB=RB, ksplit=nchunks)
     else:
         for warps in (4, 8):
             for RB in ((1, 2) if B <= 8 else (1,)):

@@ -161,20 +161,30 @@ def adopt(path: Path | str, folder: Path | str | None = None) -> Path:
     return save(path.name.split(".")[0], records, prov, folder=folder)
 
 
-def adopt_partial(path: Path | str, folder: Path | str | None = None) -> Path:
-    """A run stopped part way (``<name>.partial.jsonl``: its provenance, the copy bandwidth, then one
-    record a line) saved as ``<name>.json``, its provenance saying it is partial and how many records it holds."""
+def read_partial(path: Path | str) -> tuple[dict, dict, list[dict]]:
+    """A run's ``<name>.partial.jsonl`` (its provenance, the copy bandwidth, then one record a line)
+    as (provenance, copy bandwidth or {}, records)."""
     path = Path(path)
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not lines or "provenance" not in lines[0]:
+    try:
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not a partial results file: {e}") from None
+    if not lines or not isinstance(lines[0], dict) or "provenance" not in lines[0]:
         raise ValueError(f"{path} does not start with a provenance line")
-    prov = dict(lines[0]["provenance"])
     records, copy = [], {}
     for d in lines[1:]:
         if "copy" in d and len(d) == 1:
             copy = d["copy"]
         else:
             records.append(d)
+    return dict(lines[0]["provenance"]), copy, records
+
+
+def adopt_partial(path: Path | str, folder: Path | str | None = None) -> Path:
+    """A run stopped part way (``<name>.partial.jsonl``) saved as ``<name>.json``, its provenance
+    saying it is partial and how many records it holds."""
+    path = Path(path)
+    prov, copy, records = read_partial(path)
     for r in records:
         r.update(copy)
     prov.update(copy, partial=f"stopped before the end: {len(records)} records kept, written as they were measured")
