@@ -133,27 +133,32 @@ def test_additive_side_by_side(vq):
 
 
 def test_each_part_comes_from_its_newest_run(tmp_path):
-    # A residual-only run after a full run: the chapter takes the residual grid (and its kernel's
-    # checks) from the new run, the additive table from the old one; the version table shows both runs.
+    # A residual-only run after a full run: the chapter takes the additive table from the old run;
+    # the residual grid from the new run where it measured, from the old run where it stopped before
+    # (each row keeps its commit); the kernel's checks come from the new run; the version table shows both runs.
     old_prov = {"gpu": "NVIDIA H100 Test", "git_commit": "old", "date": "2026-01-01T00:00:00+00:00", "copy_gbps": 3000.0,
                 "command": "trapetum vq",
                 "additive_correctness_failures": "CUDA_ERROR_INVALID_VALUE"}
     results.save(report.VQ, synthetic_vq(3000.0), old_prov, folder=tmp_path)
     new = [dict(r, time_ms=r["time_ms"] / 2, speedup=r["speedup"] * 2, variant="table", main_placement="shared")
            for r in synthetic_vq(3000.0) if r["grid"] == "residual" and r["in_features"] <= 4096]
+    new += [r for r in synthetic_vq(3000.0) if r["grid"] == "correctness"]
     new_prov = dict(old_prov, git_commit="new", date="2026-01-02T00:00:00+00:00", partial="stopped before the end")
     del new_prov["additive_correctness_failures"]
     results.save(report.VQ, new, new_prov, folder=tmp_path)
     df = report.load_vq(tmp_path)
     commits = df.groupby("grid")["git_commit"].agg(set).to_dict()
-    assert commits["residual"] == {"new"} and commits["additive"] == {"old"}
-    assert (df["grid"] == "residual").sum() == 3 * 6 * 4  # the new run's part only, no mix of runs
-    assert report.residual_summary(df).loc[0, "configs"] == 72
+    assert commits["additive"] == {"old"} and commits["correctness"] == {"new"}
+    res = df[df["grid"] == "residual"]
+    assert len(res) == 120 and not res.duplicated(["in_features", "out_features", "main_centroids", "residual_centroids"]).any()
+    assert (res["git_commit"] == "new").sum() == 3 * 6 * 4 and (res[res["git_commit"] == "old"]["in_features"] > 4096).all()
+    s = report.residual_summary(df)
+    assert s.loc[0, "configs"] == 120 and s.loc[0, "runs (commit: configs)"] == "new: 72, old: 48"
     v = report.residual_versions(tmp_path)
     assert v["commit"].tolist() == ["old", "new"] and v["configs"].tolist() == [120, 72]
     assert v["kernel"].str.startswith("gather").tolist() == [True, False]
     assert np.isclose(v.loc[1, "4096 x 4096 (4096+256)"], 2 * v.loc[0, "4096 x 4096 (4096+256)"])
     assert np.isnan(v.loc[1, "16384 x 53248 (4096+256)"])  # not reached by the new run
-    assert report.residual_choices(df)["kernel chosen"].tolist() == ["table, codebook in shared"]
+    assert set(report.residual_choices(df)["kernel chosen"]) == {"table, codebook in shared", "gather, codebook in (not recorded)"}
     notes = report.vq_run_notes(tmp_path).set_index("what")["note"]  # both runs the chapter shows speak
     assert "INVALID_VALUE" in notes["additive_correctness_failures"] and "stopped" in notes["partial"]

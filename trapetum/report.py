@@ -813,15 +813,22 @@ def load_vq(folder=None) -> pd.DataFrame:
     """Every recorded ``vq_gemv*.json`` run as one DataFrame (timings and checks); raises if there is none.
 
     A run may measure one part only (``trapetum vq --parts residual``), so per GPU and part (the
-    additive table, the residual grid, each kernel's correctness sweep, the fp16 baselines) the
-    newest run that has it wins; every row keeps its own run's fp16 time and provenance (``file``).
+    additive table, each kernel's correctness sweep, the fp16 baselines) the newest run that has it
+    wins. The residual grid is taken configuration by configuration: a run stopped part way leaves
+    configurations that only older runs measured, and each comes from the newest run that has it
+    (:func:`residual_summary` says which runs). Every row keeps its own run's fp16 time and
+    provenance (``file``, ``git_commit``).
     """
     root = _root(folder)
     df = results.load(VQ, root, every_run=True)
     if not df.empty:
         df["part"] = _vq_part(df)
-        newest = df.groupby(["gpu", "part"], dropna=False)["date"].transform("max")
-        df = df[df["date"] == newest].drop(columns="part").reset_index(drop=True)
+        keep = df["date"] == df.groupby(["gpu", "part"], dropna=False)["date"].transform("max")
+        grid = df[df["part"] == "residual"].sort_values("date", ascending=False)
+        if not grid.empty:
+            config = ["gpu", "batch", "in_features", "out_features", "main_centroids", "residual_centroids"]
+            keep[grid.index] = ~grid.duplicated(config).to_numpy()
+        df = df[keep].drop(columns="part").reset_index(drop=True)
     if df.empty:
         raise NoRecordedDataError(
             f"no GPU has recorded the vector-codebook measurements: found no {root}/<gpu>/{VQ}.json. "
@@ -909,6 +916,9 @@ def residual_summary(df: pd.DataFrame) -> pd.DataFrame:
 
     for gpu, g in d.groupby("gpu"):
         r = row(f"ours, {gpu_label(gpu)} ({MEASURED})", g)
+        # Newest run first: a run that stopped part way is completed from older runs (load_vq).
+        runs = g.groupby(["date", "git_commit"]).size().sort_index(ascending=False)
+        r["runs (commit: configs)"] = ", ".join(f"{c}: {n}" for (_, c), n in runs.items())
         r["max rel err (worst)"] = g["max_rel_err"].max()
         r["median % of copy bandwidth"] = float((100 * g["gbps"] / g["copy_gbps"]).median())
         rows.append(r)
@@ -954,7 +964,8 @@ def residual_choices(df: pd.DataFrame) -> pd.DataFrame:
     d = _residual(df)
     if "variant" not in d:
         return pd.DataFrame()
-    d["kernel chosen"] = d["variant"].fillna("gather") + ", codebook in " + d["main_placement"].astype(str)
+    placement = d["main_placement"] if "main_placement" in d else pd.Series(np.nan, index=d.index)
+    d["kernel chosen"] = d["variant"].fillna("gather") + ", codebook in " + placement.fillna("(not recorded)").astype(str)
     t = d.pivot_table(index="kernel chosen", columns="out_features", values="speedup", aggfunc="size", fill_value=0)
     t.columns = [f"out {c}" for c in t.columns]
     return t.reset_index()
