@@ -88,6 +88,7 @@ def test_fig_residual_heatmap(vq):
     panels = [ax for ax in fig.axes if ax.images]
     assert len(panels) == 8  # 4 (main, residual) configs x (ours, seed)
     assert sum("seed" in ax.get_title() for ax in panels) == 4
+    assert sum(ax.get_title().endswith("run abc") for ax in panels) == 4  # ours: which run measured the panel
     for ax in panels:
         assert np.isfinite(ax.images[0].get_array()).sum() == 30
     fig.canvas.draw()
@@ -154,6 +155,8 @@ def test_each_part_comes_from_its_newest_run(tmp_path):
     assert (res["git_commit"] == "new").sum() == 3 * 6 * 4 and (res[res["git_commit"] == "old"]["in_features"] > 4096).all()
     s = report.residual_summary(df)
     assert s.loc[0, "configs"] == 120 and s.loc[0, "runs (commit: configs)"] == "new: 72, old: 48"
+    titles = [ax.get_title() for ax in report.fig_residual_heatmap(df).axes if ax.images and "ours" in ax.get_title()]
+    assert all(t.endswith("run new, old") for t in titles)
     v = report.residual_versions(tmp_path)
     assert v["commit"].tolist() == ["old", "new"] and v["configs"].tolist() == [120, 72]
     assert v["kernel"].str.startswith("gather").tolist() == [True, False]

@@ -993,7 +993,10 @@ def fig_residual_heatmap(df: pd.DataFrame, gpu: str | None = None) -> Figure:
                     if np.isfinite(v):
                         dark = abs(float(norm(v)) - 0.5) > 0.3
                         ax.text(b, a, f"{v:.1f}", ha="center", va="center", fontsize=7.5, color="white" if dark else "black")
-                ax.set_title(f"{label}\nmain {m}, residual {r}", fontsize=9)
+                runs = ""
+                if i == 0 and "git_commit" in g and g["git_commit"].notna().any():  # the grid may join runs (load_vq)
+                    runs = "\nrun " + ", ".join(sorted(g["git_commit"].dropna().astype(str).str[:7].unique()))
+                ax.set_title(f"{label}\nmain {m}, residual {r}{runs}", fontsize=9)
                 ax.set_xticks(range(len(outs)), [str(o) for o in outs], rotation=45, fontsize=8)
                 ax.set_yticks(range(len(ins)), [str(v) for v in ins], fontsize=8)
                 ax.grid(False)
