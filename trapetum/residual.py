@@ -848,14 +848,14 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
                 xv[8 * g], xv[8 * g + 1], xv[8 * g + 2], xv[8 * g + 3] = sload4(tab, o)
                 xv[8 * g + 4], xv[8 * g + 5], xv[8 * g + 6], xv[8 * g + 7] = sload4(tab, o + 4)
             for k in range(nper):
-                c = tid + k * nt
-                if c < Nm:
+                c = uint32(tid + k * nt)  # unsigned, as in load_words
+                if c < uint32(Nm):
                     if cb_shared:
-                        w0, w1, w2, w3 = sload4(tabi, 4 * c)
+                        w0, w1, w2, w3 = sload4(tabi, uint32(4) * c)
                     else:
                         w0, w1, w2, w3 = cbm[4 * k], cbm[4 * k + 1], cbm[4 * k + 2], cbm[4 * k + 3]
                     for g in range(G):
-                        tab[uint32(CBW + (bb * G + g) * TS + c)] = dot8(w0, w1, w2, w3, xv, g)  # unsigned: as load_words
+                        tab[uint32(CBW + (bb * G + g) * TS) + c] = dot8(w0, w1, w2, w3, xv, g)
             for k in range(rper):
                 c = tid + k * nt
                 if c < Nr:
