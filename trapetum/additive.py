@@ -807,8 +807,6 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int):
                     for sp in range(nsplit):
                         v += load_cg(ws, sp, b0 + bb, row)
                     y[b0 + bb, row] = v + float32(bias[row])
-            if tid == 0:
-                counters[cidx] = 0
 
     _kernel_cache[key] = kernel
     return kernel

@@ -136,13 +136,16 @@ def last_to_finish(counters, idx, nsplit, last, tid) -> bool:
     """Whether this block is the last of the ``nsplit`` K-slices of output group ``idx`` to finish.
 
     Every thread of the block must call it (it holds two barriers). The block's partials are made
-    visible first; counter ``idx`` counts finished K-slices, and the last block must reset it to 0
-    after its reduction so the launch replays in a CUDA graph. ``last``: a 1-element shared int32 array.
+    visible first; counter ``idx`` counts finished K-slices. The last block resets it to 0 here (every
+    other block has already counted, so nothing reads it again in this launch) so the launch replays
+    in a CUDA graph. ``last``: a 1-element shared int32 array.
     """
     cuda.threadfence()
     cuda.syncthreads()
     if tid == 0:
         last[0] = 1 if cuda.atomic.add(counters, idx, 1) == nsplit - 1 else 0
+        if last[0] == 1:
+            counters[idx] = 0
     cuda.syncthreads()
     return last[0] == 1
 
@@ -337,8 +340,6 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
                             s += load_cg(ws, sp, bb, row)
                     if row < n_out:
                         y[bb, row] = s
-            if cuda.laneid == 0:
-                counters[blk] = 0
 
     _kernel_cache[key] = kernel
     return kernel

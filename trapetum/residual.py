@@ -586,8 +586,6 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool):
                             s += load_cg(ws, sp, bb, row)
                         if row < n_out:
                             y[bb, row] = s
-            if tid == 0:
-                counters[blk] = 0
 
     return stage_x, finish
 
