@@ -502,6 +502,27 @@ def _step_layout(b: int, G: int) -> list[tuple[int, int, list]]:
     return out
 
 
+def _word_loader(RB: int, WPC: int):
+    """Both residual kernels' index-word load: ``load_words(dst, off, stride, tiled, rb0, rbs,
+    nchunks, j, w_lo, nw, valid)`` puts words w_lo .. w_lo + nw - 1 of chunk j of this lane's row in
+    each of the warp's RB row-blocks at dst[off + r * stride + ...] (zeros past the last row-block
+    or where ``valid`` is false). The offsets are 32-bit unsigned: a signed index costs a
+    negative-index check and the array's shape from parameter space on every load (measured in
+    the SASS: ~17 instructions a word); ResidualGemv refuses layers of 2**32 words or more."""
+    zero = int32(0)
+
+    @cuda.jit(device=True, **INLINE)
+    def load_words(dst, off, stride, tiled, rb0, rbs, nchunks, j, w_lo, nw, valid):
+        lane = uint32(cuda.laneid)
+        for r in range(RB):
+            ok = valid and rb0 + r < rbs
+            base = uint32(((rb0 + r) * nchunks + j) * (WPC * 32) + w_lo * 32) + lane
+            for q in range(nw):
+                dst[off + r * stride + q] = tiled[base + uint32(q * 32)] if ok else zero
+
+    return load_words
+
+
 def _common_device_functions(B: int, nt: int, RB: int, norm: bool):
     """What both residual kernels share: staging a K-slice of x, and writing the rows out.
 
@@ -628,7 +649,6 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     bpart_size = B * nt if norm else 1
     bred_size = B * 32 if norm else 1
     ring_size, rbuf_size, wv_size = 2 * nreg, RQ * 4, 8 * RB  # local array sizes must be literals
-    zero = int32(0)
     stage_x, finish = _common_device_functions(B, nt, RB, norm)
 
     @cuda.jit(device=True)
@@ -673,14 +693,11 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     exec(compile(_chunk_source(WPC), f"<residual chunk_dot b={WPC}>", "exec"), ns)
     chunk_dot = cuda.jit(device=True)(ns["chunk_dot"])
 
+    load_words = _word_loader(RB, WPC)
+
     @cuda.jit(device=True)
     def fetch(dst, off, tiled, rb0, rbs, nchunks, j, j1):
-        lane = uint32(cuda.laneid)  # unsigned offsets: no negative-index check a load (see load_words)
-        for r in range(RB):
-            ok = rb0 + r < rbs and j < j1
-            base = uint32(((rb0 + r) * nchunks + j) * (WPC * 32)) + lane
-            for w in range(WPC):
-                dst[off + r * WPC + w] = tiled[base + uint32(w * 32)] if ok else zero
+        load_words(dst, off, WPC, tiled, rb0, rbs, nchunks, j, 0, WPC, j < j1)
 
     @cuda.jit
     def kernel(x32, tiled, mainq, resq_g, sc32, bi32, y, ws, counters, n_out, rbs, nchunks, cps):
@@ -754,7 +771,7 @@ def _table_source(b: int, G: int) -> str:
     for s, (w_lo, nw, fields) in enumerate(_step_layout(b, G)):
         lines += [f"    q = j * {VECS_PER_CHUNK // G} + {s}",
                   "    if q >= q0 and q < q1:",
-                  f"        load_words(wreg, tiled, rb0, rbs, nchunks, j, {w_lo}, {nw})",
+                  f"        load_words(wreg, 0, WS, tiled, rb0, rbs, nchunks, j, {w_lo}, {nw}, True)",
                   "        cuda.syncthreads()",
                   "        build(tab, tabi, cbm, cbr, xv, (q - q0) * G8, ncols, tid)",
                   "        cuda.syncthreads()"]
@@ -806,19 +823,9 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     bred_size = B * 32 if norm else 1
     cbm_size = 1 if cb_shared else 4 * nper  # local array sizes must be literals
     cbr_size, acc_size, wreg_size, xv_size = 4 * rper, RB * B, RB * WS, 8 * G
-    zero = int32(0)
     stage_x, finish = _common_device_functions(B, nt, RB, norm)
 
-    @cuda.jit(device=True, **INLINE)
-    def load_words(wreg, tiled, rb0, rbs, nchunks, j, w_lo, nw):
-        # Unsigned word offsets: a signed index costs a negative-index check and the array's shape
-        # from parameter space on every load (measured in the SASS: ~17 instructions a word).
-        lane = uint32(cuda.laneid)
-        for r in range(RB):
-            ok = rb0 + r < rbs
-            base = uint32(((rb0 + r) * nchunks + j) * (WPC * 32) + w_lo * 32) + lane
-            for q in range(nw):
-                wreg[r * WS + q] = tiled[base + uint32(q * 32)] if ok else zero
+    load_words = _word_loader(RB, WPC)
 
     @cuda.jit(device=True, **INLINE)
     def dot8(w0, w1, w2, w3, xv, g):
@@ -875,7 +882,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
                 base = uint32((CBW + (bb * G + gi) * TS) * 4)
                 acc[r * B + bb] += load_byte_offset(tab, base + om) + load_byte_offset(tab, base + NMB + orr)
 
-    ns = {"cuda": cuda, "load_words": load_words, "build": build, "look": look, "G8": 8 * G}
+    ns = {"cuda": cuda, "load_words": load_words, "build": build, "look": look, "G8": 8 * G, "WS": WS}
     exec(compile(_table_source(WPC, G), f"<residual chunk_steps b={WPC} G={G}>", "exec"), ns)
     chunk_steps = cuda.jit(device=True, **INLINE)(ns["chunk_steps"])
     spc = VECS_PER_CHUNK // G
