@@ -141,7 +141,8 @@ def test_each_part_comes_from_its_newest_run(tmp_path):
                 "command": "trapetum vq",
                 "additive_correctness_failures": "CUDA_ERROR_INVALID_VALUE"}
     results.save(report.VQ, synthetic_vq(3000.0), old_prov, folder=tmp_path)
-    new = [dict(r, time_ms=r["time_ms"] / 2, speedup=r["speedup"] * 2, variant="table", main_placement="shared")
+    new = [dict(r, time_ms=r["time_ms"] / 2, speedup=r["speedup"] * 2, variant="table", main_placement="shared",
+                build="mma" if r["in_features"] == 1024 else "fma")
            for r in synthetic_vq(3000.0) if r["grid"] == "residual" and r["in_features"] <= 4096]
     new += [r for r in synthetic_vq(3000.0) if r["grid"] == "correctness"]
     new_prov = dict(old_prov, git_commit="new", date="2026-01-02T00:00:00+00:00", partial="stopped before the end")
@@ -159,9 +160,10 @@ def test_each_part_comes_from_its_newest_run(tmp_path):
     assert all(t.endswith("run new, old") for t in titles)
     v = report.residual_versions(tmp_path)
     assert v["commit"].tolist() == ["old", "new"] and v["configs"].tolist() == [120, 72]
-    assert v["kernel"].str.startswith("gather").tolist() == [True, False]
+    assert v["kernel"].str.startswith("gather").tolist() == [True, False] and "tensor-core" in v.loc[1, "kernel"]
     assert np.isclose(v.loc[1, "4096 x 4096 (4096+256)"], 2 * v.loc[0, "4096 x 4096 (4096+256)"])
     assert np.isnan(v.loc[1, "16384 x 53248 (4096+256)"])  # not reached by the new run
-    assert set(report.residual_choices(df)["kernel chosen"]) == {"table, codebook in shared", "gather, codebook in (not recorded)"}
+    assert set(report.residual_choices(df)["kernel chosen"]) == {"table, codebook in shared", "gather, codebook in (not recorded)",
+                                                                  "table, built on tensor cores, codebook in shared"}
     notes = report.vq_run_notes(tmp_path).set_index("what")["note"]  # both runs the chapter shows speak
     assert "INVALID_VALUE" in notes["additive_correctness_failures"] and "stopped" in notes["partial"]

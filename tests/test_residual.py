@@ -71,6 +71,25 @@ def test_table_kernel_matches_float64_reference(Nm, Nr, norm, n_out, n_in, plan)
     check(g, t, x_for(n_in, 1, seed=n_out))
 
 
+@pytest.mark.parametrize(
+    "Nm, Nr, norm, batch, n_out, n_in, plan",
+    [
+        # v3, the table built on the tensor cores: 8 groups a step fill an mma's 8 columns; 2 row-blocks
+        # (the second partly padded), the codebooks' 272 M-tiles over one warp
+        (4096, 256, False, 1, 40, 256, dict(kind="table", warps=1, RB=2, G=8, build="mma", ksplit=1)),
+        # batch rows share the mma's columns (2 x 4), under a norm, K-split in two; 9-bit residual indices
+        (4096, 512, True, 2, 32, 256, dict(kind="table", warps=2, RB=1, G=4, build="mma", ksplit=2)),
+    ],
+)
+def test_tensor_core_table_matches_float64_reference(Nm, Nr, norm, batch, n_out, n_in, plan):
+    t = random_residual_tensor(n_out, n_in, Nm, Nr, seed=n_out + batch, with_norm=norm)
+    g = ResidualGemv(t, plan=plan)
+    p = g.plan(batch)
+    assert (p.kind, p.build, p.G, p.ksplit) == ("table", "mma", plan["G"], plan["ksplit"])
+    assert p.shared_bytes == 16 * (Nm + Nr) + 4 * batch * plan["G"] * (Nm + Nr + 4) + 4 * batch * p.cps * 8 * plan["G"]
+    check(g, t, x_for(n_in, batch, seed=batch))
+
+
 def test_the_planner_picks_the_table_kernel_where_its_table_fits():
     kw = dict(sms=132, budget=227 * 1024)
     p = plan_residual(28672, 16, 4096, 256, 1, **kw)
@@ -81,11 +100,17 @@ def test_the_planner_picks_the_table_kernel_where_its_table_fits():
     assert plan_residual(4096, 16, 4096, 256, 8, **kw).kind == "gather"  # past TABLE_MAX_BATCH
     assert plan_residual(4096, 16, 4096, 256, 1, main="shared", **kw).kind == "gather"  # as before the table kernel
     for bad, match in ((dict(G=3), "G"), (dict(kind="table", RB=3), "RB"), (dict(kind="table", main="global"), "main codebook"),
-                       (dict(kind="bogus"), "kind"), (dict(kind="gather", G=2), "table-kernel option")):
+                       (dict(kind="bogus"), "kind"), (dict(kind="gather", G=2), "table-kernel options")):
         with pytest.raises(ValueError, match=match):
             plan_residual(4096, 16, 4096, 256, 1, **bad, **kw)
-    kinds = {(c.kind, c.main) for c in candidate_plans(4096, 16, 4096, 256, 1, 132, False, 227 * 1024)}
-    assert kinds == {("table", "shared"), ("table", "registers"), ("gather", "global")}
+    kinds = {(c.kind, c.main, c.build) for c in candidate_plans(4096, 16, 4096, 256, 1, 132, False, 227 * 1024)}
+    assert kinds == {("table", "shared", "fma"), ("table", "registers", "fma"), ("table", "shared", "mma"), ("gather", "global", "")}
+    m = plan_residual(28672, 16, 4096, 256, 1, build="mma", **kw)  # the tensor-core build takes 8 groups a step here...
+    assert (m.kind, m.G, m.RB) == ("table", 8, 8)
+    assert plan_residual(28672, 64, 8192, 512, 1, build="mma", **kw).G == 2  # ...but only 2 beside 136 KiB of codebooks
+    for bad, match in ((dict(build="mma", main="registers"), "shared memory"), (dict(build="wmma"), "build")):
+        with pytest.raises(ValueError, match=match):
+            plan_residual(4096, 16, 4096, 256, 1, **bad, **kw)
     # a small layer's heuristic gather grid underfills the GPU: narrower gather blocks compete too
     small = candidate_plans(1024, 4, 4096, 256, 1, 132, False, 227 * 1024)
     narrow = [(c.warps, c.RB, c.ksplit) for c in small if c.kind == "gather" and c.warps < 4]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +46,19 @@ class NoGPUError(RuntimeError):
 
 
 # -- shared device functions -----------------------------------------------------------------
+_sim_warps: dict = {}
+_sim_warps_lock = threading.Lock()
+
+
+def _sim_warp(key) -> tuple:
+    """The simulator's rendezvous of one warp (a 32-thread barrier, two sets of 32 slots, each lane's
+    call count), made on first use."""
+    with _sim_warps_lock:
+        if key not in _sim_warps:
+            _sim_warps[key] = (threading.Barrier(32, timeout=120), ([None] * 32, [None] * 32), [0] * 32)
+        return _sim_warps[key]
+
+
 if SIM:
 
     @cuda.jit(device=True)
@@ -67,6 +81,34 @@ if SIM:
     def half2_to_float2(w):
         h = np.array([w]).astype(np.int32).view(np.float16)
         return np.float32(h[0]), np.float32(h[1])
+
+    @cuda.jit(device=True)
+    def float2_to_half2(lo, hi):
+        return np.array([lo, hi], dtype=np.float32).astype(np.float16).view(np.int32)[0]
+
+    @cuda.jit(device=True)
+    def mma_m16n8k8(a0, a1, b0):
+        # A warp-wide operation in a simulator that runs each CUDA thread as a Python thread: the
+        # warp's 32 threads meet at a barrier, then each reads every lane's fragments and computes
+        # its own part of D (the hardware's fragment layout: see the GPU version). Slots alternate
+        # between two sets, so one barrier a call suffices: a lane cannot write a set again before
+        # every lane has passed the next barrier, i.e. finished reading it.
+        lane = cuda.threadIdx.x % 32
+        bar, slots, calls = _sim_warp((cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x // 32))
+        buf = slots[calls[lane] % 2]
+        calls[lane] += 1
+        buf[lane] = (a0, a1, b0)
+        bar.wait()
+        f = np.array(buf, dtype=np.int64).astype(np.int32).view(np.float16).astype(np.float64).reshape(32, 3, 2)
+        A = np.zeros((16, 8))
+        Bm = np.zeros((8, 8))
+        for src in range(32):
+            g, t = src // 4, src % 4
+            A[g, 2 * t:2 * t + 2], A[g + 8, 2 * t:2 * t + 2], Bm[2 * t:2 * t + 2, g] = f[src]
+        g, t = lane // 4, lane % 4
+        d = A[[g, g, g + 8, g + 8]] * Bm[:, [2 * t, 2 * t + 1, 2 * t, 2 * t + 1]].T
+        d = d.sum(axis=1)
+        return np.float32(d[0]), np.float32(d[1]), np.float32(d[2]), np.float32(d[3])
 
 else:
     from llvmlite import ir
@@ -116,6 +158,40 @@ else:
             h2 = builder.bitcast(v, ir.VectorType(ir.HalfType(), 2))
             f = [builder.fpext(builder.extract_element(h2, ir.Constant(ir.IntType(32), k)), ir.FloatType()) for k in range(2)]
             return context.make_tuple(builder, sig.return_type, f)
+
+        return sig, codegen
+
+    @intrinsic
+    def float2_to_half2(typingctx, lo, hi):
+        """Two fp32 values rounded to fp16 and packed in a 32-bit word (``lo`` in the low half)."""
+        sig = types.int32(lo, hi)
+
+        def codegen(context, builder, sig, args):
+            h2 = ir.Constant(ir.VectorType(ir.HalfType(), 2), None)
+            for k, v in enumerate(args):
+                h2 = builder.insert_element(h2, builder.fptrunc(v, ir.HalfType()), ir.Constant(ir.IntType(32), k))
+            return builder.bitcast(h2, ir.IntType(32))
+
+        return sig, codegen
+
+    @intrinsic
+    def mma_m16n8k8(typingctx, a0, a1, b0):
+        """D (16 x 8, fp32) = A (16 x 8, fp16, row-major) x B (8 x 8, fp16, column-major) on the
+        tensor cores, from zero (PTX ``mma.sync.m16n8k8``; numba has no tensor-core API). A warp-wide
+        operation: all 32 lanes call it together. Lane l (g = l / 4, t = l % 4) holds A[g][2t..2t+1]
+        in ``a0``, A[g + 8][2t..2t+1] in ``a1`` and B[2t..2t+1][g] in ``b0`` (fp16 pairs, low half
+        first), and gets D[g][2t], D[g][2t + 1], D[g + 8][2t], D[g + 8][2t + 1]. Products of fp16
+        values are exact in fp32."""
+        sig = types.UniTuple(types.float32, 4)(a0, a1, b0)
+
+        def codegen(context, builder, sig, args):
+            f32, i32 = ir.FloatType(), ir.IntType(32)
+            fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32, i32, i32, f32])
+            asm = ir.InlineAsm(fnty, "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5}, {$6}, "
+                                     "{$7, $7, $7, $7};", "=f,=f,=f,=f,r,r,r,f", side_effect=False)
+            ins = [builder.trunc(v, i32) if v.type.width > 32 else builder.sext(v, i32) if v.type.width < 32 else v for v in args]
+            d = builder.call(asm, [*ins, ir.Constant(f32, 0.0)])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(d, k) for k in range(4)])
 
         return sig, codegen
 

@@ -933,7 +933,9 @@ def _residual_kernel_label(g: pd.DataFrame) -> str:
     variants = set(g["variant"].dropna()) if "variant" in g else set()
     if not variants:
         return "gather (v1): codebook vectors rebuilt a group"
-    if variants == {"table"}:
+    if "build" in g and (g["build"] == "mma").any():
+        variants = (variants - {"table"}) | {"table (fma or tensor-core build)"}
+    elif variants == {"table"}:
         return "table (v2): dot-product tables, 4096 rows a table"
     return "per shape: " + " or ".join(sorted(variants)) + ", tuned"
 
@@ -965,7 +967,9 @@ def residual_choices(df: pd.DataFrame) -> pd.DataFrame:
     if "variant" not in d:
         return pd.DataFrame()
     placement = d["main_placement"] if "main_placement" in d else pd.Series(np.nan, index=d.index)
-    d["kernel chosen"] = d["variant"].fillna("gather") + ", codebook in " + placement.fillna("(not recorded)").astype(str)
+    build = d["build"] if "build" in d else pd.Series(np.nan, index=d.index)
+    built = np.where(build.astype(object) == "mma", ", built on tensor cores", "")
+    d["kernel chosen"] = d["variant"].fillna("gather") + built + ", codebook in " + placement.fillna("(not recorded)").astype(str)
     t = d.pivot_table(index="kernel chosen", columns="out_features", values="speedup", aggfunc="size", fill_value=0)
     t.columns = [f"out {c}" for c in t.columns]
     return t.reset_index()

@@ -43,8 +43,9 @@ import warnings
 import torch
 
 from .codebook import ROW_BLOCK, CodebookFormatError, read_layer_file
-from .gemv import (INLINE, SIM, _as_kernel_array, check_activation, check_output, half2_to_float2, kernel_device, load16,
-                   load_byte_offset, max_shared_bytes, sload4, sm_count, tuning_enabled, tuning_inputs, with_shared_limit)
+from .gemv import (INLINE, SIM, _as_kernel_array, check_activation, check_output, float2_to_half2, half2_to_float2, kernel_device,
+                   load16, load_byte_offset, max_shared_bytes, mma_m16n8k8, sload4, sm_count, tuning_enabled, tuning_inputs,
+                   with_shared_limit)
 from .kmeans import check_finite
 
 from numba import cuda, float32, int32, uint32  # noqa: E402  (gemv set numba's environment first)
@@ -779,7 +780,8 @@ def _table_source(b: int, G: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int, norm: bool, cb_shared: bool = False):
+def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int, norm: bool, cb_shared: bool = False,
+                          mma: bool = False):
     """The "table" residual-VQ GEMV (v2): lookups of dot products instead of codebook vectors.
 
     The K-slice of a block is walked in steps of G vectors (8G input columns). Each step, every
@@ -795,12 +797,20 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     with ``cb_shared``, into shared memory (one 16-byte read an entry a step); the residual codebook
     always sits in registers.
 
+    With ``mma`` (v3), the table is built on the tensor cores instead: T (entries x columns) =
+    codebook (entries x 8) . X (8 x columns), a column per (batch row, group), one
+    ``mma.m16n8k8`` for 16 entries x 8 columns. Both codebooks then sit in shared memory (the A
+    fragments are two 4-byte reads a lane), x is rounded to fp16 for the B fragment (the products
+    are exact in fp32), and a table row is padded by 4 words so that the 4 columns of a D
+    fragment's stores fall 8 banks apart. The scalar build spends ~40 instructions a thread on an
+    entry of two groups (SASS, v2.1); an mma covers 16 entries of 8 columns for ~10.
+
     Grid (row-groups, K-slices); K-slices are ``sps`` steps long (not whole chunks: small layers
     spread over more SMs). The index words a step needs (at most ceil(8 G b / 32) + 1 a row)
     load before the step's table is built, so their latency hides behind the build.
     Arguments as :func:`residual_kernel`, with ``sps`` (steps a K-slice) in place of ``cps``.
     """
-    key = ("residual-table", Nm, Nr, B, warps, RB, G, norm, cb_shared)
+    key = ("residual-table", Nm, Nr, B, warps, RB, G, norm, cb_shared, mma)
     if key in _kernel_cache:
         return _kernel_cache[key]
     if G not in TABLE_STEPS:
@@ -812,8 +822,8 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     nt = warps * 32
     nper = -(-Nm // nt)  # main entries a thread (registers: 4 words each)
     rper = -(-Nr // nt)
-    TS = Nm + Nr  # table stride a (batch row, group)
-    CBW = 4 * Nm if cb_shared else 0  # [main codebook (fp16 pairs as int32) if shared][tables][x slice], 4-byte units
+    TS = table_stride(Nm, Nr, mma)  # a (batch row, group)'s table
+    CBW = 4 * (Nm + Nr) if mma else 4 * Nm if cb_shared else 0  # [codebooks (fp16 pairs as int32) in shared][tables][x slice], 4-byte units
     XOFF = CBW + B * G * TS
     MMASK4 = uint32((Nm - 1) << 2)
     RMASK4 = uint32((Nr - 1) << 2)
@@ -821,8 +831,14 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     NMB = uint32(Nm * 4)
     bpart_size = B * nt if norm else 1
     bred_size = B * 32 if norm else 1
-    cbm_size = 1 if cb_shared else 4 * nper  # local array sizes must be literals
-    cbr_size, acc_size, wreg_size, xv_size = 4 * rper, RB * B, RB * WS, 8 * G
+    cbm_size = 1 if cb_shared or mma else 4 * nper  # local array sizes must be literals
+    cbr_size = 1 if mma else 4 * rper
+    acc_size, wreg_size, xv_size = RB * B, RB * WS, 1 if mma else 8 * G
+    BG = B * G  # table columns
+    NT = -(-BG // 8)  # mma N-tiles (8 columns each)
+    NTILES = (Nm + Nr) // 16  # mma M-tiles (16 entries each)
+    TPW = -(-NTILES // warps)  # M-tiles a warp
+    ncb = -(-(Nm + Nr) // nt)  # codebook entries a thread stages (mma)
     stage_x, finish = _common_device_functions(B, nt, RB, norm)
 
     load_words = _word_loader(RB, WPC)
@@ -868,6 +884,40 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
                         tab[uint32(CBW + (bb * G + g) * TS + Nm + c)] = dot8(cbr[4 * k], cbr[4 * k + 1], cbr[4 * k + 2], cbr[4 * k + 3], xv, g)
 
     @cuda.jit(device=True, **INLINE)
+    def build_mma(tab, tabi, cbm, cbr, xv, xo, ncols, tid):
+        # Lane (g, t) = (lane / 4, lane % 4). B fragment of N-tile n: column c = 8n + g, i.e. batch
+        # row c / G, group c % G of the step, dimensions 2t and 2t + 1 (zero past the last column).
+        # 32-bit unsigned arithmetic throughout: with int64 (numba's default) ptxas kept 64-bit
+        # loop counters and recomputed the loop-invariant store predicates every tile.
+        lane = uint32(tid) & uint32(31)
+        gl = lane >> uint32(2)
+        t = lane & uint32(3)
+        warp = uint32(tid) >> uint32(5)
+        bx = cuda.local.array(NT, int32)
+        for n in range(NT):
+            c = uint32(8 * n) + gl
+            bx[n] = 0
+            if c < uint32(BG):
+                o = uint32(XOFF) + (c // uint32(G)) * uint32(ncols) + uint32(xo) + uint32(8) * (c % uint32(G)) + uint32(2) * t
+                bx[n] = float2_to_half2(tab[o], tab[o + uint32(1)])
+        e = uint32(16) * warp + gl
+        for k in range(TPW):
+            if e < uint32(Nm + Nr):  # the same for the whole warp (e - gl is a multiple of 16): mma needs all 32 lanes
+                a0 = tabi[uint32(4) * e + t]
+                a1 = tabi[uint32(4) * e + uint32(32) + t]
+                for n in range(NT):
+                    d0, d1, d2, d3 = mma_m16n8k8(a0, a1, bx[n])
+                    c = uint32(8 * n) + uint32(2) * t
+                    o = uint32(CBW) + c * uint32(TS) + e
+                    if c < uint32(BG):
+                        tab[o] = d0
+                        tab[o + uint32(8)] = d2
+                    if c + uint32(1) < uint32(BG):
+                        tab[o + uint32(TS)] = d1
+                        tab[o + uint32(TS + 8)] = d3
+            e += uint32(16 * warps)
+
+    @cuda.jit(device=True, **INLINE)
     def look(wreg, q, sh, straddle, gi, tab, acc):
         # Vector gi of the step: its field starts at bit sh of the step's word q.
         for r in range(RB):
@@ -882,7 +932,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
                 base = uint32((CBW + (bb * G + gi) * TS) * 4)
                 acc[r * B + bb] += load_byte_offset(tab, base + om) + load_byte_offset(tab, base + NMB + orr)
 
-    ns = {"cuda": cuda, "load_words": load_words, "build": build, "look": look, "G8": 8 * G, "WS": WS}
+    ns = {"cuda": cuda, "load_words": load_words, "build": build_mma if mma else build, "look": look, "G8": 8 * G, "WS": WS}
     exec(compile(_table_source(WPC, G), f"<residual chunk_steps b={WPC} G={G}>", "exec"), ns)
     chunk_steps = cuda.jit(device=True, **INLINE)(ns["chunk_steps"])
     spc = VECS_PER_CHUNK // G
@@ -902,8 +952,15 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         q1 = min(q0 + sps, nsteps)
 
         # The codebooks, once a block: entry c = tid + k * nt is thread tid's k-th.
+        if mma:  # both codebooks into shared memory, main then residual: entry e is the table's column e
+            for k in range(ncb):
+                c = tid + k * nt
+                if c < Nm:
+                    tabi[4 * c], tabi[4 * c + 1], tabi[4 * c + 2], tabi[4 * c + 3] = load16(mainq, 4 * c)
+                elif c < Nm + Nr:
+                    tabi[4 * c], tabi[4 * c + 1], tabi[4 * c + 2], tabi[4 * c + 3] = load16(resq, 4 * (c - Nm))
         cbm = cuda.local.array(cbm_size, int32)
-        for k in range(nper):
+        for k in range(0 if mma else nper):
             c = tid + k * nt
             if c < Nm:
                 w0, w1, w2, w3 = load16(mainq, 4 * c)
@@ -912,7 +969,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
                 else:
                     cbm[4 * k], cbm[4 * k + 1], cbm[4 * k + 2], cbm[4 * k + 3] = w0, w1, w2, w3
         cbr = cuda.local.array(cbr_size, int32)
-        for k in range(rper):
+        for k in range(0 if mma else rper):
             c = tid + k * nt
             if c < Nr:
                 cbr[4 * k], cbr[4 * k + 1], cbr[4 * k + 2], cbr[4 * k + 3] = load16(resq, 4 * c)
@@ -955,11 +1012,12 @@ class ResidualPlan:
     static_bytes: int
     kind: str = "gather"
     G: int = 0  # table: groups a step
+    build: str = ""  # table: "fma" (scalar multiply-adds) or "mma" (tensor cores, v3)
 
     def overrides(self) -> dict:
         """The keyword arguments of :func:`plan_residual` that rebuild this plan (for ``ResidualGemv(plan=...)``)."""
         d = dict(kind=self.kind, warps=self.warps, RB=self.RB, ksplit=self.ksplit, main=self.main)
-        return d | ({"G": self.G} if self.kind == "table" else {})
+        return d | ({"G": self.G, "build": self.build} if self.kind == "table" else {})
 
 
 def _static_bytes(Nr: int, B: int, warps: int, norm: bool) -> int:
@@ -972,14 +1030,14 @@ def shared_budget(device) -> int:
 
 def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool = False, budget: int = OPTIN_SIM,
                   warps: int | None = None, RB: int | None = None, ksplit: int | None = None, main: str | None = None,
-                  kind: str | None = None, G: int | None = None) -> ResidualPlan:
+                  kind: str | None = None, G: int | None = None, build: str | None = None) -> ResidualPlan:
     """Grid shape for one layer. ``kind`` picks the kernel: "table" (:func:`residual_table_kernel`,
     the default up to batch :data:`TABLE_MAX_BATCH`) or "gather" (:func:`residual_kernel`).
 
     Gather, without overrides: 4 warps, RB = 2 for batches up to 4, a K-split giving about two
     blocks an SM, and the main codebook staged in shared memory only where a block streams enough
     vectors to repay the staging. :meth:`ResidualGemv.tune` times candidates instead."""
-    if kind is None and (G is not None or main == "registers"):
+    if kind is None and (G is not None or main == "registers" or build is not None):
         kind = "table"
     if kind is None and main is None and B <= TABLE_MAX_BATCH:  # the table kernel where its table fits
         try:
@@ -990,9 +1048,10 @@ def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if kind == "table":
-        return plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ksplit, G=G, main=main)
-    if G is not None:
-        raise ValueError("G (groups a table step) is a table-kernel option")
+        return plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ksplit, G=G, main=main,
+                          build=build)
+    if G is not None or build is not None:
+        raise ValueError("G (groups a table step) and build are table-kernel options")
     warps = warps or 4
     RB = RB or (2 if B <= 4 else 1)
     if warps not in (1, 2, 4, 8) or RB not in (1, 2):
@@ -1027,29 +1086,50 @@ TABLE_MAX_BATCH = 4  # the table is B x G x (Nm + Nr) fp32: past this the gather
 TABLE_PLACEMENTS = ("registers", "shared")  # where the table kernel keeps the main codebook
 
 
-def table_bytes(Nm: int, Nr: int, B: int, G: int, steps: int, main: str = "registers") -> int:
-    """Dynamic shared memory of a table-kernel block: the main codebook if in shared memory, the
-    tables, then the K-slice of x (fp32)."""
-    return (16 * Nm if main == "shared" else 0) + 4 * B * G * (Nm + Nr) + 4 * B * steps * 8 * G
+TABLE_BUILDS = ("fma", "mma")
+
+
+def table_stride(Nm: int, Nr: int, mma: bool) -> int:
+    """4-byte words a (batch row, group)'s table: Nm + Nr entries, plus 4 of padding under the mma
+    build (Nm + Nr is a multiple of 32, so without it the 4 columns a D fragment stores would hit one bank)."""
+    return Nm + Nr + (4 if mma else 0)
+
+
+def table_bytes(Nm: int, Nr: int, B: int, G: int, steps: int, main: str = "registers", build: str = "fma") -> int:
+    """Dynamic shared memory of a table-kernel block: the codebooks held in shared memory (the main
+    one if ``main`` is "shared"; both under the mma build), the tables, then the K-slice of x (fp32)."""
+    mma = build == "mma"
+    cb = 16 * (Nm + Nr) if mma else 16 * Nm if main == "shared" else 0
+    return cb + 4 * B * G * table_stride(Nm, Nr, mma) + 4 * B * steps * 8 * G
 
 
 def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool = False, budget: int = OPTIN_SIM,
                warps: int | None = None, RB: int | None = None, ksplit: int | None = None, G: int | None = None,
-               main: str | None = None) -> ResidualPlan:
+               main: str | None = None, build: str | None = None) -> ResidualPlan:
     """Table-kernel plan. Without overrides: 16 warps, the main codebook in shared memory, RB up to
     8 row-blocks a warp (4096 rows a block share each table: building a table costs (Nm + Nr) x 8
     multiply-adds a step, so a vector-row pays (Nm + Nr) x 8 / rows of them; at RB = 2 that was 34,
     as much as the gather kernel's whole vector), G = 2 groups a step (fewer where a batch's tables
     do not fit), and a K-split, in steps, that gives about one wave of blocks (one 512-thread block
-    of 128 registers fills an SM's register file)."""
+    of 128 registers fills an SM's register file).
+
+    ``build="mma"`` (v3) builds the table on the tensor cores: both codebooks in shared memory, and
+    by default the largest G up to 8 whose tables fit (an mma makes 8 table columns, B x G of them
+    a step, so small G wastes most of it)."""
     warps = warps or 16
     if warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"warps must be a power of two from 1 to 32, got {warps}")
     main = main or "shared"
     if main not in TABLE_PLACEMENTS:
         raise ValueError(f"the table kernel's main codebook goes in one of {TABLE_PLACEMENTS}, got {main!r}")
+    build = build or "fma"
+    if build not in TABLE_BUILDS:
+        raise ValueError(f"build must be one of {TABLE_BUILDS}, got {build!r}")
+    if build == "mma" and main != "shared":
+        raise ValueError("the mma build reads both codebooks from shared memory: main must be 'shared'")
     if G is None:
-        fits = [g for g in TABLE_STEPS if g <= 2 and table_bytes(Nm, Nr, B, g, 1, main) <= budget - 8192]
+        gmax = 8 if build == "mma" else 2
+        fits = [g for g in TABLE_STEPS if g <= gmax and table_bytes(Nm, Nr, B, g, 1, main, build) <= budget - 8192]
         G = max(fits) if fits else 1
     if G not in TABLE_STEPS:
         raise ValueError(f"G (groups a table step) must be one of {TABLE_STEPS}, got {G}")
@@ -1070,16 +1150,17 @@ def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
         raise ValueError(f"ksplit must be positive, got {ksplit}")
     sps = math.ceil(nsteps / min(ksplit, nsteps))
     ksplit = math.ceil(nsteps / sps)
-    dyn = table_bytes(Nm, Nr, B, G, sps, main)
+    dyn = table_bytes(Nm, Nr, B, G, sps, main, build)
     if static + dyn > budget:
         raise ValueError(f"plan needs {static + dyn} bytes of shared memory (a {B} x {G} x {Nm + Nr} fp32 table and "
                          f"{sps * 8 * G} columns of x, batch {B}); the block may use {budget}: lower G or raise ksplit")
-    return ResidualPlan(warps, ksplit, sps, RB, main, dyn, static, kind="table", G=G)
+    return ResidualPlan(warps, ksplit, sps, RB, main, dyn, static, kind="table", G=G, build=build)
 
 
 def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool, budget: int) -> list[ResidualPlan]:
     """What the tuner times. Batches up to :data:`TABLE_MAX_BATCH`: the table kernel's heuristic plan
-    with one, two and four waves of K-slices, its register-codebook variant at RB <= 2, and the
+    with one, two and four waves of K-slices, its register-codebook variant at RB <= 2, its
+    tensor-core build (v3) with one and two waves, and the
     gather kernel's heuristic plan (three kernels: each takes seconds to compile), and where that
     plan leaves SMs idle, gather blocks of 2 and 1 warps over every chunk. Gather kernel (larger
     batches): warps 4/8, RB 1/2, both main placements, a K-split ladder. Grids of at most 16 blocks an SM."""
@@ -1092,7 +1173,7 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
         except ValueError:
             return
         blocks = -(-rbs // (p.warps * p.RB)) * p.ksplit
-        k = (p.kind, p.warps, p.RB, p.main, p.ksplit, p.G)
+        k = (p.kind, p.warps, p.RB, p.main, p.ksplit, p.G, p.build)
         if k not in seen and blocks <= 16 * sms:
             seen.add(k)
             out.append(p)
@@ -1111,6 +1192,12 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
                     add(kind="table", RB=r.RB, G=r.G, main="registers", warps=r.warps, ksplit=ks)
             except ValueError:
                 pass
+        try:  # v3: the table built on the tensor cores, as many groups a step as fit
+            m = plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget, build="mma")
+            for ks in (m.ksplit, 2 * m.ksplit):
+                add(kind="table", RB=m.RB, G=m.G, main="shared", warps=m.warps, ksplit=ks, build="mma")
+        except ValueError:
+            pass
         add(kind="gather")
         g = plan_residual(n_out, nchunks, Nm, Nr, B, sms, norm, budget, kind="gather")
         if -(-rbs // (g.warps * g.RB)) * g.ksplit < sms:
@@ -1188,7 +1275,8 @@ class ResidualGemv:
 
     def _launch_parts(self, B: int, plan: ResidualPlan) -> list:
         if plan.kind == "table":
-            kern = residual_table_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.G, self.norm, plan.main == "shared")
+            kern = residual_table_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.G, self.norm, plan.main == "shared",
+                                         plan.build == "mma")
         else:
             kern = residual_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.main == "shared", self.norm)
         groups = -(-self.rbs // (plan.warps * plan.RB))
@@ -1305,7 +1393,21 @@ FORCED_PLANS = (dict(main="shared", ksplit=1, RB=2, warps=4), dict(main="global"
                 # the table kernel: every G but 8, both codebook placements, RB 1/2/4, uneven K-slices of steps
                 dict(kind="table", G=1, RB=1, warps=8, ksplit=7, main="shared"),
                 dict(kind="table", G=2, RB=4, warps=16, ksplit=3, main="shared"),
-                dict(kind="table", G=4, RB=2, warps=32, ksplit=2, main="registers"))
+                dict(kind="table", G=4, RB=2, warps=32, ksplit=2, main="registers"),
+                # v3, tensor-core build: 8 groups a step (4096 centroids only), and G = 1 with fewer
+                # warps than M-tiles need (several tiles a warp, uneven)
+                dict(kind="table", build="mma", G=8, RB=8, warps=16, ksplit=3, main="shared"),
+                dict(kind="table", build="mma", G=1, RB=2, warps=4, ksplit=5, main="shared"))
+
+
+def _fits(plan: dict, n_in: int, n_out: int, Nm: int, Nr: int, B: int, norm: bool) -> bool:
+    """Whether a forced plan can be made for this layer on an H100-sized block (G = 8 tables do not
+    fit beside 8192 centroids: that is the planner's refusal, not a kernel failure)."""
+    try:
+        plan_residual(n_out, n_in // CHUNK, Nm, Nr, B, 132, norm, OPTIN_SIM, **plan)
+        return True
+    except ValueError:
+        return False
 
 
 def correctness_sweep(shapes, configs=((4096, 256), (8192, 512)), batches=(1, 2, 3, 8, 16), seed=0, norms=(False, True),
@@ -1318,8 +1420,9 @@ def correctness_sweep(shapes, configs=((4096, 256), (8192, 512)), batches=(1, 2,
 
     jobs = [(s, c, b, nm, None) for s in shapes for c in configs for b in batches for nm in norms]
     if forced:  # every plan knob, each one a kernel to compile
-        jobs += [(shapes[0], c, 1 if p.get("kind") == "table" else 3, bool(k % 2) if len(norms) > 1 else norms[0], p)
-                 for c in configs for k, p in enumerate(FORCED_PLANS)]
+        forced_jobs = [(shapes[0], c, 1 if p.get("kind") == "table" else 3, bool(k % 2) if len(norms) > 1 else norms[0], p)
+                       for c in configs for k, p in enumerate(FORCED_PLANS)]
+        jobs += [(s, c, b, nm, p) for s, c, b, nm, p in forced_jobs if _fits(p, *s, *c, b, nm)]
     recs, failures = [], []
     for i, ((n_in, n_out), (Nm, Nr), b, nm, plan) in enumerate(tqdm(jobs, desc="residual correctness", disable=not progress)):
         try:
@@ -1362,4 +1465,5 @@ def time_residual(n_in: int, n_out: int, Nm: int, Nr: int, batch: int, fp16_ms: 
     return gemv_record("residual", None, batch, n_in, n_out, ms, fp16_ms, nbytes, err,
                        scheme=f"residual VQ {Nm}+{Nr} (v=8)", main_centroids=Nm, residual_centroids=Nr, vector_len=VECTOR_LEN,
                        bits_per_weight=(nbytes - 2 * batch * (n_in + n_out)) * 8 / (n_in * n_out), norm=with_norm,
-                       ksplit=p.ksplit, warps=p.warps, rb=p.RB, main_placement=p.main, variant=p.kind, G=p.G)
+                       ksplit=p.ksplit, warps=p.warps, rb=p.RB, main_placement=p.main, variant=p.kind, G=p.G,
+                       build=p.build or None)
