@@ -77,8 +77,9 @@ def test_table_kernel_matches_float64_reference(Nm, Nr, norm, n_out, n_in, plan)
         # v3, the table built on the tensor cores: 8 groups a step fill an mma's 8 columns; 2 row-blocks
         # (the second partly padded), the codebooks' 272 M-tiles over one warp
         (4096, 256, False, 1, 40, 256, dict(kind="table", warps=1, RB=2, G=8, build="mma", ksplit=1)),
-        # batch rows share the mma's columns (2 x 4), under a norm, K-split in two; 9-bit residual indices
-        (4096, 512, True, 2, 32, 256, dict(kind="table", warps=2, RB=1, G=4, build="mma", ksplit=2)),
+        # batch rows share the mma's columns (2 x 4), under a norm, K-split in two; 9-bit residual
+        # indices; codebooks read from global memory
+        (4096, 512, True, 2, 32, 256, dict(kind="table", warps=2, RB=1, G=4, build="mma", ksplit=2, main="global")),
     ],
 )
 def test_tensor_core_table_matches_float64_reference(Nm, Nr, norm, batch, n_out, n_in, plan):
@@ -86,7 +87,8 @@ def test_tensor_core_table_matches_float64_reference(Nm, Nr, norm, batch, n_out,
     g = ResidualGemv(t, plan=plan)
     p = g.plan(batch)
     assert (p.kind, p.build, p.G, p.ksplit) == ("table", "mma", plan["G"], plan["ksplit"])
-    assert p.shared_bytes == 16 * (Nm + Nr) + 4 * batch * plan["G"] * (Nm + Nr + 4) + 4 * batch * p.cps * 8 * plan["G"]
+    codebooks = 0 if plan.get("main") == "global" else 16 * (Nm + Nr)
+    assert p.shared_bytes == codebooks + 4 * batch * plan["G"] * (Nm + Nr + 4) + 4 * batch * p.cps * 8 * plan["G"]
     check(g, t, x_for(n_in, batch, seed=batch))
 
 
@@ -104,10 +106,17 @@ def test_the_planner_picks_the_table_kernel_where_its_table_fits():
         with pytest.raises(ValueError, match=match):
             plan_residual(4096, 16, 4096, 256, 1, **bad, **kw)
     kinds = {(c.kind, c.main, c.build) for c in candidate_plans(4096, 16, 4096, 256, 1, 132, False, 227 * 1024)}
-    assert kinds == {("table", "shared", "fma"), ("table", "registers", "fma"), ("table", "shared", "mma"), ("gather", "global", "")}
+    assert kinds == {("table", "shared", "fma"), ("table", "registers", "fma"), ("table", "shared", "mma"), ("table", "global", "mma"),
+                     ("gather", "global", "")}
     m = plan_residual(28672, 16, 4096, 256, 1, build="mma", **kw)  # the tensor-core build takes 8 groups a step here...
     assert (m.kind, m.G, m.RB) == ("table", 8, 8)
     assert plan_residual(28672, 64, 8192, 512, 1, build="mma", **kw).G == 2  # ...but only 2 beside 136 KiB of codebooks
+    two = [c for c in candidate_plans(28672, 16, 4096, 256, 1, 132, False, 227 * 1024) if c.kind == "table" and c.main == "global"]
+    assert {(c.build, c.warps, c.G) for c in two} == {("mma", 8, 4)} and two[0].shared_bytes < 113 * 1024  # two blocks an SM
+    assert [c.ksplit * -(-896 // (8 * c.RB)) <= 2 * 132 for c in two] == [True, True]
+    from trapetum.residual import _fits
+    assert _fits(dict(kind="table", build="mma", G=8, main="shared"), 1024, 1000, 4096, 256, 1, False)
+    assert not _fits(dict(kind="table", build="mma", G=8, main="shared"), 1024, 1000, 8192, 512, 1, False)
     for bad, match in ((dict(build="mma", main="registers"), "shared memory"), (dict(build="wmma"), "build")):
         with pytest.raises(ValueError, match=match):
             plan_residual(4096, 16, 4096, 256, 1, **bad, **kw)

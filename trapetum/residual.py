@@ -598,16 +598,21 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool):
                 elif rb < rbs:
                     ws[split, bb, row] = acc[r * B + bb]
         if nsplit > 1 and last_to_finish(counters, blk, nsplit, last, tid):
+            # K-slices outer, rows inner: the RB x B loads of a slice are independent, so they are in
+            # flight together. (Rows outer made a chain of nsplit dependent L2 round trips a row, RB
+            # rows one after another: ~16 x 8 round trips at RB = 8, nsplit = 16, while the other SMs
+            # idle.) This block's own partial is still in acc.
+            for sp in range(nsplit):
+                if sp != split:
+                    for r in range(RB):
+                        if rb0 + r < rbs:
+                            for bb in range(B):
+                                acc[r * B + bb] += load_cg(ws, sp, bb, (rb0 + r) * 32 + lane)
             for r in range(RB):
-                rb = rb0 + r
-                row = rb * 32 + lane
-                if rb < rbs:
+                row = (rb0 + r) * 32 + lane
+                if row < n_out:
                     for bb in range(B):
-                        s = float32(0.0)
-                        for sp in range(nsplit):
-                            s += load_cg(ws, sp, bb, row)
-                        if row < n_out:
-                            y[bb, row] = s
+                        y[bb, row] = acc[r * B + bb]
 
     return stage_x, finish
 
@@ -768,13 +773,13 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
 
 def _table_source(b: int, G: int) -> str:
     """chunk_steps: the table steps of one chunk, every word index and bit offset a literal."""
-    lines = ["def chunk_steps(j, q0, q1, ncols, wreg, tiled, rb0, rbs, nchunks, tab, tabi, cbm, cbr, xv, acc, tid):"]
+    lines = ["def chunk_steps(j, q0, q1, ncols, wreg, tiled, rb0, rbs, nchunks, tab, tabi, cbm, cbr, xv, acc, tid, mainq, resq):"]
     for s, (w_lo, nw, fields) in enumerate(_step_layout(b, G)):
         lines += [f"    q = j * {VECS_PER_CHUNK // G} + {s}",
                   "    if q >= q0 and q < q1:",
                   f"        load_words(wreg, 0, WS, tiled, rb0, rbs, nchunks, j, {w_lo}, {nw}, True)",
                   "        cuda.syncthreads()",
-                  "        build(tab, tabi, cbm, cbr, xv, (q - q0) * G8, ncols, tid)",
+                  "        build(tab, tabi, cbm, cbr, xv, (q - q0) * G8, ncols, tid, mainq, resq)",
                   "        cuda.syncthreads()"]
         lines += [f"        look(wreg, {rel}, {sh}, {int(st)}, {gi}, tab, acc)" for gi, (rel, sh, st) in enumerate(fields)]
     return "\n".join(lines) + "\n"
@@ -803,7 +808,9 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     fragments are two 4-byte reads a lane), x is rounded to fp16 for the B fragment (the products
     are exact in fp32), and a table row is padded by 4 words so that the 4 columns of a D
     fragment's stores fall 8 banks apart. The scalar build spends ~40 instructions a thread on an
-    entry of two groups (SASS, v2.1); an mma covers 16 entries of 8 columns for ~10.
+    entry of two groups (SASS, v2.1); an mma covers 16 entries of 8 columns for ~17. Without
+    ``cb_shared`` the A fragments are read from global memory (L1-resident: the same 70-139 KiB
+    every step), which leaves shared memory to the table alone: two 8-warp blocks an SM at G <= 4.
 
     Grid (row-groups, K-slices); K-slices are ``sps`` steps long (not whole chunks: small layers
     spread over more SMs). The index words a step needs (at most ceil(8 G b / 32) + 1 a row)
@@ -823,7 +830,8 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     nper = -(-Nm // nt)  # main entries a thread (registers: 4 words each)
     rper = -(-Nr // nt)
     TS = table_stride(Nm, Nr, mma)  # a (batch row, group)'s table
-    CBW = 4 * (Nm + Nr) if mma else 4 * Nm if cb_shared else 0  # [codebooks (fp16 pairs as int32) in shared][tables][x slice], 4-byte units
+    CBW = (4 * (Nm + Nr) if mma else 4 * Nm) if cb_shared else 0  # [codebooks (fp16 pairs as int32) in shared][tables][x slice], 4-byte units
+    CBG = mma and not cb_shared  # mma A fragments straight from global memory
     XOFF = CBW + B * G * TS
     MMASK4 = uint32((Nm - 1) << 2)
     RMASK4 = uint32((Nr - 1) << 2)
@@ -860,7 +868,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         return cuda.fma(xv[o + 7], c7, v)
 
     @cuda.jit(device=True, **INLINE)
-    def build(tab, tabi, cbm, cbr, xv, xo, ncols, tid):
+    def build(tab, tabi, cbm, cbr, xv, xo, ncols, tid, mainq, resq):
         # This step's G groups of x (already scaled under a norm) into registers, once a batch row;
         # then thread tid writes entries tid, tid + nt, ...: consecutive lanes, consecutive banks.
         for bb in range(B):
@@ -884,7 +892,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
                         tab[uint32(CBW + (bb * G + g) * TS + Nm + c)] = dot8(cbr[4 * k], cbr[4 * k + 1], cbr[4 * k + 2], cbr[4 * k + 3], xv, g)
 
     @cuda.jit(device=True, **INLINE)
-    def build_mma(tab, tabi, cbm, cbr, xv, xo, ncols, tid):
+    def build_mma(tab, tabi, cbm, cbr, xv, xo, ncols, tid, mainq, resq):
         # Lane (g, t) = (lane / 4, lane % 4). B fragment of N-tile n: column c = 8n + g, i.e. batch
         # row c / G, group c % G of the step, dimensions 2t and 2t + 1 (zero past the last column).
         # 32-bit unsigned arithmetic throughout: with int64 (numba's default) ptxas kept 64-bit
@@ -903,8 +911,15 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         e = uint32(16) * warp + gl
         for k in range(TPW):
             if e < uint32(Nm + Nr):  # the same for the whole warp (e - gl is a multiple of 16): mma needs all 32 lanes
-                a0 = tabi[uint32(4) * e + t]
-                a1 = tabi[uint32(4) * e + uint32(32) + t]
+                if not CBG:
+                    a0 = tabi[uint32(4) * e + t]
+                    a1 = tabi[uint32(4) * e + uint32(32) + t]
+                elif e < uint32(Nm):  # also warp-uniform (Nm is a multiple of 16)
+                    a0 = mainq[uint32(4) * e + t]
+                    a1 = mainq[uint32(4) * e + uint32(32) + t]
+                else:
+                    a0 = resq[uint32(4) * (e - uint32(Nm)) + t]
+                    a1 = resq[uint32(4) * (e - uint32(Nm)) + uint32(32) + t]
                 for n in range(NT):
                     d0, d1, d2, d3 = mma_m16n8k8(a0, a1, bx[n])
                     c = uint32(8 * n) + uint32(2) * t
@@ -937,7 +952,8 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     chunk_steps = cuda.jit(device=True, **INLINE)(ns["chunk_steps"])
     spc = VECS_PER_CHUNK // G
 
-    @cuda.jit(**({} if SIM else {"launch_bounds": (nt,)}))  # ptxas keeps to 65536 / nt registers a thread
+    # 128 registers a thread whatever the block size: one 16-warp block, or two 8-warp blocks, an SM
+    @cuda.jit(**({} if SIM else {"launch_bounds": (nt, max(1, 512 // nt))}))
     def kernel(x32, tiled, mainq, resq, sc32, bi32, y, ws, counters, n_out, rbs, nchunks, sps):
         bpart = cuda.shared.array(bpart_size, float32)
         bred = cuda.shared.array(bred_size, float32)
@@ -952,7 +968,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         q1 = min(q0 + sps, nsteps)
 
         # The codebooks, once a block: entry c = tid + k * nt is thread tid's k-th.
-        if mma:  # both codebooks into shared memory, main then residual: entry e is the table's column e
+        if mma and cb_shared:  # both codebooks into shared memory, main then residual: entry e is the table's column e
             for k in range(ncb):
                 c = tid + k * nt
                 if c < Nm:
@@ -986,7 +1002,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         xv = cuda.local.array(xv_size, float32)
         j = q0 // spc
         while j * spc < q1:
-            chunk_steps(j, q0, q1, ncols, wreg, tiled, rb0, rbs, nchunks, tab, tabi, cbm, cbr, xv, acc, tid)
+            chunk_steps(j, q0, q1, ncols, wreg, tiled, rb0, rbs, nchunks, tab, tabi, cbm, cbr, xv, acc, tid, mainq, resq)
             j += 1
         finish(acc, pb, bpart, bred, last, y, ws, counters, rb0, rbs, n_out, tid)
 
@@ -1099,7 +1115,7 @@ def table_bytes(Nm: int, Nr: int, B: int, G: int, steps: int, main: str = "regis
     """Dynamic shared memory of a table-kernel block: the codebooks held in shared memory (the main
     one if ``main`` is "shared"; both under the mma build), the tables, then the K-slice of x (fp32)."""
     mma = build == "mma"
-    cb = 16 * (Nm + Nr) if mma else 16 * Nm if main == "shared" else 0
+    cb = (16 * (Nm + Nr) if mma else 16 * Nm) if main == "shared" else 0
     return cb + 4 * B * G * table_stride(Nm, Nr, mma) + 4 * B * steps * 8 * G
 
 
@@ -1120,13 +1136,14 @@ def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
     if warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"warps must be a power of two from 1 to 32, got {warps}")
     main = main or "shared"
-    if main not in TABLE_PLACEMENTS:
-        raise ValueError(f"the table kernel's main codebook goes in one of {TABLE_PLACEMENTS}, got {main!r}")
     build = build or "fma"
     if build not in TABLE_BUILDS:
         raise ValueError(f"build must be one of {TABLE_BUILDS}, got {build!r}")
-    if build == "mma" and main != "shared":
-        raise ValueError("the mma build reads both codebooks from shared memory: main must be 'shared'")
+    if build == "mma" and main not in ("shared", "global"):
+        raise ValueError("the mma build reads both codebooks from shared memory or from global memory (through L1): "
+                         "main must be 'shared' or 'global'")
+    if build == "fma" and main not in TABLE_PLACEMENTS:
+        raise ValueError(f"the table kernel's main codebook goes in one of {TABLE_PLACEMENTS}, got {main!r}")
     if G is None:
         gmax = 8 if build == "mma" else 2
         fits = [g for g in TABLE_STEPS if g <= gmax and table_bytes(Nm, Nr, B, g, 1, main, build) <= budget - 8192]
@@ -1145,7 +1162,9 @@ def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
     nsteps = nchunks * VECS_PER_CHUNK // G
     groups = -(-rbs // (warps * RB))
     if ksplit is None:
-        ksplit = max(1, min(nsteps, math.ceil(sms / groups)))
+        # At most one wave: a table block fills an SM, and ceil() here gave 4096 x 28672 133 blocks on
+        # 132 SMs, one block running alone after the rest (ncu: 1.01 waves).
+        ksplit = max(1, min(nsteps, sms // groups))
     if ksplit < 1:
         raise ValueError(f"ksplit must be positive, got {ksplit}")
     sps = math.ceil(nsteps / min(ksplit, nsteps))
@@ -1160,7 +1179,7 @@ def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
 def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool, budget: int) -> list[ResidualPlan]:
     """What the tuner times. Batches up to :data:`TABLE_MAX_BATCH`: the table kernel's heuristic plan
     with one, two and four waves of K-slices, its register-codebook variant at RB <= 2, its
-    tensor-core build (v3) with one and two waves, and the
+    tensor-core build (v3) with one and two waves and as two 8-warp blocks an SM, and the
     gather kernel's heuristic plan (three kernels: each takes seconds to compile), and where that
     plan leaves SMs idle, gather blocks of 2 and 1 warps over every chunk. Gather kernel (larger
     batches): warps 4/8, RB 1/2, both main placements, a K-split ladder. Grids of at most 16 blocks an SM."""
@@ -1196,6 +1215,14 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
             m = plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget, build="mma")
             for ks in (m.ksplit, 2 * m.ksplit):
                 add(kind="table", RB=m.RB, G=m.G, main="shared", warps=m.warps, ksplit=ks, build="mma")
+            # ...and two 8-warp blocks an SM, codebooks read through L1: one block's barriers and
+            # build overlap the other's lookups
+            G2 = max(1, 4 // B)
+            m2 = plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget, build="mma", main="global", warps=8, G=G2)
+            if 2 * (m2.shared_bytes + m2.static_bytes + 1024) <= budget:
+                groups2 = -(-rbs // (8 * m2.RB))
+                for ks in (max(1, 2 * sms // groups2), max(1, sms // groups2)):
+                    add(kind="table", RB=m2.RB, G=G2, main="global", warps=8, ksplit=ks, build="mma")
         except ValueError:
             pass
         add(kind="gather")
@@ -1397,7 +1424,7 @@ FORCED_PLANS = (dict(main="shared", ksplit=1, RB=2, warps=4), dict(main="global"
                 # v3, tensor-core build: 8 groups a step (4096 centroids only), and G = 1 with fewer
                 # warps than M-tiles need (several tiles a warp, uneven)
                 dict(kind="table", build="mma", G=8, RB=8, warps=16, ksplit=3, main="shared"),
-                dict(kind="table", build="mma", G=1, RB=2, warps=4, ksplit=5, main="shared"))
+                dict(kind="table", build="mma", G=1, RB=2, warps=4, ksplit=5, main="global"))
 
 
 def _fits(plan: dict, n_in: int, n_out: int, Nm: int, Nr: int, B: int, norm: bool) -> bool:
