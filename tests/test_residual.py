@@ -106,14 +106,12 @@ def test_the_planner_picks_the_table_kernel_where_its_table_fits():
         with pytest.raises(ValueError, match=match):
             plan_residual(4096, 16, 4096, 256, 1, **bad, **kw)
     kinds = {(c.kind, c.main, c.build) for c in candidate_plans(4096, 16, 4096, 256, 1, 132, False, 227 * 1024)}
-    assert kinds == {("table", "shared", "fma"), ("table", "registers", "fma"), ("table", "shared", "mma"), ("table", "global", "mma"),
-                     ("gather", "global", "")}
+    assert kinds == {("table", "shared", "fma"), ("table", "registers", "fma"), ("table", "shared", "mma"), ("gather", "global", "")}
     m = plan_residual(28672, 16, 4096, 256, 1, build="mma", **kw)  # the tensor-core build takes 8 groups a step here...
     assert (m.kind, m.G, m.RB) == ("table", 8, 8)
     assert plan_residual(28672, 64, 8192, 512, 1, build="mma", **kw).G == 2  # ...but only 2 beside 136 KiB of codebooks
-    two = [c for c in candidate_plans(28672, 16, 4096, 256, 1, 132, False, 227 * 1024) if c.kind == "table" and c.main == "global"]
-    assert {(c.build, c.warps, c.G) for c in two} == {("mma", 8, 4)} and two[0].shared_bytes < 113 * 1024  # two blocks an SM
-    assert [c.ksplit * -(-896 // (8 * c.RB)) <= 2 * 132 for c in two] == [True, True]
+    two = plan_residual(28672, 16, 4096, 256, 1, build="mma", main="global", warps=8, G=4, **kw)  # codebooks through L1
+    assert two.shared_bytes == 4 * 4 * (4352 + 4) + 4 * two.cps * 32 < 113 * 1024  # two blocks an SM
     from trapetum.residual import _fits
     assert _fits(dict(kind="table", build="mma", G=8, main="shared"), 1024, 1000, 4096, 256, 1, False)
     assert not _fits(dict(kind="table", build="mma", G=8, main="shared"), 1024, 1000, 8192, 512, 1, False)

@@ -1179,7 +1179,7 @@ def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
 def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool, budget: int) -> list[ResidualPlan]:
     """What the tuner times. Batches up to :data:`TABLE_MAX_BATCH`: the table kernel's heuristic plan
     with one, two and four waves of K-slices, its register-codebook variant at RB <= 2, its
-    tensor-core build (v3) with one and two waves and as two 8-warp blocks an SM, and the
+    tensor-core build (v3) with one and two waves, and the
     gather kernel's heuristic plan (three kernels: each takes seconds to compile), and where that
     plan leaves SMs idle, gather blocks of 2 and 1 warps over every chunk. Gather kernel (larger
     batches): warps 4/8, RB 1/2, both main placements, a K-split ladder. Grids of at most 16 blocks an SM."""
@@ -1215,14 +1215,8 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
             m = plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget, build="mma")
             for ks in (m.ksplit, 2 * m.ksplit):
                 add(kind="table", RB=m.RB, G=m.G, main="shared", warps=m.warps, ksplit=ks, build="mma")
-            # ...and two 8-warp blocks an SM, codebooks read through L1: one block's barriers and
-            # build overlap the other's lookups
-            G2 = max(1, 4 // B)
-            m2 = plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget, build="mma", main="global", warps=8, G=G2)
-            if 2 * (m2.shared_bytes + m2.static_bytes + 1024) <= budget:
-                groups2 = -(-rbs // (8 * m2.RB))
-                for ks in (max(1, 2 * sms // groups2), max(1, sms // groups2)):
-                    add(kind="table", RB=m2.RB, G=G2, main="global", warps=8, ksplit=ks, build="mma")
+            # (Not timed: two 8-warp blocks an SM with the codebooks read through L1, main="global".
+            # Measured at 64be687 it ran 1.6-2.6x slower than this plan at every shape probed.)
         except ValueError:
             pass
         add(kind="gather")
