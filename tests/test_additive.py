@@ -70,6 +70,10 @@ def test_kernel_matches_float64(M, n_in, batch):
         (2, 70, 64, 2, {"RB": 1, "warps": 2}),  # 3 row-blocks, a block each; warp 1 idle in phase 2
         (4, 130, 32, 1, {"RB": 4, "warps": 2}),  # 5 row-blocks: each warp streams two, the ring alternates
         (2, 100, 128, 3, {"RB": 2, "cps": 1, "warps": 2, "bt": 2}),  # K-split, two row-groups, batch tiles of 2 and 1
+        # the table on the tensor cores: 2 batch rows x 8 groups fill 2 N-tiles, 32 M-tiles over 2 warps
+        (2, 40, 128, 2, {"cps": 1, "warps": 2, "bt": 2, "build": "mma"}),
+        # M = 4: 8 groups a K-slice, but the last slice holds 1 chunk of 3 (4 groups): half the columns zero
+        (4, 33, 96, 1, {"cps": 2, "warps": 1, "build": "mma"}),
     ],
 )
 def test_kernel_plans(M, n_out, n_in, batch, plan):
@@ -183,9 +187,13 @@ def test_plans_fit_shared_memory_and_cover_every_chunk():
             cands = A.candidate_plans(n_out, nchunks, M, B, 132, smem)
             assert cands
             for p in cands + [A.plan_additive(n_out, nchunks, M, B, 132, smem)]:
-                assert p.shared_bytes == p.bt * p.cps * 16384 <= smem - 64
+                pad = 16 * (16 // M) if p.build == "mma" else 0  # 4 words a table column under the mma build
+                assert p.shared_bytes == p.bt * p.cps * (16384 + pad) <= smem - 64
                 assert (p.ksplit - 1) * p.cps < nchunks <= p.ksplit * p.cps
                 assert 1 <= p.bt <= B and p.cps <= A.MAX_CPS
+    assert {p.build for p in A.candidate_plans(14336, 256, 2, 1, 132, 227 * 1024)} == {"mma", "fma"}
+    with pytest.raises(ValueError, match="build must be"):
+        A.plan_additive(64, 8, 2, 1, 4, 227 * 1024, build="wmma")
     with pytest.raises(ValueError, match="need .* bytes of table"):
         A.plan_additive(64, 8, 2, 1, 4, 48 * 1024, cps=4)
     with pytest.raises(ValueError, match="at most 8"):

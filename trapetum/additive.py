@@ -47,6 +47,7 @@ from .gemv import (
     load_byte_offset,
     load_cg,
     max_shared_bytes,
+    mma_m16n8k8,
     sm_count,
     tuning_enabled,
     tuning_inputs,
@@ -650,7 +651,18 @@ def tile_codes(codes: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32).reshape(-1)
 
 
-def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int):
+def lut_stride(M: int, mma: bool) -> int:
+    """Table entries a (batch row, group): M x 256, plus 4 of padding under the mma build (M x 256
+    is a multiple of 32, so without it the 4 columns of an mma's D fragment would store to one bank)."""
+    return M * K + (4 if mma else 0)
+
+
+def lut_bytes(M: int, bt: int, cps: int, mma: bool) -> int:
+    """Dynamic shared memory of a block: the fp32 table of bt batch rows x cps chunk columns."""
+    return 4 * bt * cps * groups_per_chunk(M) * lut_stride(M, mma)
+
+
+def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma: bool = False):
     """The fused additive GEMV for M codebooks and batch B (compiled on first use, per plan).
 
     Grid (row-groups of RB row-blocks, K-slices, batch tiles of bt). A block:
@@ -664,11 +676,15 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int):
     4. multiplies by the row's scale and writes y (plus bias), or its K-slice's partial to the fp32
        workspace; the last block of a row-group to finish sums the partials (atomic counter it
        resets, so the launch replays in a CUDA graph).
+    With ``mma``, step 2 runs on the tensor cores, as the CUDA C++ kernel's does: the table is
+    codebooks (M x 256 entries x 8) times the block's slice of x (8 x bt G columns, fp16 straight
+    from x: products of fp16 are exact in fp32), one ``mma.m16n8k8`` for 16 entries x 8 columns,
+    where the scalar build spends eight multiply-adds and a store an entry and column.
     Arguments: x32 (B, in/2) int32 view of fp16 x; tiled int32 codes; cb32 (M*256*4,) int32 view of
     the fp16 codebooks; scales, bias (out,) fp16; y (B, out) fp16; ws (ksplit, B, out_pad) fp32;
     counters int32 (row-groups x batch tiles); n_out; rbs (row-blocks); nchunks (chunks a row).
     """
-    key = (M, B, bt, warps, RB, cps)
+    key = (M, B, bt, warps, RB, cps, mma)
     if key in _kernel_cache:
         return _kernel_cache[key]
     gpc = groups_per_chunk(M)
@@ -678,7 +694,12 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int):
     ppt = -(-pairs // nt)
     regs = cps * 4
     ring_size = 2 * regs
-    cbv_size = ppt * 8
+    cbv_size = 1 if mma else ppt * 8
+    PS = lut_stride(M, mma)
+    BG = bt * G  # table columns
+    NT = -(-BG // 8)  # mma N-tiles
+    TILES = pairs // 16  # mma M-tiles
+    TPW = -(-TILES // warps)
     zero = int32(0)
     mask = uint32(0x3FC)
 
@@ -710,7 +731,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int):
                         m = (4 * q + t) % M
                         o = byte_offset(w, t)
                         for bb in range(bt):
-                            acc[bb] += load_byte_offset(lut, uint32(((bb * G + c * gpc + gi) * M + m) * K * 4) + o)
+                            acc[bb] += load_byte_offset(lut, uint32(((bb * G + c * gpc + gi) * PS + m * K) * 4) + o)
 
     @cuda.jit(device=True, **INLINE)
     def row_block(ring, cur, nxt, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out):
@@ -732,6 +753,39 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int):
                     else:
                         ws[split, b0 + bb, row] = acc[bb] * sc
 
+    @cuda.jit(device=True, **INLINE)
+    def build_mma(lut, x32, cb32, b0, g0, g1, tid):
+        # Lane (g, t) = (lane / 4, lane % 4). B fragment of N-tile n: column c = 8n + g = (batch row
+        # c / G, group c % G), x's 32-bit word t of that group (dimensions 2t, 2t + 1), zero past
+        # the slice or the batch. A fragment of M-tile i: words t of entries 16i + g and 16i + g + 8.
+        lane = uint32(tid) & uint32(31)
+        gl = lane >> uint32(2)
+        t = lane & uint32(3)
+        bx = cuda.local.array(NT, int32)
+        for n in range(NT):
+            c = uint32(8 * n) + gl
+            bb = int32(c // uint32(G))  # signed: numba types int64 + uint64 as float64
+            g = int32(c % uint32(G))
+            bx[n] = 0
+            if c < uint32(BG) and b0 + bb < B and g0 + g < g1:
+                bx[n] = x32[b0 + bb, 4 * (g0 + g) + int32(t)]
+        e = uint32(16) * (uint32(tid) >> uint32(5)) + gl
+        for k in range(TPW):
+            if e < uint32(pairs):  # warp-uniform: mma needs all 32 lanes
+                a0 = cb32[uint32(4) * e + t]
+                a1 = cb32[uint32(4) * e + uint32(32) + t]
+                for n in range(NT):
+                    d0, d1, d2, d3 = mma_m16n8k8(a0, a1, bx[n])
+                    c = uint32(8 * n) + uint32(2) * t
+                    o = c * uint32(PS) + e
+                    if c < uint32(BG):
+                        lut[o] = d0
+                        lut[o + uint32(8)] = d2
+                    if c + uint32(1) < uint32(BG):
+                        lut[o + uint32(PS)] = d1
+                        lut[o + uint32(PS + 8)] = d3
+            e += uint32(16 * warps)
+
     @cuda.jit
     def kernel(x32, tiled, cb32, scales, bias, y, ws, counters, n_out, rbs, nchunks):
         lut = cuda.shared.array(0, float32)  # [b][g][m][k]
@@ -751,8 +805,12 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int):
         fetch(ring, 0, tiled, rb0 + r if r < RB else rbs, rbs, nchunks, j0, j1)
 
         # 2. The table.
+        g0 = j0 * gpc
+        g1 = j1 * gpc
+        if mma:
+            build_mma(lut, x32, cb32, b0, g0, g1, tid)
         cbv = cuda.local.array(cbv_size, float32)
-        for i in range(ppt):
+        for i in range(0 if mma else ppt):
             p = tid + i * nt
             if p < pairs:
                 w0, w1, w2, w3 = load16(cb32, p * 4)
@@ -760,9 +818,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int):
                 cbv[8 * i + 2], cbv[8 * i + 3] = half2_to_float2(w1)
                 cbv[8 * i + 4], cbv[8 * i + 5] = half2_to_float2(w2)
                 cbv[8 * i + 6], cbv[8 * i + 7] = half2_to_float2(w3)
-        g0 = j0 * gpc
-        g1 = j1 * gpc
-        for bb in range(bt):
+        for bb in range(0 if mma else bt):
             if b0 + bb < B:
                 xrow = x32[b0 + bb]
                 for g in range(G):
@@ -783,7 +839,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int):
                                 v = cuda.fma(xf, cbv[8 * i + 5], v)
                                 v = cuda.fma(xg, cbv[8 * i + 6], v)
                                 v = cuda.fma(xh, cbv[8 * i + 7], v)
-                                lut[(bb * G + g) * pairs + p] = v
+                                lut[(bb * G + g) * PS + p] = v
         cuda.syncthreads()
 
         # 3. Rows: warp w owns row-blocks w, w + warps, ... of the block. The ring has two slots:
@@ -819,11 +875,12 @@ class AdditivePlan:
     cps: int  # 16-byte chunk columns a K-slice (groups a slice: cps * 16 / M)
     ksplit: int
     bt: int  # batch rows a block (grid z covers the batch in tiles of bt)
-    shared_bytes: int  # dynamic: the table, bt * cps * 16 KiB
+    shared_bytes: int  # dynamic: the table, bt * cps * 16 KiB (plus padding under the mma build)
+    build: str = "fma"  # the table: "fma" (scalar multiply-adds) or "mma" (tensor cores)
 
 
 def plan_additive(n_out: int, nchunks: int, M: int, B: int, sms: int, smem: int, warps: int | None = None, RB: int | None = None,
-                  cps: int | None = None, ksplit: int | None = None, bt: int | None = None) -> AdditivePlan:
+                  cps: int | None = None, ksplit: int | None = None, bt: int | None = None, build: str = "fma") -> AdditivePlan:
     """Launch plan for one layer. Without overrides: blocks of up to 16 row-blocks (512 rows, so the
     table is amortized over many rows), bt = the batch where it fits, and K-slices sized so about
     two blocks share an SM. ``smem`` is what a block may opt in to (227 KiB on an H100)."""
@@ -849,7 +906,12 @@ def plan_additive(n_out: int, nchunks: int, M: int, B: int, sms: int, smem: int,
     cps = -(-nchunks // ksplit)  # even slices
     RB = max(1, min(RB or 16, rbs))
     warps = warps or max(1, min(8, RB))
-    return AdditivePlan(warps, RB, cps, ksplit, bt, bt * cps * CHUNK_LUT_BYTES)
+    if build not in ("fma", "mma"):
+        raise ValueError(f"build must be 'fma' or 'mma', got {build!r}")
+    nbytes = lut_bytes(M, bt, cps, build == "mma")
+    if nbytes > usable:
+        raise ValueError(f"bt={bt} x cps={cps} chunk columns need {nbytes} bytes of table; a block may use {usable}")
+    return AdditivePlan(warps, RB, cps, ksplit, bt, nbytes, build)
 
 
 
@@ -874,8 +936,16 @@ def candidate_plans(n_out: int, nchunks: int, M: int, B: int, sms: int, smem: in
                 blocks = -(-rbs // p.RB) * p.ksplit * -(-B // p.bt)
                 if key not in seen and blocks >= min(sms, rbs):
                     seen.add(key)
-                    out.append(p)
-    return out or [plan_additive(n_out, nchunks, M, B, sms, smem)]
+                    # the tensor-core build of every plan; the scalar one of the heuristic plan only,
+                    # so each run still measures both (the padding's 16 bytes a column may not fit)
+                    try:
+                        out.append(plan_additive(n_out, nchunks, M, B, sms, smem, RB=RB, cps=c, bt=bt, build="mma"))
+                    except ValueError:
+                        out.append(p)
+    h = plan_additive(n_out, nchunks, M, B, sms, smem)
+    if (h.RB, h.cps, h.bt, h.warps, h.build) not in {(p.RB, p.cps, p.bt, p.warps, p.build) for p in out}:
+        out.append(h)
+    return out
 
 
 _TUNED: dict = {}
@@ -942,7 +1012,7 @@ class AdditiveGemv:
         return max_shared_bytes(self.device)
 
     def _launch_parts(self, B: int, plan: AdditivePlan):
-        kern = additive_kernel(self.M, B, plan.bt, plan.warps, plan.RB, plan.cps)
+        kern = additive_kernel(self.M, B, plan.bt, plan.warps, plan.RB, plan.cps, plan.build == "mma")
         ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
         groups = -(-self.rbs // plan.RB)
         counters = torch.zeros(groups * -(-B // plan.bt), dtype=torch.int32, device=self.device)
@@ -1071,8 +1141,9 @@ def correctness_sweep(shapes, Ms=(2, 4), batches=(1, 2, 3, 8, 16), seed: int = 0
 
     jobs = [(s, M, b, None) for s in shapes for M in Ms for b in batches]
     # cps=1: one chunk column a K-slice (the deepest K-split); cps=3: slices of 3 (an uneven last one).
-    jobs += [(shapes[0], M, b, dict(cps=c, RB=rb, bt=bt, warps=w)) for M in Ms for b in (1, 3) for c in (1, 3)
-             for rb in (1, 4) for bt in (1, 2) for w in (4, 8) if bt <= b]
+    # Plans of 8 warps build the table on the tensor cores, of 4 with multiply-adds: both builds, no extra kernels.
+    jobs += [(shapes[0], M, b, dict(cps=c, RB=rb, bt=bt, warps=w, build="mma" if w == 8 else "fma")) for M in Ms for b in (1, 3)
+             for c in (1, 3) for rb in (1, 4) for bt in (1, 2) for w in (4, 8) if bt <= b]
     recs, failures = [], []
     for i, ((n_in, n_out), M, b, plan) in enumerate(tqdm(jobs, desc="additive correctness", disable=not progress)):
         try:
@@ -1119,4 +1190,4 @@ def time_additive(n_in: int, n_out: int, M: int, batch: int, fp16_ms: float, see
     torch.cuda.empty_cache()
     return gemv_record("additive", K, batch, n_in, n_out, ms, fp16_ms, nbytes, err, scheme=SCHEMES[M], M=M, bits_per_weight=bits,
                        passed=err <= TOLERANCE, ksplit=plan.ksplit, warps=plan.warps, rb=plan.RB, cps=plan.cps, bt=plan.bt,
-                       shared_bytes=plan.shared_bytes)
+                       shared_bytes=plan.shared_bytes, build=plan.build)
