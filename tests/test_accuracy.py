@@ -251,6 +251,12 @@ def test_bits_per_weight_counts_scales_and_codebooks():
 class ByteTokenizer:
     """tokenizer(text) -> UTF-8 bytes as ids: enough tokenizer for a random tiny model."""
 
+    all_special_ids = [0, 1]
+    eos_token_id = 0
+
+    def __len__(self):
+        return 256
+
     def __call__(self, text, return_tensors="pt", add_special_tokens=False):
         class Out:
             input_ids = torch.tensor([list(text.encode("utf-8"))])
@@ -466,3 +472,20 @@ def test_compare_rejects_bad_stride_before_loading(monkeypatch):
     monkeypatch.setattr(ppl, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
     with pytest.raises(ValueError, match="stride must be in"):
         P.compare("smollm2-135m", ["rtn"], ctx=512, stride=2048)
+
+
+def test_generated_calibration_is_seeded_and_starts_on_ordinary_tokens():
+    model, tok = tiny_llama(), ByteTokenizer()
+    a = P.generated_calibration_ids(model, tok, n_samples=3, seq_len=24, seed=5, batch=2, progress=False)
+    b = P.generated_calibration_ids(model, tok, n_samples=3, seq_len=24, seed=5, batch=2, progress=False)
+    c = P.generated_calibration_ids(model, tok, n_samples=3, seq_len=24, seed=6, batch=2, progress=False)
+    assert a.shape == (3, 24) and torch.equal(a, b) and not torch.equal(a, c)
+    assert not set(a[:, 0].tolist()) & {0, 1}  # never a special token first
+    with pytest.raises(ValueError, match="n_samples"):
+        P.generated_calibration_ids(model, tok, n_samples=0)
+
+
+def test_compare_can_calibrate_on_the_models_own_text(tiny_compare):
+    recs = P.compare("tiny", ["kmeans-act"], text_file=tiny_compare, token_budget=256, ctx=128, calibration_source="generated",
+                     n_calib=2, calib_len=32, progress=False)
+    assert recs[1]["calibration"] == P.GENERATED_DESC and recs[1]["calibration_tokens"] == 64
