@@ -47,7 +47,7 @@ from .gemv import (
     load_byte_offset,
     load_cg,
     max_shared_bytes,
-    mma_m16n8k8,
+    mma_table_tile,
     sm_count,
     tuning_enabled,
     tuning_inputs,
@@ -700,6 +700,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
     NT = -(-BG // 8)  # mma N-tiles
     TILES = pairs // 16  # mma M-tiles
     TPW = -(-TILES // warps)
+    mma_tile = mma_table_tile(NT, BG, PS)
     zero = int32(0)
     mask = uint32(0x3FC)
 
@@ -772,18 +773,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
         e = uint32(16) * (uint32(tid) >> uint32(5)) + gl
         for k in range(TPW):
             if e < uint32(pairs):  # warp-uniform: mma needs all 32 lanes
-                a0 = cb32[uint32(4) * e + t]
-                a1 = cb32[uint32(4) * e + uint32(32) + t]
-                for n in range(NT):
-                    d0, d1, d2, d3 = mma_m16n8k8(a0, a1, bx[n])
-                    c = uint32(8 * n) + uint32(2) * t
-                    o = c * uint32(PS) + e
-                    if c < uint32(BG):
-                        lut[o] = d0
-                        lut[o + uint32(8)] = d2
-                    if c + uint32(1) < uint32(BG):
-                        lut[o + uint32(PS)] = d1
-                        lut[o + uint32(PS + 8)] = d3
+                mma_tile(lut, uint32(0), e, t, cb32[uint32(4) * e + t], cb32[uint32(4) * e + uint32(32) + t], bx)
             e += uint32(16 * warps)
 
     @cuda.jit

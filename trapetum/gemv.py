@@ -207,6 +207,30 @@ else:
 INLINE = {} if SIM else {"forceinline": True}  # cuda.jit options of device functions that must inline
 
 
+def mma_table_tile(NT: int, BG: int, PS: int):
+    """The tensor-core table builds' shared step (residual and additive kernels): one M-tile of 16
+    table entries (A fragments ``a0``, ``a1``) times the ``NT`` N-tiles of x (B fragments ``bx``),
+    stored as fp32 at ``tab[base + c * PS + e]`` for table column c < ``BG`` and entry e (the
+    lane's ``e`` and ``e + 8``). Lane (g, t) holds columns 2t and 2t + 1 of D (see
+    :func:`mma_m16n8k8`); ``PS`` is the padded table row, so the 4 columns of a store fall 8 banks apart.
+    All 32 lanes of the warp must call it together."""
+
+    @cuda.jit(device=True, **INLINE)
+    def tile(tab, base, e, t, a0, a1, bx):
+        for n in range(NT):
+            d0, d1, d2, d3 = mma_m16n8k8(a0, a1, bx[n])
+            c = uint32(8 * n) + uint32(2) * t
+            o = base + c * uint32(PS) + e
+            if c < uint32(BG):
+                tab[o] = d0
+                tab[o + uint32(8)] = d2
+            if c + uint32(1) < uint32(BG):
+                tab[o + uint32(PS)] = d1
+                tab[o + uint32(PS + 8)] = d3
+
+    return tile
+
+
 @cuda.jit(device=True, **INLINE)
 def last_to_finish(counters, idx, nsplit, last, tid) -> bool:
     """Whether this block is the last of the ``nsplit`` K-slices of output group ``idx`` to finish.

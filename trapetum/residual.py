@@ -44,7 +44,7 @@ import torch
 
 from .codebook import ROW_BLOCK, CodebookFormatError, read_layer_file
 from .gemv import (INLINE, SIM, _as_kernel_array, check_activation, check_output, float2_to_half2, half2_to_float2, kernel_device,
-                   load16, load_byte_offset, max_shared_bytes, mma_m16n8k8, sload4, sm_count, tuning_enabled, tuning_inputs,
+                   load16, load_byte_offset, max_shared_bytes, mma_table_tile, sload4, sm_count, tuning_enabled, tuning_inputs,
                    with_shared_limit)
 from .kmeans import check_finite
 
@@ -847,6 +847,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     NTILES = (Nm + Nr) // 16  # mma M-tiles (16 entries each)
     TPW = -(-NTILES // warps)  # M-tiles a warp
     ncb = -(-(Nm + Nr) // nt)  # codebook entries a thread stages (mma)
+    mma_tile = mma_table_tile(NT, BG, TS)
     stage_x, finish = _common_device_functions(B, nt, RB, norm)
 
     load_words = _word_loader(RB, WPC)
@@ -920,16 +921,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
                 else:
                     a0 = resq[uint32(4) * (e - uint32(Nm)) + t]
                     a1 = resq[uint32(4) * (e - uint32(Nm)) + uint32(32) + t]
-                for n in range(NT):
-                    d0, d1, d2, d3 = mma_m16n8k8(a0, a1, bx[n])
-                    c = uint32(8 * n) + uint32(2) * t
-                    o = uint32(CBW) + c * uint32(TS) + e
-                    if c < uint32(BG):
-                        tab[o] = d0
-                        tab[o + uint32(8)] = d2
-                    if c + uint32(1) < uint32(BG):
-                        tab[o + uint32(TS)] = d1
-                        tab[o + uint32(TS + 8)] = d3
+                mma_tile(tab, uint32(CBW), e, t, a0, a1, bx)
             e += uint32(16 * warps)
 
     @cuda.jit(device=True, **INLINE)
