@@ -489,3 +489,18 @@ def test_compare_can_calibrate_on_the_models_own_text(tiny_compare):
     recs = P.compare("tiny", ["kmeans-act"], text_file=tiny_compare, token_budget=256, ctx=128, calibration_source="generated",
                      n_calib=2, calib_len=32, progress=False)
     assert recs[1]["calibration"] == P.GENERATED_DESC and recs[1]["calibration_tokens"] == 64
+
+
+def test_calibration_comparison_pairs_labels_and_checks_the_reference():
+    import pandas as pd
+
+    main = pd.DataFrame([{"label": "awq:group_size=96", "scheme": "awq", "ppl": 22.0}])
+    main_ref = pd.Series({"tokens": 4096, "ppl": 20.0})
+    cal = pd.DataFrame([{"scheme": "reference", "label": "reference", "tokens": 4096, "ppl": 20.0, "bits_per_weight": None},
+                        {"scheme": "awq", "label": "awq:group_size=96", "tokens": 4096, "ppl": 21.0, "bits_per_weight": 4.356},
+                        {"scheme": "gptq", "label": "gptq:group_size=96", "tokens": 4096, "ppl": 23.0, "bits_per_weight": 4.356}])
+    t, same = P.calibration_comparison(main, main_ref, cal)
+    assert same and t.scheme.tolist() == ["awq:group_size=96", "gptq:group_size=96"]
+    assert t.loc[0, "vs reference (%), main run"] == pytest.approx(10.0) and t.loc[0, "vs reference (%), generated"] == pytest.approx(5.0)
+    assert t["within +8%"].tolist() == ["yes", "no"] and pd.isna(t.loc[1, "PPL, main run's calibration"])
+    assert not P.calibration_comparison(main, pd.Series({"tokens": 2048, "ppl": 20.0}), cal)[1]

@@ -1137,6 +1137,27 @@ SEED_004_NEGATIVE_RESULTS = [
 ]
 
 
+def calibration_comparison(main: "pd.DataFrame", main_ref, cal: "pd.DataFrame") -> tuple["pd.DataFrame", bool]:
+    """Each scheme of a calibration-source run (``cal``: its records, reference row included) beside
+    the same label in the main run (``main``: scheme rows; ``main_ref``: its reference row), both as
+    perplexity and % over their reference, with whether the recalibrated scheme is within +8 %.
+    Also returns whether the two runs scored the same tokens with the same reference perplexity
+    (otherwise their numbers do not compare)."""
+    import pandas as pd
+
+    cal_ref = cal[cal.scheme == "reference"].iloc[-1]
+    same = int(cal_ref.tokens) == int(main_ref.tokens) and abs(cal_ref.ppl - main_ref.ppl) <= 1e-9 * main_ref.ppl
+    rows = []
+    for _, c in cal[(cal.scheme != "reference") & cal.ppl.notna()].iterrows():
+        m = main[main.label == c.label]
+        m_ppl = m.ppl.iloc[0] if len(m) else float("nan")
+        rows.append({"scheme": c.label, "bits/weight": c.bits_per_weight,
+                     "PPL, main run's calibration": m_ppl, "vs reference (%), main run": 100 * (m_ppl / main_ref.ppl - 1),
+                     "PPL, generated calibration": c.ppl, "vs reference (%), generated": 100 * (c.ppl / cal_ref.ppl - 1),
+                     "within +8%": "yes" if c.ppl <= 1.08 * cal_ref.ppl else "no"})
+    return pd.DataFrame(rows), same
+
+
 def negative_results(df) -> "pd.DataFrame":
     """The seed's negative-results table with our numbers beside it (rows we have not built stay empty)."""
     import pandas as pd
