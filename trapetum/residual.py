@@ -846,7 +846,6 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     NT = -(-BG // 8)  # mma N-tiles (8 columns each)
     NTILES = (Nm + Nr) // 16  # mma M-tiles (16 entries each)
     TPW = -(-NTILES // warps)  # M-tiles a warp
-    ncb = -(-(Nm + Nr) // nt)  # codebook entries a thread stages (mma)
     mma_tile = mma_table_tile(NT, BG, TS)
     stage_x, finish = _common_device_functions(B, nt, RB, norm)
 
@@ -959,16 +958,11 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         q0 = cuda.blockIdx.y * sps
         q1 = min(q0 + sps, nsteps)
 
-        # The codebooks, once a block: entry c = tid + k * nt is thread tid's k-th.
-        if mma and cb_shared:  # both codebooks into shared memory, main then residual: entry e is the table's column e
-            for k in range(ncb):
-                c = tid + k * nt
-                if c < Nm:
-                    tabi[4 * c], tabi[4 * c + 1], tabi[4 * c + 2], tabi[4 * c + 3] = load16(mainq, 4 * c)
-                elif c < Nm + Nr:
-                    tabi[4 * c], tabi[4 * c + 1], tabi[4 * c + 2], tabi[4 * c + 3] = load16(resq, 4 * (c - Nm))
+        # The codebooks, once a block: entry c = tid + k * nt is thread tid's k-th. The mma build
+        # keeps both in shared memory, main then residual (entry e is the table's column e), or
+        # reads them from global memory (CBG); the scalar build keeps the residual in registers.
         cbm = cuda.local.array(cbm_size, int32)
-        for k in range(0 if mma else nper):
+        for k in range(0 if CBG else nper):
             c = tid + k * nt
             if c < Nm:
                 w0, w1, w2, w3 = load16(mainq, 4 * c)
@@ -977,10 +971,15 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
                 else:
                     cbm[4 * k], cbm[4 * k + 1], cbm[4 * k + 2], cbm[4 * k + 3] = w0, w1, w2, w3
         cbr = cuda.local.array(cbr_size, int32)
-        for k in range(0 if mma else rper):
+        for k in range(0 if CBG else rper):
             c = tid + k * nt
             if c < Nr:
-                cbr[4 * k], cbr[4 * k + 1], cbr[4 * k + 2], cbr[4 * k + 3] = load16(resq, 4 * c)
+                w0, w1, w2, w3 = load16(resq, 4 * c)
+                if mma:
+                    e = 4 * (Nm + c)
+                    tabi[e], tabi[e + 1], tabi[e + 2], tabi[e + 3] = w0, w1, w2, w3
+                else:
+                    cbr[4 * k], cbr[4 * k + 1], cbr[4 * k + 2], cbr[4 * k + 3] = w0, w1, w2, w3
 
         pb = cuda.local.array(B, float32)
         ncols = (q1 - q0) * 8 * G
