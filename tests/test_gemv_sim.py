@@ -260,3 +260,71 @@ def test_deeper_pipelines_use_every_chunk_once(K, n_in, plan):
 def test_a_pipeline_needs_two_stages():
     with pytest.raises(ValueError, match="stages must be at least 2"):
         lut_kernel(16, 1, 2, stages=1)
+
+
+# -- the tensor-core (mma) kernel: 4-bit codes, pair table, batch 1..16 ----------------------------
+@pytest.mark.parametrize(
+    "n_out, n_in, batch, plan",
+    [
+        (64, 64, 1, {"warps": 4}),
+        (96, 128, 3, {"warps": 4, "ksplit": 2}),  # 3 row-blocks: the second block's g = 1 warps idle
+        (33, 64, 5, {"warps": 4}),  # batch pairs (0, 2), (1, 3), (4, -): an absent partner reads zeros
+        (64, 256, 16, {"warps": 8, "ksplit": 2}),  # four mmas a step
+    ],
+)
+def test_mma_kernel_matches_float64_reference(n_out, n_in, batch, plan):
+    ct = random_codebook_tensor(n_out, n_in, 16, seed=n_out + batch)
+    g = LutGemv(ct, plan={"kernel": "mma", **plan})
+    p = g.plan(batch)
+    assert (p.kernel, p.RB, p.warps) == ("mma", 2, plan["warps"])
+    check(g, x_for(n_in, batch, seed=batch))
+
+
+def test_mma_k_split_resets_its_counters():
+    ct = random_codebook_tensor(70, 192, 16, seed=4)
+    g = LutGemv(ct, plan={"kernel": "mma", "warps": 4, "ksplit": 3})
+    assert g.plan(2).ksplit == 3
+    y1 = check(g, x_for(192, 2, seed=1))
+    assert not g._plans[2][2][1].any()
+    y2 = check(g, x_for(192, 2, seed=2))
+    assert not torch.equal(y1, y2)
+
+
+def test_mma_plans_are_tuner_candidates_only_for_4_bit_codes():
+    four = gemv.candidate_plans(4096, 128, 16, 1, 132, mma_budget=227 * 1024)
+    assert {p.kernel for p in four} == {"lut", "mma"}
+    assert all(p.cps >= p.warps // 2 * gemv.MMA_UNROLL for p in four if p.kernel == "mma")
+    assert all(p.shared_bytes <= 227 * 1024 for p in four)
+    assert {p.kernel for p in gemv.candidate_plans(4096, 256, 64, 1, 132, mma_budget=227 * 1024)} == {"lut"}
+    assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 1, 132, mma_budget=0)} == {"lut"}
+
+
+def test_plan_mma_heuristic_and_its_errors():
+    p = gemv.plan_mma(14336, 128, 1, 132)
+    assert p.kernel == "mma" and p.warps == 8 and p.ksplit * p.cps >= 128
+    assert p.shared_bytes == gemv.mma_shared_bytes(1, p.warps, p.cps)
+    assert gemv.plan_mma(768, 96, 1, 132).warps == 4  # 12 blocks of 64 rows: fewer warps, more K-slices
+    with pytest.raises(ValueError, match="4, 8 or 16 warps"):
+        gemv.plan_mma(4096, 128, 1, 132, warps=2)
+    with pytest.raises(ValueError, match="does not fit"):
+        gemv.plan_mma(4096, 128, 1, 132, budget=48 * 1024)
+    with pytest.raises(ValueError, match="batch 1..16"):
+        gemv.plan_mma(4096, 128, 17, 132)
+
+
+@pytest.mark.parametrize("K", [64, 256])
+def test_mma_kernel_refuses_8_bit_codes(K):
+    ct = random_codebook_tensor(32, 64, K, seed=1)
+    with pytest.raises(ValueError, match="K=16"):
+        LutGemv(ct, kernels=("mma",))
+    with pytest.raises(ValueError, match="4-bit"):
+        LutGemv(ct, plan={"kernel": "mma"}).plan(1)
+
+
+def test_kernels_must_name_known_families():
+    ct = random_codebook_tensor(32, 64, 16, seed=1)
+    with pytest.raises(ValueError, match="kernels must name"):
+        LutGemv(ct, kernels=("wgmma",))
+    g = LutGemv(ct, kernels=("mma",))  # untuned (simulator): the mma heuristic plan
+    assert g.plan(1).kernel == "mma"
+    check(g, x_for(64, 1, seed=3))

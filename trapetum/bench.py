@@ -84,11 +84,11 @@ def fp16_launchers(n_in: int, n_out: int, batch: int, seed: int = 0):
     return [lambda W=W: torch.mm(x, W.t(), out=y) for W in Ws], (Ws, x, y)
 
 
-def lut_launchers(n_in: int, n_out: int, K: int, batch: int, variant: str = "lut", seed: int = 0):
+def lut_launchers(n_in: int, n_out: int, K: int, batch: int, variant: str = "lut", seed: int = 0, kernels=("lut", "mma")):
     """Rotated copies of one random codebook weight, each bound to the same x and y."""
     ct = random_codebook_tensor(n_out, n_in, K, seed=seed, device="cuda")
     k = copies_for(ct.nbytes)
-    gemvs = [LutGemv(ct, variant=variant) for _ in range(k)]
+    gemvs = [LutGemv(ct, variant=variant, kernels=kernels) for _ in range(k)]
     x = torch.randn(batch, n_in, device="cuda", dtype=torch.float16)
     y = torch.empty(batch, n_out, device="cuda", dtype=torch.float16)
     return [g.bind(x, y) for g in gemvs], (gemvs, x, y)
@@ -108,12 +108,13 @@ def poisoned_check(gemv, x: torch.Tensor, ref: Callable[[torch.Tensor], torch.Te
     return max_rel_err(y, ref(x))
 
 
-def check_kernel(n_in: int, n_out: int, K: int, batch: int, variant: str, seed: int, device="cuda", plan: dict | None = None) -> float:
+def check_kernel(n_in: int, n_out: int, K: int, batch: int, variant: str, seed: int, device="cuda", plan: dict | None = None,
+                 kernels=("lut", "mma")) -> float:
     """Max relative error of one kernel against float64, on fresh inputs, with y poisoned first."""
     ct = random_codebook_tensor(n_out, n_in, K, seed=seed, device=device)
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
     x = torch.randn(batch, n_in, generator=g).half().to(device)
-    return poisoned_check(LutGemv(ct, device=device, variant=variant, plan=plan), x, lambda x: reference(x, ct),
+    return poisoned_check(LutGemv(ct, device=device, variant=variant, plan=plan, kernels=kernels), x, lambda x: reference(x, ct),
                           f"{variant} K={K} batch={batch} {n_in}x{n_out}")
 
 
@@ -167,18 +168,20 @@ def correctness_sweep(shapes, Ks=(16, 64, 256), batches=(1, 2, 3, 8, 16), varian
     return recs
 
 
-def time_lut(n_in, n_out, K, batch, variant, fp16_ms, seed=0) -> dict:
-    launchers, keep = lut_launchers(n_in, n_out, K, batch, variant, seed=seed)
+def time_lut(n_in, n_out, K, batch, variant, fp16_ms, seed=0, kernels=("lut", "mma"), name: str | None = None) -> dict:
+    """One fused kernel, tuned over ``kernels`` (see LutGemv), timed and checked; recorded as ``name``
+    (default: the variant) with the plan it ran, ``plan_kernel`` saying which kernel family."""
+    launchers, keep = lut_launchers(n_in, n_out, K, batch, variant, seed=seed, kernels=kernels)
     ms = time_graph(launchers)
     g = keep[0][0]
-    err = check_kernel(n_in, n_out, K, batch, variant, seed=seed + 7)
+    err = check_kernel(n_in, n_out, K, batch, variant, seed=seed + 7, kernels=kernels)
     nbytes = g.weight_bytes + 2 * batch * (n_in + n_out)
     plan = g._plans[batch][1]
     del launchers, keep
     torch.cuda.empty_cache()
-    return gemv_record(variant, K, batch, n_in, n_out, ms, fp16_ms, nbytes, err, scheme=SCHEMES[K],
+    return gemv_record(name or variant, K, batch, n_in, n_out, ms, fp16_ms, nbytes, err, scheme=SCHEMES[K],
                        ksplit=getattr(plan, "ksplit", None), warps=getattr(plan, "warps", None), rb=getattr(plan, "RB", None),
-                       stages=getattr(plan, "stages", None))
+                       stages=getattr(plan, "stages", None), plan_kernel=getattr(plan, "kernel", None))
 
 
 def time_fp16(n_in, n_out, batch) -> float:

@@ -59,6 +59,22 @@ def _sim_warp(key) -> tuple:
         return _sim_warps[key]
 
 
+def _sim_fragments(key, lane, frag) -> np.ndarray:
+    """Every lane's fp16-pair fragments of one warp-wide mma call, as (32, len(frag), 2) float64.
+
+    The simulator runs each CUDA thread as a Python thread, so the warp's 32 threads meet at a
+    barrier and then each reads every lane's fragments. Slots alternate between two sets, so one
+    barrier a call suffices: a lane cannot write a set again before every lane has passed the next
+    barrier, i.e. finished reading it."""
+    bar, slots, calls = _sim_warp(key)
+    buf = slots[calls[lane] % 2]
+    calls[lane] += 1
+    buf[lane] = frag
+    bar.wait()
+    f = np.array(buf, dtype=np.int64).astype(np.int32).view(np.float16).astype(np.float64)
+    return f.reshape(32, len(frag), 2)
+
+
 if SIM:
 
     @cuda.jit(device=True)
@@ -87,27 +103,47 @@ if SIM:
         return np.array([lo, hi], dtype=np.float32).astype(np.float16).view(np.int32)[0]
 
     @cuda.jit(device=True)
+    def store16(a, i, v0, v1, v2, v3):
+        a[i], a[i + 1], a[i + 2], a[i + 3] = v0, v1, v2, v3
+
+    @cuda.jit(device=True)
+    def prmt(a, b, sel):
+        x = (int(a) & 0xFFFFFFFF) | ((int(b) & 0xFFFFFFFF) << 32)
+        r = 0
+        for k in range(4):
+            r |= ((x >> (8 * ((int(sel) >> (4 * k)) & 7))) & 0xFF) << (8 * k)
+        return np.uint32(r)
+
+    @cuda.jit(device=True)
     def mma_m16n8k8(a0, a1, b0):
-        # A warp-wide operation in a simulator that runs each CUDA thread as a Python thread: the
-        # warp's 32 threads meet at a barrier, then each reads every lane's fragments and computes
-        # its own part of D (the hardware's fragment layout: see the GPU version). Slots alternate
-        # between two sets, so one barrier a call suffices: a lane cannot write a set again before
-        # every lane has passed the next barrier, i.e. finished reading it.
+        # A warp-wide operation in a simulator that runs each CUDA thread as a Python thread: see
+        # _sim_fragments. Lane (g, t)'s part of D (the hardware's fragment layout: see the GPU version).
         lane = cuda.threadIdx.x % 32
-        bar, slots, calls = _sim_warp((cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x // 32))
-        buf = slots[calls[lane] % 2]
-        calls[lane] += 1
-        buf[lane] = (a0, a1, b0)
-        bar.wait()
-        f = np.array(buf, dtype=np.int64).astype(np.int32).view(np.float16).astype(np.float64).reshape(32, 3, 2)
+        f = _sim_fragments((cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x // 32), lane, (a0, a1, b0))
         A = np.zeros((16, 8))
         Bm = np.zeros((8, 8))
         for src in range(32):
             g, t = src // 4, src % 4
             A[g, 2 * t:2 * t + 2], A[g + 8, 2 * t:2 * t + 2], Bm[2 * t:2 * t + 2, g] = f[src]
         g, t = lane // 4, lane % 4
-        d = A[[g, g, g + 8, g + 8]] * Bm[:, [2 * t, 2 * t + 1, 2 * t, 2 * t + 1]].T
-        d = d.sum(axis=1)
+        d = (A[[g, g, g + 8, g + 8]] * Bm[:, [2 * t, 2 * t + 1, 2 * t, 2 * t + 1]].T).sum(axis=1)
+        return np.float32(d[0]), np.float32(d[1]), np.float32(d[2]), np.float32(d[3])
+
+    @cuda.jit(device=True)
+    def mma_m16n8k16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        # As mma_m16n8k8; the accumulators a lane holds are the D elements it gets back.
+        lane = cuda.threadIdx.x % 32
+        f = _sim_fragments((cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x // 32), lane, (a0, a1, a2, a3, b0, b1))
+        A = np.zeros((16, 16))
+        Bm = np.zeros((16, 8))
+        for src in range(32):
+            g, t = src // 4, src % 4
+            A[g, 2 * t:2 * t + 2], A[g + 8, 2 * t:2 * t + 2] = f[src, 0], f[src, 1]
+            A[g, 2 * t + 8:2 * t + 10], A[g + 8, 2 * t + 8:2 * t + 10] = f[src, 2], f[src, 3]
+            Bm[2 * t:2 * t + 2, g], Bm[2 * t + 8:2 * t + 10, g] = f[src, 4], f[src, 5]
+        g, t = lane // 4, lane % 4
+        d = (A[[g, g, g + 8, g + 8]] * Bm[:, [2 * t, 2 * t + 1, 2 * t, 2 * t + 1]].T).sum(axis=1)
+        d += np.array([c0, c1, c2, c3], dtype=np.float64)
         return np.float32(d[0]), np.float32(d[1]), np.float32(d[2]), np.float32(d[3])
 
 else:
@@ -191,6 +227,60 @@ else:
                                      "{$7, $7, $7, $7};", "=f,=f,=f,=f,r,r,r,f", side_effect=False)
             ins = [builder.trunc(v, i32) if v.type.width > 32 else builder.sext(v, i32) if v.type.width < 32 else v for v in args]
             d = builder.call(asm, [*ins, ir.Constant(f32, 0.0)])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(d, k) for k in range(4)])
+
+        return sig, codegen
+
+    @intrinsic
+    def store16(typingctx, arr, idx, v0, v1, v2, v3):
+        """arr[idx:idx + 4] = v0..v3 as one aligned 128-bit store (st.v4)."""
+        sig = types.none(arr, idx, v0, v1, v2, v3)
+
+        def codegen(context, builder, sig, args):
+            aty = sig.args[0]
+            ary = context.make_array(aty)(context, builder, value=args[0])
+            ptr = cgutils.get_item_pointer(context, builder, aty, ary, [args[1]], wraparound=False)
+            ety = context.get_data_type(aty.dtype)
+            vec = ir.Constant(ir.VectorType(ety, 4), None)
+            for k, v in enumerate(args[2:]):
+                v = builder.trunc(v, ety) if v.type.width > ety.width else builder.zext(v, ety) if v.type.width < ety.width else v
+                vec = builder.insert_element(vec, v, ir.Constant(ir.IntType(32), k))
+            builder.store(vec, builder.bitcast(ptr, ir.VectorType(ety, 4).as_pointer()), align=16)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def prmt(typingctx, a, b, sel):
+        """PTX ``prmt.b32`` (CUDA's __byte_perm): byte k of the result is byte (sel >> 4k) & 7 of the
+        8-byte value b:a. One instruction where shifts and masks take two or three."""
+        sig = types.uint32(a, b, sel)
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            ins = [builder.trunc(v, i32) if v.type.width > 32 else builder.zext(v, i32) if v.type.width < 32 else v for v in args]
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32] * 3), "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", side_effect=False)
+            return builder.call(asm, ins)
+
+        return sig, codegen
+
+    @intrinsic
+    def mma_m16n8k16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """D = A (16 x 16, fp16, row-major) x B (16 x 8, fp16, column-major) + C, fp32 (PTX
+        ``mma.sync.m16n8k16``). Warp-wide. Lane l (g = l / 4, t = l % 4) holds A[g][2t..2t+1] in
+        ``a0``, A[g + 8][2t..2t+1] in ``a1``, A[g][2t+8..2t+9] in ``a2``, A[g + 8][2t+8..2t+9] in ``a3``,
+        B[2t..2t+1][g] in ``b0``, B[2t+8..2t+9][g] in ``b1``, and C/D[g][2t], [g][2t + 1], [g + 8][2t],
+        [g + 8][2t + 1] in c0..c3 / the result."""
+        sig = types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+        def codegen(context, builder, sig, args):
+            f32, i32 = ir.FloatType(), ir.IntType(32)
+            fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
+            asm = ir.InlineAsm(fnty, "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, "
+                                     "{$8, $9}, {$10, $11, $12, $13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effect=False)
+            ins = [builder.trunc(v, i32) if v.type.width > 32 else builder.zext(v, i32) if v.type.width < 32 else v for v in args[:6]]
+            cs = [builder.fptrunc(v, f32) if v.type != f32 else v for v in args[6:]]
+            d = builder.call(asm, [*ins, *cs])
             return context.make_tuple(builder, sig.return_type, [builder.extract_value(d, k) for k in range(4)])
 
         return sig, codegen
@@ -445,6 +535,209 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
     return kernel
 
 
+MMA_UNROLL = 4  # chunks a warp of the mma kernel keeps in use (and as many more in flight)
+MMA_TABLE_WORDS = 256 * 64  # the pair table: [code byte][row-block 0/1][lane], one fp16 pair a word
+MMA_CB_WORDS = 16 * 16 + 16  # one row-block's staged [code][lane] fp16 codebook; +16 words: the two in other banks
+
+
+def mma_pair_groups(B: int) -> int:
+    """Batch pairs (b, b + 2) whose x the mma kernel stages: b = 4 gg + h, h in {0, 1}, b < B."""
+    return 2 * (B // 4) + min(B % 4, 2)
+
+
+def mma_shared_bytes(B: int, warps: int, cps: int) -> int:
+    """Dynamic shared memory of :func:`mma_kernel`: the pair table (aliased by the warps' partials
+    after the main loop), the x slice as ready-made A fragments (128 bytes a chunk for each batch
+    pair, 16 bytes of padding a pair so pairs fall in other banks), and the two row-blocks' staged
+    codebooks, and one chunk of zero fragments (what the lanes that hold no x read)."""
+    return 4 * (max(MMA_TABLE_WORDS, warps * B * 32) + mma_pair_groups(B) * (cps * 32 + 4) + 2 * MMA_CB_WORDS + 32)
+
+
+def mma_kernel(B: int, warps: int):
+    """4-bit (K = 16) fused GEMV whose multiply-adds run on the tensor cores (compiled on first use):
+    the numba twin of ``gemv4_mma`` in kernels/gemv_codebook_4bit.cu, batch 1..16.
+
+    A block owns two row-blocks (64 rows): warps with ``warp % 2 == g`` stream row-block
+    ``2 * blockIdx.x + g``, so one 64 KiB table serves both. Per code *byte* (two columns) and lane,
+    the table holds the fp16 pair (C[lo], C[hi]) of that lane's row: one lookup serves two codes,
+    and its byte address ``byte << 8 | g << 7 | lane << 2`` is one PRMT of the code word.
+
+    A looked-up pair is already an mma B-fragment register: lane 4n + t gives column n rows 2t, 2t+1
+    (``b0``) and 2t+8, 2t+9 (``b1``), so the four lanes of quad n feed four *different* rows into
+    one column. A keeps them apart: A row m = 4 bq + t holds x of batch bq only at lane t's four
+    k-slots (zero elsewhere), so D[m][n] is the dot product of row 4n + m % 4 with batch m / 4. In
+    the A fragment only the 8 "diagonal" lanes ((lane >> 2) % 4 == lane % 4) hold x; every other lane's
+    x registers stay zero. One m16n8k16 eats 128 codes of 32 rows for 4 batches; batches 5..16 add
+    one mma per 4. Step h of a code word uses bytes 2h, 2h+1 (columns 4h..4h+3 of its 8).
+
+    x is staged as the A fragments themselves: for batch pair (b, b + 2) and step s, the 16 bytes
+    (x[b] at the step's columns 0-1, x[b + 2] there, x[b] at 2-3, x[b + 2] there), zeros for an
+    absent b + 2. One 16-byte shared read lands in the mma's four A registers: staging x plainly
+    cost ptxas four register moves an mma (SASS counted on the CPU). Lanes that hold no x read a
+    chunk of zeros instead of skipping the read: a guarded read made ptxas branch around every mma.
+
+    Arguments as :func:`lut_kernel`'s (cbt32 holds fp16 [code][lane] codebooks); grid
+    (ceil(rbs / 2), ksplit), ``warps`` in {4, 8, 16}, :func:`mma_shared_bytes` of dynamic shared memory.
+    """
+    key = ("mma", B, warps)
+    if key in _kernel_cache:
+        return _kernel_cache[key]
+    if not 1 <= B <= MAX_FUSED_BATCH or warps not in (4, 8, 16):
+        raise ValueError(f"the mma kernel takes batch 1..{MAX_FUSED_BATCH} and 4, 8 or 16 warps, got {B} and {warps}")
+    W2 = warps // 2
+    G = (B + 3) // 4  # mmas a step: 4 batches each
+    U = MMA_UNROLL
+    nt = warps * 32
+    XO = max(MMA_TABLE_WORDS, warps * B * 32)  # word where the x slice starts
+    NPG = mma_pair_groups(B)
+    NU, NG = 4 * U, 4 * G  # local array sizes: numba needs them as constants
+    zero = int32(0)
+
+    @cuda.jit(device=True, **INLINE)
+    def fetch(dst, o, tiled, base, jj, j1):
+        if jj < j1:
+            dst[o], dst[o + 1], dst[o + 2], dst[o + 3] = load16(tiled, base + jj * 128)
+        else:
+            dst[o], dst[o + 1], dst[o + 2], dst[o + 3] = zero, zero, zero, zero
+
+    @cuda.jit
+    def kernel(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, cps):
+        sm = cuda.shared.array(0, uint32)  # table | x slice | codebooks
+        red = cuda.shared.array(0, float32)  # the warps' partials, over the table once it is done
+        last = cuda.shared.array(1, int32)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = cuda.laneid
+        g = warp & 1
+        wg = warp >> 1
+        bx = cuda.blockIdx.x
+        split = cuda.blockIdx.y
+        nsplit = cuda.gridDim.y
+        rb = bx * 2 + g
+        j0 = split * cps
+        jend = min(j0 + cps, nchunks)
+        j1 = jend if rb < rbs else j0  # an odd row-block count leaves the last block's g = 1 idle
+        xrow = cps * 32 + 4  # words of one batch pair's fragments
+        CO = XO + NPG * xrow
+        ZO = CO + 2 * MMA_CB_WORDS  # 32 words of zeros
+        base = (rb * nchunks * 32 + lane) * 4  # chunk j of this warp's row-block at base + 128 j
+
+        # Start streaming codes before anything waits: this warp's first U chunks.
+        c = cuda.local.array(NU, int32)
+        for u in range(U):
+            fetch(c, 4 * u, tiled, base, j0 + wg + u * W2, j1)
+
+        # Stage both row-blocks' codebooks and this K-slice of x, as fp16.
+        for q in range(tid, 128, nt):
+            gq = q >> 6
+            r = bx * 2 + gq
+            o = CO + gq * MMA_CB_WORDS + (q & 63) * 4
+            if r < rbs:
+                v0, v1, v2, v3 = load16(cbt32[r], (q & 63) * 4)
+                store16(sm, o, v0, v1, v2, v3)
+            else:
+                store16(sm, o, zero, zero, zero, zero)
+        if tid < 8:
+            store16(sm, ZO + 4 * tid, zero, zero, zero, zero)
+        nsteps = (jend - j0) * 8  # steps of 4 columns (two fp16 words of x)
+        for t in range(tid, NPG * nsteps, nt):
+            pg = t // nsteps
+            st = t - pg * nsteps
+            ba = 4 * (pg >> 1) + (pg & 1)
+            col = j0 * 16 + 2 * st  # word of x32's row
+            u0, u1 = zero, zero
+            if ba + 2 < B:
+                u0, u1 = x32[ba + 2, col], x32[ba + 2, col + 1]
+            store16(sm, XO + pg * xrow + 4 * st, x32[ba, col], u0, x32[ba, col + 1], u1)
+        cuda.syncthreads()
+        # Pair table: item = (byte, row-block, 4 lanes), one 16-byte store.
+        for it in range(tid, 256 * 16, nt):
+            lq = it & 7
+            gq = (it >> 3) & 1
+            byte = it >> 4
+            cb = CO + gq * MMA_CB_WORDS + lq * 2  # words of lanes 4lq..4lq+3 of code k at cb + 16 k
+            lo0 = sm[cb + (byte & 15) * 16]
+            lo1 = sm[cb + (byte & 15) * 16 + 1]
+            hi0 = sm[cb + (byte >> 4) * 16]
+            hi1 = sm[cb + (byte >> 4) * 16 + 1]
+            store16(sm, byte * 64 + gq * 32 + lq * 4,
+                    prmt(lo0, hi0, 0x5410), prmt(lo0, hi0, 0x7632), prmt(lo1, hi1, 0x5410), prmt(lo1, hi1, 0x7632))
+        cuda.syncthreads()
+
+        diag = ((lane >> 2) & 3) == (lane & 3)
+        xf = cuda.local.array(NG, uint32)  # A fragments: x of batch pair 4 gg + lane / 16 (+ 2)
+        acc = cuda.local.array(NG, float32)
+        xl = cuda.local.array(G, int32)  # where this lane's fragments of chunk j0 start, and their stride a chunk
+        xm = cuda.local.array(G, int32)
+        for i in range(NG):
+            acc[i] = float32(0.0)
+        for gg in range(G):
+            pg = 2 * gg + (lane >> 4)
+            if diag and pg < NPG:
+                xl[gg], xm[gg] = XO + pg * xrow, 32
+            else:
+                xl[gg], xm[gg] = ZO, 0
+        lb = uint32((lane << 2) | (g << 7))  # byte 0 of every lookup address
+        nxt = cuda.local.array(NU, int32)
+        j = j0 + wg
+        while j < j1:
+            for u in range(U):  # the next U chunks fly while these U are used
+                fetch(nxt, 4 * u, tiled, base, j + (U + u) * W2, j1)
+            for u in range(U):
+                jj = j + u * W2
+                if jj < j1:
+                    for w in range(4):  # word w: bytes 4w..4w+3, columns 8w..8w+7 of the chunk
+                        cw = c[4 * u + w]
+                        for h in range(2):  # step: bytes 2h, 2h+1 of the word
+                            b0 = load_byte_offset(sm, prmt(cw, lb, 0x5504 | ((2 * h) << 4)))
+                            b1 = load_byte_offset(sm, prmt(cw, lb, 0x5504 | ((2 * h + 1) << 4)))
+                            for gg in range(G):
+                                k = 4 * gg
+                                xf[k], xf[k + 1], xf[k + 2], xf[k + 3] = sload4(sm, xl[gg] + (jj - j0) * xm[gg] + 8 * w + 4 * h)
+                                acc[k], acc[k + 1], acc[k + 2], acc[k + 3] = mma_m16n8k16(
+                                    xf[k], xf[k + 1], xf[k + 2], xf[k + 3], b0, b1, acc[k], acc[k + 1], acc[k + 2], acc[k + 3])
+            for i in range(4 * U):
+                c[i] = nxt[i]
+            j += U * W2
+
+        cuda.syncthreads()  # every warp is done with the table: the partials reuse its space
+        # D fragment: lane (g', t') holds D[g'][2t'], D[g'][2t'+1], D[g'+8][2t'], D[g'+8][2t'+1], and
+        # D[m][n] is row 4n + m % 4 of batch 4 gg + m / 4.
+        for gg in range(G):
+            for i in range(4):
+                b = 4 * gg + (lane >> 4) + (i >> 1) * 2
+                r = 8 * (lane & 3) + (i & 1) * 4 + ((lane >> 2) & 3)
+                if b < B:
+                    red[(warp * B + b) * 32 + r] = acc[4 * gg + i]
+        cuda.syncthreads()
+        for it in range(tid, 2 * B * 32, nt):
+            r = it & 31
+            b = (it >> 5) % B
+            gq = (it >> 5) // B
+            s = float32(0.0)
+            for v in range(W2):
+                s += red[((v * 2 + gq) * B + b) * 32 + r]
+            row = (bx * 2 + gq) * 32 + r
+            if row < n_out:
+                if nsplit == 1:
+                    y[b, row] = s
+                else:
+                    ws[split, b, row] = s
+        if nsplit > 1 and last_to_finish(counters, bx, nsplit, last, tid):
+            for it in range(tid, 2 * B * 32, nt):
+                r = it & 31
+                b = (it >> 5) % B
+                row = (bx * 2 + (it >> 5) // B) * 32 + r
+                if row < n_out:
+                    s = float32(0.0)
+                    for sp in range(nsplit):
+                        s += load_cg(ws, sp, b, row)
+                    y[b, row] = s
+
+    _kernel_cache[key] = kernel
+    return kernel
+
+
 def naive_kernel(K: int, B: int):
     """One thread a row, natural layout, byte loads, codebook and x from global memory.
 
@@ -670,6 +963,7 @@ class LaunchPlan:
     shared_bytes: int  # dynamic shared memory
     RB: int = 1  # row-blocks a thread block
     stages: int = 2  # chunks of each row-block a warp holds: one in use, stages - 1 in flight
+    kernel: str = "lut"  # "lut" (lut_kernel) or "mma" (mma_kernel: 4-bit, RB 2, its own shared-memory layout)
 
 
 def plan_launch(n_out: int, nchunks: int, K: int, B: int, sms: int, warps: int | None = None,
@@ -704,8 +998,50 @@ def plan_launch(n_out: int, nchunks: int, K: int, B: int, sms: int, warps: int |
     return LaunchPlan(warps, ksplit, cps, B * cps * cpb * 4, RB, stages)
 
 
-def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int) -> list[LaunchPlan]:
-    """The plans the tuner times: every allowed RB x a ladder of K-splits, 8 warps where they fit."""
+OPTIN_SIM = 227 * 1024  # the simulator plans as if it had an H100's opt-in shared memory
+
+
+def plan_mma(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SIM, warps: int | None = None,
+             ksplit: int | None = None) -> LaunchPlan:
+    """Grid of :func:`mma_kernel` for one 4-bit layer (kernels/harness.cuh's plan_mma).
+
+    Without overrides: 8 warps (4 a row-block) unless the layer is too small to give every SM a
+    block that way, then the smallest K-split giving about two waves of blocks, as long as every
+    warp keeps two full pipeline turns: the 64 KiB table build has to be paid back by the stream.
+    ``budget``: the shared memory a block may opt in to. ValueError where the plan cannot launch."""
+    rbs = -(-n_out // ROW_BLOCK)
+    nbx = -(-rbs // 2)
+    if warps is None:
+        warps = 8 if nbx * max(1, nchunks // (4 * 2 * MMA_UNROLL)) >= sms else 4
+    if warps not in (4, 8, 16):
+        raise ValueError(f"the mma kernel takes 4, 8 or 16 warps, got {warps}")
+    if not 1 <= B <= MAX_FUSED_BATCH:
+        raise ValueError(f"the mma kernel takes batch 1..{MAX_FUSED_BATCH}, got {B}")
+    fixed = mma_shared_bytes(B, warps, 0)
+    if fixed + B * 64 > budget:
+        raise ValueError(f"the mma kernel's table does not fit {budget} bytes of shared memory")
+    cps_max = min(nchunks, (budget - fixed) // (B * 64))
+    min_split = -(-nchunks // cps_max)
+    if ksplit is None:
+        max_split = max(min_split, nchunks // (warps // 2 * 2 * MMA_UNROLL))
+        ksplit = min_split
+        while ksplit < max_split:
+            cps = -(-nchunks // ksplit)
+            # blocks an SM by shared memory and threads (registers allow 2 blocks of 16 warps)
+            occ = max(1, min(2048 // (warps * 32), (228 * 1024) // (mma_shared_bytes(B, warps, cps) + 1024)))
+            if nbx * -(-nchunks // cps) >= 2 * occ * sms:
+                break
+            ksplit += 1
+    elif ksplit < min_split:
+        raise ValueError(f"ksplit={ksplit} leaves more of x than shared memory holds; at least {min_split}")
+    cps = -(-nchunks // min(ksplit, nchunks))
+    return LaunchPlan(warps, -(-nchunks // cps), cps, mma_shared_bytes(B, warps, cps), RB=2, kernel="mma")
+
+
+def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budget: int = 0) -> list[LaunchPlan]:
+    """The plans the tuner times: every allowed RB x a ladder of K-splits, 8 warps where they fit;
+    for 4-bit codes also the tensor-core kernel's warps x K-splits, where ``mma_budget`` bytes of
+    shared memory hold its table."""
     seen, out = set(), []
     rb_max = row_blocks_per_block(K, B)
     for RB in (1, 2, 4):
@@ -722,6 +1058,17 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int) -> list[
                 if key not in seen and p.cps >= max(2, p.stages) * p.warps:
                     seen.add(key)
                     out.append(p)
+    if K == 16 and mma_budget:
+        for w in (4, 8, 16):
+            for ks in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, None):
+                try:
+                    p = plan_mma(n_out, nchunks, B, sms, mma_budget, warps=w, ksplit=ks)
+                except ValueError:
+                    continue
+                key = ("mma", p.warps, p.ksplit)
+                if key not in seen and p.cps >= (p.warps // 2) * MMA_UNROLL:  # every warp uses its pipeline
+                    seen.add(key)
+                    out.append(p)
     if not out:
         out.append(plan_launch(n_out, nchunks, K, B, sms))
     return out
@@ -735,18 +1082,28 @@ class LutGemv:
 
     ``variant``: "lut" (16-byte loads, the product), "lut32" (same kernel, 4-byte loads: the
     ablation), "naive" (one thread a row, natural layout: the negative result).
-    ``plan``: optional overrides for :func:`plan_launch` (keys RB, ksplit, warps, stages); otherwise the
-    plan is tuned on a GPU (``tune=True``) or taken from the heuristic.
+    ``plan``: optional overrides for :func:`plan_launch` (keys RB, ksplit, warps, stages), or with
+    ``kernel="mma"`` for :func:`plan_mma` (keys warps, ksplit; 4-bit only); otherwise the plan is tuned on
+    a GPU (``tune=True``: the tensor-core kernel is among the 4-bit candidates) or taken from the
+    heuristic.
     ``keep_natural=False``: hold the codes only in the kernel's tiled layout (half the memory of
     keeping both); :attr:`ct` then rebuilds the natural layout on demand (a copy).
+    ``kernels``: the kernel families the "lut" variant may plan with: "lut" (fp32 table, FMA) and,
+    for 4-bit codes, "mma" (pair table, tensor cores); the default tunes over both.
     """
 
     VARIANTS = ("lut", "lut32", "naive")
 
     def __init__(self, ct: CodebookTensor, device=None, variant: str = "lut", plan: dict | None = None, tune: bool = True,
-                 keep_natural: bool = True):
+                 keep_natural: bool = True, kernels: tuple[str, ...] = ("lut", "mma")):
         if variant not in self.VARIANTS:
             raise ValueError(f"unknown kernel variant {variant!r}; choose one of {self.VARIANTS}")
+        kernels = tuple(kernels)
+        if not kernels or set(kernels) - {"lut", "mma"}:
+            raise ValueError(f"kernels must name 'lut' and/or 'mma', got {kernels}")
+        if kernels == ("mma",) and (ct.K != 16 or variant != "lut"):
+            raise ValueError(f"the mma kernel takes 4-bit codes (K=16) in the 'lut' variant, not K={ct.K} / {variant!r}")
+        self.kernels = kernels
         self.device = kernel_device(device, "LutGemv")
         ct.validate()
         ct = ct.to(self.device)
@@ -787,8 +1144,26 @@ class LutGemv:
     def check_input(self, x: torch.Tensor) -> torch.Tensor:
         return check_activation(x, self.n_in, self.device)
 
+    def _mma_budget(self) -> int:
+        """Shared memory the tensor-core kernel may plan with (0: not a candidate for this weight)."""
+        if self.K != 16 or self.variant != "lut" or "mma" not in self.kernels:
+            return 0
+        return OPTIN_SIM if SIM else max_shared_bytes(self.device)
+
+    def _plan_fixed(self, B: int) -> LaunchPlan:
+        opts = dict(self.fixed_plan)
+        sms = sm_count(self.device)
+        if opts.pop("kernel", "lut") == "mma":
+            if not self._mma_budget():
+                raise ValueError(f"the mma kernel takes 4-bit codes in the 'lut' variant, not K={self.K} / {self.variant!r}")
+            return plan_mma(self.n_out, self.nchunks, B, sms, self._mma_budget(), **opts)
+        return plan_launch(self.n_out, self.nchunks, self.K, B, sms, **opts)
+
     def _launch_parts(self, B: int, plan: LaunchPlan):
-        kern = lut_kernel(self.K, B, plan.warps, wide=self.variant == "lut", RB=plan.RB, stages=plan.stages)
+        if plan.kernel == "mma":
+            kern = mma_kernel(B, plan.warps)
+        else:
+            kern = lut_kernel(self.K, B, plan.warps, wide=self.variant == "lut", RB=plan.RB, stages=plan.stages)
         ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
         counters = torch.zeros(-(-self.rbs // plan.RB), dtype=torch.int32, device=self.device)
         return kern, plan, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters))
@@ -799,10 +1174,12 @@ class LutGemv:
         if self.variant == "naive":
             entry = (naive_kernel(self.K, B), None, None, None)
         else:
-            if self.fixed_plan is not None:  # overrides (RB, ksplit, warps); the shape comes from the layer
-                plan = plan_launch(self.n_out, self.nchunks, self.K, B, sm_count(self.device), **self.fixed_plan)
+            if self.fixed_plan is not None:  # overrides; the shape comes from the layer
+                plan = self._plan_fixed(B)
             elif self.tune_on_gpu:
                 plan = self.tune(B)
+            elif "lut" not in self.kernels:
+                plan = plan_mma(self.n_out, self.nchunks, B, sm_count(self.device), self._mma_budget())
             else:
                 plan = plan_launch(self.n_out, self.nchunks, self.K, B, sm_count(self.device))
             entry = self._launch_parts(B, plan)
@@ -815,12 +1192,15 @@ class LutGemv:
     def tune(self, B: int = 1) -> LaunchPlan:
         """Time every candidate plan for this shape once (CUDA-graph replays over copies of the
         codes that exceed the L2) and keep the fastest; cached per GPU model and shape."""
-        key = (torch.cuda.get_device_name(self.device), self.variant, self.K, B, self.n_in, self.n_out)
+        key = (torch.cuda.get_device_name(self.device), self.variant, self.kernels, self.K, B, self.n_in, self.n_out)
         if key in _TUNED:
             return _TUNED[key]
         from .bench import time_graph  # bench imports this module
 
-        cands = candidate_plans(self.n_out, self.nchunks, self.K, B, sm_count(self.device))
+        cands = [p for p in candidate_plans(self.n_out, self.nchunks, self.K, B, sm_count(self.device), self._mma_budget())
+                 if p.kernel in self.kernels]
+        if not cands:
+            raise ValueError(f"no launch plan of kernels {self.kernels} fits this device's shared memory")
         if len(cands) == 1:
             _TUNED[key] = cands[0]
             return cands[0]
@@ -829,6 +1209,8 @@ class LutGemv:
         for plan in cands:
             kern, _, owners, (wsa, cnta) = self._launch_parts(B, plan)
             grid, block = (-(-self.rbs // plan.RB), plan.ksplit), plan.warps * 32
+            kern = with_shared_limit(kern, (xa, views[0], self._cbt, ya, wsa, cnta, self.n_out, self.rbs, self.nchunks, plan.cps),
+                                     plan.shared_bytes if plan.kernel == "mma" else 0)
 
             def launcher(ta, kern=kern, grid=grid, block=block, plan=plan, wsa=wsa, cnta=cnta):
                 def go():
@@ -864,6 +1246,8 @@ class LutGemv:
         else:
             cfg = ((-(-self.rbs // plan.RB), plan.ksplit), plan.warps * 32)
             args = (xa, self._tiled, self._cbt, ya, views[0], views[1], self.n_out, self.rbs, self.nchunks, plan.cps)
+            if plan.kernel == "mma":  # above the 48 KiB default: raise this kernel's limit (compiles it, once)
+                kern = with_shared_limit(kern, args, plan.shared_bytes)
         smem = 0 if plan is None else plan.shared_bytes
         dev = self.device
 
