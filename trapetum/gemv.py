@@ -18,6 +18,7 @@ Variants share every device function; they differ only in how many bytes a lane 
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import threading
@@ -105,6 +106,8 @@ if SIM:
     @cuda.jit(device=True)
     def store16(a, i, v0, v1, v2, v3):
         a[i], a[i + 1], a[i + 2], a[i + 3] = v0, v1, v2, v3
+
+    load16_stream = load16
 
     @cuda.jit(device=True)
     def prmt(a, b, sel):
@@ -228,6 +231,28 @@ else:
             ins = [builder.trunc(v, i32) if v.type.width > 32 else builder.sext(v, i32) if v.type.width < 32 else v for v in args]
             d = builder.call(asm, [*ins, ir.Constant(f32, 0.0)])
             return context.make_tuple(builder, sig.return_type, [builder.extract_value(d, k) for k in range(4)])
+
+        return sig, codegen
+
+    @intrinsic
+    def load16_stream(typingctx, arr, idx):
+        """As :func:`load16` from global memory, for data read exactly once: the read-only path
+        without an L1 allocation (``ld.global.nc.L1::no_allocate.v4``), as the CUDA C++ kernels' ld_stream."""
+        sig = types.UniTuple(arr.dtype, 4)(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            aty, _ = sig.args
+            ary = context.make_array(aty)(context, builder, value=args[0])
+            ptr = cgutils.get_item_pointer(context, builder, aty, ary, [args[1]], wraparound=False)
+            i32, i64 = ir.IntType(32), ir.IntType(64)
+            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([i32] * 4), [i64]),
+                               "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", side_effect=True)
+            v = builder.call(asm, [builder.ptrtoint(ptr, i64)])
+            ety = context.get_data_type(aty.dtype)
+            vals = [builder.extract_value(v, k) for k in range(4)]
+            if ety != i32:
+                vals = [builder.bitcast(x, ety) for x in vals]
+            return context.make_tuple(builder, sig.return_type, vals)
 
         return sig, codegen
 
@@ -553,7 +578,7 @@ def mma_shared_bytes(B: int, warps: int, cps: int) -> int:
     return 4 * (max(MMA_TABLE_WORDS, warps * B * 32) + mma_pair_groups(B) * (cps * 32 + 4) + 2 * MMA_CB_WORDS + 32)
 
 
-def mma_kernel(B: int, warps: int):
+def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True):
     """4-bit (K = 16) fused GEMV whose multiply-adds run on the tensor cores (compiled on first use):
     the numba twin of ``gemv4_mma`` in kernels/gemv_codebook_4bit.cu, batch 1..16.
 
@@ -578,15 +603,18 @@ def mma_kernel(B: int, warps: int):
 
     Arguments as :func:`lut_kernel`'s (cbt32 holds fp16 [code][lane] codebooks); grid
     (ceil(rbs / 2), ksplit), ``warps`` in {4, 8, 16}, :func:`mma_shared_bytes` of dynamic shared memory.
+    ``unroll``: chunks a warp uses in one turn while as many more are in flight. ``stream``: code
+    loads skip L1 (read once; the ablation is plain loads).
     """
-    key = ("mma", B, warps)
+    key = ("mma", B, warps, unroll, stream)
     if key in _kernel_cache:
         return _kernel_cache[key]
     if not 1 <= B <= MAX_FUSED_BATCH or warps not in (4, 8, 16):
         raise ValueError(f"the mma kernel takes batch 1..{MAX_FUSED_BATCH} and 4, 8 or 16 warps, got {B} and {warps}")
     W2 = warps // 2
     G = (B + 3) // 4  # mmas a step: 4 batches each
-    U = MMA_UNROLL
+    U = unroll
+    codes_load = load16_stream if stream else load16
     nt = warps * 32
     XO = max(MMA_TABLE_WORDS, warps * B * 32)  # word where the x slice starts
     NPG = mma_pair_groups(B)
@@ -596,7 +624,7 @@ def mma_kernel(B: int, warps: int):
     @cuda.jit(device=True, **INLINE)
     def fetch(dst, o, tiled, base, jj, j1):
         if jj < j1:
-            dst[o], dst[o + 1], dst[o + 2], dst[o + 3] = load16(tiled, base + jj * 128)
+            dst[o], dst[o + 1], dst[o + 2], dst[o + 3] = codes_load(tiled, base + jj * 128)
         else:
             dst[o], dst[o + 1], dst[o + 2], dst[o + 3] = zero, zero, zero, zero
 
@@ -639,16 +667,19 @@ def mma_kernel(B: int, warps: int):
                 store16(sm, o, zero, zero, zero, zero)
         if tid < 8:
             store16(sm, ZO + 4 * tid, zero, zero, zero, zero)
-        nsteps = (jend - j0) * 8  # steps of 4 columns (two fp16 words of x)
-        for t in range(tid, NPG * nsteps, nt):
-            pg = t // nsteps
-            st = t - pg * nsteps
+        nq = (jend - j0) * 4  # 16-byte pieces of x a batch row: two steps of 4 columns each
+        for t in range(tid, NPG * nq, nt):
+            pg = t // nq
+            q = t - pg * nq
             ba = 4 * (pg >> 1) + (pg & 1)
-            col = j0 * 16 + 2 * st  # word of x32's row
-            u0, u1 = zero, zero
+            col = j0 * 16 + 4 * q  # word of x32's row
+            v0, v1, v2, v3 = load16(x32[ba], col)
+            u0, u1, u2, u3 = zero, zero, zero, zero
             if ba + 2 < B:
-                u0, u1 = x32[ba + 2, col], x32[ba + 2, col + 1]
-            store16(sm, XO + pg * xrow + 4 * st, x32[ba, col], u0, x32[ba, col + 1], u1)
+                u0, u1, u2, u3 = load16(x32[ba + 2], col)
+            o = XO + pg * xrow + 8 * q
+            store16(sm, o, v0, u0, v1, u1)
+            store16(sm, o + 4, v2, u2, v3, u3)
         cuda.syncthreads()
         # Pair table: item = (byte, row-block, 4 lanes), one 16-byte store.
         for it in range(tid, 256 * 16, nt):
@@ -963,7 +994,8 @@ class LaunchPlan:
     shared_bytes: int  # dynamic shared memory
     RB: int = 1  # row-blocks a thread block
     stages: int = 2  # chunks of each row-block a warp holds: one in use, stages - 1 in flight
-    kernel: str = "lut"  # "lut" (lut_kernel) or "mma" (mma_kernel: 4-bit, RB 2, its own shared-memory layout)
+    kernel: str = "lut"  # "lut" (lut_kernel) or "mma" (mma_kernel: 4-bit, RB 2, its own shared-memory layout;
+    # its ``stages`` is the chunks a warp uses in one turn, with as many more in flight)
 
 
 def plan_launch(n_out: int, nchunks: int, K: int, B: int, sms: int, warps: int | None = None,
@@ -1002,7 +1034,7 @@ OPTIN_SIM = 227 * 1024  # the simulator plans as if it had an H100's opt-in shar
 
 
 def plan_mma(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SIM, warps: int | None = None,
-             ksplit: int | None = None) -> LaunchPlan:
+             ksplit: int | None = None, stages: int = MMA_UNROLL) -> LaunchPlan:
     """Grid of :func:`mma_kernel` for one 4-bit layer (kernels/harness.cuh's plan_mma).
 
     Without overrides: 8 warps (4 a row-block) unless the layer is too small to give every SM a
@@ -1017,13 +1049,15 @@ def plan_mma(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SIM
         raise ValueError(f"the mma kernel takes 4, 8 or 16 warps, got {warps}")
     if not 1 <= B <= MAX_FUSED_BATCH:
         raise ValueError(f"the mma kernel takes batch 1..{MAX_FUSED_BATCH}, got {B}")
+    if stages not in (2, 4, 8):
+        raise ValueError(f"the mma kernel unrolls 2, 4 or 8 chunks a turn, got {stages}")
     fixed = mma_shared_bytes(B, warps, 0)
     if fixed + B * 64 > budget:
         raise ValueError(f"the mma kernel's table does not fit {budget} bytes of shared memory")
     cps_max = min(nchunks, (budget - fixed) // (B * 64))
     min_split = -(-nchunks // cps_max)
     if ksplit is None:
-        max_split = max(min_split, nchunks // (warps // 2 * 2 * MMA_UNROLL))
+        max_split = max(min_split, nchunks // (warps // 2 * 2 * stages))
         ksplit = min_split
         while ksplit < max_split:
             cps = -(-nchunks // ksplit)
@@ -1035,7 +1069,7 @@ def plan_mma(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SIM
     elif ksplit < min_split:
         raise ValueError(f"ksplit={ksplit} leaves more of x than shared memory holds; at least {min_split}")
     cps = -(-nchunks // min(ksplit, nchunks))
-    return LaunchPlan(warps, -(-nchunks // cps), cps, mma_shared_bytes(B, warps, cps), RB=2, kernel="mma")
+    return LaunchPlan(warps, -(-nchunks // cps), cps, mma_shared_bytes(B, warps, cps), RB=2, stages=stages, kernel="mma")
 
 
 def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budget: int = 0) -> list[LaunchPlan]:
@@ -1059,16 +1093,15 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
                     seen.add(key)
                     out.append(p)
     if K == 16 and mma_budget:
-        for w in (4, 8, 16):
-            for ks in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, None):
-                try:
-                    p = plan_mma(n_out, nchunks, B, sms, mma_budget, warps=w, ksplit=ks)
-                except ValueError:
-                    continue
-                key = ("mma", p.warps, p.ksplit)
-                if key not in seen and p.cps >= (p.warps // 2) * MMA_UNROLL:  # every warp uses its pipeline
-                    seen.add(key)
-                    out.append(p)
+        for w, ks, st in itertools.product((4, 8, 16), (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, None), (4, 8)):
+            try:
+                p = plan_mma(n_out, nchunks, B, sms, mma_budget, warps=w, ksplit=ks, stages=st)
+            except ValueError:
+                continue
+            key = ("mma", p.warps, p.ksplit, p.stages)
+            if key not in seen and p.cps >= (p.warps // 2) * p.stages:  # every warp uses its pipeline
+                seen.add(key)
+                out.append(p)
     if not out:
         out.append(plan_launch(n_out, nchunks, K, B, sms))
     return out
@@ -1161,7 +1194,7 @@ class LutGemv:
 
     def _launch_parts(self, B: int, plan: LaunchPlan):
         if plan.kernel == "mma":
-            kern = mma_kernel(B, plan.warps)
+            kern = mma_kernel(B, plan.warps, plan.stages)
         else:
             kern = lut_kernel(self.K, B, plan.warps, wide=self.variant == "lut", RB=plan.RB, stages=plan.stages)
         ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
