@@ -622,11 +622,22 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
     zero = int32(0)
 
     @cuda.jit(device=True, **INLINE)
-    def fetch(dst, o, tiled, base, jj, j1):
-        if jj < j1:
-            dst[o], dst[o + 1], dst[o + 2], dst[o + 3] = codes_load(tiled, base + jj * 128)
-        else:
-            dst[o], dst[o + 1], dst[o + 2], dst[o + 3] = zero, zero, zero, zero
+    def fetch(dst, o, tiled, base, jj):
+        dst[o], dst[o + 1], dst[o + 2], dst[o + 3] = codes_load(tiled, base + jj * 128)
+
+    @cuda.jit(device=True, **INLINE)
+    def use_chunk(c, o, sm, lb, xl, xm, rel, xf, acc):
+        # rel: the chunk's index in the K-slice (its x fragments' offset)
+        for w in range(4):  # word w: bytes 4w..4w+3, columns 8w..8w+7 of the chunk
+            cw = c[o + w]
+            for h in range(2):  # step: bytes 2h, 2h+1 of the word
+                b0 = load_byte_offset(sm, prmt(cw, lb, 0x5504 | ((2 * h) << 4)))
+                b1 = load_byte_offset(sm, prmt(cw, lb, 0x5504 | ((2 * h + 1) << 4)))
+                for gg in range(G):
+                    k = 4 * gg
+                    xf[k], xf[k + 1], xf[k + 2], xf[k + 3] = sload4(sm, xl[gg] + rel * xm[gg] + 8 * w + 4 * h)
+                    acc[k], acc[k + 1], acc[k + 2], acc[k + 3] = mma_m16n8k16(
+                        xf[k], xf[k + 1], xf[k + 2], xf[k + 3], b0, b1, acc[k], acc[k + 1], acc[k + 2], acc[k + 3])
 
     @cuda.jit
     def kernel(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, cps):
@@ -650,10 +661,15 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
         ZO = CO + 2 * MMA_CB_WORDS  # 32 words of zeros
         base = (rb * nchunks * 32 + lane) * 4  # chunk j of this warp's row-block at base + 128 j
 
-        # Start streaming codes before anything waits: this warp's first U chunks.
+        # Start streaming codes before anything waits: this warp's first U chunks. Chunk indices
+        # past the slice are clamped to its last chunk (a re-read, never used), so the main loop
+        # runs whole turns without a bounds check.
+        nk = (j1 - j0 - wg + W2 - 1) // W2  # chunks this warp uses
+        jlast = j1 - 1
         c = cuda.local.array(NU, int32)
-        for u in range(U):
-            fetch(c, 4 * u, tiled, base, j0 + wg + u * W2, j1)
+        if nk > 0:
+            for u in range(U):
+                fetch(c, 4 * u, tiled, base, min(j0 + wg + u * W2, jlast))
 
         # Stage both row-blocks' codebooks and this K-slice of x, as fp16.
         for q in range(tid, 128, nt):
@@ -709,27 +725,33 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
             else:
                 xl[gg], xm[gg] = ZO, 0
         lb = uint32((lane << 2) | (g << 7))  # byte 0 of every lookup address
-        nxt = cuda.local.array(NU, int32)
-        j = j0 + wg
-        while j < j1:
+        # Turns alternate between two register sets (c, d), two turns a loop trip, so no turn
+        # copies its prefetched codes: a copy a turn cost ptxas ~30 moves (SASS counted on the CPU).
+        d = cuda.local.array(NU, int32)
+        rel = wg  # this turn's first chunk, relative to the slice
+        turns = nk // U
+        for _ in range(turns // 2):
             for u in range(U):  # the next U chunks fly while these U are used
-                fetch(nxt, 4 * u, tiled, base, j + (U + u) * W2, j1)
+                fetch(d, 4 * u, tiled, base, min(j0 + rel + (U + u) * W2, jlast))
             for u in range(U):
-                jj = j + u * W2
-                if jj < j1:
-                    for w in range(4):  # word w: bytes 4w..4w+3, columns 8w..8w+7 of the chunk
-                        cw = c[4 * u + w]
-                        for h in range(2):  # step: bytes 2h, 2h+1 of the word
-                            b0 = load_byte_offset(sm, prmt(cw, lb, 0x5504 | ((2 * h) << 4)))
-                            b1 = load_byte_offset(sm, prmt(cw, lb, 0x5504 | ((2 * h + 1) << 4)))
-                            for gg in range(G):
-                                k = 4 * gg
-                                xf[k], xf[k + 1], xf[k + 2], xf[k + 3] = sload4(sm, xl[gg] + (jj - j0) * xm[gg] + 8 * w + 4 * h)
-                                acc[k], acc[k + 1], acc[k + 2], acc[k + 3] = mma_m16n8k16(
-                                    xf[k], xf[k + 1], xf[k + 2], xf[k + 3], b0, b1, acc[k], acc[k + 1], acc[k + 2], acc[k + 3])
-            for i in range(4 * U):
-                c[i] = nxt[i]
-            j += U * W2
+                use_chunk(c, 4 * u, sm, lb, xl, xm, rel + u * W2, xf, acc)
+            rel += U * W2
+            for u in range(U):
+                fetch(c, 4 * u, tiled, base, min(j0 + rel + (U + u) * W2, jlast))
+            for u in range(U):
+                use_chunk(d, 4 * u, sm, lb, xl, xm, rel + u * W2, xf, acc)
+            rel += U * W2
+        if turns % 2 == 1:
+            for u in range(U):
+                fetch(d, 4 * u, tiled, base, min(j0 + rel + (U + u) * W2, jlast))
+            for u in range(U):
+                use_chunk(c, 4 * u, sm, lb, xl, xm, rel + u * W2, xf, acc)
+            rel += U * W2
+            for i in range(NU):
+                c[i] = d[i]
+        for u in range(U - 1):  # the last nk % U chunks, already loaded
+            if u < nk % U:
+                use_chunk(c, 4 * u, sm, lb, xl, xm, rel + u * W2, xf, acc)
 
         cuda.syncthreads()  # every warp is done with the table: the partials reuse its space
         # D fragment: lane (g', t') holds D[g'][2t'], D[g'][2t'+1], D[g'+8][2t'], D[g'+8][2t'+1], and
