@@ -565,17 +565,12 @@ MMA_TABLE_WORDS = 256 * 64  # the pair table: [code byte][row-block 0/1][lane], 
 MMA_CB_WORDS = 16 * 16 + 16  # one row-block's staged [code][lane] fp16 codebook; +16 words: the two in other banks
 
 
-def mma_pair_groups(B: int) -> int:
-    """Batch pairs (b, b + 2) whose x the mma kernel stages: b = 4 gg + h, h in {0, 1}, b < B."""
-    return 2 * (B // 4) + min(B % 4, 2)
-
-
 def mma_shared_bytes(B: int, warps: int, cps: int) -> int:
     """Dynamic shared memory of :func:`mma_kernel`: the pair table (aliased by the warps' partials
-    after the main loop), the x slice as ready-made A fragments (128 bytes a chunk for each batch
-    pair, 16 bytes of padding a pair so pairs fall in other banks), and the two row-blocks' staged
-    codebooks, and one chunk of zero fragments (what the lanes that hold no x read)."""
-    return 4 * (max(MMA_TABLE_WORDS, warps * B * 32) + mma_pair_groups(B) * (cps * 32 + 4) + 2 * MMA_CB_WORDS + 32)
+    after the main loop), B rows of the x slice as fp16 (16 bytes of padding a row so batch rows
+    fall in other banks), the two row-blocks' staged codebooks, and one chunk of zeros (what the
+    lanes that hold no x read)."""
+    return 4 * (max(MMA_TABLE_WORDS, warps * B * 32) + B * (cps * 16 + 4) + 2 * MMA_CB_WORDS + 16)
 
 
 def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True):
@@ -595,11 +590,11 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
     x registers stay zero. One m16n8k16 eats 128 codes of 32 rows for 4 batches; batches 5..16 add
     one mma per 4. Step h of a code word uses bytes 2h, 2h+1 (columns 4h..4h+3 of its 8).
 
-    x is staged as the A fragments themselves: for batch pair (b, b + 2) and step s, the 16 bytes
-    (x[b] at the step's columns 0-1, x[b + 2] there, x[b] at 2-3, x[b + 2] there), zeros for an
-    absent b + 2. One 16-byte shared read lands in the mma's four A registers: staging x plainly
-    cost ptxas four register moves an mma (SASS counted on the CPU). Lanes that hold no x read a
-    chunk of zeros instead of skipping the read: a guarded read made ptxas branch around every mma.
+    Lanes that hold no x read a chunk of zeros instead of skipping the read: a guarded read made
+    ptxas branch around every mma. (x staged as ready-made A fragments, zeros for an absent batch
+    b + 2, saved ptxas two register moves an mma but doubled the x slice at batch 1, costing a block
+    an SM, and a 16-byte read a step where this design has one a word: 22.9 us against the C++
+    kernel's 16.5 at 4096 x 14336, ncu: MIO throttle and short-scoreboard stalls.)
 
     Arguments as :func:`lut_kernel`'s (cbt32 holds fp16 [code][lane] codebooks); grid
     (ceil(rbs / 2), ksplit), ``warps`` in {4, 8, 16}, :func:`mma_shared_bytes` of dynamic shared memory.
@@ -617,8 +612,8 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
     codes_load = load16_stream if stream else load16
     nt = warps * 32
     XO = max(MMA_TABLE_WORDS, warps * B * 32)  # word where the x slice starts
-    NPG = mma_pair_groups(B)
-    NU, NG = 4 * U, 4 * G  # local array sizes: numba needs them as constants
+    HI = B > 2  # batches 2, 3 of each group of 4 ride in A rows 8..15 (a1, a3)
+    NU, NG, NG2 = 4 * U, 4 * G, 2 * G  # local array sizes: numba needs them as constants
     zero = int32(0)
 
     @cuda.jit(device=True, **INLINE)
@@ -626,18 +621,24 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
         dst[o], dst[o + 1], dst[o + 2], dst[o + 3] = codes_load(tiled, base + jj * 128)
 
     @cuda.jit(device=True, **INLINE)
-    def use_chunk(c, o, sm, lb, xl, xm, rel, xf, acc):
-        # rel: the chunk's index in the K-slice (its x fragments' offset)
+    def use_chunk(c, o, sm, lb, xl, xm, rel, xa, xb, acc):
+        # rel: the chunk's index in the K-slice. xl/xm: where each of this lane's x rows starts
+        # (batch 4 gg + lane / 16 at xl[2 gg], its + 2 at xl[2 gg + 1]) and its stride a chunk.
         for w in range(4):  # word w: bytes 4w..4w+3, columns 8w..8w+7 of the chunk
             cw = c[o + w]
+            for gg in range(G):
+                k = 4 * gg
+                xa[k], xa[k + 1], xa[k + 2], xa[k + 3] = sload4(sm, xl[2 * gg] + rel * xm[2 * gg] + 4 * w)
+                if HI:
+                    xb[k], xb[k + 1], xb[k + 2], xb[k + 3] = sload4(sm, xl[2 * gg + 1] + rel * xm[2 * gg + 1] + 4 * w)
             for h in range(2):  # step: bytes 2h, 2h+1 of the word
                 b0 = load_byte_offset(sm, prmt(cw, lb, 0x5504 | ((2 * h) << 4)))
                 b1 = load_byte_offset(sm, prmt(cw, lb, 0x5504 | ((2 * h + 1) << 4)))
                 for gg in range(G):
                     k = 4 * gg
-                    xf[k], xf[k + 1], xf[k + 2], xf[k + 3] = sload4(sm, xl[gg] + rel * xm[gg] + 8 * w + 4 * h)
                     acc[k], acc[k + 1], acc[k + 2], acc[k + 3] = mma_m16n8k16(
-                        xf[k], xf[k + 1], xf[k + 2], xf[k + 3], b0, b1, acc[k], acc[k + 1], acc[k + 2], acc[k + 3])
+                        xa[k + 2 * h], xb[k + 2 * h], xa[k + 2 * h + 1], xb[k + 2 * h + 1], b0, b1,
+                        acc[k], acc[k + 1], acc[k + 2], acc[k + 3])
 
     @cuda.jit
     def kernel(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, cps):
@@ -656,9 +657,9 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
         j0 = split * cps
         jend = min(j0 + cps, nchunks)
         j1 = jend if rb < rbs else j0  # an odd row-block count leaves the last block's g = 1 idle
-        xrow = cps * 32 + 4  # words of one batch pair's fragments
-        CO = XO + NPG * xrow
-        ZO = CO + 2 * MMA_CB_WORDS  # 32 words of zeros
+        xrow = cps * 16 + 4  # words of one batch row of the x slice
+        CO = XO + B * xrow
+        ZO = CO + 2 * MMA_CB_WORDS  # 16 words of zeros
         base = (rb * nchunks * 32 + lane) * 4  # chunk j of this warp's row-block at base + 128 j
 
         # Start streaming codes before anything waits: this warp's first U chunks. Chunk indices
@@ -681,21 +682,14 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
                 store16(sm, o, v0, v1, v2, v3)
             else:
                 store16(sm, o, zero, zero, zero, zero)
-        if tid < 8:
+        if tid < 4:
             store16(sm, ZO + 4 * tid, zero, zero, zero, zero)
-        nq = (jend - j0) * 4  # 16-byte pieces of x a batch row: two steps of 4 columns each
-        for t in range(tid, NPG * nq, nt):
-            pg = t // nq
-            q = t - pg * nq
-            ba = 4 * (pg >> 1) + (pg & 1)
-            col = j0 * 16 + 4 * q  # word of x32's row
-            v0, v1, v2, v3 = load16(x32[ba], col)
-            u0, u1, u2, u3 = zero, zero, zero, zero
-            if ba + 2 < B:
-                u0, u1, u2, u3 = load16(x32[ba + 2], col)
-            o = XO + pg * xrow + 8 * q
-            store16(sm, o, v0, u0, v1, u1)
-            store16(sm, o + 4, v2, u2, v3, u3)
+        xq = (jend - j0) * 4  # 16-byte pieces of a batch row
+        for t in range(tid, B * xq, nt):
+            bb = t // xq
+            q = t - bb * xq
+            v0, v1, v2, v3 = load16(x32[bb], j0 * 16 + q * 4)
+            store16(sm, XO + bb * xrow + q * 4, v0, v1, v2, v3)
         cuda.syncthreads()
         # Pair table: item = (byte, row-block, 4 lanes), one 16-byte store.
         for it in range(tid, 256 * 16, nt):
@@ -712,18 +706,21 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
         cuda.syncthreads()
 
         diag = ((lane >> 2) & 3) == (lane & 3)
-        xf = cuda.local.array(NG, uint32)  # A fragments: x of batch pair 4 gg + lane / 16 (+ 2)
+        xa = cuda.local.array(NG, uint32)  # x words of batch 4 gg + lane / 16: A rows 0..7 (a0, a2)
+        xb = cuda.local.array(NG, uint32)  # and of that + 2: A rows 8..15 (a1, a3)
         acc = cuda.local.array(NG, float32)
-        xl = cuda.local.array(G, int32)  # where this lane's fragments of chunk j0 start, and their stride a chunk
-        xm = cuda.local.array(G, int32)
+        xl = cuda.local.array(NG2, int32)
+        xm = cuda.local.array(NG2, int32)
         for i in range(NG):
+            xa[i] = uint32(0)
+            xb[i] = uint32(0)
             acc[i] = float32(0.0)
-        for gg in range(G):
-            pg = 2 * gg + (lane >> 4)
-            if diag and pg < NPG:
-                xl[gg], xm[gg] = XO + pg * xrow, 32
+        for i in range(NG2):
+            ba = 4 * (i >> 1) + (lane >> 4) + 2 * (i & 1)
+            if diag and ba < B:
+                xl[i], xm[i] = XO + ba * xrow, 16
             else:
-                xl[gg], xm[gg] = ZO, 0
+                xl[i], xm[i] = ZO, 0
         lb = uint32((lane << 2) | (g << 7))  # byte 0 of every lookup address
         # Turns alternate between two register sets (c, d), two turns a loop trip, so no turn
         # copies its prefetched codes: a copy a turn cost ptxas ~30 moves (SASS counted on the CPU).
@@ -734,24 +731,24 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
             for u in range(U):  # the next U chunks fly while these U are used
                 fetch(d, 4 * u, tiled, base, min(j0 + rel + (U + u) * W2, jlast))
             for u in range(U):
-                use_chunk(c, 4 * u, sm, lb, xl, xm, rel + u * W2, xf, acc)
+                use_chunk(c, 4 * u, sm, lb, xl, xm, rel + u * W2, xa, xb, acc)
             rel += U * W2
             for u in range(U):
                 fetch(c, 4 * u, tiled, base, min(j0 + rel + (U + u) * W2, jlast))
             for u in range(U):
-                use_chunk(d, 4 * u, sm, lb, xl, xm, rel + u * W2, xf, acc)
+                use_chunk(d, 4 * u, sm, lb, xl, xm, rel + u * W2, xa, xb, acc)
             rel += U * W2
         if turns % 2 == 1:
             for u in range(U):
                 fetch(d, 4 * u, tiled, base, min(j0 + rel + (U + u) * W2, jlast))
             for u in range(U):
-                use_chunk(c, 4 * u, sm, lb, xl, xm, rel + u * W2, xf, acc)
+                use_chunk(c, 4 * u, sm, lb, xl, xm, rel + u * W2, xa, xb, acc)
             rel += U * W2
             for i in range(NU):
                 c[i] = d[i]
         for u in range(U - 1):  # the last nk % U chunks, already loaded
             if u < nk % U:
-                use_chunk(c, 4 * u, sm, lb, xl, xm, rel + u * W2, xf, acc)
+                use_chunk(c, 4 * u, sm, lb, xl, xm, rel + u * W2, xa, xb, acc)
 
         cuda.syncthreads()  # every warp is done with the table: the partials reuse its space
         # D fragment: lane (g', t') holds D[g'][2t'], D[g'][2t'+1], D[g'+8][2t'], D[g'+8][2t'+1], and
