@@ -628,9 +628,10 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
             cw = c[o + w]
             for gg in range(G):
                 k = 4 * gg
-                xa[k], xa[k + 1], xa[k + 2], xa[k + 3] = sload4(sm, xl[2 * gg] + rel * xm[2 * gg] + 4 * w)
-                if HI:
-                    xb[k], xb[k + 1], xb[k + 2], xb[k + 3] = sload4(sm, xl[2 * gg + 1] + rel * xm[2 * gg + 1] + 4 * w)
+                if xm[2 * gg] != 0:
+                    xa[k], xa[k + 1], xa[k + 2], xa[k + 3] = sload4(sm, xl[2 * gg] + rel * 16 + 4 * w)
+                if HI and xm[2 * gg + 1] != 0:
+                    xb[k], xb[k + 1], xb[k + 2], xb[k + 3] = sload4(sm, xl[2 * gg + 1] + rel * 16 + 4 * w)
             for h in range(2):  # step: bytes 2h, 2h+1 of the word
                 b0 = load_byte_offset(sm, prmt(cw, lb, 0x5504 | ((2 * h) << 4)))
                 b1 = load_byte_offset(sm, prmt(cw, lb, 0x5504 | ((2 * h + 1) << 4)))
