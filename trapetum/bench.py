@@ -109,12 +109,12 @@ def poisoned_check(gemv, x: torch.Tensor, ref: Callable[[torch.Tensor], torch.Te
 
 
 def check_kernel(n_in: int, n_out: int, K: int, batch: int, variant: str, seed: int, device="cuda", plan: dict | None = None,
-                 kernels=("lut", "mma")) -> float:
+                 kernels=("lut", "mma"), tune: bool = True) -> float:
     """Max relative error of one kernel against float64, on fresh inputs, with y poisoned first."""
     ct = random_codebook_tensor(n_out, n_in, K, seed=seed, device=device)
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
     x = torch.randn(batch, n_in, generator=g).half().to(device)
-    return poisoned_check(LutGemv(ct, device=device, variant=variant, plan=plan, kernels=kernels), x, lambda x: reference(x, ct),
+    return poisoned_check(LutGemv(ct, device=device, variant=variant, plan=plan, kernels=kernels, tune=tune), x, lambda x: reference(x, ct),
                           f"{variant} K={K} batch={batch} {n_in}x{n_out}")
 
 
@@ -145,17 +145,24 @@ TOLERANCE = 2e-3  # fp16 output rounding is 2^-11 of the largest output; fp32 ac
 
 
 def correctness_sweep(shapes, Ks=(16, 64, 256), batches=(1, 2, 3, 8, 16), variants=("lut", "lut32", "naive"), seed=0, progress=True) -> list[dict]:
-    """Every kernel on fresh random inputs against float64, outputs poisoned first. Raises on any failure."""
+    """Every kernel on fresh random inputs against float64, outputs poisoned first. Raises on any failure.
+
+    Plans are the heuristic ones plus forced plans of every kernel shape the tuner may pick (the
+    tuned plan of each timed shape is checked again where it is timed, see time_lut)."""
     from tqdm.auto import tqdm
 
     jobs = [(s, K, b, v, None) for s in shapes for K in Ks for b in batches for v in variants if not (v == "naive" and s[0] * s[1] > 2**24)]
     # Plans the tuner may pick on other GPUs: every row-block width, with and without a K-split.
     jobs += [(shapes[0], K, b, "lut", dict(RB=rb, ksplit=ks, stages=st)) for K in Ks for b in (1, 3) for rb in (1, 2, 4)
              for ks in (1, 3) for st in (2, 4) if rb <= row_blocks_per_block(K, b)]
+    # The tensor-core kernel: every warp count, with and without a K-split, batches across its mma groups.
+    if 16 in Ks:
+        jobs += [(s, 16, b, "lut", dict(kernel="mma", warps=w, ksplit=ks)) for s in shapes[:2] for b in (1, 3, 5, 16)
+                 for w in (4, 8, 16) for ks in (1, 3)]
     recs, failures = [], []
     for i, ((n_in, n_out), K, b, v, plan) in enumerate(tqdm(jobs, desc="correctness", disable=not progress)):
         try:
-            err = check_kernel(n_in, n_out, K, b, v, seed=seed + i, plan=plan)
+            err = check_kernel(n_in, n_out, K, b, v, seed=seed + i, plan=plan, tune=False)
             ok = err <= TOLERANCE
         except AssertionError as e:
             err, ok = float("nan"), False
@@ -166,6 +173,9 @@ def correctness_sweep(shapes, Ks=(16, 64, 256), batches=(1, 2, 3, 8, 16), varian
     if failures:
         raise AssertionError("correctness sweep failed:\n" + "\n".join(failures))
     return recs
+
+
+FAMILIES = {"lut-fma": ("lut",), "mma": ("mma",)}  # kernel names of the lut variant held to one kernel family
 
 
 def time_lut(n_in, n_out, K, batch, variant, fp16_ms, seed=0, kernels=("lut", "mma"), name: str | None = None) -> dict:
@@ -228,6 +238,8 @@ def gemv_suite(table_shape=(4096, 4096), layer_shapes=((3072, 768), (4096, 4096)
         return fp16[(n_in, n_out, b)]
 
     jobs = [("table", table_shape, K, 1, v) for K in Ks for v in ("lut", "lut32", "naive")]
+    # The 4-bit kernel's two families on their own: the FMA table kernel and the tensor-core one.
+    jobs += [("table", table_shape, 16, 1, v) for v in ("lut-fma", "mma")] if 16 in Ks else []
     jobs += [("layers", s, 16, 1, "lut") for s in layer_shapes]
     jobs += [("bandwidth", s, K, 1, "lut") for s in large_shapes for K in Ks]
     jobs += [("batch", batch_shape, 16, b, "lut" if b <= MAX_FUSED_BATCH else "dequant+cublas") for b in batches]
@@ -240,7 +252,12 @@ def gemv_suite(table_shape=(4096, 4096), layer_shapes=((3072, 768), (4096, 4096)
             recs.append({**prev, "grid": grid})
             continue
         done.add(key)
-        r = time_dequant_cublas(n_in, n_out, K, b, f) if v == "dequant+cublas" else time_lut(n_in, n_out, K, b, v, f)
+        if v == "dequant+cublas":
+            r = time_dequant_cublas(n_in, n_out, K, b, f)
+        elif v in FAMILIES:
+            r = time_lut(n_in, n_out, K, b, "lut", f, kernels=FAMILIES[v], name=v)
+        else:
+            r = time_lut(n_in, n_out, K, b, v, f)
         r["grid"] = grid
         recs.append(r)
         if progress:
