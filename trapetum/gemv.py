@@ -641,7 +641,8 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
                         xa[k + 2 * h], xb[k + 2 * h], xa[k + 2 * h + 1], xb[k + 2 * h + 1], b0, b1,
                         acc[k], acc[k + 1], acc[k + 2], acc[k + 3])
 
-    @cuda.jit
+    # launch_bounds (at most 128 registers): without them ptxas gave batch 16 148, which 512 threads cannot launch with.
+    @cuda.jit(**({} if SIM else {"launch_bounds": (nt, max(1, 512 // nt))}))
     def kernel(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, cps):
         sm = cuda.shared.array(0, uint32)  # table | x slice | codebooks
         red = cuda.shared.array(0, float32)  # the warps' partials, over the table once it is done
