@@ -122,21 +122,29 @@ class QLinear(nn.Module):
     def codebook_tensor(self) -> CodebookTensor:
         """The weight as a CodebookTensor (validated: dtypes, shapes, finite codebooks, code range)."""
         if self._codes_in_kernel:
-            return self._gemv.ct  # rebuilt from the kernel's tiled copy
+            return self._kernel_weight()  # rebuilt from the kernel's tiled copy
         return CodebookTensor(self.codes, self.codebook, self.K, self.in_features, self.out_features)
+
+    def _kernel_weight(self):
+        """The weight in the natural layout, rebuilt from the kernel's tiled codes (a copy)."""
+        return self._gemv.ct
 
     # On a GPU the codes live once, in the kernel's tiled layout: the natural buffer is released
     # when the kernel is built, and rebuilt (a permuted copy) for state_dict, moves and dequantize.
     # Holding both cost a second copy of every weight (7.9 GB instead of ~4.5 GB at 7B).
     def _restore_codes(self) -> None:
         if self._codes_in_kernel:
-            self.codes = self._gemv.ct.codes
+            self.codes = self._kernel_weight().codes
             self._codes_in_kernel = False
+
+    def _release_codes(self) -> None:
+        self.codes = torch.empty(0, dtype=torch.uint8, device=self.codes.device)
+        self._codes_in_kernel = True
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self._codes_in_kernel:
-            destination[prefix + "codes"] = self._gemv.ct.codes
+            destination[prefix + "codes"] = self._kernel_weight().codes
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         self._restore_codes()
@@ -175,8 +183,7 @@ class QLinear(nn.Module):
             release = on_gpu or self.simulate  # the simulator runs the same bookkeeping on CPU tensors
             self._gemv = LutGemv(self.codebook_tensor(), device=dev if on_gpu else None, keep_natural=not release)
             if release:
-                self.codes = torch.empty(0, dtype=torch.uint8, device=dev)
-                self._codes_in_kernel = True
+                self._release_codes()
             self._handle = id(self)
             _LAYERS[self._handle] = self
         return self._gemv
@@ -255,7 +262,12 @@ class AdditiveQLinear(QLinear):
     def codebook_tensor(self):
         from .additive import AdditiveTensor
 
+        if self._codes_in_kernel:
+            return self._kernel_weight()
         return AdditiveTensor(self.codes, self.codebooks, self.scales)
+
+    def _kernel_weight(self):
+        return self._gemv.t
 
     @property
     def bits_per_weight(self) -> float:
@@ -265,6 +277,7 @@ class AdditiveQLinear(QLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, M={self.M}, bias={self.bias is not None}, mode={self.mode}"
 
     def _apply(self, fn, *args, **kwargs):
+        self._restore_codes()
         self._gemv = None
         nn.Module._apply(self, fn, *args, **kwargs)
         for name in ("codebooks", "scales", "bias"):  # the format stays fp16 under model.float()
@@ -279,6 +292,8 @@ class AdditiveQLinear(QLinear):
 
             dev = self.codes.device
             self._gemv = AdditiveGemv(self.codebook_tensor(), device=dev if dev.type == "cuda" else None)
+            if dev.type == "cuda" or self.simulate:  # the codes live once, tiled in the kernel (as QLinear's)
+                self._release_codes()
             self._handle = id(self)
             _LAYERS[self._handle] = self
         return self._gemv
