@@ -343,6 +343,10 @@ def test_decode_chapter_reads_every_run_and_keeps_the_newest_per_model(tmp_path)
     assert sorted(both[both["model"] == "llama-2-7b"]["path"].unique()) == ["compiled", "graphed"]
     t = report.decode_table(df)
     assert len(t) == 4 and set(t["vs fp16"].round(2)) == {0.6, 1.0}
+    assert t["share of bandwidth bound"].isna().all()  # no GEMV run of this GPU: no copy bandwidth
+    d = df.assign(weight_bytes_per_token=1e9, copy_gbps=1000.0)
+    bw = report.decode_table(d)["share of bandwidth bound"]
+    assert sorted(bw.round(2)) == sorted((d["tok_s"] * 1e9 / 1e12).round(2))
     _check_figure(report.fig_decode(df))
     pareto = _check_figure(report.fig_decode_pareto(df), 2)
     assert sorted(pareto[0].lines[0].get_xdata()) == [4.0, 16.0]  # one point per scheme, at its bits per weight

@@ -721,6 +721,10 @@ def load_decode(folder=None) -> pd.DataFrame:
             f"no GPU has recorded the decode measurements: found no {root}/<gpu>/{DECODE}.json. "
             "Measure on a CUDA GPU with `trapetum bench --arch llama-2-7b`, then rebuild the book.")
     df["gpu_label"] = df["gpu"].map(gpu_label)
+    # The bandwidth bound needs the GPU's copy bandwidth, which the GEMV run of the same GPU measured.
+    copy = results.load(NAME, root)
+    if not copy.empty and "copy_gbps" in copy:
+        df["copy_gbps"] = df["gpu"].map(copy.groupby("gpu")["copy_gbps"].max())
     return df
 
 
@@ -728,7 +732,8 @@ def decode_table(df: pd.DataFrame) -> pd.DataFrame:
     """Decode tok/s, peak VRAM and J/token per GPU, model, scheme and integration path.
 
     Random weights, real architecture; "vs fp16" divides by fp16's tok/s on the same graphed path (naive and eager rows: fp16 graphed) of the
-    same run; a row whose fp16 model did not fit says so instead of a number.
+    same run; a row whose fp16 model did not fit says so instead of a number. "share of bandwidth
+    bound": tok/s x weight bytes a token reads / the copy bandwidth of the same GPU's GEMV run.
     """
     d = df.copy()
     d["_p"] = d["path"].map(lambda p: PATH_ORDER.index(p) if p in PATH_ORDER else len(PATH_ORDER))
@@ -740,6 +745,10 @@ def decode_table(df: pd.DataFrame) -> pd.DataFrame:
         "tok/s": d["tok_s"], "vs fp16": d["tok_s"] / d["fp16_tok_s"],
         "Peak VRAM (GB)": d["vram_gb"], "J/token": d["j_per_token"],
         "share of kernel bound": d.get("fraction_of_kernel_bound", np.nan),
+        # the weight bytes a token must read (projections at their bits, fp16 lm_head) at the
+        # GPU's copy bandwidth: how close decode gets to what the memory allows
+        "share of bandwidth bound": (d["tok_s"] * d["weight_bytes_per_token"] / (d["copy_gbps"] * 1e9)
+                                     if {"weight_bytes_per_token", "copy_gbps"} <= set(d) else np.nan),
         "run (commit)": d.get("git_commit", pd.Series(None, index=d.index)).astype(str).str[:7],
     }).reset_index(drop=True)
 
