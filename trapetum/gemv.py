@@ -568,9 +568,8 @@ MMA_CB_WORDS = 16 * 16 + 16  # one row-block's staged [code][lane] fp16 codebook
 def mma_shared_bytes(B: int, warps: int, cps: int) -> int:
     """Dynamic shared memory of :func:`mma_kernel`: the pair table (aliased by the warps' partials
     after the main loop), B rows of the x slice as fp16 (16 bytes of padding a row so batch rows
-    fall in other banks), the two row-blocks' staged codebooks, and one chunk of zeros (what the
-    lanes that hold no x read)."""
-    return 4 * (max(MMA_TABLE_WORDS, warps * B * 32) + B * (cps * 16 + 4) + 2 * MMA_CB_WORDS + 16)
+    fall in other banks) and the two row-blocks' staged codebooks."""
+    return 4 * (max(MMA_TABLE_WORDS, warps * B * 32) + B * (cps * 16 + 4) + 2 * MMA_CB_WORDS)
 
 
 def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True):
@@ -590,8 +589,10 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
     x registers stay zero. One m16n8k16 eats 128 codes of 32 rows for 4 batches; batches 5..16 add
     one mma per 4. Step h of a code word uses bytes 2h, 2h+1 (columns 4h..4h+3 of its 8).
 
-    Lanes that hold no x read a chunk of zeros instead of skipping the read: a guarded read made
-    ptxas branch around every mma. (x staged as ready-made A fragments, zeros for an absent batch
+    Only the lanes that hold x read it, once a code word, apart from the mmas: ptxas predicates
+    that read (one shared wavefront, not the four of a 16-byte read by all 32 lanes); a read
+    guarded inside the step loop made it branch around every mma. (x staged as ready-made A
+    fragments, zeros for an absent batch
     b + 2, saved ptxas two register moves an mma but doubled the x slice at batch 1, costing a block
     an SM, and a 16-byte read a step where this design has one a word: 22.9 us against the C++
     kernel's 16.5 at 4096 x 14336, ncu: MIO throttle and short-scoreboard stalls.)
@@ -621,16 +622,16 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
         dst[o], dst[o + 1], dst[o + 2], dst[o + 3] = codes_load(tiled, base + jj * 128)
 
     @cuda.jit(device=True, **INLINE)
-    def use_chunk(c, o, sm, lb, xl, xm, rel, xa, xb, acc):
-        # rel: the chunk's index in the K-slice. xl/xm: where each of this lane's x rows starts
-        # (batch 4 gg + lane / 16 at xl[2 gg], its + 2 at xl[2 gg + 1]) and its stride a chunk.
+    def use_chunk(c, o, sm, lb, xl, rel, xa, xb, acc):
+        # rel: the chunk's index in the K-slice. xl: where each of this lane's x rows starts
+        # (batch 4 gg + lane / 16 at xl[2 gg], its + 2 at xl[2 gg + 1]); -1 where it holds none.
         for w in range(4):  # word w: bytes 4w..4w+3, columns 8w..8w+7 of the chunk
             cw = c[o + w]
             for gg in range(G):
                 k = 4 * gg
-                if xm[2 * gg] != 0:
+                if xl[2 * gg] >= 0:
                     xa[k], xa[k + 1], xa[k + 2], xa[k + 3] = sload4(sm, xl[2 * gg] + rel * 16 + 4 * w)
-                if HI and xm[2 * gg + 1] != 0:
+                if HI and xl[2 * gg + 1] >= 0:
                     xb[k], xb[k + 1], xb[k + 2], xb[k + 3] = sload4(sm, xl[2 * gg + 1] + rel * 16 + 4 * w)
             for h in range(2):  # step: bytes 2h, 2h+1 of the word
                 b0 = load_byte_offset(sm, prmt(cw, lb, 0x5504 | ((2 * h) << 4)))
@@ -661,7 +662,6 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
         j1 = jend if rb < rbs else j0  # an odd row-block count leaves the last block's g = 1 idle
         xrow = cps * 16 + 4  # words of one batch row of the x slice
         CO = XO + B * xrow
-        ZO = CO + 2 * MMA_CB_WORDS  # 16 words of zeros
         base = (rb * nchunks * 32 + lane) * 4  # chunk j of this warp's row-block at base + 128 j
 
         # Start streaming codes before anything waits: this warp's first U chunks. Chunk indices
@@ -684,8 +684,6 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
                 store16(sm, o, v0, v1, v2, v3)
             else:
                 store16(sm, o, zero, zero, zero, zero)
-        if tid < 4:
-            store16(sm, ZO + 4 * tid, zero, zero, zero, zero)
         xq = (jend - j0) * 4  # 16-byte pieces of a batch row
         for t in range(tid, B * xq, nt):
             bb = t // xq
@@ -712,17 +710,13 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
         xb = cuda.local.array(NG, uint32)  # and of that + 2: A rows 8..15 (a1, a3)
         acc = cuda.local.array(NG, float32)
         xl = cuda.local.array(NG2, int32)
-        xm = cuda.local.array(NG2, int32)
         for i in range(NG):
             xa[i] = uint32(0)
             xb[i] = uint32(0)
             acc[i] = float32(0.0)
         for i in range(NG2):
             ba = 4 * (i >> 1) + (lane >> 4) + 2 * (i & 1)
-            if diag and ba < B:
-                xl[i], xm[i] = XO + ba * xrow, 16
-            else:
-                xl[i], xm[i] = ZO, 0
+            xl[i] = XO + ba * xrow if diag and ba < B else -1
         lb = uint32((lane << 2) | (g << 7))  # byte 0 of every lookup address
         # Turns alternate between two register sets (c, d), two turns a loop trip, so no turn
         # copies its prefetched codes: a copy a turn cost ptxas ~30 moves (SASS counted on the CPU).
@@ -733,24 +727,24 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
             for u in range(U):  # the next U chunks fly while these U are used
                 fetch(d, 4 * u, tiled, base, min(j0 + rel + (U + u) * W2, jlast))
             for u in range(U):
-                use_chunk(c, 4 * u, sm, lb, xl, xm, rel + u * W2, xa, xb, acc)
+                use_chunk(c, 4 * u, sm, lb, xl, rel + u * W2, xa, xb, acc)
             rel += U * W2
             for u in range(U):
                 fetch(c, 4 * u, tiled, base, min(j0 + rel + (U + u) * W2, jlast))
             for u in range(U):
-                use_chunk(d, 4 * u, sm, lb, xl, xm, rel + u * W2, xa, xb, acc)
+                use_chunk(d, 4 * u, sm, lb, xl, rel + u * W2, xa, xb, acc)
             rel += U * W2
         if turns % 2 == 1:
             for u in range(U):
                 fetch(d, 4 * u, tiled, base, min(j0 + rel + (U + u) * W2, jlast))
             for u in range(U):
-                use_chunk(c, 4 * u, sm, lb, xl, xm, rel + u * W2, xa, xb, acc)
+                use_chunk(c, 4 * u, sm, lb, xl, rel + u * W2, xa, xb, acc)
             rel += U * W2
             for i in range(NU):
                 c[i] = d[i]
         for u in range(U - 1):  # the last nk % U chunks, already loaded
             if u < nk % U:
-                use_chunk(c, 4 * u, sm, lb, xl, xm, rel + u * W2, xa, xb, acc)
+                use_chunk(c, 4 * u, sm, lb, xl, rel + u * W2, xa, xb, acc)
 
         cuda.syncthreads()  # every warp is done with the table: the partials reuse its space
         # D fragment: lane (g', t') holds D[g'][2t'], D[g'][2t'+1], D[g'+8][2t'], D[g'+8][2t'+1], and
