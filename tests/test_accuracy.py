@@ -190,6 +190,45 @@ def test_rtn_lsq_refits_each_groups_grid_by_least_squares():
         P.quantize(tiny_llama(), "awq-lsq", group_size=32)
 
 
+def test_joint_refit_solves_each_rows_grids_together():
+    X, H = correlated_inputs()
+    W = torch.randn(64, 256) * 0.02
+    g, G = 64, 4
+    d, m, q = P._lsq_grid(W, H, 4, g, 1.0, 2)
+    d, m, q = d[..., 0], m[..., 0], q.reshape(64, 256)
+    d2, m2 = P.refit_affine_grid(W, H, q, d, m)
+    gi = torch.arange(256) // g
+    # one row by brute force: least squares on the 2G columns (codes of group j, ones of group j)
+    r = 5
+    A = torch.zeros(256, 2 * G)
+    A[torch.arange(256), gi] = q[r]
+    A[torch.arange(256), G + gi] = 1
+    x = torch.linalg.solve(A.T @ H @ A, A.T @ H @ W[r])
+    assert torch.allclose(d2[r], x[:G], rtol=2e-3) and torch.allclose(m2[r], x[G:], rtol=2e-3, atol=1e-5)
+    assert torch.equal(d2, d2.half().float()) and torch.equal(m2, m2.half().float())  # stored as fp16
+    # with correlated inputs the per-group fit (H's diagonal blocks only) leaves error the joint fit removes
+    e1 = P.output_error(W, q * d[:, gi] + m[:, gi], H)
+    e2 = P.output_error(W, q * d2[:, gi] + m2[:, gi], H)
+    assert bool((e2 <= e1).all()) and float(e2.sum()) < 0.98 * float(e1.sum())
+    # a group whose codes are all equal has no unique (step, min): the fit stays finite and never worse
+    q[7, :g] = 3
+    d3, m3 = P.refit_affine_grid(W, H, q, d, m)
+    assert torch.isfinite(d3).all() and torch.isfinite(m3).all() and bool((d3 > 0).all())
+    assert float(P.output_error(W[7:8], q[7:8] * d3[7, gi] + m3[7, gi], H)) <= float(P.output_error(W[7:8], q[7:8] * d[7, gi] + m[7, gi], H))
+
+
+def test_awq_lsq_refit_is_awq_lsq_with_each_rows_grids_refit():
+    X, H = correlated_inputs()
+    W = torch.randn(128, 256) * 0.02
+    awq_lsq = P.awq(W, H, inner=lambda A, B: P.rtn_lsq(A, B, group_size=64), group_size=64, n_grid=5)
+    assert torch.equal(P.awq_lsq_refit(W, H, group_size=64, n_grid=5, rounds=0).W_hat, awq_lsq.W_hat)
+    q = P.awq_lsq_refit(W, H, group_size=64, n_grid=5)
+    assert err(W, q, H) < 0.98 * err(W, awq_lsq, H) and q.bits == awq_lsq.bits
+    assert err(W, P.awq_lsq_refit(W, H, group_size=64, n_grid=5, rounds=2), H) <= err(W, q, H) * (1 + 1e-6)
+    with pytest.raises(P.SchemeError, match="calibration"):
+        P.awq_lsq_refit(W, None, group_size=64)
+
+
 def test_activation_aware_kmeans_lowers_weighted_error():
     X, H = correlated_inputs()
     W = torch.randn(64, 256) * 0.02
@@ -305,7 +344,8 @@ def test_end_to_end_tiny_llama(tmp_path):
     saved = {n: m.weight.data.clone() for n, m in P.decoder_linears(model).items()}
     for spec in ["rtn:group_size=32", "kmeans", "kmeans-act", "kmeans-awq", "awq:group_size=32,n_grid=4",
                  "kmeans-hadamard", "gptq:group_size=32", "gptq-kmeans:act_order=false", "gptq-kmeans-hadamard",
-                 "hqq:group_size=32", "gptq:bits=8,group_size=64", "awq-gptq:group_size=32,n_grid=4", "hqq-gptq:group_size=32"]:
+                 "hqq:group_size=32", "gptq:bits=8,group_size=64", "awq-gptq:group_size=32,n_grid=4", "hqq-gptq:group_size=32",
+                 "awq-lsq-refit:group_size=32,n_grid=4"]:
         for n, m in P.decoder_linears(model).items():
             m.weight.data.copy_(saved[n])
         name, opts = P.parse_spec(spec)

@@ -12,6 +12,8 @@ from smaller ones:
   calibration statistics (GPTVQ's codebook update, for an affine grid);
 * :func:`awq` the AWQ recipe around any quantizer: per-input-channel scale search, then clip
   search (Lin et al. 2023);
+* :func:`awq_lsq_refit` AWQ with rtn_lsq, then each row's steps and mins solved jointly against the
+  full H (:func:`refit_affine_grid`);
 * :func:`incoherent` randomized Hadamard rotation of both sides around any quantizer
   (QuIP#, Tseng et al. 2024), so the function is unchanged before quantization;
 * :func:`gptq` Hessian error feedback with optional act-order (Frantar et al. 2022), with an
@@ -128,6 +130,13 @@ def rtn_lsq(W: torch.Tensor, H: torch.Tensor | None = None, *, bits: int = 4, gr
     """
     out, n = W.shape
     _check_group(n, group_size)
+    d, m, q = _lsq_grid(W, H, bits, group_size, ratio, iters)
+    return Quantized((q * d + m).reshape(out, n), W.numel() * bits + out * (n // group_size) * 32)
+
+
+def _lsq_grid(W: torch.Tensor, H: torch.Tensor | None, bits: int, group_size: int, ratio=1.0, iters: int = 2):
+    """rtn_lsq's grid and codes: step and min (out, G, 1), codes (out, G, g)."""
+    out, n = W.shape
     G, g, maxq = n // group_size, group_size, 2**bits - 1
     Wg = W.float().reshape(out, G, g)
     if torch.is_tensor(ratio):
@@ -159,7 +168,7 @@ def rtn_lsq(W: torch.Tensor, H: torch.Tensor | None = None, *, bits: int = 4, gr
             better = (e < best)[..., None]
             d, m, q = torch.where(better, d_new, d), torch.where(better, m_new, m), torch.where(better, q_new, q)
             best = torch.minimum(e, best)
-    return Quantized((q * d + m).reshape(out, n), W.numel() * bits + out * G * 32)
+    return d, m, q
 
 
 # --------------------------------------------------------------------------- k-means codebooks
@@ -287,6 +296,86 @@ def awq_gptq(
     ratio = _clip_ratios(Ws, Hs, search, clip_grid, group_size) if clip else None
     q = gptq(Ws, Hs, quantizer="rtn", bits=bits, group_size=group_size, act_order=act_order, grid_ratio=ratio)
     return Quantized(q.W_hat / s, q.bits + 16 * W.shape[1])
+
+
+def refit_affine_grid(W: torch.Tensor, H: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                      rows_per_chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every (step, min) of a row solved jointly for fixed codes against the full H: the row's output
+    error is quadratic in its 2G parameters (w_hat = sum_j d_j q_j + m_j 1_j, q_j and 1_j zero outside
+    group j), so one 2G x 2G solve per row; rtn_lsq's per-group fit sees only H's diagonal blocks.
+    q: codes (out, n); d, m: the grid the codes were chosen on, (out, G). Returns the new (d, m), fp16,
+    kept per row only where the output error falls and every step stays positive. A group whose codes
+    are all equal has no unique (step, min); the small ridge picks the smallest pair with the fitted value."""
+    out, n = W.shape
+    G = d.shape[1]
+    g = n // G
+    W, H, q = W.float(), H.float(), q.float()
+    d_out, m_out = d.clone().float(), m.clone().float()
+    Hr = H.reshape(G, g, n)
+    ones_H = Hr.sum(1)  # (G, n): 1_j^T H restricted to group j
+    H11 = ones_H.reshape(G, G, g).sum(-1)  # (G, G) 1_i^T H 1_j
+    ridge = 1e-7 * float(torch.diagonal(H).mean()) * g
+    for r0 in range(0, out, rows_per_chunk):
+        Q = q[r0:r0 + rows_per_chunk].reshape(-1, G, g)
+        r = Q.shape[0]
+        HQ = torch.einsum("rjg,jgn->rjn", Q, Hr).reshape(r, G, G, g)  # [r, j, i, :] = (q_j^T H) on group i
+        Mqq = torch.einsum("rjil,ril->rij", HQ, Q)
+        A = HQ.sum(-1)  # [r, i, j] = q_i^T H 1_j
+        M = torch.cat([torch.cat([Mqq, A], 2), torch.cat([A.transpose(1, 2), H11.expand(r, G, G)], 2)], 1)
+        M = M + ridge * torch.eye(2 * G)
+        Hw = (W[r0:r0 + r] @ H).reshape(r, G, g)
+        b = torch.cat([(Hw * Q).sum(-1), Hw.sum(-1)], 1)
+        x = torch.linalg.solve(M, b[..., None])[..., 0]
+        dn, mn = _fp16(x[:, :G]), _fp16(x[:, G:])
+        old = (d_out[r0:r0 + r, :, None] * Q + m_out[r0:r0 + r, :, None]).reshape(r, n)
+        new = (dn[..., None] * Q + mn[..., None]).reshape(r, n)
+        Wc = W[r0:r0 + r]
+        better = (output_error(Wc, new, H) < output_error(Wc, old, H)) & (dn > 0).all(1)
+        d_out[r0:r0 + r] = torch.where(better[:, None], dn, d_out[r0:r0 + r])
+        m_out[r0:r0 + r] = torch.where(better[:, None], mn, m_out[r0:r0 + r])
+    return d_out, m_out
+
+
+def awq_lsq_refit(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    *,
+    bits: int = 4,
+    group_size: int = 128,
+    n_grid: int = 20,
+    iters: int = 2,
+    rounds: int = 1,
+    clip_grid: tuple[float, ...] = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5),
+) -> Quantized:
+    """awq-lsq, then every (step, min) of a row re-solved jointly for its codes against the full H.
+
+    The AWQ scale and clip search and the per-group least-squares grids are exactly the awq-lsq
+    scheme's; rtn_lsq fits each group on its own diagonal block of H, which leaves out how one
+    group's rounding error correlates with the next group's inputs. :func:`refit_affine_grid` then
+    solves the row's 2G parameters together (codes fixed, as GPTVQ's codebook update does for a
+    codebook). Each further round (rounds > 1) re-rounds the scaled weight onto the new grids
+    (kept per row where the error falls) and solves again. Bits as awq-lsq: the same grids stored.
+    """
+    if H is None:
+        raise SchemeError("AWQ scale search needs calibration statistics (H)")
+    W = W.float()
+    out, n = W.shape
+    _check_group(n, group_size)
+    search = functools.partial(rtn_lsq, bits=bits, group_size=group_size, iters=iters)
+    s = _awq_scales(W, H, search, n_grid)
+    Ws, Hs = W * s, H / (s[:, None] * s[None, :])
+    Wc = _clip(Ws, _clip_ratios(Ws, Hs, search, clip_grid, group_size), group_size)
+    d, m, codes = _lsq_grid(Wc, Hs, bits, group_size, 1.0, iters)
+    d, m, codes = d[..., 0], m[..., 0], codes.reshape(out, n)
+    gi = torch.arange(n) // group_size
+    for r in range(rounds):
+        if r:
+            new = torch.round((Ws - m[:, gi]) / d[:, gi]).clamp(0, 2**bits - 1)
+            better = output_error(Ws, new * d[:, gi] + m[:, gi], Hs) < output_error(Ws, codes * d[:, gi] + m[:, gi], Hs)
+            codes = torch.where(better[:, None], new, codes)
+        d, m = refit_affine_grid(Ws, Hs, codes, d, m)
+    W_hat = codes * d[:, gi] + m[:, gi]
+    return Quantized(W_hat / s, W.numel() * bits + out * (n // group_size) * 32 + 16 * n)
 
 
 def _clip(W: torch.Tensor, ratio: torch.Tensor | float, g: int) -> torch.Tensor:
@@ -674,6 +763,10 @@ SCHEMES: dict[str, Scheme] = {
                    awq, inner=functools.partial(rtn_lsq, bits=bits, group_size=group_size, iters=iters), n_grid=n_grid,
                    group_size=group_size),
                dict(bits=4, group_size=128, n_grid=20, iters=2), calibrated=True),
+        Scheme("awq-lsq-refit", "awq-lsq, then each row's step and min solved jointly against the full calibration H",
+               lambda bits, group_size, n_grid, iters, rounds: functools.partial(
+                   awq_lsq_refit, bits=bits, group_size=group_size, n_grid=n_grid, iters=iters, rounds=rounds),
+               dict(bits=4, group_size=128, n_grid=20, iters=2, rounds=1), calibrated=True),
         Scheme("gptq", "GPTQ with RTN per group",
                lambda bits, group_size, act_order: functools.partial(gptq, quantizer="rtn", bits=bits, group_size=group_size, act_order=act_order),
                dict(bits=4, group_size=128, act_order=True), calibrated=True),
