@@ -592,10 +592,10 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
     Only the lanes that hold x read it, once a code word, apart from the mmas: ptxas predicates
     that read (one shared wavefront, not the four of a 16-byte read by all 32 lanes); a read
     guarded inside the step loop made it branch around every mma. (x staged as ready-made A
-    fragments, zeros for an absent batch
-    b + 2, saved ptxas two register moves an mma but doubled the x slice at batch 1, costing a block
-    an SM, and a 16-byte read a step where this design has one a word: 22.9 us against the C++
-    kernel's 16.5 at 4096 x 14336, ncu: MIO throttle and short-scoreboard stalls.)
+    fragments, zeros for an absent batch b + 2, saved ptxas two register moves an mma but doubled
+    the x slice at batch 1, costing a block an SM, and a 16-byte read a step where this design has
+    one a word: 22.9 us against the C++ kernel's 16.5 at 4096 x 14336; ncu: MIO-throttle and
+    short-scoreboard stalls.)
 
     Arguments as :func:`lut_kernel`'s (cbt32 holds fp16 [code][lane] codebooks); grid
     (ceil(rbs / 2), ksplit), ``warps`` in {4, 8, 16}, :func:`mma_shared_bytes` of dynamic shared memory.
