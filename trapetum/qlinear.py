@@ -166,22 +166,27 @@ class QLinear(nn.Module):
         self._restore_codes()
         self._gemv = None
         super()._apply(fn, *args, **kwargs)
-        # model.float() / model.half() must not change the format: codebooks and bias stay fp16.
-        if self.codebook.dtype != torch.float16:
-            self.codebook = self.codebook.half()
-        if self.bias is not None and self.bias.dtype != torch.float16:
-            self.bias = self.bias.half()
+        # model.float() / model.half() must not change the format: codebooks, scales, bias stay fp16.
+        for name in self._FP16:
+            t = getattr(self, name)
+            if t is not None and t.dtype != torch.float16:
+                setattr(self, name, t.half())
         return self
+
+    _FP16 = ("codebook", "bias")  # the format's fp16 buffers
+
+    def _build_gemv(self, device, keep_natural: bool):
+        from .gemv import LutGemv
+
+        return LutGemv(self.codebook_tensor(), device=device, keep_natural=keep_natural)
 
     def gemv(self):
         """The fused kernel's view of this weight, built on first use on the buffers' device."""
         if self._gemv is None:
-            from .gemv import LutGemv
-
             dev = self.codes.device
             on_gpu = dev.type == "cuda"
             release = on_gpu or self.simulate  # the simulator runs the same bookkeeping on CPU tensors
-            self._gemv = LutGemv(self.codebook_tensor(), device=dev if on_gpu else None, keep_natural=not release)
+            self._gemv = self._build_gemv(dev if on_gpu else None, keep_natural=not release)
             if release:
                 self._release_codes()
             self._handle = id(self)
@@ -276,27 +281,12 @@ class AdditiveQLinear(QLinear):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, M={self.M}, bias={self.bias is not None}, mode={self.mode}"
 
-    def _apply(self, fn, *args, **kwargs):
-        self._restore_codes()
-        self._gemv = None
-        nn.Module._apply(self, fn, *args, **kwargs)
-        for name in ("codebooks", "scales", "bias"):  # the format stays fp16 under model.float()
-            t = getattr(self, name)
-            if t is not None and t.dtype != torch.float16:
-                setattr(self, name, t.half())
-        return self
+    _FP16 = ("codebooks", "scales", "bias")
 
-    def gemv(self):
-        if self._gemv is None:
-            from .additive import AdditiveGemv
+    def _build_gemv(self, device, keep_natural: bool):
+        from .additive import AdditiveGemv
 
-            dev = self.codes.device
-            self._gemv = AdditiveGemv(self.codebook_tensor(), device=dev if dev.type == "cuda" else None)
-            if dev.type == "cuda" or self.simulate:  # the codes live once, tiled in the kernel (as QLinear's)
-                self._release_codes()
-            self._handle = id(self)
-            _LAYERS[self._handle] = self
-        return self._gemv
+        return AdditiveGemv(self.codebook_tensor(), device=device)  # always holds only the tiled codes
 
 
 def qlinears(model: nn.Module) -> dict[str, QLinear]:
