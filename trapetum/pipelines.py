@@ -241,16 +241,24 @@ def awq(
     once on the clipped weight. search_inner (default inner) is a cheaper quantizer used only
     while searching.
     """
-    if H is None:
-        raise SchemeError("AWQ scale search needs calibration statistics (H)")
-    search_inner = search_inner or inner
     W = W.float()
-    s = _awq_scales(W, H, search_inner, n_grid)
-    Ws, Hs = W * s, H / (s[:, None] * s[None, :])
+    s, Ws, Hs, ratio = _awq_search(W, H, search_inner or inner, n_grid, clip_grid if clip else None, group_size)
     if clip:
-        Ws = _clip(Ws, _clip_ratios(Ws, Hs, search_inner, clip_grid, group_size), group_size or W.shape[1])
+        Ws = _clip(Ws, ratio, group_size or W.shape[1])
     q = inner(Ws, Hs)
     return Quantized(q.W_hat / s, q.bits + 16 * W.shape[1])
+
+
+def _awq_search(W, H, search, n_grid, clip_grid, group_size):
+    """AWQ's two searches, shared by its variants: the input-channel scale s, then (clip_grid not
+    None) the per-(row, group) clip ratios of the scaled weight. Returns (s, W diag(s),
+    diag(s)^-1 H diag(s)^-1, ratios or None)."""
+    if H is None:
+        raise SchemeError("AWQ scale search needs calibration statistics (H)")
+    s = _awq_scales(W, H, search, n_grid)
+    Ws, Hs = W * s, H / (s[:, None] * s[None, :])
+    ratio = _clip_ratios(Ws, Hs, search, clip_grid, group_size) if clip_grid is not None else None
+    return s, Ws, Hs, ratio
 
 
 def _awq_scales(W: torch.Tensor, H: torch.Tensor, inner: Callable[..., Quantized], n_grid: int) -> torch.Tensor:
@@ -287,13 +295,9 @@ def awq_gptq(
     grid spanning the clipped range (static groups under act-order), but its error feedback
     targets the unclipped weight. Bits as AWQ: RTN's plus one fp16 scale per input channel.
     """
-    if H is None:
-        raise SchemeError("AWQ scale search needs calibration statistics (H)")
     W = W.float()
     search = functools.partial(rtn, bits=bits, group_size=group_size)
-    s = _awq_scales(W, H, search, n_grid)
-    Ws, Hs = W * s, H / (s[:, None] * s[None, :])
-    ratio = _clip_ratios(Ws, Hs, search, clip_grid, group_size) if clip else None
+    s, Ws, Hs, ratio = _awq_search(W, H, search, n_grid, clip_grid if clip else None, group_size)
     q = gptq(Ws, Hs, quantizer="rtn", bits=bits, group_size=group_size, act_order=act_order, grid_ratio=ratio)
     return Quantized(q.W_hat / s, q.bits + 16 * W.shape[1])
 
@@ -356,15 +360,12 @@ def awq_lsq_refit(
     codebook). Each further round (rounds > 1) re-rounds the scaled weight onto the new grids
     (kept per row where the error falls) and solves again. Bits as awq-lsq: the same grids stored.
     """
-    if H is None:
-        raise SchemeError("AWQ scale search needs calibration statistics (H)")
     W = W.float()
     out, n = W.shape
     _check_group(n, group_size)
     search = functools.partial(rtn_lsq, bits=bits, group_size=group_size, iters=iters)
-    s = _awq_scales(W, H, search, n_grid)
-    Ws, Hs = W * s, H / (s[:, None] * s[None, :])
-    Wc = _clip(Ws, _clip_ratios(Ws, Hs, search, clip_grid, group_size), group_size)
+    s, Ws, Hs, ratio = _awq_search(W, H, search, n_grid, clip_grid, group_size)
+    Wc = _clip(Ws, ratio, group_size)
     d, m, codes = _lsq_grid(Wc, Hs, bits, group_size, 1.0, iters)
     d, m, codes = d[..., 0], m[..., 0], codes.reshape(out, n)
     gi = torch.arange(n) // group_size
