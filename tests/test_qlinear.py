@@ -112,20 +112,26 @@ def test_kernel_dispatch_in_simulator(mode):
             q(torch.randn(1, 64))
 
 
+def _check_codes_held_once(q, x, natural):
+    """Run q on x in the simulator; its natural codes must be released yet still read back. Returns q(x)."""
+    q.simulate = True
+    y0 = q(x)
+    assert q.codes.numel() == 0, "the natural codes buffer should be released once the tiled copy exists"
+    assert torch.equal(q.state_dict()["codes"], natural)
+    assert torch.equal(q.codebook_tensor().codes, natural)
+    torch.testing.assert_close(q(x), y0)
+    return y0
+
+
 @pytest.mark.skipif(not gemv.SIM, reason="the kernel dispatch on CPU tensors needs the CUDA simulator")
 def test_codes_held_once_once_the_kernel_is_built():
     # Out of 40 rows: not a multiple of the kernel's 32-row blocks, so untiling must drop the padding.
     ct = random_codebook_tensor(40, 64, 16, seed=6)
     natural = ct.codes.clone()
     q = QLinear.from_codebook(ct)
-    q.simulate = True
     x = torch.randn(1, 64).half()
-    y0 = q(x)
-    assert q.codes.numel() == 0, "the natural codes buffer should be released once the tiled copy exists"
-    assert torch.equal(q.state_dict()["codes"], natural)
-    assert torch.equal(q.codebook_tensor().codes, natural)
+    _check_codes_held_once(q, x, natural)
     assert torch.equal(q.dequantize(), ct.dequantize())
-    torch.testing.assert_close(q(x), y0)
     q2 = QLinear(64, 40, 16)
     q2.load_state_dict(q.state_dict())
     assert torch.equal(q2.codes, natural)
@@ -286,14 +292,9 @@ def test_additive_codes_held_once_once_the_kernel_is_built():
     t = random_additive_tensor(40, 64, 2, seed=8)  # 40 rows: untiling must drop the row-block padding
     natural = t.codes.clone()
     q = AdditiveQLinear.from_additive(t)
-    q.simulate = True
     x = torch.randn(1, 64).half()
-    y0 = q(x)
-    assert q.codes.numel() == 0, "the natural codes buffer should be released once the tiled copy exists"
-    assert torch.equal(q.state_dict()["codes"], natural)
-    assert torch.equal(q.codebook_tensor().codes, natural)
+    y0 = _check_codes_held_once(q, x, natural)
     torch.testing.assert_close(q.dequantize(), t.dequantize())
-    torch.testing.assert_close(q(x), y0)
     q.float()  # a move brings the natural buffer back
     assert torch.equal(q.codes, natural) and q._gemv is None
     torch.testing.assert_close(q(x), y0)
