@@ -143,6 +143,9 @@ def test_tiled_layout_and_its_inverse(M, n_out, n_in):
     g = AdditiveGemv(t, plan={"warps": 2})
     assert torch.equal(g.t.codes, t.codes)
     assert torch.equal(g.dequantize(), t.dequantize())
+    assert torch.equal(g.dequantize(rows=(32, 33)), t.dequantize()[32:33])
+    with pytest.raises(ValueError, match="rows must be"):
+        g.dequantize(rows=(1, 33))
 
 
 @pytest.fixture(scope="module")

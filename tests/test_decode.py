@@ -9,7 +9,7 @@ from torch import nn
 
 from trapetum import decode, gemv
 from trapetum.decode import FakeGraphRunner, generate
-from trapetum.qlinear import qlinears, quantize_model
+from trapetum.qlinear import QLinear, qlinears, quantize_model
 
 from test_qlinear import tiny_llama
 
@@ -152,6 +152,23 @@ def test_decode_bench_runs_an_additive_model():
     assert a2[0]["matches_graphed_tokens"] is True and a2[0]["bits_per_weight_codes"] == 2.0
     assert a2[0]["bits_per_weight"] > 2.0  # codes plus codebooks (8 KiB a layer: most of these tiny layers) and scales
     assert decode._parse_quantize("a4") == "A4"
+
+
+def test_decode_bench_with_a_quantized_lm_head():
+    # One row per LM head option; the quantized head is a QLinear, not a projection (bits), and it
+    # reads its codes instead of fp16 weights (the bandwidth bound's bytes).
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=96)
+    recs = decode.decode_bench("llama-2-7b", Ks=(16,), paths=("eager",), fp16_paths=("eager",), gen_len=6, heads=(None, 16),
+                               prompt_len=20, energy=False, progress=False, device="cpu", **tiny)
+    assert [(r["scheme"], r["lm_head"]) for r in recs] == [
+        ("fp16", "fp16"), ("4-bit K=16", "fp16"), ("4-bit K=16, LM head 4-bit K=16", "4-bit K=16")]
+    plain, head = recs[1], recs[2]
+    assert head["bits_per_weight"] == plain["bits_per_weight"]
+    assert head["weight_bytes_per_token"] < plain["weight_bytes_per_token"]
+    m = decode.random_llama("llama-2-7b", 16, device="cpu", progress=False, head_K=16, **tiny)
+    assert isinstance(m.lm_head, QLinear) and m.trapetum_quant["layers"]["lm_head"]["K"] == 16
+    with pytest.raises(SystemExit):
+        decode._parse_quantize("K17+")
 
 
 def test_check_equivalence_with_a_fake_graph(models):

@@ -147,6 +147,20 @@ def test_device_dequantize_equals_codebook_dequantize(K, variant):
     assert torch.equal(g.dequantize(), ct.dequantize())
 
 
+@pytest.mark.parametrize("keep_natural", [True, False])
+def test_device_dequantize_of_a_row_slab(keep_natural):
+    # A slab comes from its own row-blocks of the tiled codes (large-batch calls rebuild the fp16
+    # weight a slab at a time); a bad slab is refused, not silently clipped.
+    ct = random_codebook_tensor(70, 32, 16, seed=3)
+    g = LutGemv(ct, keep_natural=keep_natural)
+    full = ct.dequantize()
+    for r0, r1 in ((0, 32), (32, 70), (64, 65), (0, 70)):
+        assert torch.equal(g.dequantize(rows=(r0, r1)), full[r0:r1])
+    for bad in ((5, 40), (32, 32), (0, 71), (-32, 10)):
+        with pytest.raises(ValueError, match="rows must be"):
+            g.dequantize(rows=bad)
+
+
 @pytest.mark.parametrize("variant", ["lut", "naive"])
 def test_bind_returns_a_launcher_that_reads_x_at_call_time(variant):
     ct = random_codebook_tensor(40, 64, 16, seed=3)

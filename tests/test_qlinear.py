@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from trapetum import gemv
+from trapetum import gemv, qlinear
 from trapetum.codebook import random_codebook_tensor
 from trapetum.qlinear import (
     CONFIG_FILE,
@@ -110,6 +110,23 @@ def test_kernel_dispatch_in_simulator(mode):
     if mode == "fast":
         with pytest.raises(TypeError, match="float16"):
             q(torch.randn(1, 64))
+
+
+@pytest.mark.skipif(not gemv.SIM, reason="the kernel dispatch on CPU tensors needs the CUDA simulator")
+def test_large_batches_rebuild_the_weight_a_slab_at_a_time(monkeypatch):
+    # 70 rows in slabs of 32 (the last one partial): the same product as the whole weight at once.
+    ct = random_codebook_tensor(70, 64, 16, seed=6)
+    q = QLinear.from_codebook(ct)
+    q.simulate = True
+    monkeypatch.setattr(qlinear, "SLAB_BYTES", 32 * 2 * 64)
+    slabs = []
+    g = q.gemv()
+    real = g.dequantize
+    monkeypatch.setattr(g, "dequantize", lambda rows: slabs.append(rows) or real(rows=rows))
+    x = torch.randn(17, 64).half()
+    y = q(x)
+    assert slabs == [(0, 32), (32, 64), (64, 70)]
+    torch.testing.assert_close(y.float(), x.float() @ ct.dequantize(torch.float32).T, atol=2e-2, rtol=2e-2)
 
 
 def _check_codes_held_once(q, x, natural):

@@ -33,7 +33,7 @@ import warnings
 import torch
 from numba import cuda, float32, int32, uint32
 
-from .codebook import CHUNK_BYTES, ROW_BLOCK, CodebookFormatError, _sha, read_layer_file, untile
+from .codebook import CHUNK_BYTES, ROW_BLOCK, CodebookFormatError, _sha, check_rows, read_layer_file, untile
 from .gemv import (
     INLINE,
     SIM,
@@ -1095,9 +1095,13 @@ class AdditiveGemv:
         self.bind(x2, y)()
         return y.reshape(self.n_out) if x.dim() == 1 else y
 
-    def dequantize(self) -> torch.Tensor:
-        """The fp16 weight (out, in), rebuilt on the device (torch ops over the untiled codes)."""
-        return self.t.dequantize(torch.float16)
+    def dequantize(self, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The fp16 weight (out, in), rebuilt on the device (torch ops over the untiled codes);
+        ``rows=(r0, r1)``: only that slab (r0 a multiple of 32). The decode's fp32 transients are
+        ~10x the fp16 weight they make, so large-batch callers go a slab at a time."""
+        r0, r1 = check_rows(rows, self.n_out)
+        codes = untile(self._tiled_t, self.n_out, self._ncode_bytes, rows=(r0, r1)).reshape(r1 - r0, self.n_in // D, self.M)
+        return _decode(codes, self._codebooks.float(), self._scales[r0:r1].float()).half()
 
 
 def reference(x: torch.Tensor, t: AdditiveTensor) -> torch.Tensor:

@@ -263,12 +263,27 @@ def tile(ct: CodebookTensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tiled.view(torch.int32).reshape(-1), cbt
 
 
-def untile(tiled: torch.Tensor, out_features: int, nbytes: int) -> torch.Tensor:
-    """The natural (out, nbytes) uint8 codes back from :func:`tile`'s int32 words (a copy)."""
+def untile(tiled: torch.Tensor, out_features: int, nbytes: int, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """The natural (out, nbytes) uint8 codes back from :func:`tile`'s int32 words (a copy).
+
+    ``rows=(r0, r1)``: only those rows (r0 a multiple of 32), read from their row-blocks alone, so
+    a caller rebuilding a weight a slab at a time never holds the whole natural copy."""
     rbs = -(-out_features // ROW_BLOCK)
     nchunks = nbytes // CHUNK_BYTES
     if tiled.numel() * 4 != rbs * ROW_BLOCK * nbytes:
         raise ValueError(f"tiled codes hold {tiled.numel() * 4} bytes, not {rbs * ROW_BLOCK} x {nbytes}")
-    t = tiled.view(torch.uint8).reshape(rbs, nchunks, ROW_BLOCK, CHUNK_BYTES).permute(0, 2, 1, 3)
-    return t.reshape(rbs * ROW_BLOCK, nbytes)[:out_features].contiguous()
+    r0, r1 = check_rows(rows, out_features)
+    rb0, rb1 = r0 // ROW_BLOCK, -(-r1 // ROW_BLOCK)
+    words = ROW_BLOCK * nbytes // 4  # a row-block's words are contiguous
+    t = tiled[rb0 * words:rb1 * words].view(torch.uint8).reshape(rb1 - rb0, nchunks, ROW_BLOCK, CHUNK_BYTES).permute(0, 2, 1, 3)
+    return t.reshape((rb1 - rb0) * ROW_BLOCK, nbytes)[:r1 - r0].contiguous()
 
+
+def check_rows(rows: tuple[int, int] | None, out_features: int) -> tuple[int, int]:
+    """(r0, r1) of a row slab, checked: 0 <= r0 < r1 <= out_features and r0 on a row-block boundary."""
+    if rows is None:
+        return 0, out_features
+    r0, r1 = (int(r) for r in rows)
+    if not 0 <= r0 < r1 <= out_features or r0 % ROW_BLOCK:
+        raise ValueError(f"rows must be (r0, r1) with 0 <= r0 < r1 <= {out_features} and r0 a multiple of {ROW_BLOCK}, got {rows}")
+    return r0, r1

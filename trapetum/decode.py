@@ -363,12 +363,14 @@ def random_qlinear(in_features: int, out_features: int, K: int, device, generato
 
 
 @torch.no_grad()
-def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progress: bool = True, **overrides):
+def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progress: bool = True, head_K: int | None = None,
+                 **overrides):
     """A Llama-2 architecture with random fp16 weights built directly on the device, layer by layer.
 
     ``K=None``: fp16 nn.Linear projections. Otherwise every decoder projection is a random
     QLinear and no fp16 copy of it ever exists, so 70B at 4 bits is built without the 138 GB of
-    fp16 weights. Weights ~ N(0, 0.02) as Llama's init, norms 1.
+    fp16 weights. Weights ~ N(0, 0.02) as Llama's init, norms 1. ``head_K``: the LM head a
+    scalar codebook QLinear too (at 7B the fp16 head is 0.26 GB, 7 % of a 4-bit model).
     """
     from tqdm.auto import tqdm
     from transformers import LlamaForCausalLM
@@ -387,8 +389,11 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
             m.embed_tokens.weight.normal_(0, 0.02, generator=gen)
             m.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             m.rotary_emb = LlamaRotaryEmbedding(config=config)  # inv_freq in fp32: computed with explicit dtypes
-            model.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-            model.lm_head.weight.normal_(0, 0.02, generator=gen)
+            if head_K is None:
+                model.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+                model.lm_head.weight.normal_(0, 0.02, generator=gen)
+            else:
+                model.lm_head = random_qlinear(config.hidden_size, config.vocab_size, head_K, device, gen)
             for i in tqdm(range(config.num_hidden_layers), desc=f"{arch} {'fp16' if K is None else f'K={K}'}", disable=not progress):
                 with torch.device("meta"):
                     layer = LlamaDecoderLayer(config, i)
@@ -409,9 +414,9 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"random_llama left tensors unallocated: {left[:5]}")
-    if K is not None:
+    if K is not None or head_K is not None:
         model.trapetum_quant = {"K": K, "excluded": {}, "layers": {
-            n: {"K": K, "in_features": mod.in_features, "out_features": mod.out_features, "bias": False}
+            n: {"K": head_K if n == "lm_head" else K, "in_features": mod.in_features, "out_features": mod.out_features, "bias": False}
             for n, mod in model.named_modules() if isinstance(mod, QLinear)}}
     return model.eval()
 
@@ -458,8 +463,9 @@ def _bits(K):
 
 
 def projection_bits(model) -> float:
-    """Bits per weight of the decoder projections, codebooks and scales included (16 for fp16)."""
-    qs = list(qlinears(model).values())
+    """Bits per weight of the decoder projections, codebooks and scales included (16 for fp16);
+    a quantized LM head is not a projection."""
+    qs = [q for n, q in qlinears(model).items() if n != "lm_head"]
     if not qs:
         return 16.0
     n = [q.in_features * q.out_features for q in qs]
@@ -474,7 +480,7 @@ def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
-def kernel_bound(cfg, K: int | None) -> dict:
+def kernel_bound(cfg, K: int | None, head_K: int | None = None) -> dict:
     """The tok/s the projection and lm_head kernels alone allow: each shape timed as CUDA-graph
     replays over L2-rotated copies (trapetum.bench), summed over the layers.
 
@@ -498,14 +504,26 @@ def kernel_bound(cfg, K: int | None) -> dict:
                 times[(n_in, n_out)] = bench.time_lut(n_in, n_out, K, 1, "lut", fp16)["time_ms"]
         per_layer += times[(n_in, n_out)]
     head = bench.time_fp16(cfg.hidden_size, cfg.vocab_size, 1)
+    if head_K is not None:
+        head = bench.time_lut(cfg.hidden_size, cfg.vocab_size, head_K, 1, "lut", head)["time_ms"]
     ms = cfg.num_hidden_layers * per_layer + head
     return {"kernel_ms_per_token": ms, "implied_tok_s": 1e3 / ms, "lm_head_ms": head,
             "kernel_ms_by_shape": json.dumps({f"{a}x{b}": t for (a, b), t in times.items()})}
 
 
+def _release_gpu_memory() -> None:
+    """Free what a finished model left behind, so the next model's peak is its own: cached blocks,
+    and cuBLAS's per-stream workspaces (~0.1 GB after an fp16 7B run; torch keeps them until told)."""
+    torch.cuda.empty_cache()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+        torch.cuda.empty_cache()
+
+
 def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_paths=("graphed",), gen_len: int = 512,
                  prompt_len: int = 32, eager_gen_len: int = 128, seed: int = 0, energy=True, progress=True,
-                 device="cuda", kernel_times: bool = True, **arch_overrides) -> list[dict]:
+                 device="cuda", kernel_times: bool = True, heads=(None,), **arch_overrides) -> list[dict]:
     """fp16 vs codebook decode on a Llama-2 architecture with random weights, built on the device.
 
     One record per (scheme, path), per the results contract; ``fp16_tok_s`` is the fp16 graphed
@@ -513,7 +531,11 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
     recorded (``oom`` True, tok_s None, the weight bytes it needed) and the next scheme still runs.
     Eager paths generate ``eager_gen_len`` tokens (they are Python-bound; the window is recorded).
     ``kernel_times``: also time each projection shape alone (:func:`kernel_bound`) and record the
-    graphed path's share of that bound. ``device="cpu"`` with tiny ``arch_overrides`` is for tests only.
+    graphed path's share of that bound. ``heads``: the LM head of each codebook scheme, fp16 (None)
+    and/or a scalar K (one row each). ``device="cpu"`` with tiny ``arch_overrides`` is for tests only.
+
+    Each model's peak VRAM is its own: the previous model's cuBLAS workspaces are released before
+    the next is built (``vram_before_gb`` records what was still allocated).
     """
     import gc
 
@@ -527,23 +549,24 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=g)
     fp16_tok_s = {}  # fp16's tok/s by graphed path: each path is compared with fp16 on the same path
-    for K in (None, *Ks):
-        scheme = SCHEME_NAMES.get(K, f"K={K}")
+    for K, head in [(None, None)] + [(K, h) for K in Ks for h in heads]:
+        scheme = SCHEME_NAMES.get(K, f"K={K}") + ("" if head is None else f", LM head {SCHEME_NAMES.get(head, head)}")
         model = None
         if cuda:
-            torch.cuda.empty_cache()
+            _release_gpu_memory()
             torch.cuda.reset_peak_memory_stats()
         base = {"model": arch, "weights": "random", "architecture": "real (published config)", "scheme": scheme, "K": K,
-                "bits_per_weight_codes": _bits(K), "batch": 1, "prompt_len": prompt_len}
+                "head_K": head, "lm_head": SCHEME_NAMES.get(head, head), "bits_per_weight_codes": _bits(K), "batch": 1,
+                "prompt_len": prompt_len, "vram_before_gb": torch.cuda.memory_allocated() / 1e9 if cuda else None}
         try:
             bound = {}
             if kernel_times and cuda:
-                bound = kernel_bound(cfg, K)  # before the model is built: the rotated copies need memory
+                bound = kernel_bound(cfg, K, head)  # before the model is built: the rotated copies need memory
                 if progress:
                     print(f"{arch} {scheme}: projection + lm_head kernels {bound['kernel_ms_per_token']:.3f} ms/token "
                           f"-> {bound['implied_tok_s']:.1f} tok/s bound", flush=True)
             t0 = time.time()
-            model = random_llama(arch, K, device=device, seed=seed, progress=progress, **arch_overrides)
+            model = random_llama(arch, K, device=device, seed=seed, progress=progress, head_K=head, **arch_overrides)
             if not cuda:
                 model.float()  # CPU matmuls in fp32 (tests); codebooks stay fp16
             else:
@@ -583,11 +606,12 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
             del model
             gc.collect()
             if cuda:
-                torch.cuda.empty_cache()
+                _release_gpu_memory()
     # The same model must decode the same tokens whoever launches the step: eager vs graphed
     # exactly; naive (DynamicCache, fp32 casts) may drift late. Stored as text (JSON-flat).
     for r in recs:
-        ref = next((x for x in recs if x["K"] == r["K"] and x.get("path") == "graphed" and not x.get("oom")), None)
+        ref = next((x for x in recs if (x["K"], x["head_K"]) == (r["K"], r["head_K"]) and x.get("path") == "graphed"
+                    and not x.get("oom")), None)
         if ref is not None and not r.get("oom"):
             a, b = r["first_tokens"], ref["first_tokens"]
             k = min(len(a), len(b))
@@ -610,9 +634,10 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
             per_w = _bits(K) / 8  # codes; codebooks (8 KiB a layer) and scales are negligible
         else:
             per_w = 1 / (2 if K == 16 else 1) + K * 2 / h  # codes + codebook share (in >= hidden)
-        r["weight_bytes_per_token"] = proj * per_w + 2 * v * h
+        head_w = 2.0 if r["head_K"] is None else 1 / (2 if r["head_K"] == 16 else 1) + r["head_K"] * 2 / h
+        r["weight_bytes_per_token"] = proj * per_w + head_w * v * h
         if r.get("oom"):
-            r["weights_gb_needed"] = (proj * per_w + 2 * 2 * v * h) / 1e9
+            r["weights_gb_needed"] = (proj * per_w + (2 + head_w) * v * h) / 1e9
     return recs
 
 
@@ -683,7 +708,8 @@ def _bench_cmd(args) -> int:
     for arch in args.arch.split(","):
         recs += decode_bench(arch, Ks=tuple(_parse_quantize(k) for k in args.schemes.split(",")), paths=tuple(args.paths.split(",")),
                              fp16_paths=tuple(args.fp16_paths.split(",")), gen_len=args.gen, prompt_len=args.prompt_len,
-                             eager_gen_len=args.eager_gen, energy=not args.no_energy, kernel_times=not args.no_kernel_times)
+                             eager_gen_len=args.eager_gen, energy=not args.no_energy, kernel_times=not args.no_kernel_times,
+                             heads=tuple(_parse_quantize(k) for k in args.lm_head.split(",")))
     prov = results.provenance(command=args.command or " ".join(sys.argv), seconds=round(time.time() - t0, 1))
     path = results.save(args.name, recs, prov, folder=args.out)
     print(f"wrote {path}")
@@ -721,6 +747,7 @@ def main(argv=None) -> int:
     b.add_argument("--paths", default="naive,eager,graphed,compiled", help="paths for the codebook models")
     b.add_argument("--fp16-paths", default="naive,eager,graphed,compiled",
                    help="naive = transformers-style loop with DynamicCache (the usual fp16 baseline)")
+    b.add_argument("--lm-head", default="fp16", help="LM head of the codebook schemes: fp16 and/or K16 (comma-separated, a row each)")
     b.add_argument("--gen", type=int, default=512)
     b.add_argument("--eager-gen", type=int, default=128, help="tokens for the naive/eager paths (Python-bound, slower)")
     b.add_argument("--prompt-len", type=int, default=32, help="> 16, so the prefill takes dequant+cuBLAS and no batch-16 kernel is tuned")

@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from numba import config as _nb_config  # noqa: E402
 from numba import cuda, float32, int32, int64, uint32  # noqa: E402
 
-from .codebook import CHUNK_BYTES, ROW_BLOCK, CodebookTensor, codes_per_byte, tile, untile  # noqa: E402
+from .codebook import CHUNK_BYTES, ROW_BLOCK, CodebookTensor, check_rows, codes_per_byte, tile, untile  # noqa: E402
 
 SIM = bool(_nb_config.ENABLE_CUDASIM)
 MAX_FUSED_BATCH = 16
@@ -1314,16 +1314,20 @@ class LutGemv:
         self.bind(x2, y)()
         return y.reshape(self.n_out) if x.dim() == 1 else y
 
-    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The fp16 weight (out, in), built on the device by a kernel."""
-        W = out if out is not None else torch.empty(self.n_out, self.n_in, dtype=torch.float16, device=self.device)
-        natural = None if self.variant == "naive" else self.ct  # a transient copy when only the tiled codes are kept
-        codes = self._codes if natural is None else _as_kernel_array(natural.codes)
-        cb = self._cb if natural is None else _as_kernel_array(natural.codebook)
+    def dequantize(self, out: torch.Tensor | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The fp16 weight (out, in), built on the device by a kernel; ``rows=(r0, r1)``: only that
+        slab (r0 a multiple of 32), so a large-batch call never holds the whole fp16 weight."""
+        r0, r1 = check_rows(rows, self.n_out)
+        W = out if out is not None else torch.empty(r1 - r0, self.n_in, dtype=torch.float16, device=self.device)
+        if self._ct is not None:
+            codes = self._ct.codes[r0:r1]
+        else:  # a transient copy of the slab's codes when only the tiled codes are kept
+            codes = untile(self._tiled_t, self.n_out, self._ncode_bytes, rows=(r0, r1))
         Wa = _as_kernel_array(W)
         stream = 0 if SIM else cuda.external_stream(torch.cuda.current_stream(self.device).cuda_stream)
         blocks = 4 if SIM else 8 * sm_count(self.device)
-        dequant_kernel(self.K)[blocks, 256, stream](codes, cb, Wa, self.n_out, self._ncode_bytes)
+        dequant_kernel(self.K)[blocks, 256, stream](_as_kernel_array(codes), _as_kernel_array(self._codebook[r0:r1]), Wa,
+                                                    r1 - r0, self._ncode_bytes)
         if SIM:
             W.copy_(torch.from_numpy(Wa))
         return W

@@ -728,11 +728,20 @@ def load_decode(folder=None) -> pd.DataFrame:
     return df
 
 
+def _fp16_of_run(d: pd.DataFrame, col: str) -> pd.Series:
+    """Each row's fp16 value of ``col`` from the same run (file) and path (NaN where that run had none)."""
+    if "file" not in d:
+        return pd.Series(np.nan, index=d.index)
+    fp16 = d[d["scheme"] == "fp16"].drop_duplicates(["file", "path"]).set_index(["file", "path"])[col]
+    return pd.Series([fp16.get((f, p), np.nan) for f, p in zip(d["file"], d["path"])], index=d.index, dtype=float)
+
+
 def decode_table(df: pd.DataFrame) -> pd.DataFrame:
     """Decode tok/s, peak VRAM and J/token per GPU, model, scheme and integration path.
 
     Random weights, real architecture; "vs fp16" divides by fp16's tok/s on the same graphed path (naive and eager rows: fp16 graphed) of the
-    same run; a row whose fp16 model did not fit says so instead of a number. "share of bandwidth
+    same run; a row whose fp16 model did not fit says so instead of a number. "VRAM vs fp16": peak
+    VRAM over the fp16 model's on the same path of the same run. "share of bandwidth
     bound": tok/s x weight bytes a token reads / the copy bandwidth of the same GPU's GEMV run.
     """
     d = df.copy()
@@ -743,7 +752,7 @@ def decode_table(df: pd.DataFrame) -> pd.DataFrame:
         "GPU": d["gpu_label"], "Model (random weights)": d["model"], "Scheme": d["scheme"],
         "Path": d["path"].where(~oom, d["path"] + " (out of memory)"),
         "tok/s": d["tok_s"], "vs fp16": d["tok_s"] / d["fp16_tok_s"],
-        "Peak VRAM (GB)": d["vram_gb"], "J/token": d["j_per_token"],
+        "Peak VRAM (GB)": d["vram_gb"], "VRAM vs fp16": d["vram_gb"] / _fp16_of_run(d, "vram_gb"), "J/token": d["j_per_token"],
         "share of kernel bound": d.get("fraction_of_kernel_bound", np.nan),
         # the weight bytes a token must read (projections at their bits, fp16 lm_head) at the
         # GPU's copy bandwidth: how close decode gets to what the memory allows
