@@ -210,8 +210,12 @@ def test_x_not_16_byte_aligned(small, offset):
 
 
 def test_batch_above_max_fused_batch(small):
+    limit = small.max_batch  # 64 for 4-bit codes (the wide kernel), 16 for uint8
+    with pytest.raises(ValueError, match=rf"fused kernels take batch 1..{limit}, got {limit + 1}"):
+        small(torch.zeros(limit + 1, 64, dtype=torch.float16))
+    uint8 = LutGemv(random_codebook_tensor(32, 64, 64, seed=1))
     with pytest.raises(ValueError, match=rf"fused kernels take batch 1..{MAX_FUSED_BATCH}, got {MAX_FUSED_BATCH + 1}"):
-        small(torch.zeros(MAX_FUSED_BATCH + 1, 64, dtype=torch.float16))
+        uint8(torch.zeros(MAX_FUSED_BATCH + 1, 64, dtype=torch.float16))
 
 
 def test_unknown_variant():
@@ -333,6 +337,46 @@ def test_mma_kernel_refuses_8_bit_codes(K):
         LutGemv(ct, kernels=("mma",))
     with pytest.raises(ValueError, match="4-bit"):
         LutGemv(ct, plan={"kernel": "mma"}).plan(1)
+
+
+# -- the wide tensor-core kernel: x as the mma's A operand, batch 4..64 -------------------------------
+@pytest.mark.parametrize(
+    "n_out, n_in, batch, plan",
+    [
+        (64, 64, 4, {"warps": 4}),  # one m-tile, 12 of its 16 rows absent
+        (96, 128, 17, {"warps": 4, "ksplit": 2, "stages": 4}),  # 3 row-blocks; a second m-tile with one row
+        (33, 64, 40, {"warps": 4, "stages": 1}),  # three m-tiles, a partial row-block
+        (64, 256, 64, {"warps": 8, "ksplit": 2}),  # four full m-tiles, two K-slices
+    ],
+)
+def test_wide_kernel_matches_float64_reference(n_out, n_in, batch, plan):
+    ct = random_codebook_tensor(n_out, n_in, 16, seed=n_out + batch)
+    g = LutGemv(ct, plan={"kernel": "wide", **plan})
+    p = g.plan(batch)
+    assert (p.kernel, p.RB, p.warps) == ("wide", 2, plan["warps"])
+    check(g, x_for(n_in, batch, seed=batch))
+
+
+def test_wide_kernel_batches_and_plans():
+    ct = random_codebook_tensor(32, 64, 16, seed=2)
+    assert LutGemv(ct).max_batch == 64 and LutGemv(ct, kernels=("lut", "mma")).max_batch == 16
+    assert LutGemv(random_codebook_tensor(32, 64, 64, seed=2)).max_batch == 16
+    with pytest.raises(ValueError, match="batch 1..64"):
+        LutGemv(ct)(torch.zeros(65, 64, dtype=torch.float16))
+    # tuner candidates: the wide kernel from batch 4, alone above 16
+    assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 1, 132, mma_budget=227 * 1024)} == {"lut", "mma"}
+    assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 8, 132, mma_budget=227 * 1024)} == {"lut", "mma", "wide"}
+    wide = gemv.candidate_plans(4096, 128, 16, 64, 132, mma_budget=227 * 1024)
+    assert {p.kernel for p in wide} == {"wide"} and all(p.shared_bytes <= 227 * 1024 for p in wide)
+    p = gemv.plan_wide(14336, 128, 64, 132)
+    assert p.ksplit * p.cps >= 128 and p.shared_bytes == gemv.wide_shared_bytes(64, p.warps, p.cps)
+    assert gemv.wide_xrow(3) % 32 == 16 and gemv.wide_xrow(4) % 32 == 16  # quads of a quarter-warp in other banks
+    with pytest.raises(ValueError, match="batch 1..64"):
+        gemv.plan_wide(4096, 128, 65, 132)
+    with pytest.raises(ValueError, match="do not fit"):
+        gemv.plan_wide(4096, 128, 64, 132, budget=48 * 1024)
+    with pytest.raises(ValueError, match="unroll"):
+        gemv.wide_kernel(8, 4, unroll=3)
 
 
 def test_kernels_must_name_known_families():

@@ -102,7 +102,7 @@ def test_kernel_dispatch_in_simulator(mode):
     q = QLinear.from_codebook(ct, bias=torch.randn(32))
     q.simulate, q.mode = True, mode
     W = ct.dequantize(torch.float32)
-    for rows in (1, 17):  # fused kernel, then dequantize + matmul
+    for rows in (1, 17, 65):  # fused kernels (17: the wide one), then dequantize + matmul
         x = torch.randn(rows, 64).half()
         y = q(x)
         assert y.dtype == torch.float16 and y.shape == (rows, 32)
@@ -123,7 +123,7 @@ def test_large_batches_rebuild_the_weight_a_slab_at_a_time(monkeypatch):
     g = q.gemv()
     real = g.dequantize
     monkeypatch.setattr(g, "dequantize", lambda rows: slabs.append(rows) or real(rows=rows))
-    x = torch.randn(17, 64).half()
+    x = torch.randn(65, 64).half()  # past every fused kernel's batch
     y = q(x)
     assert slabs == [(0, 32), (32, 64), (64, 70)]
     torch.testing.assert_close(y.float(), x.float() @ ct.dequantize(torch.float32).T, atol=2e-2, rtol=2e-2)

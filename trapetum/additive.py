@@ -36,6 +36,7 @@ from numba import cuda, float32, int32, uint32
 from .codebook import CHUNK_BYTES, ROW_BLOCK, CodebookFormatError, _sha, check_rows, read_layer_file, untile
 from .gemv import (
     INLINE,
+    MAX_FUSED_BATCH,
     SIM,
     _as_kernel_array,
     check_activation,
@@ -957,6 +958,8 @@ class AdditiveGemv:
     ``plan``: optional overrides for :func:`plan_additive` (keys warps, RB, cps, ksplit, bt);
     otherwise tuned on a GPU (``tune=True``) or taken from the heuristic.
     """
+
+    max_batch = MAX_FUSED_BATCH  # larger batches: QLinear's dequantize + cuBLAS
 
     def __init__(self, t: AdditiveTensor, device=None, plan: dict | None = None, tune: bool = True):
         self.device = kernel_device(device, "AdditiveGemv")

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from .codebook import random_codebook_tensor
-from .gemv import MAX_FUSED_BATCH, LutGemv, max_rel_err, reference, row_blocks_per_block
+from .gemv import MAX_FUSED_BATCH, MAX_WIDE_BATCH, LutGemv, max_rel_err, reference, row_blocks_per_block
 
 METHOD = "CUDA-graph replay, CUDA events, median, weights rotated past L2"
 
@@ -84,7 +84,7 @@ def fp16_launchers(n_in: int, n_out: int, batch: int, seed: int = 0):
     return [lambda W=W: torch.mm(x, W.t(), out=y) for W in Ws], (Ws, x, y)
 
 
-def lut_launchers(n_in: int, n_out: int, K: int, batch: int, variant: str = "lut", seed: int = 0, kernels=("lut", "mma")):
+def lut_launchers(n_in: int, n_out: int, K: int, batch: int, variant: str = "lut", seed: int = 0, kernels=LutGemv.FAMILIES):
     """Rotated copies of one random codebook weight, each bound to the same x and y."""
     ct = random_codebook_tensor(n_out, n_in, K, seed=seed, device="cuda")
     k = copies_for(ct.nbytes)
@@ -109,7 +109,7 @@ def poisoned_check(gemv, x: torch.Tensor, ref: Callable[[torch.Tensor], torch.Te
 
 
 def check_kernel(n_in: int, n_out: int, K: int, batch: int, variant: str, seed: int, device="cuda", plan: dict | None = None,
-                 kernels=("lut", "mma"), tune: bool = True) -> float:
+                 kernels=LutGemv.FAMILIES, tune: bool = True) -> float:
     """Max relative error of one kernel against float64, on fresh inputs, with y poisoned first."""
     ct = random_codebook_tensor(n_out, n_in, K, seed=seed, device=device)
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
@@ -135,10 +135,6 @@ def gemv_record(kernel: str, K: int | None, batch: int, n_in: int, n_out: int, m
     }
 
 
-def fused_or_dispatch(batch: int) -> str:
-    return "fused" if batch <= MAX_FUSED_BATCH else "dequant+cublas"
-
-
 # -- the gemv chapter's suite ----------------------------------------------------------------
 SCHEMES = {16: "4-bit K=16", 64: "uint8 K=64", 256: "uint8 K=256"}
 TOLERANCE = 2e-3  # fp16 output rounding is 2^-11 of the largest output; fp32 accumulation adds far less
@@ -159,6 +155,10 @@ def correctness_sweep(shapes, Ks=(16, 64, 256), batches=(1, 2, 3, 8, 16), varian
     if 16 in Ks:
         jobs += [(s, 16, b, "lut", dict(kernel="mma", warps=w, ksplit=ks)) for s in shapes[:2] for b in (1, 3, 5, 16)
                  for w in (4, 8, 16) for ks in (1, 3)]
+        # the wide kernel (batch 4..64): partial and full m-tiles, both unrolls, and the heuristic plan above batch 16
+        jobs += [(s, 16, b, "lut", dict(kernel="wide", warps=w, ksplit=ks, stages=st)) for s in shapes[:2] for b in (5, 17, 64)
+                 for w, st in ((4, 2), (8, 4), (16, 1)) for ks in (1, 3)]
+        jobs += [(s, 16, b, "lut", None) for s in shapes for b in (32, 64)]
     recs, failures = [], []
     for i, ((n_in, n_out), K, b, v, plan) in enumerate(tqdm(jobs, desc="correctness", disable=not progress)):
         try:
@@ -178,7 +178,7 @@ def correctness_sweep(shapes, Ks=(16, 64, 256), batches=(1, 2, 3, 8, 16), varian
 FAMILIES = {"lut-fma": ("lut",), "mma": ("mma",)}  # kernel names of the lut variant held to one kernel family
 
 
-def time_lut(n_in, n_out, K, batch, variant, fp16_ms, seed=0, kernels=("lut", "mma"), name: str | None = None) -> dict:
+def time_lut(n_in, n_out, K, batch, variant, fp16_ms, seed=0, kernels=LutGemv.FAMILIES, name: str | None = None) -> dict:
     """One fused kernel, tuned over ``kernels`` (see LutGemv), timed and checked; recorded as ``name``
     (default: the variant) with the plan it ran, ``plan_kernel`` saying which kernel family."""
     launchers, keep = lut_launchers(n_in, n_out, K, batch, variant, seed=seed, kernels=kernels)
@@ -242,7 +242,9 @@ def gemv_suite(table_shape=(4096, 4096), layer_shapes=((3072, 768), (4096, 4096)
     jobs += [("table", table_shape, 16, 1, v) for v in ("lut-fma", "mma")] if 16 in Ks else []
     jobs += [("layers", s, 16, 1, "lut") for s in layer_shapes]
     jobs += [("bandwidth", s, K, 1, "lut") for s in large_shapes for K in Ks]
-    jobs += [("batch", batch_shape, 16, b, "lut" if b <= MAX_FUSED_BATCH else "dequant+cublas") for b in batches]
+    jobs += [("batch", batch_shape, 16, b, "lut") for b in batches if b <= MAX_WIDE_BATCH]
+    # dequantize + cuBLAS, the large-batch path before the wide kernel (and still uint8's): the comparison
+    jobs += [("batch", batch_shape, 16, b, "dequant+cublas") for b in batches if b > MAX_FUSED_BATCH]
     done = set()
     for grid, (n_in, n_out), K, b, v in tqdm(jobs, desc="timings", disable=not progress):
         f = base(n_in, n_out, b)
@@ -262,12 +264,9 @@ def gemv_suite(table_shape=(4096, 4096), layer_shapes=((3072, 768), (4096, 4096)
         recs.append(r)
         if progress:
             print(f"{grid:9s} {v:15s} K={K:<3d} b={b:<2d} {n_in:>5d}x{n_out:<5d} {r['time_ms']*1e3:8.2f} us  fp16 {f*1e3:8.2f} us  {r['speedup']:.2f}x  {r['gbps']:.0f} GB/s  err {r['max_rel_err']:.1e}", flush=True)
-    # Where the fused kernel would sit at large batches too: the crossover the dispatch is based on.
-    for b in batches:
-        if b > MAX_FUSED_BATCH:
-            continue
-        r = next(r for r in recs if r.get("grid") == "batch" and r["batch"] == b)
-        r["path"] = "fused"
+    for r in recs:
+        if r.get("grid") == "batch" and r["kernel"] != "torch fp16":
+            r["path"] = "dequant+cublas" if r["kernel"] == "dequant+cublas" else "fused"
     return recs
 
 

@@ -110,6 +110,10 @@ if SIM:
     load16_stream = load16
 
     @cuda.jit(device=True)
+    def load_stream(a, i):
+        return a[i]
+
+    @cuda.jit(device=True)
     def prmt(a, b, sel):
         x = (int(a) & 0xFFFFFFFF) | ((int(b) & 0xFFFFFFFF) << 32)
         r = 0
@@ -253,6 +257,23 @@ else:
             if ety != i32:
                 vals = [builder.bitcast(x, ety) for x in vals]
             return context.make_tuple(builder, sig.return_type, vals)
+
+        return sig, codegen
+
+    @intrinsic
+    def load_stream(typingctx, arr, idx):
+        """One 32-bit element, read once: ``ld.global.nc.L1::no_allocate.u32`` (see load16_stream)."""
+        sig = arr.dtype(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            aty, _ = sig.args
+            ary = context.make_array(aty)(context, builder, value=args[0])
+            ptr = cgutils.get_item_pointer(context, builder, aty, ary, [args[1]], wraparound=False)
+            i32, i64 = ir.IntType(32), ir.IntType(64)
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i64]), "ld.global.nc.L1::no_allocate.u32 $0, [$1];", "=r,l", side_effect=True)
+            v = builder.call(asm, [builder.ptrtoint(ptr, i64)])
+            ety = context.get_data_type(aty.dtype)
+            return v if ety == i32 else builder.bitcast(v, ety)
 
         return sig, codegen
 
@@ -565,6 +586,89 @@ MMA_TABLE_WORDS = 256 * 64  # the pair table: [code byte][row-block 0/1][lane], 
 MMA_CB_WORDS = 16 * 16 + 16  # one row-block's staged [code][lane] fp16 codebook; +16 words: the two in other banks
 
 
+@cuda.jit(device=True, **INLINE)
+def stage_pair_block(sm, cbt32, x32, CO, XO, xrow, bx, rbs, j0, jend, B, tid, nt):
+    """The tensor-core kernels' prologue: both row-blocks' [code][lane] fp16 codebooks at word CO
+    (zeros past the last row-block) and B rows of this K-slice of x at XO, ``xrow`` words a row."""
+    zero = int32(0)
+    for q in range(tid, 128, nt):
+        gq = q >> 6
+        r = bx * 2 + gq
+        o = CO + gq * MMA_CB_WORDS + (q & 63) * 4
+        if r < rbs:
+            v0, v1, v2, v3 = load16(cbt32[r], (q & 63) * 4)
+            store16(sm, o, v0, v1, v2, v3)
+        else:
+            store16(sm, o, zero, zero, zero, zero)
+    xq = (jend - j0) * 4  # 16-byte pieces of a batch row
+    # 32-bit division: numba's int64 one is a long emulated sequence. (Eight pieces in flight a
+    # thread instead of one gave no gain at batch 16-64 and cost the batch-1 kernel 10 registers.)
+    n = uint32(B * xq)
+    uxq = uint32(xq)
+    for t in range(uint32(tid), n, uint32(nt)):
+        bb = t // uxq
+        v0, v1, v2, v3 = load16(x32[bb], uint32(j0 * 16) + (t - bb * uxq) * uint32(4))
+        store16(sm, uint32(XO) + bb * uint32(xrow) + (t - bb * uxq) * uint32(4), v0, v1, v2, v3)
+
+
+def pair_table_builder(swizzle: bool):
+    """Device function building the 64 KiB pair table from the staged codebooks (words at CO): per
+    code byte, row-block g and row r, the fp16 pair (C[lo], C[hi]) at word byte * 64 + g * 32 + slot.
+    slot = r, or with ``swizzle`` r ^ 8 (byte & 3): rows 8q..8q+7 then spread over all 32 banks with
+    the byte's low bits, for kernels whose four lanes of a quad look up one row (wide_kernel)."""
+
+    @cuda.jit(device=True, **INLINE)
+    def build(sm, CO, tid, nt):
+        for it in range(tid, 256 * 16, nt):  # item = (byte, row-block, 4 rows): one 16-byte store
+            lq = it & 7
+            gq = (it >> 3) & 1
+            byte = it >> 4
+            cb = CO + gq * MMA_CB_WORDS + lq * 2  # words of rows 4lq..4lq+3 of code k at cb + 16 k
+            lo0 = sm[cb + (byte & 15) * 16]
+            lo1 = sm[cb + (byte & 15) * 16 + 1]
+            hi0 = sm[cb + (byte >> 4) * 16]
+            hi1 = sm[cb + (byte >> 4) * 16 + 1]
+            slot = (lq * 4) ^ ((byte & 3) << 3) if swizzle else lq * 4  # an xor of bits 3-4 keeps 4 rows together
+            store16(sm, byte * 64 + gq * 32 + slot,
+                    prmt(lo0, hi0, 0x5410), prmt(lo0, hi0, 0x7632), prmt(lo1, hi1, 0x5410), prmt(lo1, hi1, 0x7632))
+
+    return build
+
+
+def pair_block_finisher(B: int, W2: int, nt: int):
+    """Device function ending a two-row-block kernel: the W2 warps of each row-block left their
+    partials in red[(warp * B + b) * 32 + r] (warp = 2 w + g); their sums go to y, or with a K-split
+    to ws, and the last K-slice's block sums ws into y."""
+
+    @cuda.jit(device=True, **INLINE)
+    def finish(red, y, ws, counters, last, bx, split, nsplit, n_out, tid):
+        for it in range(tid, 2 * B * 32, nt):
+            r = it & 31
+            b = (it >> 5) % B
+            gq = (it >> 5) // B
+            s = float32(0.0)
+            for v in range(W2):
+                s += red[((v * 2 + gq) * B + b) * 32 + r]
+            row = (bx * 2 + gq) * 32 + r
+            if row < n_out:
+                if nsplit == 1:
+                    y[b, row] = s
+                else:
+                    ws[split, b, row] = s
+        if nsplit > 1 and last_to_finish(counters, bx, nsplit, last, tid):
+            for it in range(tid, 2 * B * 32, nt):
+                r = it & 31
+                b = (it >> 5) % B
+                row = (bx * 2 + (it >> 5) // B) * 32 + r
+                if row < n_out:
+                    s = float32(0.0)
+                    for sp in range(nsplit):
+                        s += load_cg(ws, sp, b, row)
+                    y[b, row] = s
+
+    return finish
+
+
 def mma_shared_bytes(B: int, warps: int, cps: int) -> int:
     """Dynamic shared memory of :func:`mma_kernel`: the pair table (aliased by the warps' partials
     after the main loop), B rows of the x slice as fp16 (16 bytes of padding a row so batch rows
@@ -615,7 +719,8 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
     XO = max(MMA_TABLE_WORDS, warps * B * 32)  # word where the x slice starts
     HI = B > 2  # batches 2, 3 of each group of 4 ride in A rows 8..15 (a1, a3)
     NU, NG, NG2 = 4 * U, 4 * G, 2 * G  # local array sizes: numba needs them as constants
-    zero = int32(0)
+    build_table = pair_table_builder(swizzle=False)
+    finish = pair_block_finisher(B, W2, nt)
 
     @cuda.jit(device=True, **INLINE)
     def fetch(dst, o, tiled, base, jj):
@@ -674,35 +779,10 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
             for u in range(U):
                 fetch(c, 4 * u, tiled, base, min(j0 + wg + u * W2, jlast))
 
-        # Stage both row-blocks' codebooks and this K-slice of x, as fp16.
-        for q in range(tid, 128, nt):
-            gq = q >> 6
-            r = bx * 2 + gq
-            o = CO + gq * MMA_CB_WORDS + (q & 63) * 4
-            if r < rbs:
-                v0, v1, v2, v3 = load16(cbt32[r], (q & 63) * 4)
-                store16(sm, o, v0, v1, v2, v3)
-            else:
-                store16(sm, o, zero, zero, zero, zero)
-        xq = (jend - j0) * 4  # 16-byte pieces of a batch row
-        for t in range(tid, B * xq, nt):
-            bb = t // xq
-            q = t - bb * xq
-            v0, v1, v2, v3 = load16(x32[bb], j0 * 16 + q * 4)
-            store16(sm, XO + bb * xrow + q * 4, v0, v1, v2, v3)
+        # Stage both row-blocks' codebooks and this K-slice of x, as fp16; then the pair table.
+        stage_pair_block(sm, cbt32, x32, CO, XO, xrow, bx, rbs, j0, jend, B, tid, nt)
         cuda.syncthreads()
-        # Pair table: item = (byte, row-block, 4 lanes), one 16-byte store.
-        for it in range(tid, 256 * 16, nt):
-            lq = it & 7
-            gq = (it >> 3) & 1
-            byte = it >> 4
-            cb = CO + gq * MMA_CB_WORDS + lq * 2  # words of lanes 4lq..4lq+3 of code k at cb + 16 k
-            lo0 = sm[cb + (byte & 15) * 16]
-            lo1 = sm[cb + (byte & 15) * 16 + 1]
-            hi0 = sm[cb + (byte >> 4) * 16]
-            hi1 = sm[cb + (byte >> 4) * 16 + 1]
-            store16(sm, byte * 64 + gq * 32 + lq * 4,
-                    prmt(lo0, hi0, 0x5410), prmt(lo0, hi0, 0x7632), prmt(lo1, hi1, 0x5410), prmt(lo1, hi1, 0x7632))
+        build_table(sm, CO, tid, nt)
         cuda.syncthreads()
 
         diag = ((lane >> 2) & 3) == (lane & 3)
@@ -756,29 +836,178 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
                 if b < B:
                     red[(warp * B + b) * 32 + r] = acc[4 * gg + i]
         cuda.syncthreads()
-        for it in range(tid, 2 * B * 32, nt):
-            r = it & 31
-            b = (it >> 5) % B
-            gq = (it >> 5) // B
-            s = float32(0.0)
-            for v in range(W2):
-                s += red[((v * 2 + gq) * B + b) * 32 + r]
-            row = (bx * 2 + gq) * 32 + r
-            if row < n_out:
-                if nsplit == 1:
-                    y[b, row] = s
-                else:
-                    ws[split, b, row] = s
-        if nsplit > 1 and last_to_finish(counters, bx, nsplit, last, tid):
-            for it in range(tid, 2 * B * 32, nt):
-                r = it & 31
-                b = (it >> 5) % B
-                row = (bx * 2 + (it >> 5) // B) * 32 + r
-                if row < n_out:
-                    s = float32(0.0)
-                    for sp in range(nsplit):
-                        s += load_cg(ws, sp, b, row)
-                    y[b, row] = s
+        finish(red, y, ws, counters, last, bx, split, nsplit, n_out, tid)
+
+    _kernel_cache[key] = kernel
+    return kernel
+
+
+MAX_WIDE_BATCH = 64  # the wide kernel's batches: up to four 16-row m-tiles of the mma
+WIDE_UNROLL = 2
+
+
+def wide_xrow(cps: int) -> int:
+    """Words of one batch row of :func:`wide_kernel`'s x slice: 16 mod 32, so the two quads of a
+    quarter-warp (x rows g and g + 1, a 16-byte read each) fall in disjoint banks."""
+    return cps * 16 + (16 if cps % 2 == 0 else 0)
+
+
+def wide_shared_bytes(B: int, warps: int, cps: int) -> int:
+    """Dynamic shared memory of :func:`wide_kernel`: the pair table, B rows of the x slice and the
+    two row-blocks' staged codebooks; the warps' partials reuse it after the main loop."""
+    return 4 * max(MMA_TABLE_WORDS + B * wide_xrow(cps) + 2 * MMA_CB_WORDS, warps * B * 32)
+
+
+def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
+    """4-bit (K = 16) fused kernel for batches of up to 64 rows, on the tensor cores with x as the
+    mma's A operand (batch rows as M) and the looked-up weights as B (weight rows as N).
+
+    :func:`mma_kernel` keeps a lane on its own row (its 16-byte load is that row's chunk), so A has
+    to be "diagonal" and 3/4 of every mma multiplies zeros: batch 16 costs 4 mmas a step and batch
+    64 would cost 16. Here the four lanes of a quad feed one row, as the mma's fragments want: a
+    warp reads a chunk (32 rows x 16 bytes) as four 4-byte loads, load q giving lane (g, t) word t
+    of row 8q + g (each load one contiguous 128-byte line), so n-tile q holds rows 8q..8q+7. Byte
+    2h (2h + 1) of that word, looked up in the pair table, is the lane's b0 (b1) of k-step h; the
+    k-slots 2t, 2t + 1 (2t + 8, 2t + 9) are then the chunk's columns 8t + 4h, + 1 (+ 2, + 3), so one
+    16-byte read of x row m at column 8t feeds a0 and a2 of both k-steps. Per chunk and warp: 4
+    loads, 16 lookups, 2 x-reads and 8 mmas per 16 batch rows, where mma_kernel needs 32 at batch 64.
+
+    The cost: a quad's four lanes look up one row's table, so the table is swizzled (see
+    :func:`pair_table_builder`) and a lookup takes ~3 shared wavefronts, not 1. Grid, blocks,
+    K-split and arguments as mma_kernel's; ``unroll``: chunks a warp uses in one turn while as
+    many more are in flight. :func:`wide_shared_bytes` of dynamic shared memory.
+    """
+    key = ("wide", B, warps, unroll)
+    if key in _kernel_cache:
+        return _kernel_cache[key]
+    if not 1 <= B <= MAX_WIDE_BATCH or warps not in (4, 8, 16) or unroll not in (1, 2, 4):
+        raise ValueError(f"the wide kernel takes batch 1..{MAX_WIDE_BATCH}, 4, 8 or 16 warps and unroll 1, 2 or 4, "
+                         f"got {B}, {warps} and {unroll}")
+    MT = (B + 15) // 16  # m-tiles: 16 batch rows each
+    W2 = warps // 2
+    U = unroll
+    nt = warps * 32
+    XO = MMA_TABLE_WORDS
+    NU, NA, NC, NX = 4 * U, 4 * MT, 16 * MT, 2 * MT  # local array sizes: numba needs them as constants
+    build_table = pair_table_builder(swizzle=True)
+    finish = pair_block_finisher(B, W2, nt)
+
+    @cuda.jit(device=True, **INLINE)
+    def fetch(dst, o, tiled, at):
+        for q in range(4):  # word t of row 8q + g: the warp reads the chunk's 128-byte line q
+            dst[o + q] = load_stream(tiled, at + q * 32)
+
+    @cuda.jit(device=True, **INLINE)
+    def use_chunk(c, o, sm, lb, xr, rel, xa, xb, acc):
+        for mt in range(MT):  # x rows 16 mt + g (a0, a2) and + 8 (a1, a3), columns 8t..8t+7 of the chunk
+            k = 4 * mt
+            if xr[2 * mt] >= 0:
+                xa[k], xa[k + 1], xa[k + 2], xa[k + 3] = sload4(sm, xr[2 * mt] + rel * 16)
+            if xr[2 * mt + 1] >= 0:
+                xb[k], xb[k + 1], xb[k + 2], xb[k + 3] = sload4(sm, xr[2 * mt + 1] + rel * 16)
+        for q in range(4):  # n-tile q: rows 8q..8q+7
+            cw = uint32(c[o + q])
+            lq = lb + uint32(32 * q)
+            for h in range(2):  # k-step h: bytes 2h, 2h + 1 of the word
+                # byte address b << 8 | row-block << 7 | slot << 2, slot's bits 3-4 xor'd with b & 3
+                a0 = prmt(cw, lq, 0x5504 | ((2 * h) << 4)) ^ (((cw >> uint32(16 * h)) << uint32(5)) & uint32(0x60))
+                a1 = prmt(cw, lq, 0x5504 | ((2 * h + 1) << 4)) ^ ((cw >> uint32(16 * h + 3)) & uint32(0x60))
+                b0 = load_byte_offset(sm, a0)
+                b1 = load_byte_offset(sm, a1)
+                for mt in range(MT):
+                    k = 4 * mt + 2 * h
+                    i = 4 * (4 * mt + q)
+                    acc[i], acc[i + 1], acc[i + 2], acc[i + 3] = mma_m16n8k16(
+                        xa[k], xb[k], xa[k + 1], xb[k + 1], b0, b1, acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
+
+    # At most 128 registers up to batch 32 (two 8-warp blocks an SM); batch 33..64 holds 64
+    # accumulators a lane and spilled there, so it may take up to 255 (its x slice allows one block anyway).
+    @cuda.jit(**({} if SIM else {"launch_bounds": (nt, max(1, (512 if MT <= 2 else 256) // nt))}))
+    def kernel(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, cps):
+        sm = cuda.shared.array(0, uint32)  # table | x slice | codebooks
+        red = cuda.shared.array(0, float32)  # the warps' partials, over all of it once the loop is done
+        last = cuda.shared.array(1, int32)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = cuda.laneid
+        g = warp & 1
+        wg = warp >> 1
+        bx = cuda.blockIdx.x
+        split = cuda.blockIdx.y
+        nsplit = cuda.gridDim.y
+        rb = bx * 2 + g
+        j0 = split * cps
+        jend = min(j0 + cps, nchunks)
+        j1 = jend if rb < rbs else j0  # an odd row-block count leaves the last block's g = 1 idle
+        xrow = cps * 16 + (16 if cps % 2 == 0 else 0)  # wide_xrow
+        CO = XO + B * xrow
+        base = rb * nchunks * 128 + lane  # this lane's first word of chunk j at base + 128 j
+
+        # Start streaming before anything waits; chunks past the slice are clamped to its last
+        # (a re-read, never used), so the main loop runs whole turns without a bounds check.
+        nk = (j1 - j0 - wg + W2 - 1) // W2  # chunks this warp uses
+        jlast = j1 - 1
+        c = cuda.local.array(NU, int32)
+        if nk > 0:
+            for u in range(U):
+                fetch(c, 4 * u, tiled, base + min(j0 + wg + u * W2, jlast) * 128)
+        stage_pair_block(sm, cbt32, x32, CO, XO, xrow, bx, rbs, j0, jend, B, tid, nt)
+        cuda.syncthreads()
+        build_table(sm, CO, tid, nt)
+        cuda.syncthreads()
+
+        gq = lane >> 2
+        t = lane & 3
+        xa = cuda.local.array(NA, uint32)
+        xb = cuda.local.array(NA, uint32)
+        acc = cuda.local.array(NC, float32)
+        xr = cuda.local.array(NX, int32)  # where this lane's x rows start (-1: past the batch, stays zero)
+        for i in range(NA):
+            xa[i] = uint32(0)
+            xb[i] = uint32(0)
+        for i in range(NC):
+            acc[i] = float32(0.0)
+        for mt in range(MT):
+            ra = 16 * mt + gq
+            xr[2 * mt] = XO + ra * xrow + 4 * t if ra < B else -1
+            xr[2 * mt + 1] = XO + (ra + 8) * xrow + 4 * t if ra + 8 < B else -1
+        lb = uint32((g << 7) | (gq << 2))
+        d = cuda.local.array(NU, int32)
+        rel = wg
+        turns = nk // U
+        for _ in range(turns // 2):  # two register sets alternate, as in mma_kernel
+            for u in range(U):
+                fetch(d, 4 * u, tiled, base + min(j0 + rel + (U + u) * W2, jlast) * 128)
+            for u in range(U):
+                use_chunk(c, 4 * u, sm, lb, xr, rel + u * W2, xa, xb, acc)
+            rel += U * W2
+            for u in range(U):
+                fetch(c, 4 * u, tiled, base + min(j0 + rel + (U + u) * W2, jlast) * 128)
+            for u in range(U):
+                use_chunk(d, 4 * u, sm, lb, xr, rel + u * W2, xa, xb, acc)
+            rel += U * W2
+        if turns % 2 == 1:
+            for u in range(U):
+                fetch(d, 4 * u, tiled, base + min(j0 + rel + (U + u) * W2, jlast) * 128)
+            for u in range(U):
+                use_chunk(c, 4 * u, sm, lb, xr, rel + u * W2, xa, xb, acc)
+            rel += U * W2
+            for i in range(NU):
+                c[i] = d[i]
+        for u in range(U - 1):  # the last nk % U chunks, already loaded
+            if u < nk % U:
+                use_chunk(c, 4 * u, sm, lb, xr, rel + u * W2, xa, xb, acc)
+
+        cuda.syncthreads()  # everyone is done with the table and x: the partials reuse the space
+        # D fragment (mt, q): lane (g, t) holds batch 16 mt + g (+ 8 for i >= 2), rows 8q + 2t (+ 1 for odd i)
+        for mt in range(MT):
+            for q in range(4):
+                for i in range(4):
+                    b = 16 * mt + gq + 8 * (i >> 1)
+                    if b < B:
+                        red[(warp * B + b) * 32 + 8 * q + 2 * t + (i & 1)] = acc[4 * (4 * mt + q) + i]
+        cuda.syncthreads()
+        finish(red, y, ws, counters, last, bx, split, nsplit, n_out, tid)
 
     _kernel_cache[key] = kernel
     return kernel
@@ -1009,8 +1238,9 @@ class LaunchPlan:
     shared_bytes: int  # dynamic shared memory
     RB: int = 1  # row-blocks a thread block
     stages: int = 2  # chunks of each row-block a warp holds: one in use, stages - 1 in flight
-    kernel: str = "lut"  # "lut" (lut_kernel) or "mma" (mma_kernel: 4-bit, RB 2, its own shared-memory layout;
-    # its ``stages`` is the chunks a warp uses in one turn, with as many more in flight)
+    kernel: str = "lut"  # "lut" (lut_kernel), "mma" (mma_kernel) or "wide" (wide_kernel): the last two
+    # 4-bit, RB 2, their own shared-memory layouts; their ``stages`` is the chunks a warp uses in one
+    # turn, with as many more in flight
 
 
 def plan_launch(n_out: int, nchunks: int, K: int, B: int, sms: int, warps: int | None = None,
@@ -1087,12 +1317,47 @@ def plan_mma(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SIM
     return LaunchPlan(warps, -(-nchunks // cps), cps, mma_shared_bytes(B, warps, cps), RB=2, stages=stages, kernel="mma")
 
 
+def plan_wide(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SIM, warps: int | None = None,
+              ksplit: int | None = None, stages: int = WIDE_UNROLL) -> LaunchPlan:
+    """Grid of :func:`wide_kernel` for one 4-bit layer, chosen as :func:`plan_mma` chooses its own
+    (the same two-row-block blocks), with the wide kernel's shared memory. ``stages``: its unroll."""
+    rbs = -(-n_out // ROW_BLOCK)
+    nbx = -(-rbs // 2)
+    if warps is None:
+        warps = 8 if nbx * max(1, nchunks // (4 * 2 * stages)) >= sms else 4
+    if warps not in (4, 8, 16):
+        raise ValueError(f"the wide kernel takes 4, 8 or 16 warps, got {warps}")
+    if not 1 <= B <= MAX_WIDE_BATCH:
+        raise ValueError(f"the wide kernel takes batch 1..{MAX_WIDE_BATCH}, got {B}")
+    if stages not in (1, 2, 4):
+        raise ValueError(f"the wide kernel unrolls 1, 2 or 4 chunks a turn, got {stages}")
+    if wide_shared_bytes(B, warps, 1) > budget:
+        raise ValueError(f"the wide kernel's table and batch {B} do not fit {budget} bytes of shared memory")
+    cps_max = 1
+    while cps_max < nchunks and wide_shared_bytes(B, warps, cps_max + 1) <= budget:
+        cps_max += 1
+    min_split = -(-nchunks // cps_max)
+    if ksplit is None:
+        max_split = max(min_split, nchunks // (warps // 2 * 2 * stages))
+        ksplit = min_split
+        while ksplit < max_split:
+            cps = -(-nchunks // ksplit)
+            occ = max(1, min(2048 // (warps * 32), (228 * 1024) // (wide_shared_bytes(B, warps, cps) + 1024)))
+            if nbx * -(-nchunks // cps) >= 2 * occ * sms:
+                break
+            ksplit += 1
+    elif ksplit < min_split:
+        raise ValueError(f"ksplit={ksplit} leaves more of x than shared memory holds; at least {min_split}")
+    cps = -(-nchunks // min(ksplit, nchunks))
+    return LaunchPlan(warps, -(-nchunks // cps), cps, wide_shared_bytes(B, warps, cps), RB=2, stages=stages, kernel="wide")
+
+
 def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budget: int = 0) -> list[LaunchPlan]:
     """The plans the tuner times: every allowed RB x a ladder of K-splits, 8 warps where they fit;
-    for 4-bit codes also the tensor-core kernel's warps x K-splits, where ``mma_budget`` bytes of
-    shared memory hold its table."""
+    for 4-bit codes also the tensor-core kernels' warps x K-splits, where ``mma_budget`` bytes of
+    shared memory hold their table: mma_kernel up to batch 16, wide_kernel from batch 4 to 64."""
     seen, out = set(), []
-    rb_max = row_blocks_per_block(K, B)
+    rb_max = row_blocks_per_block(K, B) if B <= MAX_FUSED_BATCH else 0
     for RB in (1, 2, 4):
         if RB > rb_max:
             continue
@@ -1109,7 +1374,7 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
                     out.append(p)
     if K == 16 and mma_budget:
         # unroll 8 (the plans' other option) never won on the H100: left out, as every candidate compiles
-        for w, ks, st in itertools.product((4, 8, 16), (1, 2, 3, 4, 6, 8, 12, 16, None), (MMA_UNROLL,)):
+        for w, ks, st in itertools.product((4, 8, 16), (1, 2, 3, 4, 6, 8, 12, 16, None), (MMA_UNROLL,) if B <= MAX_FUSED_BATCH else ()):
             try:
                 p = plan_mma(n_out, nchunks, B, sms, mma_budget, warps=w, ksplit=ks, stages=st)
             except ValueError:
@@ -1118,8 +1383,21 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
             if key not in seen and p.cps >= (p.warps // 2) * p.stages:  # every warp uses its pipeline
                 seen.add(key)
                 out.append(p)
+        # wide: up to batch 32, 8 or 16 warps and chunks in flight up to 4 (a warp holding one or two
+        # waited on every fetch: probe at 4096 x 14336, NOTES "wide v1"); above, 64 accumulators a lane
+        # leave room for 4 or 8 warps and unroll 1 or 2 only (16 warps, or unroll 4, spill)
+        wide = ((8, 16), (1, 2, 4)) if B <= 32 else ((4, 8), (1, 2))
+        for w, ks, st in itertools.product(wide[0], (1, 2, 3, 4, 6, 8, 12, 16, None), wide[1] if B >= 4 else ()):
+            try:
+                p = plan_wide(n_out, nchunks, B, sms, mma_budget, warps=w, ksplit=ks, stages=st)
+            except ValueError:
+                continue
+            key = ("wide", p.warps, p.ksplit, p.stages)
+            if key not in seen and p.cps >= (p.warps // 2) * p.stages:
+                seen.add(key)
+                out.append(p)
     if not out:
-        out.append(plan_launch(n_out, nchunks, K, B, sms))
+        out.append(plan_launch(n_out, nchunks, K, B, sms) if B <= MAX_FUSED_BATCH else plan_wide(n_out, nchunks, B, sms, mma_budget))
     return out
 
 
@@ -1132,26 +1410,30 @@ class LutGemv:
     ``variant``: "lut" (16-byte loads, the product), "lut32" (same kernel, 4-byte loads: the
     ablation), "naive" (one thread a row, natural layout: the negative result).
     ``plan``: optional overrides for :func:`plan_launch` (keys RB, ksplit, warps, stages), or with
-    ``kernel="mma"`` for :func:`plan_mma` (keys warps, ksplit; 4-bit only); otherwise the plan is tuned on
-    a GPU (``tune=True``: the tensor-core kernel is among the 4-bit candidates) or taken from the
-    heuristic.
+    ``kernel="mma"`` / ``"wide"`` for :func:`plan_mma` / :func:`plan_wide` (keys warps, ksplit, stages;
+    4-bit only); otherwise the plan is tuned on a GPU (``tune=True``: the tensor-core kernels are
+    among the 4-bit candidates) or taken from the heuristic.
     ``keep_natural=False``: hold the codes only in the kernel's tiled layout (half the memory of
     keeping both); :attr:`ct` then rebuilds the natural layout on demand (a copy).
     ``kernels``: the kernel families the "lut" variant may plan with: "lut" (fp32 table, FMA) and,
-    for 4-bit codes, "mma" (pair table, tensor cores); the default tunes over both.
+    for 4-bit codes, "mma" (pair table, tensor cores, batch 1..16) and "wide" (the same table with x
+    as the mma's A operand, batch 4..64); the default tunes over all. :attr:`max_batch` is 64 where
+    "wide" may run, else 16.
     """
+
+    FAMILIES = ("lut", "mma", "wide")
 
     VARIANTS = ("lut", "lut32", "naive")
 
     def __init__(self, ct: CodebookTensor, device=None, variant: str = "lut", plan: dict | None = None, tune: bool = True,
-                 keep_natural: bool = True, kernels: tuple[str, ...] = ("lut", "mma")):
+                 keep_natural: bool = True, kernels: tuple[str, ...] = FAMILIES):
         if variant not in self.VARIANTS:
             raise ValueError(f"unknown kernel variant {variant!r}; choose one of {self.VARIANTS}")
         kernels = tuple(kernels)
-        if not kernels or set(kernels) - {"lut", "mma"}:
-            raise ValueError(f"kernels must name 'lut' and/or 'mma', got {kernels}")
-        if kernels == ("mma",) and (ct.K != 16 or variant != "lut"):
-            raise ValueError(f"the mma kernel takes 4-bit codes (K=16) in the 'lut' variant, not K={ct.K} / {variant!r}")
+        if not kernels or set(kernels) - set(self.FAMILIES):
+            raise ValueError(f"kernels must name some of {self.FAMILIES}, got {kernels}")
+        if "lut" not in kernels and (ct.K != 16 or variant != "lut"):
+            raise ValueError(f"the tensor-core kernels take 4-bit codes (K=16) in the 'lut' variant, not K={ct.K} / {variant!r}")
         self.kernels = kernels
         self.device = kernel_device(device, "LutGemv")
         ct.validate()
@@ -1190,27 +1472,36 @@ class LutGemv:
         """Bytes a batch-1 call must move at least: codes, codebooks, x and y."""
         return self.weight_bytes + 2 * (self.n_in + self.n_out)
 
+    @property
+    def max_batch(self) -> int:
+        """The largest batch a fused kernel takes for this weight (larger ones: QLinear dequantizes)."""
+        return MAX_WIDE_BATCH if self.K == 16 and self.variant == "lut" and "wide" in self.kernels else MAX_FUSED_BATCH
+
     def check_input(self, x: torch.Tensor) -> torch.Tensor:
-        return check_activation(x, self.n_in, self.device)
+        return check_activation(x, self.n_in, self.device, self.max_batch)
 
     def _mma_budget(self) -> int:
-        """Shared memory the tensor-core kernel may plan with (0: not a candidate for this weight)."""
-        if self.K != 16 or self.variant != "lut" or "mma" not in self.kernels:
+        """Shared memory the tensor-core kernels may plan with (0: not candidates for this weight)."""
+        if self.K != 16 or self.variant != "lut" or not {"mma", "wide"} & set(self.kernels):
             return 0
         return OPTIN_SIM if SIM else max_shared_bytes(self.device)
 
     def _plan_fixed(self, B: int) -> LaunchPlan:
         opts = dict(self.fixed_plan)
         sms = sm_count(self.device)
-        if opts.pop("kernel", "lut") == "mma":
-            if not self._mma_budget():
-                raise ValueError(f"the mma kernel takes 4-bit codes in the 'lut' variant, not K={self.K} / {self.variant!r}")
-            return plan_mma(self.n_out, self.nchunks, B, sms, self._mma_budget(), **opts)
+        kind = opts.pop("kernel", "lut")
+        if kind in ("mma", "wide"):
+            if self.K != 16 or self.variant != "lut":
+                raise ValueError(f"the {kind} kernel takes 4-bit codes in the 'lut' variant, not K={self.K} / {self.variant!r}")
+            budget = OPTIN_SIM if SIM else max_shared_bytes(self.device)
+            return (plan_mma if kind == "mma" else plan_wide)(self.n_out, self.nchunks, B, sms, budget, **opts)
         return plan_launch(self.n_out, self.nchunks, self.K, B, sms, **opts)
 
     def _launch_parts(self, B: int, plan: LaunchPlan):
         if plan.kernel == "mma":
             kern = mma_kernel(B, plan.warps, plan.stages)
+        elif plan.kernel == "wide":
+            kern = wide_kernel(B, plan.warps, plan.stages)
         else:
             kern = lut_kernel(self.K, B, plan.warps, wide=self.variant == "lut", RB=plan.RB, stages=plan.stages)
         ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
@@ -1227,6 +1518,8 @@ class LutGemv:
                 plan = self._plan_fixed(B)
             elif self.tune_on_gpu:
                 plan = self.tune(B)
+            elif B > MAX_FUSED_BATCH or self.kernels == ("wide",):
+                plan = plan_wide(self.n_out, self.nchunks, B, sm_count(self.device), self._mma_budget())
             elif "lut" not in self.kernels:
                 plan = plan_mma(self.n_out, self.nchunks, B, sm_count(self.device), self._mma_budget())
             else:
@@ -1259,7 +1552,7 @@ class LutGemv:
             kern, _, owners, (wsa, cnta) = self._launch_parts(B, plan)
             grid, block = (-(-self.rbs // plan.RB), plan.ksplit), plan.warps * 32
             kern = with_shared_limit(kern, (xa, views[0], self._cbt, ya, wsa, cnta, self.n_out, self.rbs, self.nchunks, plan.cps),
-                                     plan.shared_bytes if plan.kernel == "mma" else 0)
+                                     plan.shared_bytes if plan.kernel in ("mma", "wide") else 0)
 
             def launcher(ta, kern=kern, grid=grid, block=block, plan=plan, wsa=wsa, cnta=cnta):
                 def go():
@@ -1295,7 +1588,7 @@ class LutGemv:
         else:
             cfg = ((-(-self.rbs // plan.RB), plan.ksplit), plan.warps * 32)
             args = (xa, self._tiled, self._cbt, ya, views[0], views[1], self.n_out, self.rbs, self.nchunks, plan.cps)
-            if plan.kernel == "mma":  # above the 48 KiB default: raise this kernel's limit (compiles it, once)
+            if plan.kernel in ("mma", "wide"):  # above the 48 KiB default: raise this kernel's limit (compiles it, once)
                 kern = with_shared_limit(kern, args, plan.shared_bytes)
         smem = 0 if plan is None else plan.shared_bytes
         dev = self.device

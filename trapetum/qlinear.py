@@ -236,13 +236,11 @@ class QLinear(nn.Module):
         return self._kernel(x)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        from .gemv import MAX_FUSED_BATCH
-
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         B = x2.shape[0]
         g = self.gemv()
-        y = qlinear_gemv(x2, self._handle) if B <= MAX_FUSED_BATCH else dequant_matmul(x2, g)
+        y = qlinear_gemv(x2, self._handle) if B <= g.max_batch else dequant_matmul(x2, g)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*lead, self.out_features)
