@@ -379,6 +379,18 @@ def test_wide_kernel_batches_and_plans():
         gemv.wide_kernel(8, 4, unroll=3)
 
 
+def test_large_batches_keep_no_workspace():
+    # Prefill-sized batches allocate their K-split workspace per call; decode batches keep theirs
+    # (a CUDA graph replays it). Both give the right answer twice in a row (counters reset).
+    ct = random_codebook_tensor(64, 128, 16, seed=8)
+    g = LutGemv(ct, plan={"kernel": "wide", "warps": 4, "ksplit": 2})
+    for _ in range(2):
+        check(g, x_for(128, 17, seed=4))
+    assert g._plans[17][2] is None
+    check(g, x_for(128, 16, seed=5))
+    assert g._plans[16][2] is not None
+
+
 def test_kernels_must_name_known_families():
     ct = random_codebook_tensor(32, 64, 16, seed=1)
     with pytest.raises(ValueError, match="kernels must name"):

@@ -1525,6 +1525,10 @@ class LutGemv:
             else:
                 plan = plan_launch(self.n_out, self.nchunks, self.K, B, sm_count(self.device))
             entry = self._launch_parts(B, plan)
+            if B > MAX_FUSED_BATCH:
+                # Batches above 16 are prefill, not the graphed decode step: a workspace kept per layer
+                # (K-slices x B x rows, fp32) held 0.3-0.4 GB at 7B for batch 32; allocate it per call.
+                entry = (entry[0], plan, None, None)
         self._plans[B] = entry
         return entry
 
@@ -1578,7 +1582,9 @@ class LutGemv:
         x2 = self.check_input(x)
         B = x2.shape[0]
         check_output(out, B, self.n_out, x2.device)
-        kern, plan, _owners, views = self._prepare(B)
+        kern, plan, owners, views = self._prepare(B)
+        if plan is not None and owners is None:  # a large batch: its own workspace, freed with the launcher
+            kern, plan, owners, views = self._launch_parts(B, plan)
         ya = _as_kernel_array(out)
         xa = _as_kernel_array(x2 if self.variant == "naive" else x2.view(torch.int32))
         if self.variant == "naive":
@@ -1594,6 +1600,7 @@ class LutGemv:
         dev = self.device
 
         def launch():
+            _ = owners  # the workspace lives as long as the launcher
             stream = 0 if SIM else cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
             kern[cfg[0], cfg[1], stream, smem](*args)
             if SIM:
