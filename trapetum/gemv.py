@@ -587,9 +587,8 @@ MMA_CB_WORDS = 16 * 16 + 16  # one row-block's staged [code][lane] fp16 codebook
 
 
 @cuda.jit(device=True, **INLINE)
-def stage_pair_block(sm, cbt32, x32, CO, XO, xrow, bx, rbs, j0, jend, B, tid, nt):
-    """The tensor-core kernels' prologue: both row-blocks' [code][lane] fp16 codebooks at word CO
-    (zeros past the last row-block) and B rows of this K-slice of x at XO, ``xrow`` words a row."""
+def stage_codebooks(sm, cbt32, CO, bx, rbs, tid, nt):
+    """Both row-blocks' [code][lane] fp16 codebooks at word CO (zeros past the last row-block)."""
     zero = int32(0)
     for q in range(tid, 128, nt):
         gq = q >> 6
@@ -600,6 +599,13 @@ def stage_pair_block(sm, cbt32, x32, CO, XO, xrow, bx, rbs, j0, jend, B, tid, nt
             store16(sm, o, v0, v1, v2, v3)
         else:
             store16(sm, o, zero, zero, zero, zero)
+
+
+@cuda.jit(device=True, **INLINE)
+def stage_pair_block(sm, cbt32, x32, CO, XO, xrow, bx, rbs, j0, jend, B, tid, nt):
+    """mma_kernel's prologue: the codebooks (:func:`stage_codebooks`) and B rows of this K-slice
+    of x at XO, ``xrow`` words a row."""
+    stage_codebooks(sm, cbt32, CO, bx, rbs, tid, nt)
     xq = (jend - j0) * 4  # 16-byte pieces of a batch row
     # 32-bit division: numba's int64 one is a long emulated sequence. (Eight pieces in flight a
     # thread instead of one gave no gain at batch 16-64 and cost the batch-1 kernel 10 registers.)
@@ -847,15 +853,40 @@ WIDE_UNROLL = 2
 
 
 def wide_xrow(cps: int) -> int:
-    """Words of one batch row of :func:`wide_kernel`'s x slice: 16 mod 32, so the two quads of a
-    quarter-warp (x rows g and g + 1, a 16-byte read each) fall in disjoint banks."""
-    return cps * 16 + (16 if cps % 2 == 0 else 0)
+    """Words of one row *pair* of :func:`wide_kernel`'s x slice (batch rows m and m + 8 of an m-tile,
+    word by word interleaved): 4 mod 8, so the two quads of a quarter-warp (pairs g and g + 1, a
+    16-byte read each, 8 words apart a lane) fall in disjoint banks."""
+    return cps * 32 + 4
 
 
 def wide_shared_bytes(B: int, warps: int, cps: int) -> int:
-    """Dynamic shared memory of :func:`wide_kernel`: the pair table, B rows of the x slice and the
-    two row-blocks' staged codebooks; the warps' partials reuse it after the main loop."""
-    return 4 * max(MMA_TABLE_WORDS + B * wide_xrow(cps) + 2 * MMA_CB_WORDS, warps * B * 32)
+    """Dynamic shared memory of :func:`wide_kernel`: the pair table, 8 row pairs an m-tile of the x
+    slice and the two row-blocks' staged codebooks; the warps' partials reuse it after the main loop."""
+    return 4 * max(MMA_TABLE_WORDS + 8 * ((B + 15) // 16) * wide_xrow(cps) + 2 * MMA_CB_WORDS, warps * B * 32)
+
+
+@cuda.jit(device=True, **INLINE)
+def stage_x_pairs(sm, x32, XO, xrow, j0, jend, B, tid, nt):
+    """B rows of this K-slice of x at XO as row pairs: pair 8 mt + g holds rows 16 mt + g and
+    16 mt + g + 8 word by word interleaved, so one 16-byte read is a ready mma A fragment (a0..a3)
+    and ptxas needs no register moves to assemble it (4 an mma when the rows were apart)."""
+    xq = uint32((jend - j0) * 4)  # 16-byte pieces of a row
+    n = uint32(((B + 15) // 16) * 8) * xq
+    zero = uint32(0)
+    for t in range(uint32(tid), n, uint32(nt)):
+        p = t // xq
+        q = t - p * xq
+        r0 = (p >> uint32(3)) * uint32(16) + (p & uint32(7))
+        w = uint32(j0 * 16) + q * uint32(4)
+        a0, a1, a2, a3 = zero, zero, zero, zero
+        b0, b1, b2, b3 = zero, zero, zero, zero
+        if r0 < uint32(B):
+            a0, a1, a2, a3 = load16(x32[r0], w)
+        if r0 + uint32(8) < uint32(B):
+            b0, b1, b2, b3 = load16(x32[r0 + uint32(8)], w)
+        o = uint32(XO) + p * uint32(xrow) + q * uint32(8)
+        store16(sm, o, a0, b0, a1, b1)
+        store16(sm, o + uint32(4), a2, b2, a3, b3)
 
 
 def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
@@ -868,9 +899,10 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
     warp reads a chunk (32 rows x 16 bytes) as four 4-byte loads, load q giving lane (g, t) word t
     of row 8q + g (each load one contiguous 128-byte line), so n-tile q holds rows 8q..8q+7. Byte
     2h (2h + 1) of that word, looked up in the pair table, is the lane's b0 (b1) of k-step h; the
-    k-slots 2t, 2t + 1 (2t + 8, 2t + 9) are then the chunk's columns 8t + 4h, + 1 (+ 2, + 3), so one
-    16-byte read of x row m at column 8t feeds a0 and a2 of both k-steps. Per chunk and warp: 4
-    loads, 16 lookups, 2 x-reads and 8 mmas per 16 batch rows, where mma_kernel needs 32 at batch 64.
+    k-slots 2t, 2t + 1 (2t + 8, 2t + 9) are then the chunk's columns 8t + 4h, + 1 (+ 2, + 3); x is
+    staged as row pairs (m, m + 8) interleaved word by word (:func:`stage_x_pairs`), so one 16-byte
+    read is a k-step's whole A fragment. Per chunk and warp: 4 loads, 16 lookups, and per 16 batch
+    rows 2 x-reads and 8 mmas, where mma_kernel needs 32 mmas at batch 64.
 
     The cost: a quad's four lanes look up one row's table, so the table is swizzled (see
     :func:`pair_table_builder`) and a lookup takes ~3 shared wavefronts, not 1. Grid, blocks,
@@ -888,7 +920,7 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
     U = unroll
     nt = warps * 32
     XO = MMA_TABLE_WORDS
-    NU, NA, NC, NX = 4 * U, 4 * MT, 16 * MT, 2 * MT  # local array sizes: numba needs them as constants
+    NU, NA, NC, NX = 4 * U, 4 * MT, 16 * MT, MT  # local array sizes: numba needs them as constants
     build_table = pair_table_builder(swizzle=True)
     finish = pair_block_finisher(B, W2, nt)
 
@@ -899,12 +931,11 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
 
     @cuda.jit(device=True, **INLINE)
     def use_chunk(c, o, sm, lb, xr, rel, xa, xb, acc):
-        for mt in range(MT):  # x rows 16 mt + g (a0, a2) and + 8 (a1, a3), columns 8t..8t+7 of the chunk
+        for mt in range(MT):  # A fragments of x rows 16 mt + g, + 8, columns 8t..8t+3 (xa) and 8t+4..8t+7 (xb)
             k = 4 * mt
-            if xr[2 * mt] >= 0:
-                xa[k], xa[k + 1], xa[k + 2], xa[k + 3] = sload4(sm, xr[2 * mt] + rel * 16)
-            if xr[2 * mt + 1] >= 0:
-                xb[k], xb[k + 1], xb[k + 2], xb[k + 3] = sload4(sm, xr[2 * mt + 1] + rel * 16)
+            if xr[mt] >= 0:
+                xa[k], xa[k + 1], xa[k + 2], xa[k + 3] = sload4(sm, xr[mt] + rel * 32)
+                xb[k], xb[k + 1], xb[k + 2], xb[k + 3] = sload4(sm, xr[mt] + rel * 32 + 4)
         for q in range(4):  # n-tile q: rows 8q..8q+7
             cw = uint32(c[o + q])
             lq = lb + uint32(32 * q)
@@ -915,10 +946,14 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
                 b0 = load_byte_offset(sm, a0)
                 b1 = load_byte_offset(sm, a1)
                 for mt in range(MT):
-                    k = 4 * mt + 2 * h
+                    k = 4 * mt
                     i = 4 * (4 * mt + q)
-                    acc[i], acc[i + 1], acc[i + 2], acc[i + 3] = mma_m16n8k16(
-                        xa[k], xb[k], xa[k + 1], xb[k + 1], b0, b1, acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
+                    if h == 0:
+                        acc[i], acc[i + 1], acc[i + 2], acc[i + 3] = mma_m16n8k16(
+                            xa[k], xa[k + 1], xa[k + 2], xa[k + 3], b0, b1, acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
+                    else:
+                        acc[i], acc[i + 1], acc[i + 2], acc[i + 3] = mma_m16n8k16(
+                            xb[k], xb[k + 1], xb[k + 2], xb[k + 3], b0, b1, acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
 
     # At most 128 registers up to batch 32 (two 8-warp blocks an SM); batch 33..64 holds 64
     # accumulators a lane and spilled there, so it may take up to 255 (its x slice allows one block anyway).
@@ -939,8 +974,8 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
         j0 = split * cps
         jend = min(j0 + cps, nchunks)
         j1 = jend if rb < rbs else j0  # an odd row-block count leaves the last block's g = 1 idle
-        xrow = cps * 16 + (16 if cps % 2 == 0 else 0)  # wide_xrow
-        CO = XO + B * xrow
+        xrow = cps * 32 + 4  # wide_xrow
+        CO = XO + 8 * MT * xrow
         base = rb * nchunks * 128 + lane  # this lane's first word of chunk j at base + 128 j
 
         # Start streaming before anything waits; chunks past the slice are clamped to its last
@@ -951,7 +986,8 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
         if nk > 0:
             for u in range(U):
                 fetch(c, 4 * u, tiled, base + min(j0 + wg + u * W2, jlast) * 128)
-        stage_pair_block(sm, cbt32, x32, CO, XO, xrow, bx, rbs, j0, jend, B, tid, nt)
+        stage_codebooks(sm, cbt32, CO, bx, rbs, tid, nt)
+        stage_x_pairs(sm, x32, XO, xrow, j0, jend, B, tid, nt)
         cuda.syncthreads()
         build_table(sm, CO, tid, nt)
         cuda.syncthreads()
@@ -961,16 +997,14 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
         xa = cuda.local.array(NA, uint32)
         xb = cuda.local.array(NA, uint32)
         acc = cuda.local.array(NC, float32)
-        xr = cuda.local.array(NX, int32)  # where this lane's x rows start (-1: past the batch, stays zero)
+        xr = cuda.local.array(NX, int32)  # where this lane's x row pair starts (-1: past the batch, stays zero)
         for i in range(NA):
             xa[i] = uint32(0)
             xb[i] = uint32(0)
         for i in range(NC):
             acc[i] = float32(0.0)
         for mt in range(MT):
-            ra = 16 * mt + gq
-            xr[2 * mt] = XO + ra * xrow + 4 * t if ra < B else -1
-            xr[2 * mt + 1] = XO + (ra + 8) * xrow + 4 * t if ra + 8 < B else -1
+            xr[mt] = XO + (8 * mt + gq) * xrow + 8 * t if 16 * mt + gq < B else -1
         lb = uint32((g << 7) | (gq << 2))
         d = cuda.local.array(NU, int32)
         rel = wg
