@@ -268,6 +268,9 @@ def test_fig_batch(df2):
         assert "µs" in ax.get_ylabel() and "Batch" in ax.get_xlabel()
         assert len(ax.lines) >= 3  # fp16, fused, dequant+cublas
     assert any("dequant+cublas" in t for t in _legend_texts(fig))
+    t = report.batch_table(df2)
+    assert set(t["Path"]) <= {"dequantize + cuBLAS", "fused: lut"} | {f"fused: {v}" for v in report.FAMILY_LABELS.values()}
+    assert ((t["vs fp16"] - t["torch fp16 (µs)"] / t["Time (µs)"]).abs() < 1e-9).all() and len(t) == len(t.drop_duplicates())
 
 
 # -- the recorded H100 run -------------------------------------------------------------------
@@ -322,9 +325,9 @@ def test_decode_chapter_reads_every_run_and_keeps_the_newest_per_model(tmp_path)
     def run(name, date, models):
         prov = results.provenance(command="bench")
         prov.update(gpu="NVIDIA H100 80GB HBM3", date=date)
-        recs = [{"model": m, "scheme": s, "path": "graphed", "tok_s": t, "fp16_tok_s": 100.0, "vram_gb": 1.0,
+        recs = [{"model": m, "scheme": s, "path": "graphed", "tok_s": t, "fp16_tok_s": 100.0, "vram_gb": v * (2 if "13b" in m else 1),
                  "j_per_token": 1.0, "oom": False, "bits_per_weight_codes": b}
-                for m, t in models for s, b in (("fp16", 16.0), ("4-bit K=16", 4.0))]
+                for m, t in models for s, b, v in (("fp16", 16.0, 4.0), ("4-bit K=16", 4.0, 1.0))]
         (tmp_path / "h100").mkdir(exist_ok=True)
         (tmp_path / "h100" / name).write_text(json.dumps({"provenance": prov, "records": recs}))
 
@@ -343,6 +346,8 @@ def test_decode_chapter_reads_every_run_and_keeps_the_newest_per_model(tmp_path)
     assert sorted(both[both["model"] == "llama-2-7b"]["path"].unique()) == ["compiled", "graphed"]
     t = report.decode_table(df)
     assert len(t) == 4 and set(t["vs fp16"].round(2)) == {0.6, 1.0}
+    # each model's VRAM over its own fp16 model's, from the same run: 7B and 13B do not mix
+    assert sorted(t["VRAM vs fp16"].round(2)) == [0.25, 0.25, 1.0, 1.0]
     assert t["share of bandwidth bound"].isna().all()  # no GEMV run of this GPU: no copy bandwidth
     d = df.assign(weight_bytes_per_token=1e9, copy_gbps=1000.0)
     bw = report.decode_table(d)["share of bandwidth bound"]

@@ -549,6 +549,7 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=g)
     fp16_tok_s = {}  # fp16's tok/s by graphed path: each path is compared with fp16 on the same path
+    fp16_vram = {}
     for K, head in [(None, None)] + [(K, h) for K in Ks for h in heads]:
         scheme = SCHEME_NAMES.get(K, f"K={K}") + ("" if head is None else f", LM head {SCHEME_NAMES.get(head, head)}")
         model = None
@@ -591,6 +592,7 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
                     rec.update(bound, fraction_of_kernel_bound=r.tok_s / bound["implied_tok_s"])
                 if K is None and path in GRAPHED:
                     fp16_tok_s[path] = r.tok_s
+                    fp16_vram[path] = r.peak_vram_gb
                 recs.append(rec)
                 if progress:
                     vram = f"{r.peak_vram_gb:6.2f} GB" if r.peak_vram_gb is not None else "n/a"
@@ -625,6 +627,7 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
     for r in recs:
         f = fp16_tok_s.get(r["path"], fp16_tok_s.get("graphed"))
         r["fp16_tok_s"] = f
+        r["fp16_vram_gb"] = fp16_vram.get(r["path"], fp16_vram.get("graphed"))
         r["speedup"] = r["tok_s"] / f if r.get("tok_s") and f else None
         # Bytes a token must read at least (projections at their bits, embeddings/lm_head fp16): the bandwidth bound's numerator.
         K = r["K"]

@@ -66,7 +66,7 @@ SEED = "reported by the seed"
 BASELINE = "torch fp16"
 KERNEL_LABELS = {
     "torch fp16": "torch fp16 (cuBLAS), the baseline",
-    "lut": "lut: fused LUT-GEMV (4-bit: the faster of lut-fma and mma, tuned per shape)",
+    "lut": "lut: fused LUT-GEMV (4-bit: the fastest of lut-fma, mma and, from batch 4, wide, tuned per shape)",
     "lut-fma": "lut-fma: fp32 table, FMA (numba)",
     "mma": "mma: pair table + tensor cores (numba)",
     "lut32": "lut32: 4-byte loads (negative result)",
@@ -600,6 +600,27 @@ def slower_intervals(g: pd.DataFrame) -> list[tuple[float, float | None]]:
     return out
 
 
+FAMILY_LABELS = {"lut": "FMA table (lut-fma)", "mma": "tensor cores, diagonal (mma)", "wide": "tensor cores, x as A (wide)"}
+
+
+def batch_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The batch sweep per GPU: each path's time against torch fp16 in the same run, and for the
+    fused rows the kernel family the tuner picked at that batch."""
+    d = _timed(df)
+    d = d[(d["grid"] == "batch") & d["kernel"].isin(("lut", "dequant+cublas"))]
+    if d.empty:
+        raise ValueError("no 'batch' grid in the recorded data")
+    fam = d["plan_kernel"] if "plan_kernel" in d else pd.Series(np.nan, index=d.index)
+    path = np.where(d["kernel"] == "dequant+cublas", "dequantize + cuBLAS",
+                    "fused: " + fam.map(lambda k: FAMILY_LABELS.get(k, "lut")).astype(str))
+    d = d.assign(_path=path, _g=d["gpu"].map(_gpus(d).index)).sort_values(["_g", "batch", "_path"])
+    return pd.DataFrame({
+        "GPU": d["gpu_label"], "Shape": d["shape"].map(shape_label), "Batch": d["batch"].astype(int), "Path": d["_path"],
+        "Time (µs)": d["time_ms"] * 1e3, "torch fp16 (µs)": d["fp16_ms"] * 1e3, "vs fp16": d["speedup"],
+        "Max rel. err": d["max_rel_err"],
+    }).reset_index(drop=True)
+
+
 def fig_batch(df: pd.DataFrame) -> Figure:
     """Time per call against batch size: torch fp16, our fused kernel, and dequant+cuBLAS."""
     d = _timed(df)
@@ -730,11 +751,12 @@ def load_decode(folder=None) -> pd.DataFrame:
 
 
 def _fp16_of_run(d: pd.DataFrame, col: str) -> pd.Series:
-    """Each row's fp16 value of ``col`` from the same run (file) and path (NaN where that run had none)."""
+    """Each row's fp16 value of ``col`` from the same run (file), model and path (NaN where that run had none)."""
     if "file" not in d:
         return pd.Series(np.nan, index=d.index)
-    fp16 = d[d["scheme"] == "fp16"].drop_duplicates(["file", "path"]).set_index(["file", "path"])[col]
-    return pd.Series([fp16.get((f, p), np.nan) for f, p in zip(d["file"], d["path"])], index=d.index, dtype=float)
+    key = ["file", "model", "path"]
+    fp16 = d[d["scheme"] == "fp16"].drop_duplicates(key).set_index(key)[col]
+    return pd.Series([fp16.get(k, np.nan) for k in zip(*(d[c] for c in key))], index=d.index, dtype=float)
 
 
 def decode_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -753,7 +775,8 @@ def decode_table(df: pd.DataFrame) -> pd.DataFrame:
         "GPU": d["gpu_label"], "Model (random weights)": d["model"], "Scheme": d["scheme"],
         "Path": d["path"].where(~oom, d["path"] + " (out of memory)"),
         "tok/s": d["tok_s"], "vs fp16": d["tok_s"] / d["fp16_tok_s"],
-        "Peak VRAM (GB)": d["vram_gb"], "VRAM vs fp16": d["vram_gb"] / _fp16_of_run(d, "vram_gb"), "J/token": d["j_per_token"],
+        "Peak VRAM (GB)": d["vram_gb"], "VRAM vs fp16": d["vram_gb"] / (d["fp16_vram_gb"].fillna(_fp16_of_run(d, "vram_gb")) if "fp16_vram_gb" in d
+                                         else _fp16_of_run(d, "vram_gb")), "J/token": d["j_per_token"],
         "share of kernel bound": d.get("fraction_of_kernel_bound", np.nan),
         # the weight bytes a token must read (projections at their bits, fp16 lm_head) at the
         # GPU's copy bandwidth: how close decode gets to what the memory allows
