@@ -280,21 +280,25 @@ def test_a_pipeline_needs_two_stages():
         lut_kernel(16, 1, 2, stages=1)
 
 
-# -- the tensor-core (mma) kernel: 4-bit codes, pair table, batch 1..16 ----------------------------
+# -- the tensor-core kernels: 4-bit codes, pair table; mma (diagonal A, batch 1..16) and wide (x as A, up to 64)
 @pytest.mark.parametrize(
-    "n_out, n_in, batch, plan",
+    "kernel, n_out, n_in, batch, plan",
     [
-        (64, 64, 1, {"warps": 4}),
-        (96, 128, 3, {"warps": 4, "ksplit": 2}),  # 3 row-blocks: the second block's g = 1 warps idle
-        (33, 64, 5, {"warps": 4}),  # batch pairs (0, 2), (1, 3), (4, -): an absent partner reads zeros
-        (64, 256, 16, {"warps": 8, "ksplit": 2}),  # four mmas a step
+        ("mma", 64, 64, 1, {"warps": 4}),
+        ("mma", 96, 128, 3, {"warps": 4, "ksplit": 2}),  # 3 row-blocks: the second block's g = 1 warps idle
+        ("mma", 33, 64, 5, {"warps": 4}),  # batch pairs (0, 2), (1, 3), (4, -): an absent partner reads zeros
+        ("mma", 64, 256, 16, {"warps": 8, "ksplit": 2}),  # four mmas a step
+        ("wide", 64, 64, 4, {"warps": 4}),  # one m-tile, 12 of its 16 rows absent
+        ("wide", 96, 128, 17, {"warps": 4, "ksplit": 2, "stages": 4}),  # 3 row-blocks; a second m-tile with one row
+        ("wide", 33, 64, 40, {"warps": 4, "stages": 1}),  # three m-tiles, a partial row-block
+        ("wide", 64, 256, 64, {"warps": 8, "ksplit": 2}),  # four full m-tiles, two K-slices
     ],
 )
-def test_mma_kernel_matches_float64_reference(n_out, n_in, batch, plan):
+def test_tensor_core_kernels_match_float64_reference(kernel, n_out, n_in, batch, plan):
     ct = random_codebook_tensor(n_out, n_in, 16, seed=n_out + batch)
-    g = LutGemv(ct, plan={"kernel": "mma", **plan})
+    g = LutGemv(ct, plan={"kernel": kernel, **plan})
     p = g.plan(batch)
-    assert (p.kernel, p.RB, p.warps) == ("mma", 2, plan["warps"])
+    assert (p.kernel, p.RB, p.warps) == (kernel, 2, plan["warps"])
     check(g, x_for(n_in, batch, seed=batch))
 
 
@@ -339,24 +343,6 @@ def test_mma_kernel_refuses_8_bit_codes(K):
         LutGemv(ct, plan={"kernel": "mma"}).plan(1)
 
 
-# -- the wide tensor-core kernel: x as the mma's A operand, batch 4..64 -------------------------------
-@pytest.mark.parametrize(
-    "n_out, n_in, batch, plan",
-    [
-        (64, 64, 4, {"warps": 4}),  # one m-tile, 12 of its 16 rows absent
-        (96, 128, 17, {"warps": 4, "ksplit": 2, "stages": 4}),  # 3 row-blocks; a second m-tile with one row
-        (33, 64, 40, {"warps": 4, "stages": 1}),  # three m-tiles, a partial row-block
-        (64, 256, 64, {"warps": 8, "ksplit": 2}),  # four full m-tiles, two K-slices
-    ],
-)
-def test_wide_kernel_matches_float64_reference(n_out, n_in, batch, plan):
-    ct = random_codebook_tensor(n_out, n_in, 16, seed=n_out + batch)
-    g = LutGemv(ct, plan={"kernel": "wide", **plan})
-    p = g.plan(batch)
-    assert (p.kernel, p.RB, p.warps) == ("wide", 2, plan["warps"])
-    check(g, x_for(n_in, batch, seed=batch))
-
-
 def test_wide_kernel_batches_and_plans():
     ct = random_codebook_tensor(32, 64, 16, seed=2)
     assert LutGemv(ct).max_batch == 64 and LutGemv(ct, kernels=("lut", "mma")).max_batch == 16
@@ -373,7 +359,7 @@ def test_wide_kernel_batches_and_plans():
     assert gemv.wide_xrow(3) % 8 == 4 and gemv.wide_xrow(4) % 8 == 4  # the quads of a quarter-warp in other banks
     with pytest.raises(ValueError, match="batch 1..64"):
         gemv.plan_wide(4096, 128, 65, 132)
-    with pytest.raises(ValueError, match="do not fit"):
+    with pytest.raises(ValueError, match="does not fit"):
         gemv.plan_wide(4096, 128, 64, 132, budget=48 * 1024)
     with pytest.raises(ValueError, match="unroll"):
         gemv.wide_kernel(8, 4, unroll=3)

@@ -1312,63 +1312,26 @@ def plan_launch(n_out: int, nchunks: int, K: int, B: int, sms: int, warps: int |
 OPTIN_SIM = 227 * 1024  # the simulator plans as if it had an H100's opt-in shared memory
 
 
-def plan_mma(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SIM, warps: int | None = None,
-             ksplit: int | None = None, stages: int = MMA_UNROLL) -> LaunchPlan:
-    """Grid of :func:`mma_kernel` for one 4-bit layer (kernels/harness.cuh's plan_mma).
+def _plan_pair_blocks(kind, smem, max_batch, unrolls, heuristic_unroll, n_out, nchunks, B, sms, budget, warps, ksplit, stages):
+    """The grid of a two-row-block tensor-core kernel (``kind``, shared memory ``smem(B, warps, cps)``).
 
     Without overrides: 8 warps (4 a row-block) unless the layer is too small to give every SM a
     block that way, then the smallest K-split giving about two waves of blocks, as long as every
-    warp keeps two full pipeline turns: the 64 KiB table build has to be paid back by the stream.
-    ``budget``: the shared memory a block may opt in to. ValueError where the plan cannot launch."""
+    warp keeps two full pipeline turns: the 64 KiB table build has to be paid back by the stream."""
     rbs = -(-n_out // ROW_BLOCK)
     nbx = -(-rbs // 2)
     if warps is None:
-        warps = 8 if nbx * max(1, nchunks // (4 * 2 * MMA_UNROLL)) >= sms else 4
+        warps = 8 if nbx * max(1, nchunks // (4 * 2 * heuristic_unroll)) >= sms else 4
     if warps not in (4, 8, 16):
-        raise ValueError(f"the mma kernel takes 4, 8 or 16 warps, got {warps}")
-    if not 1 <= B <= MAX_FUSED_BATCH:
-        raise ValueError(f"the mma kernel takes batch 1..{MAX_FUSED_BATCH}, got {B}")
-    if stages not in (2, 4, 8):
-        raise ValueError(f"the mma kernel unrolls 2, 4 or 8 chunks a turn, got {stages}")
-    fixed = mma_shared_bytes(B, warps, 0)
-    if fixed + B * 64 > budget:
-        raise ValueError(f"the mma kernel's table does not fit {budget} bytes of shared memory")
-    cps_max = min(nchunks, (budget - fixed) // (B * 64))
-    min_split = -(-nchunks // cps_max)
-    if ksplit is None:
-        max_split = max(min_split, nchunks // (warps // 2 * 2 * stages))
-        ksplit = min_split
-        while ksplit < max_split:
-            cps = -(-nchunks // ksplit)
-            # blocks an SM by shared memory and threads (registers allow 2 blocks of 16 warps)
-            occ = max(1, min(2048 // (warps * 32), (228 * 1024) // (mma_shared_bytes(B, warps, cps) + 1024)))
-            if nbx * -(-nchunks // cps) >= 2 * occ * sms:
-                break
-            ksplit += 1
-    elif ksplit < min_split:
-        raise ValueError(f"ksplit={ksplit} leaves more of x than shared memory holds; at least {min_split}")
-    cps = -(-nchunks // min(ksplit, nchunks))
-    return LaunchPlan(warps, -(-nchunks // cps), cps, mma_shared_bytes(B, warps, cps), RB=2, stages=stages, kernel="mma")
-
-
-def plan_wide(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SIM, warps: int | None = None,
-              ksplit: int | None = None, stages: int = WIDE_UNROLL) -> LaunchPlan:
-    """Grid of :func:`wide_kernel` for one 4-bit layer, chosen as :func:`plan_mma` chooses its own
-    (the same two-row-block blocks), with the wide kernel's shared memory. ``stages``: its unroll."""
-    rbs = -(-n_out // ROW_BLOCK)
-    nbx = -(-rbs // 2)
-    if warps is None:
-        warps = 8 if nbx * max(1, nchunks // (4 * 2 * stages)) >= sms else 4
-    if warps not in (4, 8, 16):
-        raise ValueError(f"the wide kernel takes 4, 8 or 16 warps, got {warps}")
-    if not 1 <= B <= MAX_WIDE_BATCH:
-        raise ValueError(f"the wide kernel takes batch 1..{MAX_WIDE_BATCH}, got {B}")
-    if stages not in (1, 2, 4):
-        raise ValueError(f"the wide kernel unrolls 1, 2 or 4 chunks a turn, got {stages}")
-    if wide_shared_bytes(B, warps, 1) > budget:
-        raise ValueError(f"the wide kernel's table and batch {B} do not fit {budget} bytes of shared memory")
+        raise ValueError(f"the {kind} kernel takes 4, 8 or 16 warps, got {warps}")
+    if not 1 <= B <= max_batch:
+        raise ValueError(f"the {kind} kernel takes batch 1..{max_batch}, got {B}")
+    if stages not in unrolls:
+        raise ValueError(f"the {kind} kernel unrolls {', '.join(map(str, unrolls))} chunks a turn, got {stages}")
+    if smem(B, warps, 1) > budget:
+        raise ValueError(f"the {kind} kernel's table and batch {B} does not fit {budget} bytes of shared memory")
     cps_max = 1
-    while cps_max < nchunks and wide_shared_bytes(B, warps, cps_max + 1) <= budget:
+    while cps_max < nchunks and smem(B, warps, cps_max + 1) <= budget:
         cps_max += 1
     min_split = -(-nchunks // cps_max)
     if ksplit is None:
@@ -1376,14 +1339,32 @@ def plan_wide(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SI
         ksplit = min_split
         while ksplit < max_split:
             cps = -(-nchunks // ksplit)
-            occ = max(1, min(2048 // (warps * 32), (228 * 1024) // (wide_shared_bytes(B, warps, cps) + 1024)))
+            # blocks an SM by shared memory and threads (registers allow 2 blocks of 16 warps)
+            occ = max(1, min(2048 // (warps * 32), (228 * 1024) // (smem(B, warps, cps) + 1024)))
             if nbx * -(-nchunks // cps) >= 2 * occ * sms:
                 break
             ksplit += 1
     elif ksplit < min_split:
         raise ValueError(f"ksplit={ksplit} leaves more of x than shared memory holds; at least {min_split}")
     cps = -(-nchunks // min(ksplit, nchunks))
-    return LaunchPlan(warps, -(-nchunks // cps), cps, wide_shared_bytes(B, warps, cps), RB=2, stages=stages, kernel="wide")
+    return LaunchPlan(warps, -(-nchunks // cps), cps, smem(B, warps, cps), RB=2, stages=stages, kernel=kind)
+
+
+def plan_mma(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SIM, warps: int | None = None,
+             ksplit: int | None = None, stages: int = MMA_UNROLL) -> LaunchPlan:
+    """Grid of :func:`mma_kernel` for one 4-bit layer (kernels/harness.cuh's plan_mma), see
+    :func:`_plan_pair_blocks`. ``budget``: the shared memory a block may opt in to. ValueError
+    where the plan cannot launch."""
+    return _plan_pair_blocks("mma", mma_shared_bytes, MAX_FUSED_BATCH, (2, 4, 8), MMA_UNROLL,
+                             n_out, nchunks, B, sms, budget, warps, ksplit, stages)
+
+
+def plan_wide(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SIM, warps: int | None = None,
+              ksplit: int | None = None, stages: int = WIDE_UNROLL) -> LaunchPlan:
+    """Grid of :func:`wide_kernel` for one 4-bit layer, chosen as :func:`plan_mma` chooses its own
+    (the same two-row-block blocks), with the wide kernel's shared memory. ``stages``: its unroll."""
+    return _plan_pair_blocks("wide", wide_shared_bytes, MAX_WIDE_BATCH, (1, 2, 4), stages,
+                             n_out, nchunks, B, sms, budget, warps, ksplit, stages)
 
 
 def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budget: int = 0) -> list[LaunchPlan]:
