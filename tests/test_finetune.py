@@ -160,3 +160,21 @@ def test_compare_records_the_finetuning_under_the_specs_label(tmp_path, monkeypa
     assert tuned["finetune"]["ft_epochs"] == 2 and tuned["finetune"]["kl_after"] < tuned["finetune"]["kl_before"]
     assert tuned["calibration"] == P.GENERATED_DESC and tuned["calibration_tokens"] == 128
     assert tuned["quantize_seconds"] >= tuned["finetune"]["seconds"]
+
+
+def test_finetune_table_reads_a_runs_records():
+    import pandas as pd
+
+    run = pd.DataFrame([
+        {"scheme": "reference", "label": "reference", "ppl": 20.0, "bits_per_weight": None, "quantize_seconds": 0.0, "finetune": None},
+        {"scheme": "awq-lsq-refit", "label": "awq-lsq-refit:group_size=96", "ppl": 22.0, "bits_per_weight": 4.356,
+         "quantize_seconds": 300.0, "finetune": None},
+        {"scheme": "awq-lsq-refit", "label": "awq-lsq-refit:group_size=96,ft_epochs=2", "ppl": 21.5, "bits_per_weight": 4.356,
+         "quantize_seconds": 900.0, "finetune": {"seconds": 600.0, "epochs": 2, "steps": 32, "kl_before": 0.1, "kl_after": 0.05}},
+        {"scheme": "hqq", "label": "hqq:group_size=96", "ppl": None, "bits_per_weight": None, "quantize_seconds": None, "finetune": None},
+    ])
+    t = P.finetune_table(run)
+    assert t.scheme.tolist() == ["awq-lsq-refit:group_size=96", "awq-lsq-refit:group_size=96,ft_epochs=2"]  # unmeasured rows left out
+    assert t["vs reference (%)"].tolist() == pytest.approx([10.0, 7.5]) and t["within +8%"].tolist() == ["no", "yes"]
+    assert pd.isna(t.loc[0, "KL after (nats/token)"]) and t.loc[1, "KL after (nats/token)"] == 0.05
+    assert t.loc[1, "of which fine-tuning (s)"] == 600.0

@@ -1380,6 +1380,27 @@ def calibration_comparison(main: "pd.DataFrame", main_ref, cal: "pd.DataFrame") 
     return pd.DataFrame(rows), same
 
 
+def finetune_table(run: "pd.DataFrame") -> "pd.DataFrame":
+    """One row per scheme of a run (its records, reference row included): perplexity and % over the
+    run's own reference, whether it is within +8 %, quantize seconds (fine-tuning included), and
+    for the fine-tuned rows the fine-tuning's seconds, epochs, steps and the KL to the reference on
+    the calibration samples before and after (empty for rows without fine-tuning)."""
+    import pandas as pd
+
+    ref = run[run.scheme == "reference"].iloc[-1]
+    rows = []
+    for _, r in run[(run.scheme != "reference") & run.ppl.notna()].iterrows():
+        ft = r.get("finetune")
+        ft = ft if isinstance(ft, dict) else {}
+        rows.append({"scheme": r.label, "bits/weight": r.bits_per_weight, "PPL": r.ppl,
+                     "vs reference (%)": 100 * (r.ppl / ref.ppl - 1), "within +8%": "yes" if r.ppl <= 1.08 * ref.ppl else "no",
+                     "quantize (s)": r.quantize_seconds, "of which fine-tuning (s)": ft.get("seconds", float("nan")),
+                     "epochs": ft.get("epochs", float("nan")), "steps": ft.get("steps", float("nan")),
+                     "KL before (nats/token)": ft.get("kl_before", float("nan")),
+                     "KL after (nats/token)": ft.get("kl_after", float("nan"))})
+    return pd.DataFrame(rows)
+
+
 def negative_results(df) -> "pd.DataFrame":
     """The seed's negative-results table with our numbers beside it (rows we have not built stay empty)."""
     import pandas as pd
