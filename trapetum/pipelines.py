@@ -33,6 +33,7 @@ each with its perplexity.
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime as _dt
 import functools
 import importlib.util
@@ -58,9 +59,56 @@ class SchemeError(ValueError):
 
 
 @dataclass
+class Form:
+    """A quantized weight as its format stores it: integer codes and the continuous parameters
+    (fp16 in storage), with the function that dequantizes them, ``decode(codes, **params)``.
+
+    Quantizers that can return one, so that the continuous parameters can be trained after the
+    codes are chosen (:mod:`trapetum.finetune`): decode is differentiable in the parameters, and
+    the codes are never touched. params hold fp32 tensors; a quantizer's own fp16 rounding is
+    already in them (except where noted, e.g. AWQ's input scale), and fine-tuning rounds them all
+    to fp16 at the end. Extra tensors the format does not store (a rotation regenerated from its
+    seed) are bound into decode, not params.
+    """
+
+    codes: torch.Tensor
+    params: dict[str, torch.Tensor]
+    decode: Callable[..., torch.Tensor]
+
+    def W_hat(self, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        return self.decode(self.codes, **(self.params if params is None else params))
+
+
+@dataclass
 class Quantized:
     W_hat: torch.Tensor  # dequantized weight, float32, same shape as W
     bits: int  # storage including codebooks, scales, zeros and per-channel scales
+    form: Form | None = None  # codes + stored parameters, where the quantizer exposes them (see Form)
+
+
+def _affine_decode(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """An affine group grid: codes (out, n), step and min (out, G); w = q d + m within each group."""
+    out, n = codes.shape
+    G = d.shape[1]
+    return (codes.reshape(out, G, n // G) * d[..., None] + m[..., None]).reshape(out, n)
+
+
+def _affine_form(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Form:
+    out = codes.shape[0]
+    # uint8 codes: what the format stores, and a quarter of float32's memory while a model keeps its forms
+    return Form(codes.reshape(out, -1).to(torch.uint8), {"d": d.reshape(out, -1).float(), "m": m.reshape(out, -1).float()},
+                _affine_decode)
+
+
+def _scaled_decode(codes, *, decode, s, **params):
+    """AWQ's W_hat = Q(W diag(s)) diag(s)^-1: the inner format's weight, divided by the stored input scale."""
+    return decode(codes, **params) / s
+
+
+def _with_input_scale(form: Form | None, s: torch.Tensor) -> Form | None:
+    if form is None:
+        return None
+    return Form(form.codes, {**form.params, "s": s.float()}, functools.partial(_scaled_decode, decode=form.decode))
 
 
 def output_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor | None) -> torch.Tensor:
@@ -97,8 +145,12 @@ def _rtn_grid(Wg: torch.Tensor, bits: int, ratio: float | torch.Tensor = 1.0):
     return d, _fp16(lo)
 
 
+def _rtn_codes(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
+    return torch.clamp(torch.round((w - m) / d), 0, 2**bits - 1)
+
+
 def _rtn_apply(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
-    return torch.clamp(torch.round((w - m) / d), 0, 2**bits - 1) * d + m
+    return _rtn_codes(w, d, m, bits) * d + m
 
 
 def rtn(W: torch.Tensor, H: torch.Tensor | None = None, *, bits: int = 4, group_size: int = 128, ratio=1.0) -> Quantized:
@@ -109,8 +161,8 @@ def rtn(W: torch.Tensor, H: torch.Tensor | None = None, *, bits: int = 4, group_
     if torch.is_tensor(ratio):
         ratio = ratio.reshape(out, n // group_size, 1)
     d, m = _rtn_grid(Wg, bits, ratio)
-    W_hat = _rtn_apply(Wg, d, m, bits).reshape(out, n)
-    return Quantized(W_hat, W.numel() * bits + out * (n // group_size) * 32)
+    q = _rtn_codes(Wg, d, m, bits)
+    return Quantized((q * d + m).reshape(out, n), W.numel() * bits + out * (n // group_size) * 32, _affine_form(q, d, m))
 
 
 def _group_blocks(H: torch.Tensor, g: int) -> torch.Tensor:
@@ -131,7 +183,7 @@ def rtn_lsq(W: torch.Tensor, H: torch.Tensor | None = None, *, bits: int = 4, gr
     out, n = W.shape
     _check_group(n, group_size)
     d, m, q = _lsq_grid(W, H, bits, group_size, ratio, iters)
-    return Quantized((q * d + m).reshape(out, n), W.numel() * bits + out * (n // group_size) * 32)
+    return Quantized((q * d + m).reshape(out, n), W.numel() * bits + out * (n // group_size) * 32, _affine_form(q, d, m))
 
 
 def _lsq_grid(W: torch.Tensor, H: torch.Tensor | None, bits: int, group_size: int, ratio=1.0, iters: int = 2):
@@ -198,7 +250,13 @@ def kmeans(
         imp = torch.diagonal(H).clamp_min(0)
     codes, cb = kmeans_rows(W.float(), K, iters=iters, seed=seed, importance=imp)[:2]
     W_hat = _fp16(cb).gather(1, codes.long())
-    return Quantized(W_hat, W.numel() * bits + W.shape[0] * K * 16)
+    return Quantized(W_hat, W.numel() * bits + W.shape[0] * K * 16,
+                     Form(codes.to(torch.uint8 if K <= 256 else torch.int32), {"cb": _fp16(cb)}, _codebook_decode))
+
+
+def _codebook_decode(codes: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
+    """A per-row scalar codebook: w[r, i] = cb[r, codes[r, i]]."""
+    return cb.gather(1, codes.long())
 
 
 def refit_codebook(W: torch.Tensor, codes: torch.Tensor, K: int, H: torch.Tensor, rows_per_chunk: int = 256) -> torch.Tensor:
@@ -246,7 +304,7 @@ def awq(
     if clip:
         Ws = _clip(Ws, ratio, group_size or W.shape[1])
     q = inner(Ws, Hs)
-    return Quantized(q.W_hat / s, q.bits + 16 * W.shape[1])
+    return Quantized(q.W_hat / s, q.bits + 16 * W.shape[1], _with_input_scale(q.form, s))
 
 
 def _awq_search(W, H, search, n_grid, clip_grid, group_size):
@@ -376,7 +434,8 @@ def awq_lsq_refit(
             codes = torch.where(better[:, None], new, codes)
         d, m = refit_affine_grid(Ws, Hs, codes, d, m)
     W_hat = codes * d[:, gi] + m[:, gi]
-    return Quantized(W_hat / s, W.numel() * bits + out * (n // group_size) * 32 + 16 * n)
+    return Quantized(W_hat / s, W.numel() * bits + out * (n // group_size) * 32 + 16 * n,
+                     _with_input_scale(_affine_form(codes, d, m), s))
 
 
 def _clip(W: torch.Tensor, ratio: torch.Tensor | float, g: int) -> torch.Tensor:
@@ -480,7 +539,14 @@ def incoherent(W: torch.Tensor, H: torch.Tensor | None = None, *, inner: Callabl
     Wr = V @ W.float() @ U.T
     Hr = U @ H @ U.T if H is not None else None
     q = inner(Wr, Hr)
-    return Quantized(V.T @ q.W_hat @ U, q.bits)
+    form = None if q.form is None else Form(q.form.codes, q.form.params,
+                                            functools.partial(_rotated_decode, decode=q.form.decode, U=U, V=V))
+    return Quantized(V.T @ q.W_hat @ U, q.bits, form)
+
+
+def _rotated_decode(codes, *, decode, U, V, **params):
+    """The rotation undone around the inner format's weight (U and V come from the seed: not stored, not trained)."""
+    return V.T @ decode(codes, **params) @ U
 
 
 # --------------------------------------------------------------------------- GPTQ
@@ -703,7 +769,14 @@ def additive(W: torch.Tensor, H: torch.Tensor | None = None, *, M: int = 2, iter
     if W.shape[1] % (128 // M):
         raise SchemeError(f"additive M={M} needs in_features divisible by {128 // M}, got {W.shape[1]}")
     t, _ = quantize_additive(W.float(), M=M, H=H, iters=iters, beam=beam, seed=seed, progress=False)
-    return Quantized(t.dequantize(torch.float32), t.nbytes * 8)
+    return Quantized(t.dequantize(torch.float32), t.nbytes * 8,
+                     Form(t.codes, {"codebooks": t.codebooks.float(), "scales": t.scales.float()}, _additive_decode))
+
+
+def _additive_decode(codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    from .additive import _decode
+
+    return _decode(codes, codebooks, scales)  # the format's own decode: indexing and sums, differentiable in both
 
 
 # --------------------------------------------------------------------------- the registry
@@ -717,6 +790,7 @@ class Scheme:
     defaults: dict
     calibrated: bool
     peer: str | None = None  # the PyPI package, for peers
+    form: bool = False  # its quantizer returns a Form (codes + stored parameters), so it can be fine-tuned
 
 
 def _kmeans_awq(bits, iters, n_grid, clip, seed):
@@ -740,34 +814,34 @@ SCHEMES: dict[str, Scheme] = {
     for s in [
         Scheme("rtn", "round-to-nearest per group (baseline)",
                lambda bits, group_size: functools.partial(rtn, bits=bits, group_size=group_size),
-               dict(bits=4, group_size=128), calibrated=False),
+               dict(bits=4, group_size=128), calibrated=False, form=True),
         Scheme("kmeans", "Trapetum scalar k-means per output channel",
                lambda bits, iters, seed: functools.partial(kmeans, bits=bits, iters=iters, seed=seed),
-               dict(bits=4, iters=25, seed=0), calibrated=False),
+               dict(bits=4, iters=25, seed=0), calibrated=False, form=True),
         Scheme("kmeans-act", "+ activation-aware calibration (importance-weighted k-means)",
                lambda bits, iters, seed: functools.partial(kmeans, bits=bits, weighted=True, iters=iters, seed=seed),
-               dict(bits=4, iters=25, seed=0), calibrated=True),
+               dict(bits=4, iters=25, seed=0), calibrated=True, form=True),
         Scheme("kmeans-act-scale", "+ per-channel scale search",
                lambda bits, iters, n_grid, seed: _kmeans_awq(bits, iters, n_grid, False, seed),
-               dict(bits=4, iters=25, n_grid=10, seed=0), calibrated=True),
+               dict(bits=4, iters=25, n_grid=10, seed=0), calibrated=True, form=True),
         Scheme("kmeans-awq", "+ full AWQ pipeline (scale + clip)",
                lambda bits, iters, n_grid, seed: _kmeans_awq(bits, iters, n_grid, True, seed),
-               dict(bits=4, iters=25, n_grid=10, seed=0), calibrated=True),
+               dict(bits=4, iters=25, n_grid=10, seed=0), calibrated=True, form=True),
         Scheme("kmeans-hadamard", "+ incoherence processing (randomized Hadamard)",
-               _incoherent_kmeans, dict(bits=4, iters=25, seed=0), calibrated=True),
+               _incoherent_kmeans, dict(bits=4, iters=25, seed=0), calibrated=True, form=True),
         Scheme("awq", "AWQ (scale + clip search) with RTN per group",
                lambda bits, group_size, n_grid: functools.partial(
                    awq, inner=functools.partial(rtn, bits=bits, group_size=group_size), n_grid=n_grid, group_size=group_size),
-               dict(bits=4, group_size=128, n_grid=20), calibrated=True),
+               dict(bits=4, group_size=128, n_grid=20), calibrated=True, form=True),
         Scheme("awq-lsq", "AWQ (scale + clip search) with RTN per group, each group's step and min refit by least squares",
                lambda bits, group_size, n_grid, iters: functools.partial(
                    awq, inner=functools.partial(rtn_lsq, bits=bits, group_size=group_size, iters=iters), n_grid=n_grid,
                    group_size=group_size),
-               dict(bits=4, group_size=128, n_grid=20, iters=2), calibrated=True),
+               dict(bits=4, group_size=128, n_grid=20, iters=2), calibrated=True, form=True),
         Scheme("awq-lsq-refit", "awq-lsq, then each row's step and min solved jointly against the full calibration H",
                lambda bits, group_size, n_grid, iters, rounds: functools.partial(
                    awq_lsq_refit, bits=bits, group_size=group_size, n_grid=n_grid, iters=iters, rounds=rounds),
-               dict(bits=4, group_size=128, n_grid=20, iters=2, rounds=1), calibrated=True),
+               dict(bits=4, group_size=128, n_grid=20, iters=2, rounds=1), calibrated=True, form=True),
         Scheme("gptq", "GPTQ with RTN per group",
                lambda bits, group_size, act_order: functools.partial(gptq, quantizer="rtn", bits=bits, group_size=group_size, act_order=act_order),
                dict(bits=4, group_size=128, act_order=True), calibrated=True),
@@ -786,7 +860,7 @@ SCHEMES: dict[str, Scheme] = {
         Scheme("additive", "additive vector codebooks (AQLM-style beam search + least squares, M codebooks of 256 x 8)",
                # bits = M: each codebook spends an 8-bit code on 8 weights
                lambda bits, iters, beam, seed: functools.partial(additive, M=bits, iters=iters, beam=beam, seed=seed),
-               dict(bits=2, iters=2, beam=4, seed=0), calibrated=True),
+               dict(bits=2, iters=2, beam=4, seed=0), calibrated=True, form=True),
         Scheme("hqq", "hqq (peer, half-quadratic quantization per group)",
                lambda bits, group_size: functools.partial(hqq, bits=bits, group_size=group_size),
                dict(bits=4, group_size=128), calibrated=False, peer="hqq"),
@@ -805,6 +879,36 @@ def parse_spec(spec: str) -> tuple[str, dict]:
         v = v.strip()
         opts[k.strip()] = {"true": True, "false": False}.get(v.lower(), int(v) if re.fullmatch(r"-?\d+", v) else v)
     return name.strip(), opts
+
+
+# Model-level options that any scheme with a Form accepts in its spec ('awq-lsq-refit:group_size=96,ft_epochs=2'):
+# after the scheme has chosen every matrix's codes, its stored continuous parameters are trained end to end
+# by distillation from the unquantized model (trapetum.finetune). They are stripped before the matrix
+# quantizer gets its options. ft_lr is relative to each tensor's magnitude (see finetune.finetune).
+FINETUNE_OPTIONS = dict(ft_epochs=None, ft_lr=1e-3, ft_batch=4)
+
+
+def finetune_options(name: str, options: dict) -> tuple[dict | None, dict]:
+    """(the fine-tuning options, completed with their defaults, or None when the spec asks for none;
+    the scheme's own options). SchemeError for bad values, options without ft_epochs, or a scheme
+    whose quantizer exposes no Form (nothing to train with its codes fixed)."""
+    ft = {k: v for k, v in options.items() if k in FINETUNE_OPTIONS}
+    rest = {k: v for k, v in options.items() if k not in FINETUNE_OPTIONS}
+    if not ft:
+        return None, rest
+    if "ft_epochs" not in ft:
+        raise SchemeError(f"{sorted(ft)} without ft_epochs: fine-tuning runs only when ft_epochs (>= 1) is given")
+    if name in SCHEMES and not SCHEMES[name].form:
+        able = [s.name for s in SCHEMES.values() if s.form]
+        raise SchemeError(f"scheme {name!r} exposes no form (codes + stored parameters) to fine-tune; schemes that do: {', '.join(able)}")
+    full = {**FINETUNE_OPTIONS, **ft}
+    try:
+        out = dict(ft_epochs=int(str(full["ft_epochs"])), ft_lr=float(full["ft_lr"]), ft_batch=int(str(full["ft_batch"])))
+    except ValueError as e:
+        raise SchemeError(f"bad fine-tuning option value in {ft}: {e}") from None
+    if out["ft_epochs"] < 1 or out["ft_batch"] < 1 or not (0 < out["ft_lr"] < 1):
+        raise SchemeError(f"need ft_epochs >= 1, ft_batch >= 1 and 0 < ft_lr < 1 (relative step size), got {out}")
+    return out, rest
 
 
 def get_scheme(name: str, **options) -> tuple[Scheme, dict, Callable[..., Quantized]]:
@@ -925,7 +1029,8 @@ class QuantReport:
     quantize_seconds: float  # wall clock, calibration forwards included
     calibration: str | None = None
     calibration_tokens: int = 0
-    rel_output_error: dict = field(default_factory=dict)  # per linear, tr(E H E^T)/tr(W H W^T) when calibrated
+    rel_output_error: dict = field(default_factory=dict)  # per linear, tr(E H E^T)/tr(W H W^T) when calibrated (before any fine-tuning)
+    finetune: dict | None = None  # the fine-tuning's options and FinetuneReport, when the spec asked for it
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -1028,19 +1133,27 @@ def quantize(
     """Quantize every decoder nn.Linear of ``model`` in place with ``scheme`` (fake quantization).
 
     calib: LongTensor [n_samples, seq_len] of calibration tokens (see calibration_ids); needed by
-    calibrated schemes, ignored by the others. calibration: a description of it for the report.
-    threads: torch intra-op threads for the matrix quantizers (None: as set); the calibration
-    forwards keep the setting. 1 is the robust choice on CPU cores shared with other work (see
-    torch_threads).
+    calibrated schemes and by fine-tuning, ignored by the others. calibration: a description of it
+    for the report. threads: torch intra-op threads for the matrix quantizers (None: as set); the
+    calibration forwards and the fine-tuning keep the setting. 1 is the robust choice on CPU cores
+    shared with other work (see torch_threads).
+
+    options may carry the fine-tuning options of :data:`FINETUNE_OPTIONS`: then the model as it is
+    on entry (the unquantized weights) is kept as the teacher, and once every matrix is quantized
+    the stored continuous parameters are trained against it (:func:`trapetum.finetune.finetune`);
+    quantize_seconds includes it.
     """
+    ft, options = finetune_options(scheme, options)
     spec, opts, qfn = get_scheme(scheme, **options)
     linears = decoder_linears(model)
     check_options(linears, opts)
-    if spec.calibrated and (calib is None or calib.dim() != 2 or calib.numel() == 0):
-        raise SchemeError(f"scheme {scheme!r} is calibrated: pass calib, a LongTensor [n_samples, seq_len]")
+    if (spec.calibrated or ft) and (calib is None or calib.dim() != 2 or calib.numel() == 0):
+        raise SchemeError(f"scheme {scheme!r} is calibrated or fine-tuned: pass calib, a LongTensor [n_samples, seq_len]")
     t0 = time.perf_counter()
     bits = weights = 0
     rel_err = {}
+    forms = {}
+    teacher = copy.deepcopy(model) if ft else None  # the reference, before any weight changes
 
     def apply(name, m, H):
         nonlocal bits, weights
@@ -1052,6 +1165,8 @@ def quantize(
         m.weight.data.copy_(q.W_hat.to(W.dtype))
         bits += q.bits
         weights += W.numel()
+        if ft:
+            forms[name] = q.form
 
     layers = decoder_layers(model)
     if not spec.calibrated:
@@ -1069,15 +1184,24 @@ def quantize(
             for name, m in lin.items():
                 apply(name, m, stats.H(name).to(m.weight.device))
             inputs = _run_layer(layer, inputs)  # the next layer sees this one quantized
+        del inputs
+    ft_report = None
+    if ft:
+        from .finetune import finetune
+
+        rep = finetune(model, teacher, forms, calib, epochs=ft["ft_epochs"], lr=ft["ft_lr"], batch=ft["ft_batch"], progress=progress)
+        ft_report = {**ft, **rep.as_dict()}
+        del teacher, forms
     return QuantReport(
         scheme=scheme,
         options=opts,
         bits_per_weight=bits / weights,
         weights=weights,
         quantize_seconds=time.perf_counter() - t0,
-        calibration=calibration if spec.calibrated else None,
-        calibration_tokens=int(calib.numel()) if spec.calibrated else 0,
+        calibration=calibration if spec.calibrated or ft else None,
+        calibration_tokens=int(calib.numel()) if spec.calibrated or ft else 0,
         rel_output_error=rel_err,
+        finetune=ft_report,
     )
 
 
@@ -1121,13 +1245,16 @@ def compare(
     t_start = time.perf_counter()
     stride = ctx if stride is None else stride
     _ppl.windows(ctx, ctx, stride)  # ValueError for a bad ctx or stride, before anything loads
-    for spec in schemes:  # fail on a typo before the model loads, not an hour in
+    def options_of(spec):  # the fine-tuning options and the scheme's own, SchemeError for any bad one
         name, opts = parse_spec(spec)
-        get_scheme(name, **opts)
+        ft, opts = finetune_options(name, opts)
+        return name, ft, opts, get_scheme(name, **opts)[1]
+
+    for spec in schemes:  # fail on a typo before the model loads, not an hour in
+        options_of(spec)
     model, tok = _ppl.load_model(model_name, device=device)
     for spec in schemes:  # options that do not fit this model fail before the first perplexity pass
-        name, opts = parse_spec(spec)
-        check_options(decoder_linears(model), get_scheme(name, **opts)[1])
+        check_options(decoder_linears(model), options_of(spec)[3])
     ids = _ppl.tokenize(tok, _ppl.wikitext2(text_file=text_file), token_budget)
     ref = _ppl.perplexity(model, input_ids=ids, ctx=ctx, stride=stride, progress=progress)
     base = dict(model=model_name, tokens=ref.tokens, scored_tokens=ref.scored, ctx=ctx, stride=stride,
@@ -1137,7 +1264,7 @@ def compare(
     if callback:
         callback(records)
     calib = calib_desc = None
-    if any(SCHEMES[parse_spec(s)[0]].calibrated for s in schemes):
+    if any(SCHEMES[options_of(s)[0]].calibrated or options_of(s)[1] for s in schemes):
         if calibration_source == GENERATED:  # from the unquantized model, before any scheme touches it
             calib, calib_desc = generated_calibration_ids(model, tok, n_calib, calib_len, progress=progress), GENERATED_DESC
         else:
@@ -1145,11 +1272,11 @@ def compare(
             calib = calibration_ids(tok, text, n_calib, calib_len)
     saved = {n: m.weight.data.clone() for n, m in decoder_linears(model).items()}
     for spec in schemes:
-        name, opts = parse_spec(spec)
+        name, _, _, full = options_of(spec)
+        opts = parse_spec(spec)[1]  # quantize takes the fine-tuning options with the scheme's own
         s = SCHEMES[name]
         elapsed = time.perf_counter() - t_start
         if time_limit_s is not None and elapsed > time_limit_s:
-            full = get_scheme(name, **opts)[1]
             records.append(dict(base, scheme=name, label=spec, title=s.title, bits=full["bits"],
                                 group_size=full.get("group_size"), options=full, bits_per_weight=None, ppl=None,
                                 quantize_seconds=None, peer=s.peer,
@@ -1167,6 +1294,7 @@ def compare(
             bits_per_weight=rep.bits_per_weight, ppl=r.ppl, quantize_seconds=rep.quantize_seconds,
             eval_seconds=r.seconds, calibration=rep.calibration, calibration_tokens=rep.calibration_tokens,
             mean_rel_output_error=(sum(rep.rel_output_error.values()) / len(rep.rel_output_error)) if rep.rel_output_error else None,
+            finetune=rep.finetune,
             peer=s.peer, peer_version=_package_version(s.peer) if s.peer else None,
             quantize_threads=quantize_threads if quantize_threads is not None else torch.get_num_threads(),
         ))
@@ -1250,6 +1378,27 @@ def calibration_comparison(main: "pd.DataFrame", main_ref, cal: "pd.DataFrame") 
                      "PPL, generated calibration": c.ppl, "vs reference (%), generated": 100 * (c.ppl / cal_ref.ppl - 1),
                      "within +8%": "yes" if c.ppl <= 1.08 * cal_ref.ppl else "no"})
     return pd.DataFrame(rows), same
+
+
+def finetune_table(run: "pd.DataFrame") -> "pd.DataFrame":
+    """One row per scheme of a run (its records, reference row included): perplexity and % over the
+    run's own reference, whether it is within +8 %, quantize seconds (fine-tuning included), and
+    for the fine-tuned rows the fine-tuning's seconds, epochs, steps and the KL to the reference on
+    the calibration samples before and after (empty for rows without fine-tuning)."""
+    import pandas as pd
+
+    ref = run[run.scheme == "reference"].iloc[-1]
+    rows = []
+    for _, r in run[(run.scheme != "reference") & run.ppl.notna()].iterrows():
+        ft = r.get("finetune")
+        ft = ft if isinstance(ft, dict) else {}
+        rows.append({"scheme": r.label, "bits/weight": r.bits_per_weight, "PPL": r.ppl,
+                     "vs reference (%)": 100 * (r.ppl / ref.ppl - 1), "within +8%": "yes" if r.ppl <= 1.08 * ref.ppl else "no",
+                     "quantize (s)": r.quantize_seconds, "of which fine-tuning (s)": ft.get("seconds", float("nan")),
+                     "epochs": ft.get("epochs", float("nan")), "steps": ft.get("steps", float("nan")),
+                     "KL before (nats/token)": ft.get("kl_before", float("nan")),
+                     "KL after (nats/token)": ft.get("kl_after", float("nan"))})
+    return pd.DataFrame(rows)
 
 
 def negative_results(df) -> "pd.DataFrame":

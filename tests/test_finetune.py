@@ -1,0 +1,180 @@
+"""End-to-end fine-tuning of the stored continuous parameters (trapetum.finetune), on a tiny random Llama.
+
+What it must do: lower the KL to the unquantized model on the calibration tokens, leave every
+code and the bits per weight as they were, store fp16-representable parameters, and refuse
+schemes with nothing to train and bad option values. Runs in seconds on two cores.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trapetum import finetune as F
+from trapetum import pipelines as P
+
+from test_accuracy import TEXT, ByteTokenizer, correlated_inputs, tiny_llama
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def calib_ids(n=8, seq_len=64):
+    return P.calibration_ids(ByteTokenizer(), "Some calibration text that is not the evaluation text. " * 40, n_samples=n, seq_len=seq_len)
+
+
+FORM_SPECS = {  # one small-option spec per scheme, for the checks that run every registered scheme
+    "rtn": "rtn:group_size=32", "kmeans": "kmeans:iters=5", "kmeans-act": "kmeans-act:iters=5",
+    "kmeans-act-scale": "kmeans-act-scale:iters=5,n_grid=3", "kmeans-awq": "kmeans-awq:iters=5,n_grid=3",
+    "kmeans-hadamard": "kmeans-hadamard:iters=5", "awq": "awq:group_size=32,n_grid=3",
+    "awq-lsq": "awq-lsq:group_size=32,n_grid=3", "awq-lsq-refit": "awq-lsq-refit:group_size=32,n_grid=3",
+    "gptq": "gptq:group_size=32", "awq-gptq": "awq-gptq:group_size=32,n_grid=3", "hqq-gptq": "hqq-gptq:group_size=32",
+    "gptq-kmeans": "gptq-kmeans", "gptq-kmeans-hadamard": "gptq-kmeans-hadamard", "additive": "additive:iters=1,beam=2",
+    "hqq": "hqq:group_size=32",
+}
+
+
+def test_every_scheme_declares_whether_it_returns_a_form_and_the_form_decodes_to_its_weight():
+    assert set(FORM_SPECS) == set(P.SCHEMES)
+    X, H = correlated_inputs(n=64, tokens=512)
+    W = torch.randn(32, 64) * 0.02
+    for name, spec in FORM_SPECS.items():
+        _, opts = P.parse_spec(spec)
+        q = P.get_scheme(name, **opts)[2](W, H)
+        assert (q.form is not None) == P.SCHEMES[name].form, name
+        if q.form is not None:
+            assert torch.allclose(q.form.W_hat(), q.W_hat, rtol=1e-5, atol=1e-7), name
+            assert not q.form.codes.dtype.is_floating_point, name
+
+
+def quantize_and_capture(spec, calib, monkeypatch):
+    """quantize() with the spec's fine-tuning, keeping each form's codes and parameters as they were before training."""
+    seen = {}
+    real = F.finetune
+
+    def spy(model, teacher, forms, calib, **kw):
+        seen["forms"] = forms
+        seen["codes"] = {n: f.codes.clone() for n, f in forms.items()}
+        seen["params"] = {n: {k: v.clone() for k, v in f.params.items()} for n, f in forms.items()}
+        return real(model, teacher, forms, calib, **kw)
+
+    monkeypatch.setattr(F, "finetune", spy)
+    model = tiny_llama()
+    name, opts = P.parse_spec(spec)
+    rep = P.quantize(model, name, calib, calibration="test text", progress=False, **opts)
+    return model, rep, seen
+
+
+@pytest.mark.parametrize("spec, gain", [
+    ("rtn:group_size=32,bits=3,ft_epochs=3,ft_lr=3e-3,ft_batch=2", 0.8),
+    ("awq-lsq-refit:group_size=32,n_grid=3,bits=3,ft_epochs=3,ft_lr=3e-3,ft_batch=2", 0.8),
+    ("kmeans:bits=3,iters=5,ft_epochs=3,ft_lr=3e-3,ft_batch=2", 0.8),
+    # on matrices this small the additive codebooks (2 x 256 vectors) nearly fit the weight: KL ~1e-5 to start
+    ("additive:iters=1,beam=2,ft_epochs=3,ft_lr=3e-3,ft_batch=2", 0.95),
+])
+def test_finetuning_lowers_the_kl_and_keeps_codes_bits_and_fp16(spec, gain, monkeypatch):
+    calib = calib_ids()
+    model, rep, seen = quantize_and_capture(spec, calib, monkeypatch)
+    ft = rep.finetune
+    assert ft["kl_after"] < gain * ft["kl_before"], ft
+    assert ft["steps"] == 3 * 4 and len(ft["loss_curve"]) == 3 and rep.quantize_seconds >= ft["seconds"] > 0
+    name, opts = P.parse_spec(spec)
+    plain = P.quantize(tiny_llama(), name, calib, progress=False,
+                       **{k: v for k, v in opts.items() if k not in P.FINETUNE_OPTIONS})
+    assert rep.bits_per_weight == plain.bits_per_weight and plain.finetune is None
+    moved = 0
+    for n, m in P.decoder_linears(model).items():
+        f = seen["forms"][n]
+        assert torch.equal(f.codes, seen["codes"][n])  # codes untouched
+        for k, v in f.params.items():
+            assert torch.equal(v, v.half().float()), (n, k)  # what the format stores: fp16
+            moved += int(not torch.equal(v, seen["params"][n][k]))
+        assert torch.equal(m.weight.data, f.W_hat().to(m.weight.dtype))  # the model runs the stored parameters
+        assert not torch.nn.utils.parametrize.is_parametrized(m)
+    assert moved > 0
+
+
+def test_finetune_leaves_grad_flags_and_training_mode_as_it_found_them():
+    model, teacher, calib = tiny_llama(), tiny_llama(), calib_ids(n=2, seq_len=32)
+    name, opts = "rtn", {"group_size": 32}
+    qfn = P.get_scheme(name, **opts)[2]
+    forms = {}
+    for n, m in P.decoder_linears(model).items():
+        q = qfn(m.weight.data.float())
+        m.weight.data.copy_(q.W_hat)
+        forms[n] = q.form
+    weights = {n: m.weight for n, m in P.decoder_linears(model).items()}
+    F.finetune(model, teacher, forms, calib, epochs=1, lr=1e-3, batch=2, progress=False)
+    assert all(p.requires_grad for p in model.parameters()) and not model.training
+    assert all(m.weight is weights[n] for n, m in P.decoder_linears(model).items())  # the same Parameter objects
+    with pytest.raises(ValueError, match="no form"):
+        F.finetune(model, teacher, {}, calib, progress=False)
+    with pytest.raises(ValueError, match="epochs"):
+        F.finetune(model, teacher, forms, calib, epochs=0, progress=False)
+
+
+def test_kl_is_zero_for_the_teacher_itself_and_positive_otherwise():
+    a = torch.randn(2, 5, 11)
+    assert float(F.kl_to_teacher(a, a)) == pytest.approx(0, abs=1e-6)
+    assert float(F.kl_to_teacher(a + torch.randn_like(a), a)) > 0
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("gptq:group_size=32,ft_epochs=1", "exposes no form"),
+    ("hqq:ft_epochs=1", "exposes no form"),
+    ("rtn:ft_lr=1e-3", "without ft_epochs"),
+    ("rtn:ft_epochs=0", "ft_epochs >= 1"),
+    ("rtn:ft_epochs=1,ft_lr=2", "ft_lr < 1"),
+    ("rtn:ft_epochs=1,ft_lr=-1e-3", "0 < ft_lr"),
+    ("rtn:ft_epochs=1,ft_batch=0", "ft_batch >= 1"),
+    ("rtn:ft_epochs=two", "bad fine-tuning option value"),
+    ("rtn:ft_epochs=1,ft_lr=fast", "bad fine-tuning option value"),
+    ("rtn:ft_epochs=1,ft_steps=3", "no option"),
+])
+def test_bad_finetuning_options_fail_before_the_model_loads(spec, match, monkeypatch):
+    from trapetum import ppl
+
+    monkeypatch.setattr(ppl, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    with pytest.raises(P.SchemeError, match=match):
+        P.compare("smollm2-135m", [spec])
+
+
+def test_quantize_needs_calibration_tokens_to_finetune():
+    with pytest.raises(P.SchemeError, match="pass calib"):
+        P.quantize(tiny_llama(), "rtn", None, progress=False, group_size=32, ft_epochs=1)
+
+
+def test_compare_records_the_finetuning_under_the_specs_label(tmp_path, monkeypatch):
+    from trapetum import ppl
+
+    f = tmp_path / "wiki.raw"
+    f.write_text(TEXT)
+    monkeypatch.setattr(ppl, "load_model", lambda name, device=None: (tiny_llama(), ByteTokenizer()))
+    spec = "rtn:group_size=32,bits=3,ft_epochs=2,ft_lr=3e-3,ft_batch=2"
+    recs = P.compare("tiny", ["rtn:group_size=32,bits=3", spec], text_file=f, token_budget=256, ctx=128,
+                     calibration_source="generated", n_calib=4, calib_len=32, progress=False)
+    plain, tuned = recs[1], recs[2]
+    assert tuned["label"] == spec and tuned["options"] == plain["options"] and plain["finetune"] is None
+    assert tuned["bits_per_weight"] == plain["bits_per_weight"]
+    assert tuned["finetune"]["ft_epochs"] == 2 and tuned["finetune"]["kl_after"] < tuned["finetune"]["kl_before"]
+    assert tuned["calibration"] == P.GENERATED_DESC and tuned["calibration_tokens"] == 128
+    assert tuned["quantize_seconds"] >= tuned["finetune"]["seconds"]
+
+
+def test_finetune_table_reads_a_runs_records():
+    import pandas as pd
+
+    run = pd.DataFrame([
+        {"scheme": "reference", "label": "reference", "ppl": 20.0, "bits_per_weight": None, "quantize_seconds": 0.0, "finetune": None},
+        {"scheme": "awq-lsq-refit", "label": "awq-lsq-refit:group_size=96", "ppl": 22.0, "bits_per_weight": 4.356,
+         "quantize_seconds": 300.0, "finetune": None},
+        {"scheme": "awq-lsq-refit", "label": "awq-lsq-refit:group_size=96,ft_epochs=2", "ppl": 21.5, "bits_per_weight": 4.356,
+         "quantize_seconds": 900.0, "finetune": {"seconds": 600.0, "epochs": 2, "steps": 32, "kl_before": 0.1, "kl_after": 0.05}},
+        {"scheme": "hqq", "label": "hqq:group_size=96", "ppl": None, "bits_per_weight": None, "quantize_seconds": None, "finetune": None},
+    ])
+    t = P.finetune_table(run)
+    assert t.scheme.tolist() == ["awq-lsq-refit:group_size=96", "awq-lsq-refit:group_size=96,ft_epochs=2"]  # unmeasured rows left out
+    assert t["vs reference (%)"].tolist() == pytest.approx([10.0, 7.5]) and t["within +8%"].tolist() == ["no", "yes"]
+    assert pd.isna(t.loc[0, "KL after (nats/token)"]) and t.loc[1, "KL after (nats/token)"] == 0.05
+    assert t.loc[1, "of which fine-tuning (s)"] == 600.0

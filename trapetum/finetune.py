@@ -1,0 +1,176 @@
+"""End-to-end fine-tuning of a quantized model's continuous parameters, codes fixed, by distillation.
+
+A layer-wise quantizer chooses every matrix's integer codes and fits its continuous parameters
+(steps and mins of affine grids, AWQ input scales, codebook entries) to that one layer's output
+error on the calibration inputs. Fitting those harder lowered the layer-wise error and not the
+perplexity (NOTES.md, session 13): the layer objective is not the model's. This step keeps the
+codes and trains only the continuous parameters that the format stores, so that the quantized
+model's next-token distribution matches the unquantized model's: the KL divergence from the
+teacher's (the reference model's) to the student's, on the calibration tokens. It is the
+global fine-tuning of AQLM and PV-tuning, EfficientQAT's E2E-QP (step sizes only, codes frozen)
+and LLM-QAT's data-free distillation (the calibration text can be the model's own samples,
+:func:`trapetum.pipelines.generated_calibration_ids`).
+
+Each decoder nn.Linear's weight is computed from its :class:`~trapetum.pipelines.Form` during
+training (``torch.nn.utils.parametrize``); everything else (embeddings, norms, the head) stays
+frozen. At the end every trained parameter is rounded to fp16, as the format stores it, and the
+weights are left as the decoded fp16 parameters, so the storage and the bits per weight do not
+change. Entry points: :func:`finetune`; :func:`trapetum.pipelines.quantize` runs it when a scheme
+spec carries ``ft_epochs`` (see :data:`trapetum.pipelines.FINETUNE_OPTIONS`).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+from tqdm.auto import tqdm
+
+
+@dataclass
+class FinetuneReport:
+    epochs: int
+    steps: int
+    lr: float  # relative: each tensor's Adam step size is lr x its initial mean |value| (see finetune)
+    batch: int
+    loss_curve: list = field(default_factory=list)  # mean training KL (nats/token) of each epoch, while it trained
+    kl_before: float = math.nan  # mean KL to the teacher on the first eval_samples calibration samples, before
+    kl_after: float = math.nan  # the same, after, with the parameters rounded to fp16 as stored
+    eval_samples: int = 0
+    trained_parameters: int = 0  # continuous values trained (codes are not parameters)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class _FormWeight(nn.Module):
+    """The parametrization: a linear's weight = its form's decode of the fixed codes and the trainable parameters."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.register_buffer("codes", form.codes, persistent=False)
+        self.values = nn.ParameterDict({k: nn.Parameter(v.detach().float().clone()) for k, v in form.params.items()})
+        self.decode = form.decode
+
+    def forward(self, original: torch.Tensor) -> torch.Tensor:  # the stored weight is ignored: the form is the weight
+        return self.decode(self.codes, **self.values).to(original.dtype)
+
+
+def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of KL(teacher || student), nats: sum_v p_t (log p_t - log p_s).
+
+    The forward KL (teacher first) is the distillation loss of LLM-QAT and AQLM's fine-tuning: it
+    weights each token by the teacher's probability, so the student is pulled toward everything
+    the reference model considers likely, as perplexity on real text will ask of it."""
+    t = torch.log_softmax(teacher_logits.float(), -1)
+    s = torch.log_softmax(student_logits.float(), -1)
+    return (t.exp() * (t - s)).sum(-1).mean()
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids, use_cache=False).logits
+
+
+@torch.no_grad()
+def _mean_kl(model, teacher, calib: torch.Tensor, batch: int) -> float:
+    total = 0.0
+    for b in range(0, calib.shape[0], batch):
+        x = calib[b:b + batch]
+        total += float(kl_to_teacher(_logits(model, x), _logits(teacher, x))) * x.shape[0]
+    return total / calib.shape[0]
+
+
+def finetune(model, teacher, forms: dict, calib: torch.Tensor, *, epochs: int = 1, lr: float = 1e-3, batch: int = 4,
+             eval_samples: int = 8, seed: int = 0, progress: bool = True) -> FinetuneReport:
+    """Train the continuous parameters of ``forms`` (decoder linear name -> Form, codes fixed) so that
+    ``model``'s next-token distribution matches ``teacher``'s on ``calib`` (LongTensor [n, seq_len]).
+
+    model: the quantized model (its decoder linears named as in ``forms``); teacher: the unquantized
+    model, frozen (only its logits are used). Adam for ``epochs`` passes over the calibration
+    samples in seeded random order, ``batch`` samples a step, cosine decay of the step size to 0.
+    lr is relative: a tensor's step size is lr x its initial mean |value|, because the parameters
+    differ by orders of magnitude (a 4-bit step ~1e-3, an AWQ input scale ~1) and one absolute lr
+    would be too large for one kind and a no-op for another. At the end each parameter is rounded
+    to fp16, the forms' params are replaced by the rounded values (codes untouched), and each
+    linear's weight is the decoded weight again, as a plain parameter. kl_before/kl_after: the mean
+    KL on the first ``eval_samples`` calibration samples, before training and after the rounding.
+    """
+    from .pipelines import decoder_linears
+
+    if epochs < 1 or batch < 1 or not (lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"need epochs >= 1, batch >= 1 and a finite lr > 0, got {epochs}, {batch}, {lr}")
+    if calib is None or calib.dim() != 2 or calib.numel() == 0:
+        raise ValueError("fine-tuning needs calibration tokens: a LongTensor [n_samples, seq_len]")
+    linears = decoder_linears(model)
+    missing = set(linears) - set(forms)
+    if missing:
+        raise ValueError(f"no form for {len(missing)} decoder linear(s), e.g. {sorted(missing)[0]}")
+    t0 = time.perf_counter()
+    dev = next(model.parameters()).device
+    calib = calib.to(dev)
+    n_eval = min(eval_samples, calib.shape[0])
+    was_training, teacher_training = model.training, teacher.training
+    model.eval()  # no dropout either way; eval keeps the model's own settings as the perplexity pass uses them
+    teacher.eval()
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    mods = {}
+    try:
+        for name, lin in linears.items():
+            mods[name] = _FormWeight(forms[name]).to(dev)
+            parametrize.register_parametrization(lin, "weight", mods[name], unsafe=True)
+        report = FinetuneReport(epochs=epochs, steps=0, lr=lr, batch=batch, eval_samples=n_eval,
+                                trained_parameters=sum(v.numel() for m in mods.values() for v in m.values.values()))
+        if n_eval:
+            report.kl_before = _mean_kl(model, teacher, calib[:n_eval], batch)
+        groups = [{"params": [v], "lr": lr * float(v.detach().abs().mean().clamp_min(1e-12))}
+                  for m in mods.values() for v in m.values.values()]
+        opt = torch.optim.Adam(groups)
+        per_epoch = math.ceil(calib.shape[0] / batch)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5 * (1 + math.cos(math.pi * k / (epochs * per_epoch))))
+        gen = torch.Generator().manual_seed(seed)
+        bar = tqdm(total=epochs * per_epoch, desc="fine-tuning (KL to the reference)", disable=not progress, leave=False)
+        for _ in range(epochs):
+            order = torch.randperm(calib.shape[0], generator=gen)
+            total = 0.0
+            for b in range(0, calib.shape[0], batch):
+                x = calib[order[b:b + batch].to(dev)]
+                with torch.no_grad():
+                    t_logits = _logits(teacher, x)
+                with torch.enable_grad():  # quantize() runs under no_grad
+                    loss = kl_to_teacher(_logits(model, x), t_logits)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                opt.step()
+                sched.step()
+                total += float(loss.detach()) * x.shape[0]
+                report.steps += 1
+                bar.update(1)
+                bar.set_postfix(kl=f"{float(loss.detach()):.4f}")
+            report.loss_curve.append(total / calib.shape[0])
+        bar.close()
+        with torch.no_grad():  # the format stores fp16: round, so the PPL measured is the stored model's
+            for m in mods.values():
+                for v in m.values.values():
+                    v.copy_(v.half().float())
+        if n_eval:
+            report.kl_after = _mean_kl(model, teacher, calib[:n_eval], batch)
+    finally:
+        for name, lin in linears.items():
+            if parametrize.is_parametrized(lin, "weight"):
+                parametrize.remove_parametrizations(lin, "weight", leave_parametrized=True)
+        for p in frozen:
+            p.requires_grad_(True)
+        model.train(was_training)
+        teacher.train(teacher_training)
+    for name, m in mods.items():
+        forms[name].params = {k: v.detach().clone() for k, v in m.values.items()}
+    report.seconds = time.perf_counter() - t0
+    return report
