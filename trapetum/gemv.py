@@ -675,6 +675,46 @@ def pair_block_finisher(B: int, W2: int, nt: int):
     return finish
 
 
+def pair_block_stream(fetch, use_chunk, U: int, W2: int):
+    """The two-row-block kernels' main loop over a warp's ``nk`` chunks (chunk ``wg``, ``wg + W2``, ...
+    of the K-slice starting at ``j0``): ``U`` chunks in use while the next ``U`` load, the two
+    register sets ``c`` (holding the first U, fetched before the prologue) and ``d`` alternating,
+    two turns a trip, so no turn copies its prefetched codes (a copy a turn cost ptxas ~30 moves).
+    Indices past the slice are clamped to ``jlast`` (a re-read, never used): whole turns, no
+    bounds checks. ``fetch(dst, o, tiled, base, j)`` and ``use_chunk(regs, o, sm, lb, xo, rel, xa,
+    xb, acc)`` are the kernel's own."""
+    NU = 4 * U
+
+    @cuda.jit(device=True, **INLINE)
+    def stream(c, d, tiled, base, j0, jlast, wg, nk, sm, lb, xo, xa, xb, acc):
+        rel = wg  # this turn's first chunk, relative to the slice
+        turns = nk // U
+        for _ in range(turns // 2):
+            for u in range(U):  # the next U chunks fly while these U are used
+                fetch(d, 4 * u, tiled, base, min(j0 + rel + (U + u) * W2, jlast))
+            for u in range(U):
+                use_chunk(c, 4 * u, sm, lb, xo, rel + u * W2, xa, xb, acc)
+            rel += U * W2
+            for u in range(U):
+                fetch(c, 4 * u, tiled, base, min(j0 + rel + (U + u) * W2, jlast))
+            for u in range(U):
+                use_chunk(d, 4 * u, sm, lb, xo, rel + u * W2, xa, xb, acc)
+            rel += U * W2
+        if turns % 2 == 1:
+            for u in range(U):
+                fetch(d, 4 * u, tiled, base, min(j0 + rel + (U + u) * W2, jlast))
+            for u in range(U):
+                use_chunk(c, 4 * u, sm, lb, xo, rel + u * W2, xa, xb, acc)
+            rel += U * W2
+            for i in range(NU):
+                c[i] = d[i]
+        for u in range(U - 1):  # the last nk % U chunks, already loaded
+            if u < nk % U:
+                use_chunk(c, 4 * u, sm, lb, xo, rel + u * W2, xa, xb, acc)
+
+    return stream
+
+
 def mma_shared_bytes(B: int, warps: int, cps: int) -> int:
     """Dynamic shared memory of :func:`mma_kernel`: the pair table (aliased by the warps' partials
     after the main loop), B rows of the x slice as fp16 (16 bytes of padding a row so batch rows
@@ -753,6 +793,8 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
                         xa[k + 2 * h], xb[k + 2 * h], xa[k + 2 * h + 1], xb[k + 2 * h + 1], b0, b1,
                         acc[k], acc[k + 1], acc[k + 2], acc[k + 3])
 
+    stream = pair_block_stream(fetch, use_chunk, U, W2)
+
     # launch_bounds (at most 128 registers): without them ptxas gave batch 16 148, which 512 threads cannot launch with.
     @cuda.jit(**({} if SIM else {"launch_bounds": (nt, max(1, 512 // nt))}))
     def kernel(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, cps):
@@ -804,33 +846,8 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
             ba = 4 * (i >> 1) + (lane >> 4) + 2 * (i & 1)
             xl[i] = XO + ba * xrow if diag and ba < B else -1
         lb = uint32((lane << 2) | (g << 7))  # byte 0 of every lookup address
-        # Turns alternate between two register sets (c, d), two turns a loop trip, so no turn
-        # copies its prefetched codes: a copy a turn cost ptxas ~30 moves (SASS counted on the CPU).
-        d = cuda.local.array(NU, int32)
-        rel = wg  # this turn's first chunk, relative to the slice
-        turns = nk // U
-        for _ in range(turns // 2):
-            for u in range(U):  # the next U chunks fly while these U are used
-                fetch(d, 4 * u, tiled, base, min(j0 + rel + (U + u) * W2, jlast))
-            for u in range(U):
-                use_chunk(c, 4 * u, sm, lb, xl, rel + u * W2, xa, xb, acc)
-            rel += U * W2
-            for u in range(U):
-                fetch(c, 4 * u, tiled, base, min(j0 + rel + (U + u) * W2, jlast))
-            for u in range(U):
-                use_chunk(d, 4 * u, sm, lb, xl, rel + u * W2, xa, xb, acc)
-            rel += U * W2
-        if turns % 2 == 1:
-            for u in range(U):
-                fetch(d, 4 * u, tiled, base, min(j0 + rel + (U + u) * W2, jlast))
-            for u in range(U):
-                use_chunk(c, 4 * u, sm, lb, xl, rel + u * W2, xa, xb, acc)
-            rel += U * W2
-            for i in range(NU):
-                c[i] = d[i]
-        for u in range(U - 1):  # the last nk % U chunks, already loaded
-            if u < nk % U:
-                use_chunk(c, 4 * u, sm, lb, xl, rel + u * W2, xa, xb, acc)
+        d = cuda.local.array(NU, int32)  # the second register set (pair_block_stream)
+        stream(c, d, tiled, base, j0, jlast, wg, nk, sm, lb, xl, xa, xb, acc)
 
         cuda.syncthreads()  # every warp is done with the table: the partials reuse its space
         # D fragment: lane (g', t') holds D[g'][2t'], D[g'][2t'+1], D[g'+8][2t'], D[g'+8][2t'+1], and
@@ -925,9 +942,9 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
     finish = pair_block_finisher(B, W2, nt)
 
     @cuda.jit(device=True, **INLINE)
-    def fetch(dst, o, tiled, at):
+    def fetch(dst, o, tiled, base, jj):
         for q in range(4):  # word t of row 8q + g: the warp reads the chunk's 128-byte line q
-            dst[o + q] = load_stream(tiled, at + q * 32)
+            dst[o + q] = load_stream(tiled, base + jj * 128 + q * 32)
 
     @cuda.jit(device=True, **INLINE)
     def use_chunk(c, o, sm, lb, xr, rel, xa, xb, acc):
@@ -954,6 +971,8 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
                     else:
                         acc[i], acc[i + 1], acc[i + 2], acc[i + 3] = mma_m16n8k16(
                             xb[k], xb[k + 1], xb[k + 2], xb[k + 3], b0, b1, acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
+
+    stream = pair_block_stream(fetch, use_chunk, U, W2)
 
     # At most 128 registers up to batch 32 (two 8-warp blocks an SM); batch 33..64 holds 64
     # accumulators a lane and spilled there, so it may take up to 255 (its x slice allows one block anyway).
@@ -985,7 +1004,7 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
         c = cuda.local.array(NU, int32)
         if nk > 0:
             for u in range(U):
-                fetch(c, 4 * u, tiled, base + min(j0 + wg + u * W2, jlast) * 128)
+                fetch(c, 4 * u, tiled, base, min(j0 + wg + u * W2, jlast))
         stage_codebooks(sm, cbt32, CO, bx, rbs, tid, nt)
         stage_x_pairs(sm, x32, XO, xrow, j0, jend, B, tid, nt)
         cuda.syncthreads()
@@ -1007,30 +1026,7 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
             xr[mt] = XO + (8 * mt + gq) * xrow + 8 * t if 16 * mt + gq < B else -1
         lb = uint32((g << 7) | (gq << 2))
         d = cuda.local.array(NU, int32)
-        rel = wg
-        turns = nk // U
-        for _ in range(turns // 2):  # two register sets alternate, as in mma_kernel
-            for u in range(U):
-                fetch(d, 4 * u, tiled, base + min(j0 + rel + (U + u) * W2, jlast) * 128)
-            for u in range(U):
-                use_chunk(c, 4 * u, sm, lb, xr, rel + u * W2, xa, xb, acc)
-            rel += U * W2
-            for u in range(U):
-                fetch(c, 4 * u, tiled, base + min(j0 + rel + (U + u) * W2, jlast) * 128)
-            for u in range(U):
-                use_chunk(d, 4 * u, sm, lb, xr, rel + u * W2, xa, xb, acc)
-            rel += U * W2
-        if turns % 2 == 1:
-            for u in range(U):
-                fetch(d, 4 * u, tiled, base + min(j0 + rel + (U + u) * W2, jlast) * 128)
-            for u in range(U):
-                use_chunk(c, 4 * u, sm, lb, xr, rel + u * W2, xa, xb, acc)
-            rel += U * W2
-            for i in range(NU):
-                c[i] = d[i]
-        for u in range(U - 1):  # the last nk % U chunks, already loaded
-            if u < nk % U:
-                use_chunk(c, 4 * u, sm, lb, xr, rel + u * W2, xa, xb, acc)
+        stream(c, d, tiled, base, j0, jlast, wg, nk, sm, lb, xr, xa, xb, acc)
 
         cuda.syncthreads()  # everyone is done with the table and x: the partials reuse the space
         # D fragment (mt, q): lane (g, t) holds batch 16 mt + g (+ 8 for i >= 2), rows 8q + 2t (+ 1 for odd i)
