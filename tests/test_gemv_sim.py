@@ -292,14 +292,19 @@ def test_a_pipeline_needs_two_stages():
         ("wide", 96, 128, 17, {"warps": 4, "ksplit": 2, "stages": 4}),  # 3 row-blocks; a second m-tile with one row
         ("wide", 33, 64, 40, {"warps": 4, "stages": 1}),  # three m-tiles, a partial row-block
         ("wide", 64, 256, 64, {"warps": 8, "ksplit": 2}),  # four full m-tiles, two K-slices
+        ("wide", 160, 128, 12, {"warps": 4, "ksplit": 2, "walk": 2}),  # block 0 walks pairs 0 and 2 (half idle)
+        ("wide", 256, 64, 20, {"warps": 4, "ksplit": 2, "walk": 4}),  # one block a K-slice walks all four pairs
     ],
 )
 def test_tensor_core_kernels_match_float64_reference(kernel, n_out, n_in, batch, plan):
     ct = random_codebook_tensor(n_out, n_in, 16, seed=n_out + batch)
     g = LutGemv(ct, plan={"kernel": kernel, **plan})
     p = g.plan(batch)
-    assert (p.kernel, p.RB, p.warps) == (kernel, 2, plan["warps"])
+    assert (p.kernel, p.RB, p.warps, p.walk) == (kernel, 2, plan["warps"], plan.get("walk", 1))
     check(g, x_for(n_in, batch, seed=batch))
+    if p.walk > 1 and batch <= 16:  # the kept K-split counters of every walked pair were reset
+        assert not g._plans[batch][2][1].any()
+        check(g, x_for(n_in, batch, seed=batch + 1))
 
 
 def test_mma_k_split_resets_its_counters():
@@ -363,6 +368,19 @@ def test_wide_kernel_batches_and_plans():
         gemv.plan_wide(4096, 128, 64, 132, budget=48 * 1024)
     with pytest.raises(ValueError, match="unroll"):
         gemv.wide_kernel(8, 4, unroll=3)
+    # blocks walking row pairs: the partials must fit the table (the x slice is kept), walk >= 1
+    with pytest.raises(ValueError, match="partials"):
+        gemv.plan_wide(14336, 128, 64, 132, warps=16)
+    with pytest.raises(ValueError, match="partials"):
+        gemv.wide_kernel(33, 16)
+    with pytest.raises(ValueError, match="walk"):
+        gemv.plan_wide(14336, 128, 32, 132, walk=0)
+    wave = gemv.plan_wide(14336, 128, 32, 132, warps=8, ksplit=4, walk="wave")
+    blocks = wave.grid(448)[0] * wave.ksplit
+    assert wave.walk > 1 and blocks <= gemv.wide_blocks_per_sm(32, 8, wave.shared_bytes) * 132 < blocks + wave.ksplit * wave.walk
+    assert gemv.plan_wide(64, 128, 32, 132, walk=9).walk == 1  # never more than the layer's pairs
+    walks = {(p.warps, p.ksplit, p.stages, p.walk) for p in wide}
+    assert any(w > 1 for *_, w in walks) and any(w == 1 for *_, w in walks)
 
 
 def test_large_batches_keep_no_workspace():

@@ -877,9 +877,18 @@ def wide_xrow(cps: int) -> int:
 
 
 def wide_shared_bytes(B: int, warps: int, cps: int) -> int:
-    """Dynamic shared memory of :func:`wide_kernel`: the pair table, 8 row pairs an m-tile of the x
-    slice and the two row-blocks' staged codebooks; the warps' partials reuse it after the main loop."""
-    return 4 * max(MMA_TABLE_WORDS + 8 * ((B + 15) // 16) * wide_xrow(cps) + 2 * MMA_CB_WORDS, warps * B * 32)
+    """Dynamic shared memory of :func:`wide_kernel`: the pair table (the warps' partials reuse it
+    after each row pair's main loop), 8 row pairs an m-tile of the x slice, kept for every row pair
+    the block walks, and the two row-blocks' staged codebooks."""
+    return 4 * (MMA_TABLE_WORDS + 8 * ((B + 15) // 16) * wide_xrow(cps) + 2 * MMA_CB_WORDS)
+
+
+def wide_blocks_per_sm(B: int, warps: int, shared_bytes: int) -> int:
+    """Blocks of :func:`wide_kernel` an H100-class SM holds: by threads, by shared memory (228 KiB,
+    1 KiB of it reserved a block) and by the registers its launch bounds allow."""
+    nt = warps * 32
+    regs = (512 if B <= 32 else 256) // nt  # the launch bounds' minimum blocks: what ptxas sized for
+    return max(1, min(2048 // nt, (228 * 1024) // (shared_bytes + 1024), max(1, regs)))
 
 
 @cuda.jit(device=True, **INLINE)
@@ -922,9 +931,11 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
     rows 2 x-reads and 8 mmas, where mma_kernel needs 32 mmas at batch 64.
 
     The cost: a quad's four lanes look up one row's table, so the table is swizzled (see
-    :func:`pair_table_builder`) and a lookup takes ~3 shared wavefronts, not 1. Grid, blocks,
-    K-split and arguments as mma_kernel's; ``unroll``: chunks a warp uses in one turn while as
-    many more are in flight. :func:`wide_shared_bytes` of dynamic shared memory.
+    :func:`pair_table_builder`) and a lookup takes ~3 shared wavefronts, not 1. Blocks, K-split
+    and arguments as mma_kernel's, but the grid's x may be smaller than the row pairs: block bx
+    walks pairs bx, bx + gridDim.x, ... (:attr:`LaunchPlan.walk` a block), keeping its x slice.
+    ``unroll``: chunks a warp uses in one turn while as many more are in flight.
+    :func:`wide_shared_bytes` of dynamic shared memory.
     """
     key = ("wide", B, warps, unroll)
     if key in _kernel_cache:
@@ -932,6 +943,9 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
     if not 1 <= B <= MAX_WIDE_BATCH or warps not in (4, 8, 16) or unroll not in (1, 2, 4):
         raise ValueError(f"the wide kernel takes batch 1..{MAX_WIDE_BATCH}, 4, 8 or 16 warps and unroll 1, 2 or 4, "
                          f"got {B}, {warps} and {unroll}")
+    if warps * B * 32 > MMA_TABLE_WORDS:
+        raise ValueError(f"the wide kernel's partials ({warps} warps x batch {B}) must fit its 64 KiB table: "
+                         f"at most {MMA_TABLE_WORDS // (32 * B)} warps at batch {B}")
     MT = (B + 15) // 16  # m-tiles: 16 batch rows each
     W2 = warps // 2
     U = unroll
@@ -979,38 +993,19 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
     @cuda.jit(**({} if SIM else {"launch_bounds": (nt, max(1, (512 if MT <= 2 else 256) // nt))}))
     def kernel(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, cps):
         sm = cuda.shared.array(0, uint32)  # table | x slice | codebooks
-        red = cuda.shared.array(0, float32)  # the warps' partials, over all of it once the loop is done
+        red = cuda.shared.array(0, float32)  # the warps' partials, over the table once a pair's loop is done
         last = cuda.shared.array(1, int32)
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = cuda.laneid
         g = warp & 1
         wg = warp >> 1
-        bx = cuda.blockIdx.x
         split = cuda.blockIdx.y
         nsplit = cuda.gridDim.y
-        rb = bx * 2 + g
         j0 = split * cps
         jend = min(j0 + cps, nchunks)
-        j1 = jend if rb < rbs else j0  # an odd row-block count leaves the last block's g = 1 idle
         xrow = cps * 32 + 4  # wide_xrow
         CO = XO + 8 * MT * xrow
-        base = rb * nchunks * 128 + lane  # this lane's first word of chunk j at base + 128 j
-
-        # Start streaming before anything waits; chunks past the slice are clamped to its last
-        # (a re-read, never used), so the main loop runs whole turns without a bounds check.
-        nk = (j1 - j0 - wg + W2 - 1) // W2  # chunks this warp uses
-        jlast = j1 - 1
-        c = cuda.local.array(NU, int32)
-        if nk > 0:
-            for u in range(U):
-                fetch(c, 4 * u, tiled, base, min(j0 + wg + u * W2, jlast))
-        stage_codebooks(sm, cbt32, CO, bx, rbs, tid, nt)
-        stage_x_pairs(sm, x32, XO, xrow, j0, jend, B, tid, nt)
-        cuda.syncthreads()
-        build_table(sm, CO, tid, nt)
-        cuda.syncthreads()
-
         gq = lane >> 2
         t = lane & 3
         xa = cuda.local.array(NA, uint32)
@@ -1020,24 +1015,45 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
         for i in range(NA):
             xa[i] = uint32(0)
             xb[i] = uint32(0)
-        for i in range(NC):
-            acc[i] = float32(0.0)
         for mt in range(MT):
             xr[mt] = XO + (8 * mt + gq) * xrow + 8 * t if 16 * mt + gq < B else -1
         lb = uint32((g << 7) | (gq << 2))
+        c = cuda.local.array(NU, int32)
         d = cuda.local.array(NU, int32)
-        stream(c, d, tiled, base, j0, jlast, wg, nk, sm, lb, xr, xa, xb, acc)
 
-        cuda.syncthreads()  # everyone is done with the table and x: the partials reuse the space
-        # D fragment (mt, q): lane (g, t) holds batch 16 mt + g (+ 8 for i >= 2), rows 8q + 2t (+ 1 for odd i)
-        for mt in range(MT):
-            for q in range(4):
-                for i in range(4):
-                    b = 16 * mt + gq + 8 * (i >> 1)
-                    if b < B:
-                        red[(warp * B + b) * 32 + 8 * q + 2 * t + (i & 1)] = acc[4 * (4 * mt + q) + i]
-        cuda.syncthreads()
-        finish(red, y, ws, counters, last, bx, split, nsplit, n_out, tid)
+        # The block walks row pairs bx, bx + gridDim.x, ... of its K-slice, staging that slice of x
+        # once: a block per pair re-staged it for every 64 rows, B / 16 times the codes' bytes a pair.
+        for p in range(cuda.blockIdx.x, (rbs + 1) // 2, cuda.gridDim.x):
+            rb = p * 2 + g
+            j1 = jend if rb < rbs else j0  # an odd row-block count leaves the last pair's g = 1 idle
+            base = rb * nchunks * 128 + lane  # this lane's first word of chunk j at base + 128 j
+            # Start streaming before anything waits; chunks past the slice are clamped to its last
+            # (a re-read, never used), so the main loop runs whole turns without a bounds check.
+            nk = (j1 - j0 - wg + W2 - 1) // W2  # chunks this warp uses
+            jlast = j1 - 1
+            if nk > 0:
+                for u in range(U):
+                    fetch(c, 4 * u, tiled, base, min(j0 + wg + u * W2, jlast))
+            stage_codebooks(sm, cbt32, CO, p, rbs, tid, nt)
+            if p == cuda.blockIdx.x:
+                stage_x_pairs(sm, x32, XO, xrow, j0, jend, B, tid, nt)
+            cuda.syncthreads()  # also: the last pair's partials are read, so the table may be rebuilt
+            build_table(sm, CO, tid, nt)
+            cuda.syncthreads()
+            for i in range(NC):
+                acc[i] = float32(0.0)
+            stream(c, d, tiled, base, j0, jlast, wg, nk, sm, lb, xr, xa, xb, acc)
+
+            cuda.syncthreads()  # everyone is done with the table: the partials reuse its space
+            # D fragment (mt, q): lane (g, t) holds batch 16 mt + g (+ 8 for i >= 2), rows 8q + 2t (+ 1 for odd i)
+            for mt in range(MT):
+                for q in range(4):
+                    for i in range(4):
+                        b = 16 * mt + gq + 8 * (i >> 1)
+                        if b < B:
+                            red[(warp * B + b) * 32 + 8 * q + 2 * t + (i & 1)] = acc[4 * (4 * mt + q) + i]
+            cuda.syncthreads()
+            finish(red, y, ws, counters, last, p, split, nsplit, n_out, tid)
 
     _kernel_cache[key] = kernel
     return kernel
@@ -1271,6 +1287,11 @@ class LaunchPlan:
     kernel: str = "lut"  # "lut" (lut_kernel), "mma" (mma_kernel) or "wide" (wide_kernel): the last two
     # 4-bit, RB 2, their own shared-memory layouts; their ``stages`` is the chunks a warp uses in one
     # turn, with as many more in flight
+    walk: int = 1  # groups of RB row-blocks a block walks (wide_kernel only)
+
+    def grid(self, rbs: int) -> tuple[int, int]:
+        """(blocks along the rows, K-slices) for a layer of ``rbs`` row-blocks."""
+        return -(-(-(-rbs // self.RB)) // self.walk), self.ksplit
 
 
 def plan_launch(n_out: int, nchunks: int, K: int, B: int, sms: int, warps: int | None = None,
@@ -1356,11 +1377,22 @@ def plan_mma(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SIM
 
 
 def plan_wide(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SIM, warps: int | None = None,
-              ksplit: int | None = None, stages: int = WIDE_UNROLL) -> LaunchPlan:
+              ksplit: int | None = None, stages: int = WIDE_UNROLL, walk: int | str = 1) -> LaunchPlan:
     """Grid of :func:`wide_kernel` for one 4-bit layer, chosen as :func:`plan_mma` chooses its own
-    (the same two-row-block blocks), with the wide kernel's shared memory. ``stages``: its unroll."""
-    return _plan_pair_blocks("wide", wide_shared_bytes, MAX_WIDE_BATCH, (1, 2, 4), stages,
-                             n_out, nchunks, B, sms, budget, warps, ksplit, stages)
+    (the same two-row-block blocks), with the wide kernel's shared memory. ``stages``: its unroll.
+    ``walk``: row pairs a block walks, or ``"wave"``: as many as make the grid one wave of the
+    blocks an SM holds (:func:`wide_blocks_per_sm`)."""
+    p = _plan_pair_blocks("wide", wide_shared_bytes, MAX_WIDE_BATCH, (1, 2, 4), stages,
+                          n_out, nchunks, B, sms, budget, warps, ksplit, stages)
+    if p.warps * B * 32 > MMA_TABLE_WORDS:
+        raise ValueError(f"the wide kernel's partials ({p.warps} warps x batch {B}) must fit its 64 KiB table")
+    npairs = -(-(-(-n_out // ROW_BLOCK)) // 2)
+    if walk == "wave":
+        walk = -(-npairs * p.ksplit // (wide_blocks_per_sm(B, p.warps, p.shared_bytes) * sms))
+    if not isinstance(walk, int) or walk < 1:
+        raise ValueError(f"walk is a positive number of row pairs a block, or 'wave'; got {walk!r}")
+    p.walk = min(walk, npairs)
+    return p
 
 
 def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budget: int = 0) -> list[LaunchPlan]:
@@ -1397,13 +1429,16 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
         # wide: up to batch 32, 8 or 16 warps and chunks in flight up to 4 (a warp holding one or two
         # waited on every fetch: probe at 4096 x 14336, NOTES "wide v1"); above, 64 accumulators a lane
         # leave room for 4 or 8 warps and unroll 1 or 2 only (16 warps, or unroll 4, spill)
+        # leave room for 4 or 8 warps and unroll 1 or 2 only (16 warps, or unroll 4, spill). Each as a
+        # block a row pair and as one wave of blocks walking the pairs (the same compiled kernel).
         wide = ((8, 16), (1, 2, 4)) if B <= 32 else ((4, 8), (1, 2))
-        for w, ks, st in itertools.product(wide[0], (1, 2, 3, 4, 6, 8, 12, 16, None), wide[1] if B >= 4 else ()):
+        for w, ks, st, walk in itertools.product(wide[0], (1, 2, 3, 4, 6, 8, 12, 16, None), wide[1] if B >= 4 else (),
+                                                 (1, "wave")):
             try:
-                p = plan_wide(n_out, nchunks, B, sms, mma_budget, warps=w, ksplit=ks, stages=st)
+                p = plan_wide(n_out, nchunks, B, sms, mma_budget, warps=w, ksplit=ks, stages=st, walk=walk)
             except ValueError:
                 continue
-            key = ("wide", p.warps, p.ksplit, p.stages)
+            key = ("wide", p.warps, p.ksplit, p.stages, p.walk)
             if key not in seen and p.cps >= (p.warps // 2) * p.stages:
                 seen.add(key)
                 out.append(p)
@@ -1565,7 +1600,7 @@ class LutGemv:
         best = None
         for plan in cands:
             kern, _, owners, (wsa, cnta) = self._launch_parts(B, plan)
-            grid, block = (-(-self.rbs // plan.RB), plan.ksplit), plan.warps * 32
+            grid, block = plan.grid(self.rbs), plan.warps * 32
             kern = with_shared_limit(kern, (xa, views[0], self._cbt, ya, wsa, cnta, self.n_out, self.rbs, self.nchunks, plan.cps),
                                      plan.shared_bytes if plan.kernel in ("mma", "wide") else 0)
 
@@ -1603,7 +1638,7 @@ class LutGemv:
             cfg = (-(-self.n_out // threads), threads)
             args = (xa, self._codes, self._cb, ya, self.n_out, self.n_in)
         else:
-            cfg = ((-(-self.rbs // plan.RB), plan.ksplit), plan.warps * 32)
+            cfg = (plan.grid(self.rbs), plan.warps * 32)
             args = (xa, self._tiled, self._cbt, ya, views[0], views[1], self.n_out, self.rbs, self.nchunks, plan.cps)
             if plan.kernel in ("mma", "wide"):  # above the 48 KiB default: raise this kernel's limit (compiles it, once)
                 kern = with_shared_limit(kern, args, plan.shared_bytes)
