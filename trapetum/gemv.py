@@ -644,54 +644,33 @@ def pair_table_builder(swizzle: bool):
 def pair_block_finisher(B: int, W2: int, nt: int):
     """Device function ending a two-row-block kernel: the W2 warps of each row-block left their
     partials in red[(warp * B + b) * 32 + r] (warp = 2 w + g); their sums go to y, or with a K-split
-    to ws, and the last K-slice's block sums ws into y.
-
-    A thread's items (output values) are unrolled, up to 8 at a time, so its loads of one K-slice's
-    ws are in flight together: item by item, each load waited on the last, and at batch 64 (16
-    items, 4 K-slices) the last block spent 64 L2 round trips here, ~20 % of the kernel's time (ncu)."""
-    NI = 2 * B * 32  # output values of the block
-    IT = -(-NI // nt)
-    GI = min(IT, 8)  # items in flight: 32 at batch 64 and 4 warps spilled 540 bytes
-
-    @cuda.jit(device=True, **INLINE)
-    def item(it, bx):
-        r = it & 31
-        b = (it >> 5) % B
-        return b, (bx * 2 + (it >> 5) // B) * 32 + r
+    to ws, and the last K-slice's block sums ws into y."""
 
     @cuda.jit(device=True, **INLINE)
     def finish(red, y, ws, counters, last, bx, split, nsplit, n_out, tid):
-        for i in range(IT):
-            it = tid + i * nt
-            if it < NI:
+        for it in range(tid, 2 * B * 32, nt):
+            r = it & 31
+            b = (it >> 5) % B
+            gq = (it >> 5) // B
+            s = float32(0.0)
+            for v in range(W2):
+                s += red[((v * 2 + gq) * B + b) * 32 + r]
+            row = (bx * 2 + gq) * 32 + r
+            if row < n_out:
+                if nsplit == 1:
+                    y[b, row] = s
+                else:
+                    ws[split, b, row] = s
+        if nsplit > 1 and last_to_finish(counters, bx, nsplit, last, tid):
+            for it in range(tid, 2 * B * 32, nt):
                 r = it & 31
                 b = (it >> 5) % B
-                gq = (it >> 5) // B
-                s = float32(0.0)
-                for v in range(W2):
-                    s += red[((v * 2 + gq) * B + b) * 32 + r]
-                row = (bx * 2 + gq) * 32 + r
+                row = (bx * 2 + (it >> 5) // B) * 32 + r
                 if row < n_out:
-                    if nsplit == 1:
-                        y[b, row] = s
-                    else:
-                        ws[split, b, row] = s
-        if nsplit > 1 and last_to_finish(counters, bx, nsplit, last, tid):
-            acc = cuda.local.array(GI, float32)
-            for i0 in range(0, IT, GI):
-                for i in range(GI):
-                    acc[i] = float32(0.0)
-                for sp in range(nsplit):
-                    for i in range(GI):
-                        it = tid + (i0 + i) * nt
-                        b, row = item(it, bx)
-                        if i0 + i < IT and it < NI and row < n_out:
-                            acc[i] += load_cg(ws, sp, b, row)
-                for i in range(GI):
-                    it = tid + (i0 + i) * nt
-                    b, row = item(it, bx)
-                    if i0 + i < IT and it < NI and row < n_out:
-                        y[b, row] = acc[i]
+                    s = float32(0.0)
+                    for sp in range(nsplit):
+                        s += load_cg(ws, sp, b, row)
+                    y[b, row] = s
 
     return finish
 
