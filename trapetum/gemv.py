@@ -1429,11 +1429,11 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
         # wide: up to batch 32, 8 or 16 warps and chunks in flight up to 4 (a warp holding one or two
         # waited on every fetch: probe at 4096 x 14336, NOTES "wide v1"); above, 64 accumulators a lane
         # leave room for 4 or 8 warps and unroll 1 or 2 only (16 warps, or unroll 4, spill)
-        # leave room for 4 or 8 warps and unroll 1 or 2 only (16 warps, or unroll 4, spill). Each as a
-        # block a row pair and as one wave of blocks walking the pairs (the same compiled kernel).
-        wide = ((8, 16), (1, 2, 4)) if B <= 32 else ((4, 8), (1, 2))
-        for w, ks, st, walk in itertools.product(wide[0], (1, 2, 3, 4, 6, 8, 12, 16, None), wide[1] if B >= 4 else (),
-                                                 (1, "wave")):
+        # leave room for 4 or 8 warps and unroll 1 or 2 only (16 warps, or unroll 4, spill). Up to batch
+        # 32 each also as one wave of blocks walking the row pairs (the same compiled kernel); above,
+        # walking never won on the H100 (NOTES "Wide v2").
+        wide = ((8, 16), (1, 2, 4), (1, "wave")) if B <= 32 else ((4, 8), (1, 2), (1,))
+        for w, ks, st, walk in itertools.product(wide[0], (1, 2, 3, 4, 6, 8, 12, 16, None), wide[1] if B >= 4 else (), wide[2]):
             try:
                 p = plan_wide(n_out, nchunks, B, sms, mma_budget, warps=w, ksplit=ks, stages=st, walk=walk)
             except ValueError:
