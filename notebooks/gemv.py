@@ -176,9 +176,10 @@ report.fig_speedup_by_shape(df)
 # batch rows), and from batch 4 the `wide` tensor-core kernel, which feeds x to the mma as its A
 # operand (16 batch rows an mma) and takes batches up to 64. Dequantize-then-cuBLAS, the
 # large-batch path before the wide kernel (and still the one for uint8 codes above 16), is timed
-# beside it where it applies. A GPU whose run predates the wide kernel shows only that path above
-# batch 16. The table names the kernel family at each batch; in the figure the shaded region is
-# where torch fp16 is faster than the path a `QLinear` takes.
+# beside it where it applies. A block of the wide kernel may walk several groups of 64 rows,
+# staging its slice of x once; the tuner times both. The table names the kernel family and the
+# plan the tuner picked at each batch; in the figure the shaded region is where torch fp16 is
+# faster than the path a `QLinear` takes.
 
 # %%
 report.styled(report.batch_table(df))

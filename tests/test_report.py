@@ -271,6 +271,14 @@ def test_fig_batch(df2):
     t = report.batch_table(df2)
     assert set(t["Path"]) <= {"dequantize + cuBLAS", "fused: lut"} | {f"fused: {v}" for v in report.FAMILY_LABELS.values()}
     assert ((t["vs fp16"] - t["torch fp16 (µs)"] / t["Time (µs)"]).abs() < 1e-9).all() and len(t) == len(t.drop_duplicates())
+    assert (t.loc[t["Path"] == "dequantize + cuBLAS", "Plan"] == "").all()
+
+
+def test_plan_label():
+    assert report.plan_label({"warps": 16.0, "ksplit": 2.0, "walk": 4.0}) == "16 warps, 2 K-slices, 4 row groups a block"
+    assert report.plan_label({"warps": 8, "ksplit": 1, "walk": float("nan")}) == "8 warps, 1 K-slice"  # a run before walking
+    assert report.plan_label({"warps": 8, "ksplit": 1, "walk": 1}) == "8 warps, 1 K-slice"
+    assert report.plan_label({"warps": None}) == report.plan_label({}) == ""
 
 
 # -- the recorded H100 run -------------------------------------------------------------------

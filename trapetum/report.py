@@ -603,6 +603,19 @@ def slower_intervals(g: pd.DataFrame) -> list[tuple[float, float | None]]:
 FAMILY_LABELS = {"lut": "FMA table (lut-fma)", "mma": "tensor cores, diagonal (mma)", "wide": "tensor cores, x as A (wide)"}
 
 
+def plan_label(r) -> str:
+    """A fused record's launch plan in a few words: warps a block, K-slices and, where blocks walk
+    several groups of rows (the wide kernel), how many each; '' for records without a plan."""
+    def num(k):
+        v = r.get(k)
+        return None if v is None or (isinstance(v, float) and math.isnan(v)) else int(v)
+
+    warps, ks, walk = num("warps"), num("ksplit"), num("walk")
+    if warps is None:
+        return ""
+    return f"{warps} warps, {ks} K-slice{'s' if ks != 1 else ''}" + (f", {walk} row groups a block" if walk and walk > 1 else "")
+
+
 def batch_table(df: pd.DataFrame) -> pd.DataFrame:
     """The batch sweep per GPU: each path's time against torch fp16 in the same run, and for the
     fused rows the kernel family the tuner picked at that batch."""
@@ -613,9 +626,10 @@ def batch_table(df: pd.DataFrame) -> pd.DataFrame:
     fam = d["plan_kernel"] if "plan_kernel" in d else pd.Series(np.nan, index=d.index)
     path = np.where(d["kernel"] == "dequant+cublas", "dequantize + cuBLAS",
                     "fused: " + fam.map(lambda k: FAMILY_LABELS.get(k, "lut")).astype(str))
-    d = d.assign(_path=path, _g=d["gpu"].map(_gpus(d).index)).sort_values(["_g", "batch", "_path"])
+    d = d.assign(_path=path, _plan=d.apply(plan_label, axis=1), _g=d["gpu"].map(_gpus(d).index)).sort_values(["_g", "batch", "_path"])
     return pd.DataFrame({
         "GPU": d["gpu_label"], "Shape": d["shape"].map(shape_label), "Batch": d["batch"].astype(int), "Path": d["_path"],
+        "Plan": d["_plan"],
         "Time (µs)": d["time_ms"] * 1e3, "torch fp16 (µs)": d["fp16_ms"] * 1e3, "vs fp16": d["speedup"],
         "Max rel. err": d["max_rel_err"],
     }).reset_index(drop=True)
