@@ -262,12 +262,12 @@ def _codebook_decode(codes: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
 def refit_codebook(W: torch.Tensor, codes: torch.Tensor, K: int, H: torch.Tensor, rows_per_chunk: int = 256) -> torch.Tensor:
     """Least-squares centroids for fixed codes: argmin_c ||(w - c[codes]) X||^2 per row (GPTVQ's update)."""
     out, n = W.shape
-    cb = torch.empty(out, K)
+    cb = torch.empty(out, K, device=W.device)
     ridge = 1e-6 * torch.diagonal(H).mean()
     for r0 in range(0, out, rows_per_chunk):
         A = torch.nn.functional.one_hot(codes[r0 : r0 + rows_per_chunk].long(), K).float()  # r, n, K
         AtH = torch.einsum("rik,ij->rkj", A, H)
-        M = AtH @ A + ridge * torch.eye(K)
+        M = AtH @ A + ridge * torch.eye(K, device=H.device)
         b = (AtH @ W[r0 : r0 + rows_per_chunk, :, None].float())[..., 0]
         cb[r0 : r0 + rows_per_chunk] = torch.linalg.solve(M, b)
     return cb
@@ -384,7 +384,7 @@ def refit_affine_grid(W: torch.Tensor, H: torch.Tensor, q: torch.Tensor, d: torc
         Mqq = torch.einsum("rjil,ril->rij", HQ, Q)
         A = HQ.sum(-1)  # [r, i, j] = q_i^T H 1_j
         M = torch.cat([torch.cat([Mqq, A], 2), torch.cat([A.transpose(1, 2), H11.expand(r, G, G)], 2)], 1)
-        M = M + ridge * torch.eye(2 * G)
+        M = M + ridge * torch.eye(2 * G, device=H.device)
         Hw = (W[r0:r0 + r] @ H).reshape(r, G, g)
         b = torch.cat([(Hw * Q).sum(-1), Hw.sum(-1)], 1)
         x = torch.linalg.solve(M, b[..., None])[..., 0]
@@ -426,7 +426,7 @@ def awq_lsq_refit(
     Wc = _clip(Ws, ratio, group_size)
     d, m, codes = _lsq_grid(Wc, Hs, bits, group_size, 1.0, iters)
     d, m, codes = d[..., 0], m[..., 0], codes.reshape(out, n)
-    gi = torch.arange(n) // group_size
+    gi = torch.arange(n, device=Wc.device) // group_size
     for r in range(rounds):
         if r:
             new = torch.round((Ws - m[:, gi]) / d[:, gi]).clamp(0, 2**bits - 1)
@@ -642,12 +642,12 @@ def gptq(
         _, cb = kmeans_rows(W, K, iters=kmeans_iters, seed=seed, importance=torch.diagonal(H).clamp_min(0))[:2]
         cb = _fp16(cb)  # sorted per row (fp16 rounding is monotone), so nearest entry = search over midpoints
         mid = ((cb[:, 1:] + cb[:, :-1]) * 0.5).contiguous()
-        codes = torch.empty(out, n, dtype=torch.long)
+        codes = torch.empty(out, n, dtype=torch.long, device=W.device)
         bits_total = W.numel() * bits + out * K * 16
 
-    perm = torch.argsort(torch.diagonal(H), descending=True) if act_order else torch.arange(n)
+    perm = torch.argsort(torch.diagonal(H), descending=True) if act_order else torch.arange(n, device=H.device)
     W, H = W[:, perm].contiguous(), H[perm][:, perm]
-    H += damp * torch.diagonal(H).mean() * torch.eye(n)
+    H += damp * torch.diagonal(H).mean() * torch.eye(n, device=H.device)
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
     dinv = 1.0 / torch.diagonal(Hinv)
 
@@ -684,7 +684,7 @@ def _gptq_blocks(W, Q, Hinv, dinv, perm, quantizer, blocksize, group_size, bits,
                 g = perm[i1:i2] // group_size
                 D1, M1 = d_all[:, g].T.contiguous(), m_all[:, g].T.contiguous()  # b, out
         else:
-            C1 = torch.empty(i2 - i1, out, dtype=torch.long)
+            C1 = torch.empty(i2 - i1, out, dtype=torch.long, device=W.device)
         for i in range(i2 - i1):
             w = W1[i]
             if quantizer == "rtn":
