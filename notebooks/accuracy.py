@@ -62,6 +62,7 @@ n_calib = 32  # calibration samples of calib_len tokens
 calib_len = 512
 time_limit_s = None  # start no scheme after this many seconds (the rest are recorded as not run)
 quantize_threads = None  # torch threads while quantizing (None: as set); 1 on CPU cores shared with other work
+device = None  # None: the CPU; "cuda" to quantize, fine-tune and score on the GPU
 llmcompressor_note = ""  # what was found when trying llmcompressor's GPTQ on this machine (kept in provenance)
 
 # %%
@@ -88,7 +89,8 @@ path = folder / f"{results.slug(model)}.json"
 if measure:
     params = dict(model=model, token_budget=token_budget, ctx=ctx, stride=stride, schemes=list(schemes),
                   calibration_source=calibration_source, n_calib=n_calib, calib_len=calib_len,
-                  time_limit_s=time_limit_s, quantize_threads=quantize_threads, llmcompressor_note=llmcompressor_note)
+                  time_limit_s=time_limit_s, quantize_threads=quantize_threads, llmcompressor_note=llmcompressor_note,
+                  **({"device": device} if device else {}))
     command = "papermill notebooks/accuracy.ipynb out.ipynb -k python3 -p measure True " + " ".join(
         f"-p {k} {shlex.quote(str(v))}" for k, v in params.items() if k != "schemes") + f" -y {shlex.quote('schemes: ' + str(list(schemes)))}"
     text_path = text_file or os.environ.get(ppl.WIKITEXT_ENV)
@@ -111,7 +113,7 @@ if measure:
     records = pipelines.compare(model, schemes, text_file=text_file, token_budget=token_budget, ctx=ctx,
                                 stride=stride, calibration_source=calibration_source, n_calib=n_calib,
                                 calib_len=calib_len, time_limit_s=time_limit_s, quantize_threads=quantize_threads,
-                                callback=keep)
+                                device=device, callback=keep)
     path = pipelines.save_accuracy(model, records, prov, folder=folder)
     partial.unlink(missing_ok=True)
 prov, df = results.read(path)
