@@ -281,25 +281,30 @@ else:
 # and PV-tuning, EfficientQAT's end-to-end step-size training and LLM-QAT's data-free distillation.
 # At the end the trained parameters are rounded to fp16 as the format stores them, so the storage
 # and the bits per weight do not change. A scheme spec asks for it with `ft_epochs` (`ft_lr`,
-# `ft_batch`); its quantize seconds include the fine-tuning. The run below is a run of its own, with
+# `ft_batch`); its quantize seconds include the fine-tuning. Each run below is a run of its own, with
 # its own reference pass, and the line above its table says which text it scored; the KL columns
 # are the mean over the first calibration samples' tokens, before fine-tuning and after the rounding.
 #
 
 # %%
-ft_path = folder / f"{results.slug(model)}-finetune.json"
-if ft_path.is_file():
+def styled_finetune_table(run: pd.DataFrame):
+    return pipelines.finetune_table(run).style.format(
+        {"bits/weight": "{:.3f}", "PPL": "{:.2f}", "vs reference (%)": "{:+.1f}", "quantize (s)": "{:.0f}",
+         "of which fine-tuning (s)": "{:.0f}", "epochs": "{:.0f}", "steps": "{:.0f}",
+         "KL before (nats/token)": "{:.4f}", "KL after (nats/token)": "{:.4f}"}, na_rep="").hide(axis="index")
+
+
+ft_runs = []  # every fine-tuning run (-finetune.json, -finetune-b.json, ...), oldest first, each with its own reference
+for ft_path in sorted(folder.glob(f"{results.slug(model)}-finetune*.json"), key=lambda p: results.read(p)[0].get("date", "")):
     ft_prov, ft_run = results.read(ft_path)
     ft_ref = ft_run[ft_run.scheme == "reference"].iloc[-1]
+    ft_runs.append((ft_path, ft_run, ft_ref))
     ft_cal = ft_run.calibration.dropna()
     display(Markdown(
         f"*{setting(ft_ref)} Recorded {ft_prov.get('date')} at commit `{str(ft_prov.get('git_commit'))[:10]}`; "
         f"calibration: {ft_cal.iloc[0] if len(ft_cal) else 'none'}, {int(ft_run.calibration_tokens.fillna(0).max()):,} tokens.*"))
-    display(pipelines.finetune_table(ft_run).style.format(
-        {"bits/weight": "{:.3f}", "PPL": "{:.2f}", "vs reference (%)": "{:+.1f}", "quantize (s)": "{:.0f}",
-         "of which fine-tuning (s)": "{:.0f}", "epochs": "{:.0f}", "steps": "{:.0f}",
-         "KL before (nats/token)": "{:.4f}", "KL after (nats/token)": "{:.4f}"}, na_rep="").hide(axis="index"))
-else:
+    display(styled_finetune_table(ft_run))
+if not ft_runs:
     display(Markdown("*No fine-tuning run is recorded for this model.*"))
 
 
@@ -322,10 +327,7 @@ for gpu_path in sorted(folder.glob(f"{results.slug(model)}-gpu-*.json")):
         f"*{setting(g_ref)} Recorded on {g_prov.get('gpu')} {g_prov.get('date')} at commit "
         f"`{str(g_prov.get('git_commit'))[:10]}`; calibration: {g_run.calibration.dropna().iloc[0]}. "
         f"Run {g_prov.get('partial', 'complete')}.*"))
-    display(pipelines.finetune_table(g_run).style.format(
-        {"bits/weight": "{:.3f}", "PPL": "{:.2f}", "vs reference (%)": "{:+.1f}", "quantize (s)": "{:.0f}",
-         "of which fine-tuning (s)": "{:.0f}", "epochs": "{:.0f}", "steps": "{:.0f}",
-         "KL before (nats/token)": "{:.4f}", "KL after (nats/token)": "{:.4f}"}, na_rep="").hide(axis="index"))
+    display(styled_finetune_table(g_run))
 if not gpu_runs:
     display(Markdown("*No GPU accuracy run is recorded for this model.*"))
 cpu_vq_path = folder / f"{results.slug(model)}-additive.json"
@@ -382,7 +384,7 @@ def four_bit_targets(run: pd.DataFrame, run_ref, measured_on: str) -> list[dict]
 
 
 rows += four_bit_targets(df, ref, measured_on)
-if ft_path.is_file():  # the fine-tuning run (section above): its own reference and peer rows
+for ft_path, ft_run, ft_ref in ft_runs:  # the fine-tuning runs (section above): each with its own reference and peer rows
     ft_full = pd.isna(ft_ref.get("token_budget"))
     rows += four_bit_targets(scheme_rows(ft_run, ft_ref), ft_ref,
                              f"{int(ft_ref.tokens):,} tokens, stride {int(ft_ref.stride)}"
