@@ -375,6 +375,8 @@ def test_wide_kernel_batches_and_plans():
         gemv.wide_kernel(33, 16)
     with pytest.raises(ValueError, match="walk"):
         gemv.plan_wide(14336, 128, 32, 132, walk=0)
+    with pytest.raises(ValueError, match="wide kernel only"):
+        LutGemv(ct, plan={"kernel": "mma", "walk": 2}).plan(1)
     wave = gemv.plan_wide(14336, 128, 32, 132, warps=8, ksplit=4, walk="wave")
     blocks = wave.grid(448)[0] * wave.ksplit
     assert wave.walk > 1 and blocks <= gemv.wide_blocks_per_sm(32, 8, wave.shared_bytes) * 132 < blocks + wave.ksplit * wave.walk

@@ -1428,7 +1428,6 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
                 out.append(p)
         # wide: up to batch 32, 8 or 16 warps and chunks in flight up to 4 (a warp holding one or two
         # waited on every fetch: probe at 4096 x 14336, NOTES "wide v1"); above, 64 accumulators a lane
-        # leave room for 4 or 8 warps and unroll 1 or 2 only (16 warps, or unroll 4, spill)
         # leave room for 4 or 8 warps and unroll 1 or 2 only (16 warps, or unroll 4, spill). Up to batch
         # 32 each also as one wave of blocks walking the row pairs (the same compiled kernel); above,
         # walking never won on the H100 (NOTES "Wide v2").
@@ -1540,6 +1539,8 @@ class LutGemv:
             if self.K != 16 or self.variant != "lut":
                 raise ValueError(f"the {kind} kernel takes 4-bit codes in the 'lut' variant, not K={self.K} / {self.variant!r}")
             budget = OPTIN_SIM if SIM else max_shared_bytes(self.device)
+            if kind == "mma" and "walk" in opts:
+                raise ValueError("walk (row pairs a block walks) is an option of the wide kernel only")
             return (plan_mma if kind == "mma" else plan_wide)(self.n_out, self.nchunks, B, sms, budget, **opts)
         return plan_launch(self.n_out, self.nchunks, self.K, B, sms, **opts)
 
