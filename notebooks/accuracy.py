@@ -368,7 +368,7 @@ def four_bit_targets(run: pd.DataFrame, run_ref, measured_on: str) -> list[dict]
         return out
     best = four.loc[four.ppl.idxmin()]
     out.append({"target": "best 4-bit pipeline at most +8% over the reference", "scheme": best.label,
-                "bits/weight": best.bits_per_weight, "value": f"{best['vs reference (%)']:+.1f}%",
+                "bits/weight": best.bits_per_weight, "value": f"{best['vs reference (%)']:+.2f}%",
                 "met": "yes" if best.ppl <= 1.08 * run_ref.ppl else "no", "measured on": measured_on})
     peers = run[(run["bit class"] == "4-bit") & (run.kind == "peer (hqq)")]
     near = peers[(peers.bits_per_weight - best.bits_per_weight).abs() <= 0.25]
