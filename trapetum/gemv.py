@@ -883,12 +883,16 @@ def wide_shared_bytes(B: int, warps: int, cps: int) -> int:
     return 4 * (MMA_TABLE_WORDS + 8 * ((B + 15) // 16) * wide_xrow(cps) + 2 * MMA_CB_WORDS)
 
 
+def wide_min_blocks(B: int, warps: int) -> int:
+    """The wide kernel's launch bounds: blocks an SM must hold, so what ptxas sizes its registers for
+    (128 a thread up to batch 32; batch 33..64 holds 64 accumulators a lane and may take 255)."""
+    return max(1, (512 if B <= 32 else 256) // (warps * 32))
+
+
 def wide_blocks_per_sm(B: int, warps: int, shared_bytes: int) -> int:
     """Blocks of :func:`wide_kernel` an H100-class SM holds: by threads, by shared memory (228 KiB,
     1 KiB of it reserved a block) and by the registers its launch bounds allow."""
-    nt = warps * 32
-    regs = (512 if B <= 32 else 256) // nt  # the launch bounds' minimum blocks: what ptxas sized for
-    return max(1, min(2048 // nt, (228 * 1024) // (shared_bytes + 1024), max(1, regs)))
+    return max(1, min(2048 // (warps * 32), (228 * 1024) // (shared_bytes + 1024), wide_min_blocks(B, warps)))
 
 
 @cuda.jit(device=True, **INLINE)
@@ -988,9 +992,8 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
 
     stream = pair_block_stream(fetch, use_chunk, U, W2)
 
-    # At most 128 registers up to batch 32 (two 8-warp blocks an SM); batch 33..64 holds 64
-    # accumulators a lane and spilled there, so it may take up to 255 (its x slice allows one block anyway).
-    @cuda.jit(**({} if SIM else {"launch_bounds": (nt, max(1, (512 if MT <= 2 else 256) // nt))}))
+    # batch 33..64 spilled at 128 registers; its x slice allows one block an SM anyway (wide_min_blocks)
+    @cuda.jit(**({} if SIM else {"launch_bounds": (nt, wide_min_blocks(B, warps))}))
     def kernel(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, cps):
         sm = cuda.shared.array(0, uint32)  # table | x slice | codebooks
         red = cuda.shared.array(0, float32)  # the warps' partials, over the table once a pair's loop is done
