@@ -1245,16 +1245,14 @@ def compare(
     t_start = time.perf_counter()
     stride = ctx if stride is None else stride
     _ppl.windows(ctx, ctx, stride)  # ValueError for a bad ctx or stride, before anything loads
-    def options_of(spec):  # the fine-tuning options and the scheme's own, SchemeError for any bad one
-        name, opts = parse_spec(spec)
-        ft, opts = finetune_options(name, opts)
-        return name, ft, opts, get_scheme(name, **opts)[1]
-
+    parsed = {}  # spec -> (name, its options as given, fine-tuning options or None, the scheme's full options)
     for spec in schemes:  # fail on a typo before the model loads, not an hour in
-        options_of(spec)
+        name, given = parse_spec(spec)
+        ft, opts = finetune_options(name, given)
+        parsed[spec] = (name, given, ft, get_scheme(name, **opts)[1])
     model, tok = _ppl.load_model(model_name, device=device)
     for spec in schemes:  # options that do not fit this model fail before the first perplexity pass
-        check_options(decoder_linears(model), options_of(spec)[3])
+        check_options(decoder_linears(model), parsed[spec][3])
     ids = _ppl.tokenize(tok, _ppl.wikitext2(text_file=text_file), token_budget)
     ref = _ppl.perplexity(model, input_ids=ids, ctx=ctx, stride=stride, progress=progress)
     base = dict(model=model_name, tokens=ref.tokens, scored_tokens=ref.scored, ctx=ctx, stride=stride,
@@ -1264,7 +1262,7 @@ def compare(
     if callback:
         callback(records)
     calib = calib_desc = None
-    if any(SCHEMES[options_of(s)[0]].calibrated or options_of(s)[1] for s in schemes):
+    if any(SCHEMES[name].calibrated or ft for name, _, ft, _ in parsed.values()):
         if calibration_source == GENERATED:  # from the unquantized model, before any scheme touches it
             calib, calib_desc = generated_calibration_ids(model, tok, n_calib, calib_len, progress=progress), GENERATED_DESC
         else:
@@ -1272,8 +1270,7 @@ def compare(
             calib = calibration_ids(tok, text, n_calib, calib_len)
     saved = {n: m.weight.data.clone() for n, m in decoder_linears(model).items()}
     for spec in schemes:
-        name, _, _, full = options_of(spec)
-        opts = parse_spec(spec)[1]  # quantize takes the fine-tuning options with the scheme's own
+        name, opts, _, full = parsed[spec]  # quantize takes the fine-tuning options with the scheme's own
         s = SCHEMES[name]
         elapsed = time.perf_counter() - t_start
         if time_limit_s is not None and elapsed > time_limit_s:
