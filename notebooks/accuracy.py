@@ -119,18 +119,7 @@ if measure:
 prov, df = results.read(path)
 ref = df[df.scheme == "reference"].iloc[-1]
 not_run = df[df.ppl.isna() & (df.scheme != "reference")]
-
-
-def scheme_rows(run: pd.DataFrame, run_ref) -> pd.DataFrame:
-    """A run's measured scheme rows (the last of each label), with % over the run's own reference, kind and bit class."""
-    d = run[(run.scheme != "reference") & run.ppl.notna()].drop_duplicates("label", keep="last").copy()
-    d["vs reference (%)"] = 100 * (d.ppl / run_ref.ppl - 1)
-    d["kind"] = d.apply(lambda r: "peer (hqq)" if isinstance(r.get("peer"), str) else ("baseline (RTN)" if r.scheme == "rtn" else "ours"), axis=1)
-    d["bit class"] = d.bits.map(lambda b: f"{int(b)}-bit")
-    return d
-
-
-df = scheme_rows(df, ref)
+df = pipelines.scheme_rows(df, ref)
 
 
 # %%
@@ -294,11 +283,8 @@ def styled_finetune_table(run: pd.DataFrame):
          "KL before (nats/token)": "{:.4f}", "KL after (nats/token)": "{:.4f}"}, na_rep="").hide(axis="index")
 
 
-ft_runs = []  # every fine-tuning run (-finetune.json, -finetune-b.json, ...), oldest first, each with its own reference
-for ft_path in sorted(folder.glob(f"{results.slug(model)}-finetune*.json"), key=lambda p: results.read(p)[0].get("date", "")):
-    ft_prov, ft_run = results.read(ft_path)
-    ft_ref = ft_run[ft_run.scheme == "reference"].iloc[-1]
-    ft_runs.append((ft_path, ft_run, ft_ref))
+ft_runs = pipelines.recorded_runs(folder, model, "-finetune")  # -finetune.json, -finetune-b.json, ...
+for ft_path, ft_prov, ft_run, ft_ref in ft_runs:
     ft_cal = ft_run.calibration.dropna()
     display(Markdown(
         f"*{setting(ft_ref)} Recorded {ft_prov.get('date')} at commit `{str(ft_prov.get('git_commit'))[:10]}`; "
@@ -318,11 +304,8 @@ if not ft_runs:
 # them affordable. Each run below stopped part way, and its line says where and why.
 
 # %%
-gpu_runs = []
-for gpu_path in sorted(folder.glob(f"{results.slug(model)}-gpu-*.json")):
-    g_prov, g_run = results.read(gpu_path)
-    g_ref = g_run[g_run.scheme == "reference"].iloc[-1]
-    gpu_runs.append((gpu_path, g_run, g_ref))
+gpu_runs = pipelines.recorded_runs(folder, model, "-gpu-")
+for gpu_path, g_prov, g_run, g_ref in gpu_runs:
     display(Markdown(
         f"*{setting(g_ref)} Recorded on {g_prov.get('gpu')} {g_prov.get('date')} at commit "
         f"`{str(g_prov.get('git_commit'))[:10]}`; calibration: {g_run.calibration.dropna().iloc[0]}. "
@@ -331,7 +314,7 @@ for gpu_path in sorted(folder.glob(f"{results.slug(model)}-gpu-*.json")):
 if not gpu_runs:
     display(Markdown("*No GPU accuracy run is recorded for this model.*"))
 cpu_vq_path = folder / f"{results.slug(model)}-additive.json"
-gpu_vq = [r for _, g_run, _ in gpu_runs for _, r in g_run[(g_run.scheme == "additive") & g_run.get("finetune", pd.Series(None, index=g_run.index, dtype=object)).isna()].iterrows()]
+gpu_vq = [r for _, _, g_run, _ in gpu_runs for _, r in g_run[(g_run.scheme == "additive") & g_run.get("finetune", pd.Series(None, index=g_run.index, dtype=object)).isna()].iterrows()]
 if gpu_vq and cpu_vq_path.is_file():
     cpu_vq = results.read(cpu_vq_path)[1].query("scheme == 'additive'")
     display(Markdown(f"*Quantizing the 2-bit additive codebooks (no fine-tuning): {gpu_vq[0].quantize_seconds:.0f} s on the GPU, "
@@ -359,69 +342,32 @@ for _, r in rtn_rows.iterrows():
                  "bits/weight": r.bits_per_weight, "value": f"{r['vs reference (%)']:+.1f}%", "met": "(reference point)",
                  "measured on": measured_on})
 
-
-def four_bit_targets(run: pd.DataFrame, run_ref, measured_on: str) -> list[dict]:
-    """The 4-bit verdicts of one run (scheme_rows of it), each against that run's own reference and peer rows."""
-    out = []
-    four = run[(run["bit class"] == "4-bit") & (run.kind == "ours")]
-    if four.empty:
-        return out
-    best = four.loc[four.ppl.idxmin()]
-    out.append({"target": "best 4-bit pipeline at most +8% over the reference", "scheme": best.label,
-                "bits/weight": best.bits_per_weight, "value": f"{best['vs reference (%)']:+.2f}%",
-                "met": "yes" if best.ppl <= 1.08 * run_ref.ppl else "no", "measured on": measured_on})
-    peers = run[(run["bit class"] == "4-bit") & (run.kind == "peer (hqq)")]
-    near = peers[(peers.bits_per_weight - best.bits_per_weight).abs() <= 0.25]
-    for _, p in near.iterrows():
-        out.append({"target": f"below hqq 4-bit ({p.label}, {p.bits_per_weight:.3f} bits/weight, PPL {p.ppl:.2f})",
-                    "scheme": best.label, "bits/weight": best.bits_per_weight, "value": f"{best.ppl:.2f}",
-                    "met": "yes" if best.ppl < p.ppl else "no", "measured on": measured_on})
-    if near.empty:
-        out.append({"target": "below hqq 4-bit at equal bits per weight", "scheme": best.label,
-                    "bits/weight": best.bits_per_weight, "value": "", "met": "not measured (no hqq row within a quarter bit)",
-                    "measured on": ""})
-    return out
-
-
-rows += four_bit_targets(df, ref, measured_on)
-for ft_path, ft_run, ft_ref in ft_runs:  # the fine-tuning runs (section above): each with its own reference and peer rows
-    ft_full = pd.isna(ft_ref.get("token_budget"))
-    rows += four_bit_targets(scheme_rows(ft_run, ft_ref), ft_ref,
-                             f"{int(ft_ref.tokens):,} tokens, stride {int(ft_ref.stride)}"
-                             + (" (the full text)" if ft_full else " (token budget, not the full text)") + f" ({ft_path.name})")
+rows += pipelines.four_bit_targets(df, ref, measured_on)
+for ft_path, _, ft_run, ft_ref in ft_runs:  # the fine-tuning runs (section above): each with its own reference and peer rows
+    rows += pipelines.four_bit_targets(pipelines.scheme_rows(ft_run, ft_ref), ft_ref, pipelines.run_scope(ft_ref, ft_path.name))
 vq_path = folder / f"{results.slug(model)}-additive.json"  # the vector-codebook run: same model, text and setup
 if vq_path.is_file():
     _, vq = results.read(vq_path)
     vq_ref = vq[vq.scheme == "reference"].iloc[-1]
     vq = vq[(vq.scheme != "reference") & vq.ppl.notna()]
-    two = df[df["bit class"] == "2-bit"]
+    beaten = pipelines.two_bit_peers(df)
+    note = f" (best of those: {beaten.ppl.min():,.0f} at {beaten.bits_per_weight.min():.3f} bits/weight)" if len(beaten) else ""
     for _, v in vq[vq.bits == 2].iterrows():
-        over = 100 * (v.ppl / vq_ref.ppl - 1)
-        beaten = two[two.scheme.isin(["gptq", "hqq", "hqq-gptq"])]
-        ok = v.ppl <= 1.6 * vq_ref.ppl and (beaten.empty or v.ppl < beaten.ppl.min())
-        rows.append({"target": "best 2-bit vector codebook at most +60%, below GPTQ 2-bit and hqq 2-bit"
-                               + (f" (best of those: {beaten.ppl.min():,.0f} at {beaten.bits_per_weight.min():.3f} bits/weight)" if len(beaten) else ""),
-                     "scheme": v.label, "bits/weight": v.bits_per_weight, "value": f"{over:+.1f}% (PPL {v.ppl:.2f})",
-                     "met": "yes" if ok else "no",
-                     "measured on": f"{int(vq_ref.tokens):,} tokens, stride {int(vq_ref.stride)} ({vq_path.name}, its own reference run)"})
+        rows.append(pipelines.two_bit_target(
+            v, vq_ref.ppl, beaten, note, f"{int(vq_ref.tokens):,} tokens, stride {int(vq_ref.stride)} ({vq_path.name}, its own reference run)"))
 else:
     rows.append({"target": "best 2-bit vector codebook at most +60%, below GPTQ 2-bit and hqq 2-bit", "scheme": "",
                  "bits/weight": float("nan"), "value": "", "met": "not measured (no vector-codebook accuracy run recorded)",
                  "measured on": ""})
-for gpu_path, g_run, g_ref in gpu_runs:  # the GPU runs: each against its own reference and peers
-    g_on = f"{int(g_ref.tokens):,} tokens, stride {int(g_ref.stride)}" + (
-        " (the full text)" if pd.isna(g_ref.get("token_budget")) else " (token budget)") + f" ({gpu_path.name}, on the GPU)"
-    g_rows = scheme_rows(g_run, g_ref)
-    rows += four_bit_targets(g_rows, g_ref, g_on)
+for gpu_path, _, g_run, g_ref in gpu_runs:  # the GPU runs: each against its own reference and peers
+    g_on = pipelines.run_scope(g_ref, f"{gpu_path.name}, on the GPU")
+    g_rows = pipelines.scheme_rows(g_run, g_ref)
+    rows += pipelines.four_bit_targets(g_rows, g_ref, g_on)
     g_vq = g_rows[(g_rows.scheme == "additive") & (g_rows.bits == 2)]
     if len(g_vq):
-        v = g_vq.loc[g_vq.ppl.idxmin()]
-        beaten = g_rows[g_rows.scheme.isin(["gptq", "hqq", "hqq-gptq"]) & (g_rows["bit class"] == "2-bit")]
-        ok = v.ppl <= 1.6 * g_ref.ppl and (beaten.empty or v.ppl < beaten.ppl.min())
-        rows.append({"target": "best 2-bit vector codebook at most +60%, below GPTQ 2-bit and hqq 2-bit"
-                               + (f" (best of those in this run: {beaten.ppl.min():,.0f})" if len(beaten) else " (no GPTQ or hqq 2-bit row in this run)"),
-                     "scheme": v.label, "bits/weight": v.bits_per_weight, "value": f"{v['vs reference (%)']:+.1f}% (PPL {v.ppl:.2f})",
-                     "met": "yes" if ok else "no", "measured on": g_on})
+        beaten = pipelines.two_bit_peers(g_rows)
+        note = f" (best of those in this run: {beaten.ppl.min():,.0f})" if len(beaten) else " (no GPTQ or hqq 2-bit row in this run)"
+        rows.append(pipelines.two_bit_target(g_vq.loc[g_vq.ppl.idxmin()], g_ref.ppl, beaten, note, g_on))
 if not full_text:
     rows.append({"target": "the rows of the main run on the full text", "scheme": "", "bits/weight": float("nan"), "value": "",
                  "met": "not measured (the main run used a token budget)", "measured on": ""})

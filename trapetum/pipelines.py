@@ -1377,6 +1377,76 @@ def calibration_comparison(main: "pd.DataFrame", main_ref, cal: "pd.DataFrame") 
     return pd.DataFrame(rows), same
 
 
+def recorded_runs(folder: Path | str, model_name: str, suffix: str) -> list[tuple]:
+    """Every accuracy file ``<folder>/<model><suffix>*.json`` (the fine-tuning runs ``-finetune``, the
+    GPU runs ``-gpu-``), oldest first, each read once: (path, provenance, records, its reference row)."""
+    from . import results
+
+    runs = []
+    for path in Path(folder).glob(f"{results.slug(model_name)}{suffix}*.json"):
+        prov, run = results.read(path)
+        runs.append((path, prov, run, run[run.scheme == "reference"].iloc[-1]))
+    return sorted(runs, key=lambda r: r[1].get("date", ""))
+
+
+def scheme_rows(run: "pd.DataFrame", ref) -> "pd.DataFrame":
+    """A run's measured scheme rows (the last of each label), with % over the run's own reference
+    ``ref``, kind (ours, peer, baseline) and bit class."""
+    d = run[(run.scheme != "reference") & run.ppl.notna()].drop_duplicates("label", keep="last").copy()
+    d["vs reference (%)"] = 100 * (d.ppl / ref.ppl - 1)
+    d["kind"] = d.apply(lambda r: "peer (hqq)" if isinstance(r.get("peer"), str) else ("baseline (RTN)" if r.scheme == "rtn" else "ours"), axis=1)
+    d["bit class"] = d.bits.map(lambda b: f"{int(b)}-bit")
+    return d
+
+
+def run_scope(ref, source: str) -> str:
+    """What a run's verdicts were measured on: tokens, stride, full text or budget, and which file."""
+    import pandas as pd
+
+    full = " (the full text)" if pd.isna(ref.get("token_budget")) else " (token budget, not the full text)"
+    return f"{int(ref.tokens):,} tokens, stride {int(ref.stride)}{full} ({source})"
+
+
+def four_bit_targets(rows: "pd.DataFrame", ref, measured_on: str) -> list[dict]:
+    """Issue 5's 4-bit verdicts on one run (its :func:`scheme_rows`): the best of ours at most +8 % over
+    the run's reference, and below each hqq 4-bit row of the same run within a quarter bit of it."""
+    out = []
+    four = rows[(rows["bit class"] == "4-bit") & (rows.kind == "ours")]
+    if four.empty:
+        return out
+    best = four.loc[four.ppl.idxmin()]
+    out.append({"target": "best 4-bit pipeline at most +8% over the reference", "scheme": best.label,
+                "bits/weight": best.bits_per_weight, "value": f"{best['vs reference (%)']:+.2f}%",
+                "met": "yes" if best.ppl <= 1.08 * ref.ppl else "no", "measured on": measured_on})
+    peers = rows[(rows["bit class"] == "4-bit") & (rows.kind == "peer (hqq)")]
+    near = peers[(peers.bits_per_weight - best.bits_per_weight).abs() <= 0.25]
+    for _, p in near.iterrows():
+        out.append({"target": f"below hqq 4-bit ({p.label}, {p.bits_per_weight:.3f} bits/weight, PPL {p.ppl:.2f})",
+                    "scheme": best.label, "bits/weight": best.bits_per_weight, "value": f"{best.ppl:.2f}",
+                    "met": "yes" if best.ppl < p.ppl else "no", "measured on": measured_on})
+    if near.empty:
+        out.append({"target": "below hqq 4-bit at equal bits per weight", "scheme": best.label,
+                    "bits/weight": best.bits_per_weight, "value": "", "met": "not measured (no hqq row within a quarter bit)",
+                    "measured on": ""})
+    return out
+
+
+TWO_BIT_PEERS = ("gptq", "hqq", "hqq-gptq")  # the 2-bit rows issue 5's vector codebook must beat
+
+
+def two_bit_peers(rows: "pd.DataFrame") -> "pd.DataFrame":
+    return rows[rows.scheme.isin(TWO_BIT_PEERS) & (rows["bit class"] == "2-bit")]
+
+
+def two_bit_target(v, ref_ppl: float, peers: "pd.DataFrame", peers_note: str, measured_on: str) -> dict:
+    """Issue 5's 2-bit verdict on one vector-codebook row ``v``: at most +60 % over ``ref_ppl`` and
+    below every row of ``peers`` (:func:`two_bit_peers`); ``peers_note`` says which peers those are."""
+    ok = v.ppl <= 1.6 * ref_ppl and (peers.empty or v.ppl < peers.ppl.min())
+    return {"target": "best 2-bit vector codebook at most +60%, below GPTQ 2-bit and hqq 2-bit" + peers_note,
+            "scheme": v.label, "bits/weight": v.bits_per_weight, "value": f"{100 * (v.ppl / ref_ppl - 1):+.1f}% (PPL {v.ppl:.2f})",
+            "met": "yes" if ok else "no", "measured on": measured_on}
+
+
 def finetune_table(run: "pd.DataFrame") -> "pd.DataFrame":
     """One row per scheme of a run (its records, reference row included): perplexity and % over the
     run's own reference, whether it is within +8 %, quantize seconds (fine-tuning included), and
