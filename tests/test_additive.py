@@ -74,6 +74,9 @@ def test_kernel_matches_float64(M, n_in, batch):
         (2, 40, 128, 2, {"cps": 1, "warps": 2, "bt": 2, "build": "mma"}),
         # M = 4: 8 groups a K-slice, but the last slice holds 1 chunk of 3 (4 groups): half the columns zero
         (4, 33, 96, 1, {"cps": 2, "warps": 1, "build": "mma"}),
+        # fp16 tables: 2-byte entries and lookups, a K-split and batch tiles
+        (2, 40, 128, 2, {"cps": 1, "warps": 2, "bt": 2, "build": "mma", "table": "fp16"}),
+        (4, 37, 96, 3, {"cps": 2, "warps": 2, "bt": 2, "build": "mma", "table": "fp16"}),
     ],
 )
 def test_kernel_plans(M, n_out, n_in, batch, plan):
@@ -83,6 +86,31 @@ def test_kernel_plans(M, n_out, n_in, batch, plan):
     for k, v in plan.items():
         assert getattr(p, k) == v
     check(g, x_for(n_in, batch, seed=n_out), t)
+
+
+@pytest.mark.parametrize("table", ["fp32", "fp16"])
+def test_tables_stay_finite_for_activations_in_the_thousands(table):
+    # Entries dot(codebook entry, x group) beyond fp16's 65504: the fp16 table must scale its
+    # K-slice by a power of two (and the sums back), not overflow to inf.
+    r = random_additive_tensor(40, 128, 2, seed=9)
+    t = AdditiveTensor(r.codes, r.codebooks * 64, (r.scales.float() / 4096).half())  # same codes, larger entries
+    x = x_for(128, 2, seed=9) * 3000
+    x[1, 70] = -60000.0  # one slice has a far larger max |x| than the other
+    l1 = t.codebooks.float().abs().sum(-1).max()
+    assert float(x.float().abs().max()) * float(l1) > 65504 * 4  # the unscaled table would overflow
+    assert float(reference(x, t).abs().max()) < 30000  # while y itself is well inside fp16
+    check(AdditiveGemv(t, plan={"cps": 1, "warps": 2, "bt": 2, "build": "mma", "table": table}), x, t)
+
+
+def test_codebook_exponent_bounds_every_entrys_l1_norm():
+    cb = torch.zeros(2, 256, 8, dtype=torch.float16)
+    assert A.codebook_exponent(cb) == 0
+    cb[1, 7, :4] = 0.5  # L1 norm 2.0: the least e with 2.0 < 2**e is 2
+    assert A.codebook_exponent(cb) == 2
+    cb[0, 3, 0] = -3.0
+    assert A.codebook_exponent(cb) == 2
+    cb[0, 3, 1] = 1.5  # 4.5
+    assert A.codebook_exponent(cb) == 3
 
 
 def test_k_split_resets_its_counters_and_replays():
@@ -190,13 +218,24 @@ def test_plans_fit_shared_memory_and_cover_every_chunk():
             cands = A.candidate_plans(n_out, nchunks, M, B, 132, smem)
             assert cands
             for p in cands + [A.plan_additive(n_out, nchunks, M, B, 132, smem)]:
-                pad = 16 * (16 // M) if p.build == "mma" else 0  # 4 words a table column under the mma build
-                assert p.shared_bytes == p.bt * p.cps * (16384 + pad) <= smem - 64
+                pad = 16 * (16 // M) if p.build == "mma" else 0  # 4 entries a table column under the mma build
+                size = A.TABLES[p.table]
+                assert p.shared_bytes == p.bt * p.cps * (16384 + pad) * size // 4 <= smem - 64
                 assert (p.ksplit - 1) * p.cps < nchunks <= p.ksplit * p.cps
                 assert 1 <= p.bt <= B and p.cps <= A.MAX_CPS
-    assert {p.build for p in A.candidate_plans(14336, 256, 2, 1, 132, 227 * 1024)} == {"mma", "fma"}
+    cands = A.candidate_plans(14336, 256, 2, 1, 132, 227 * 1024)
+    assert {p.build for p in cands} == {"mma", "fma"}
+    assert {(p.table, p.build) for p in cands} == {("fp32", "fma"), ("fp32", "mma"), ("fp16", "mma")}
     with pytest.raises(ValueError, match="build must be"):
         A.plan_additive(64, 8, 2, 1, 4, 227 * 1024, build="wmma")
+    with pytest.raises(ValueError, match="table must be one of"):
+        A.plan_additive(64, 8, 2, 1, 4, 227 * 1024, build="mma", table="bf16")
+    with pytest.raises(ValueError, match="fp16 table needs the tensor-core build"):
+        A.plan_additive(64, 8, 2, 1, 4, 227 * 1024, table="fp16")
+    # the same slice in half the bytes
+    p32 = A.plan_additive(4096, 256, 2, 1, 132, 227 * 1024, cps=4, build="mma")
+    p16 = A.plan_additive(4096, 256, 2, 1, 132, 227 * 1024, cps=4, build="mma", table="fp16")
+    assert (p16.cps, p16.ksplit) == (p32.cps, p32.ksplit) and 2 * p16.shared_bytes == p32.shared_bytes
     with pytest.raises(ValueError, match="need .* bytes of table"):
         A.plan_additive(64, 8, 2, 1, 4, 48 * 1024, cps=4)
     with pytest.raises(ValueError, match="at most 8"):
@@ -528,3 +567,10 @@ def test_to_aqlm_is_the_inverse_of_from_aqlm():
     assert d["codes"].dtype == torch.int8 and d["codebooks"].shape == (2, 256, 1, 8) and d["scales"].shape == (40, 1, 1, 1)
     back = from_aqlm(d)
     assert torch.equal(back.codes, t.codes) and torch.equal(back.dequantize(), t.dequantize())
+
+
+def test_check_additive_large_inputs_reach_beyond_fp16_and_pass():
+    # The GPU sweep's "large" checks, on the simulator: both tables within tolerance.
+    for table in ("fp32", "fp16"):
+        plan = {"cps": 1, "warps": 2, "bt": 2, "build": "mma", "table": table}
+        assert A.check_additive(128, 40, 2, 3, seed=3, device="cpu", plan=plan, large=True, tune=False) <= TOL

@@ -97,11 +97,23 @@ def test_fig_residual_heatmap(vq):
 def test_additive_table_and_figure(vq):
     t = report.additive_table(vq)
     assert set(t["kernel"]) == {"ours (numba)", "aqlm package"}
+    assert set(t[t["kernel"] == "aqlm package"]["table"]) == {""}
+    ours = t[t["kernel"] == "ours (numba)"]["table"]
+    assert set(ours) <= {"fp32, tensor cores", "fp16, tensor cores", "fp32, multiply-adds"} and "" not in set(ours)
     assert (t["% of copy"] > 0).all()
     fig = report.fig_additive(vq)
     bars = [p for ax in fig.axes for p in ax.patches]
     assert len(bars) == 9
     fig.canvas.draw()
+
+
+def test_additive_table_labels():
+    lab = report.additive_table_label
+    assert lab({"kernel": "additive", "build": "mma", "table": "fp16"}) == "fp16, tensor cores"
+    assert lab({"kernel": "additive", "build": "fma", "table": float("nan")}) == "fp32, multiply-adds"  # runs before fp16 tables
+    assert lab({"kernel": "cuda_cpp_additive", "plan": "rows256 w8 cps4 spb1 ks16 lut16"}) == "fp16, tensor cores"
+    assert lab({"kernel": "cuda_cpp_additive", "plan": "rows256 w8 cps4 spb1 ks16 lut32"}) == "fp32, tensor cores"
+    assert lab({"kernel": "aqlm package 2x8", "plan": None}) == ""
 
 
 @pytest.mark.skipif(not SEEDS.is_dir(), reason="../shared/seeds is not beside this checkout")

@@ -31,7 +31,7 @@ from pathlib import Path
 import warnings
 
 import torch
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, int32, int64, uint16, uint32
 
 from .codebook import CHUNK_BYTES, ROW_BLOCK, CodebookFormatError, _sha, check_rows, read_layer_file, untile
 from .gemv import (
@@ -47,11 +47,13 @@ from .gemv import (
     load16,
     load_byte_offset,
     load_cg,
+    load_half_byte_offset,
     max_shared_bytes,
     mma_table_tile,
     sm_count,
     tuning_enabled,
     tuning_inputs,
+    warp_max_u32,
     with_shared_limit,
 )
 from .bench import TOLERANCE, poisoned_check  # TOLERANCE: max |y - ref| / max |ref| a kernel may be off by
@@ -658,12 +660,25 @@ def lut_stride(M: int, mma: bool) -> int:
     return M * K + (4 if mma else 0)
 
 
-def lut_bytes(M: int, bt: int, cps: int, mma: bool) -> int:
-    """Dynamic shared memory of a block: the fp32 table of bt batch rows x cps chunk columns."""
-    return 4 * bt * cps * groups_per_chunk(M) * lut_stride(M, mma)
+TABLES = {"fp32": 4, "fp16": 2}  # table entry types and their bytes
+# An fp16 entry is kept below 2**15 by a power-of-two factor (see additive_kernel): 2**(14 - FP16_HEADROOM)
+# bounds |x| times a codebook entry's L1 norm before any scaling is needed.
+FP16_HEADROOM = 29
 
 
-def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma: bool = False):
+def lut_bytes(M: int, bt: int, cps: int, mma: bool, table: str = "fp32") -> int:
+    """Dynamic shared memory of a block: the table of bt batch rows x cps chunk columns."""
+    return TABLES[table] * bt * cps * groups_per_chunk(M) * lut_stride(M, mma)
+
+
+def codebook_exponent(codebooks: torch.Tensor) -> int:
+    """The least e with every codebook entry's L1 norm below 2**e: with max |x| below 2**(x_e - 14),
+    every table entry is below 2**(e + x_e - 14), which the fp16 table scales under 2**15."""
+    l1 = float(codebooks.float().abs().sum(-1).max())
+    return math.frexp(l1)[1] if l1 > 0 else 0
+
+
+def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma: bool = False, table: str = "fp32"):
     """The fused additive GEMV for M codebooks and batch B (compiled on first use, per plan).
 
     Grid (row-groups of RB row-blocks, K-slices, batch tiles of bt). A block:
@@ -681,11 +696,23 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
     codebooks (M x 256 entries x 8) times the block's slice of x (8 x bt G columns, fp16 straight
     from x: products of fp16 are exact in fp32), one ``mma.m16n8k8`` for 16 entries x 8 columns,
     where the scalar build spends eight multiply-adds and a store an entry and column.
+    ``table="fp16"`` (mma build only) halves the table, so more blocks share an SM and a warp's
+    random lookups hit fewer distinct words a bank, as the CUDA C++ kernel's fp16 plans. An entry
+    can exceed fp16's range (|x| in the thousands), so each block scales its slice's table by 2**-s,
+    s the least that keeps every entry below 2**15 whatever the codes (from max |x| over the slice,
+    one warp-wide max, and ``cbexp``: every codebook entry's L1 norm is below 2**cbexp), and
+    multiplies its sums by 2**s. s is 0 for ordinary activations; the sums stay fp32.
     Arguments: x32 (B, in/2) int32 view of fp16 x; tiled int32 codes; cb32 (M*256*4,) int32 view of
     the fp16 codebooks; scales, bias (out,) fp16; y (B, out) fp16; ws (ksplit, B, out_pad) fp32;
-    counters int32 (row-groups x batch tiles); n_out; rbs (row-blocks); nchunks (chunks a row).
+    counters int32 (row-groups x batch tiles); n_out; rbs (row-blocks); nchunks (chunks a row);
+    cbexp (:func:`codebook_exponent`; unused by fp32 tables).
     """
-    key = (M, B, bt, warps, RB, cps, mma)
+    if table not in TABLES:
+        raise ValueError(f"table must be one of {sorted(TABLES)}, got {table!r}")
+    half = table == "fp16"
+    if half and not mma:
+        raise ValueError("an fp16 table needs the tensor-core build (build='mma')")
+    key = (M, B, bt, warps, RB, cps, mma, table)
     if key in _kernel_cache:
         return _kernel_cache[key]
     gpc = groups_per_chunk(M)
@@ -701,9 +728,11 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
     NT = -(-BG // 8)  # mma N-tiles
     TILES = pairs // 16  # mma M-tiles
     TPW = -(-TILES // warps)
-    mma_tile = mma_table_tile(NT, BG, PS)
+    mma_tile = mma_table_tile(NT, BG, PS, half)
     zero = int32(0)
-    mask = uint32(0x3FC)
+    esize = TABLES[table]
+    mask = uint32(255 * esize)
+    lshift = uint32(esize.bit_length() - 1)  # byte offset of entry k: k << lshift
 
     @cuda.jit(device=True, **INLINE)
     def fetch(dst, off, tiled, rb, rbs, nchunks, j0, j1):
@@ -717,10 +746,16 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
 
     @cuda.jit(device=True, **INLINE)
     def byte_offset(w, t):
-        # Byte t of word w, times 4 (an fp32 table entry's byte offset): two integer ops.
+        # Byte t of word w, times the entry size (the entry's byte offset): two integer ops.
         if t == 0:
-            return (w << uint32(2)) & mask
-        return (w >> uint32(8 * t - 2)) & mask
+            return (w << lshift) & mask
+        return (w >> (uint32(8 * t) - lshift)) & mask
+
+    @cuda.jit(device=True, **INLINE)
+    def lookup(lut, off):
+        if half:
+            return load_half_byte_offset(lut, off)
+        return load_byte_offset(lut, off)
 
     @cuda.jit(device=True, **INLINE)
     def sum_chunks(ring, off, lut, acc, j0, j1):
@@ -733,10 +768,10 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
                         m = (4 * q + t) % M
                         o = byte_offset(w, t)
                         for bb in range(bt):
-                            acc[bb] += load_byte_offset(lut, uint32(((bb * G + c * gpc + gi) * PS + m * K) * 4) + o)
+                            acc[bb] += lookup(lut, uint32(((bb * G + c * gpc + gi) * PS + m * K) * esize) + o)
 
     @cuda.jit(device=True, **INLINE)
-    def row_block(ring, cur, nxt, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out):
+    def row_block(ring, cur, nxt, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out, up):
         # Prefetch the warp's next row-block into slot nxt, sum this one's (slot cur), then
         # 4. scale and write y, or this K-slice's partial.
         nr = r + warps
@@ -747,7 +782,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
         rb = rb0 + r
         row = rb * 32 + cuda.laneid
         if rb < rbs and row < n_out:
-            sc = float32(scales[row])
+            sc = float32(scales[row]) * up
             for bb in range(bt):
                 if b0 + bb < B:
                     if nsplit == 1:
@@ -756,10 +791,11 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
                         ws[split, b0 + bb, row] = acc[bb] * sc
 
     @cuda.jit(device=True, **INLINE)
-    def build_mma(lut, x32, cb32, b0, g0, g1, tid):
+    def build_mma(lut, x32, cb32, b0, g0, g1, tid, cbexp):
         # Lane (g, t) = (lane / 4, lane % 4). B fragment of N-tile n: column c = 8n + g = (batch row
         # c / G, group c % G), x's 32-bit word t of that group (dimensions 2t, 2t + 1), zero past
         # the slice or the batch. A fragment of M-tile i: words t of entries 16i + g and 16i + g + 8.
+        # Returns the factor the slice's sums must be multiplied by (fp16 tables: 2**s, see above).
         lane = uint32(tid) & uint32(31)
         gl = lane >> uint32(2)
         t = lane & uint32(3)
@@ -771,15 +807,28 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
             bx[n] = 0
             if c < uint32(BG) and b0 + bb < B and g0 + g < g1:
                 bx[n] = x32[b0 + bb, 4 * (g0 + g) + int32(t)]
+        up = float32(1.0)
+        down = float32(1.0)
+        if half:
+            # Every warp holds the whole slice of x in its fragments, so each finds the same s alone.
+            hx = uint32(0)
+            for n in range(NT):
+                w = uint32(bx[n])
+                hx = max(hx, max(w & uint32(0x7FFF), (w >> uint32(16)) & uint32(0x7FFF)))
+            s = int32(warp_max_u32(hx) >> uint32(10)) + int32(cbexp) - int32(FP16_HEADROOM)
+            if s > 0:
+                up = float32(int64(1) << int64(s))
+                down = float32(1.0) / up
         e = uint32(16) * (uint32(tid) >> uint32(5)) + gl
         for k in range(TPW):
             if e < uint32(pairs):  # warp-uniform: mma needs all 32 lanes
-                mma_tile(lut, uint32(0), e, t, cb32[uint32(4) * e + t], cb32[uint32(4) * e + uint32(32) + t], bx)
+                mma_tile(lut, uint32(0), e, t, cb32[uint32(4) * e + t], cb32[uint32(4) * e + uint32(32) + t], bx, down)
             e += uint32(16 * warps)
+        return up
 
     @cuda.jit
-    def kernel(x32, tiled, cb32, scales, bias, y, ws, counters, n_out, rbs, nchunks):
-        lut = cuda.shared.array(0, float32)  # [b][g][m][k]
+    def kernel(x32, tiled, cb32, scales, bias, y, ws, counters, n_out, rbs, nchunks, cbexp):
+        lut = cuda.shared.array(0, uint16 if half else float32)  # [b][g][m][k]
         last = cuda.shared.array(1, int32)
         tid = cuda.threadIdx.x
         warp = tid // 32
@@ -798,8 +847,9 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
         # 2. The table.
         g0 = j0 * gpc
         g1 = j1 * gpc
+        up = float32(1.0)
         if mma:
-            build_mma(lut, x32, cb32, b0, g0, g1, tid)
+            up = build_mma(lut, x32, cb32, b0, g0, g1, tid, cbexp)
         cbv = cuda.local.array(cbv_size, float32)
         for i in range(0 if mma else ppt):
             p = tid + i * nt
@@ -838,10 +888,10 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
         #    out twice so that every ring index is a constant and the ring stays in registers.
         acc = cuda.local.array(bt, float32)
         while r < RB:
-            row_block(ring, 0, regs, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out)
+            row_block(ring, 0, regs, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out, up)
             r += warps
             if r < RB:
-                row_block(ring, regs, 0, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out)
+                row_block(ring, regs, 0, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out, up)
                 r += warps
 
         cidx = cuda.blockIdx.x + cuda.gridDim.x * cuda.blockIdx.z
@@ -866,32 +916,39 @@ class AdditivePlan:
     cps: int  # 16-byte chunk columns a K-slice (groups a slice: cps * 16 / M)
     ksplit: int
     bt: int  # batch rows a block (grid z covers the batch in tiles of bt)
-    shared_bytes: int  # dynamic: the table, bt * cps * 16 KiB (plus padding under the mma build)
+    shared_bytes: int  # dynamic: the table, bt * cps * 16 KiB in fp32 (plus padding under the mma build)
     build: str = "fma"  # the table: "fma" (scalar multiply-adds) or "mma" (tensor cores)
+    table: str = "fp32"  # its entries: "fp32" or "fp16" (mma build only; half the bytes)
 
 
 def plan_additive(n_out: int, nchunks: int, M: int, B: int, sms: int, smem: int, warps: int | None = None, RB: int | None = None,
-                  cps: int | None = None, ksplit: int | None = None, bt: int | None = None, build: str = "fma") -> AdditivePlan:
+                  cps: int | None = None, ksplit: int | None = None, bt: int | None = None, build: str = "fma",
+                  table: str = "fp32") -> AdditivePlan:
     """Launch plan for one layer. Without overrides: blocks of up to 16 row-blocks (512 rows, so the
     table is amortized over many rows), bt = the batch where it fits, and K-slices sized so about
     two blocks share an SM. ``smem`` is what a block may opt in to (227 KiB on an H100)."""
+    if table not in TABLES:
+        raise ValueError(f"table must be one of {sorted(TABLES)}, got {table!r}")
+    if table == "fp16" and build != "mma":
+        raise ValueError("an fp16 table needs the tensor-core build (build='mma')")
+    chunk_lut = CHUNK_BYTES * K * TABLES[table]  # table bytes of one chunk column and batch row
     rbs = -(-n_out // ROW_BLOCK)
     usable = smem - 64  # static shared memory: the 'last' flag
     budget = smem // 2 if smem > 2 * SMEM_OPTIN_FLOOR else usable  # two blocks an SM where the GPU allows
     if bt is None:
-        bt = max(1, min(B, budget // CHUNK_LUT_BYTES, usable // CHUNK_LUT_BYTES))
+        bt = max(1, min(B, budget // chunk_lut, usable // chunk_lut))
     if not 1 <= bt <= B:
         raise ValueError(f"bt={bt}: batch rows a block must be in 1..{B}")
     if ksplit is not None:
         cps = -(-nchunks // ksplit)
     elif cps is None:
-        cps = max(1, min(nchunks, MAX_CPS, budget // (bt * CHUNK_LUT_BYTES)))
+        cps = max(1, min(nchunks, MAX_CPS, budget // (bt * chunk_lut)))
     cps = max(1, min(cps, nchunks))
     if cps > MAX_CPS:
         raise ValueError(f"cps={cps} chunk columns a K-slice: at most {MAX_CPS} (a lane holds two row-blocks' chunks in "
                          f"registers; more spill to local memory); use ksplit >= {-(-nchunks // MAX_CPS)}")
-    if bt * cps * CHUNK_LUT_BYTES > usable:
-        raise ValueError(f"bt={bt} x cps={cps} chunk columns need {bt * cps * CHUNK_LUT_BYTES} bytes of table; "
+    if bt * cps * chunk_lut > usable:
+        raise ValueError(f"bt={bt} x cps={cps} chunk columns need {bt * cps * chunk_lut} bytes of table; "
                          f"a block may use {usable} (more K-slices or a smaller batch tile)")
     ksplit = -(-nchunks // cps)
     cps = -(-nchunks // ksplit)  # even slices
@@ -899,10 +956,10 @@ def plan_additive(n_out: int, nchunks: int, M: int, B: int, sms: int, smem: int,
     warps = warps or max(1, min(8, RB))
     if build not in ("fma", "mma"):
         raise ValueError(f"build must be 'fma' or 'mma', got {build!r}")
-    nbytes = lut_bytes(M, bt, cps, build == "mma")
+    nbytes = lut_bytes(M, bt, cps, build == "mma", table)
     if nbytes > usable:
         raise ValueError(f"bt={bt} x cps={cps} chunk columns need {nbytes} bytes of table; a block may use {usable}")
-    return AdditivePlan(warps, RB, cps, ksplit, bt, nbytes, build)
+    return AdditivePlan(warps, RB, cps, ksplit, bt, nbytes, build, table)
 
 
 
@@ -927,14 +984,17 @@ def candidate_plans(n_out: int, nchunks: int, M: int, B: int, sms: int, smem: in
                 blocks = -(-rbs // p.RB) * p.ksplit * -(-B // p.bt)
                 if key not in seen and blocks >= min(sms, rbs):
                     seen.add(key)
-                    # the tensor-core build of every plan; the scalar one of the heuristic plan only,
-                    # so each run still measures both (the padding's 16 bytes a column may not fit)
+                    # the tensor-core build of every plan, with fp32 and fp16 tables of the same
+                    # slice (the fp16 one in half the bytes: more blocks an SM); the scalar build of
+                    # the heuristic plan only, so each run still measures both (the padding's 16 bytes
+                    # a column may not fit)
                     try:
                         out.append(plan_additive(n_out, nchunks, M, B, sms, smem, RB=RB, cps=c, bt=bt, build="mma"))
                     except ValueError:
                         out.append(p)
+                    out.append(plan_additive(n_out, nchunks, M, B, sms, smem, RB=RB, cps=c, bt=bt, build="mma", table="fp16"))
     h = plan_additive(n_out, nchunks, M, B, sms, smem)
-    if (h.RB, h.cps, h.bt, h.warps, h.build) not in {(p.RB, p.cps, p.bt, p.warps, p.build) for p in out}:
+    if (h.RB, h.cps, h.bt, h.warps, h.build, h.table) not in {(p.RB, p.cps, p.bt, p.warps, p.build, p.table) for p in out}:
         out.append(h)
     return out
 
@@ -955,7 +1015,7 @@ class AdditiveGemv:
     """An additive-codebook weight prepared for the fused kernel on one device: ``y = gemv(x)``.
 
     Holds the codes only in the kernel's tiled layout (:attr:`t` rebuilds the natural tensor).
-    ``plan``: optional overrides for :func:`plan_additive` (keys warps, RB, cps, ksplit, bt);
+    ``plan``: optional overrides for :func:`plan_additive` (keys warps, RB, cps, ksplit, bt, build, table);
     otherwise tuned on a GPU (``tune=True``) or taken from the heuristic.
     """
 
@@ -980,6 +1040,7 @@ class AdditiveGemv:
         bias = t.bias if t.bias is not None else torch.zeros_like(t.scales)
         self._tiled_t = tile_codes(t.codes)
         self._cb32_t = self._codebooks.reshape(-1).view(torch.int32)
+        self._cbexp = codebook_exponent(self._codebooks)
         self._bias_k = bias.contiguous()
         self._tiled = _as_kernel_array(self._tiled_t)
         self._cb32 = _as_kernel_array(self._cb32_t)
@@ -1005,7 +1066,7 @@ class AdditiveGemv:
         return max_shared_bytes(self.device)
 
     def _launch_parts(self, B: int, plan: AdditivePlan):
-        kern = additive_kernel(self.M, B, plan.bt, plan.warps, plan.RB, plan.cps, plan.build == "mma")
+        kern = additive_kernel(self.M, B, plan.bt, plan.warps, plan.RB, plan.cps, plan.build == "mma", plan.table)
         ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
         groups = -(-self.rbs // plan.RB)
         counters = torch.zeros(groups * -(-B // plan.bt), dtype=torch.int32, device=self.device)
@@ -1030,7 +1091,7 @@ class AdditiveGemv:
         return self._prepare(B)[1]
 
     def _args(self, xa, tiled, ya, views):
-        return (xa, tiled, self._cb32, self._sc, self._bias, ya, views[0], views[1], self.n_out, self.rbs, self.nchunks)
+        return (xa, tiled, self._cb32, self._sc, self._bias, ya, views[0], views[1], self.n_out, self.rbs, self.nchunks, self._cbexp)
 
     def tune(self, B: int = 1) -> AdditivePlan:
         """Time every candidate plan (CUDA-graph replays over copies of the codes exceeding the L2)
@@ -1116,14 +1177,22 @@ def reference(x: torch.Tensor, t: AdditiveTensor) -> torch.Tensor:
 
 # -- checks and timings for the chapter ------------------------------------------------------
 def check_additive(n_in: int, n_out: int, M: int, batch: int, seed: int, device="cuda", plan: dict | None = None,
-                   bias: bool = False, tune: bool = True) -> float:
+                   bias: bool = False, tune: bool = True, large: bool = False) -> float:
     """Max relative error of the fused kernel against float64 on fresh inputs, outputs poisoned
-    with NaN first; raises AssertionError if any output is left unwritten or is not finite."""
+    with NaN first; raises AssertionError if any output is left unwritten or is not finite.
+    ``large``: codebook entries 64x larger (scales 4096x smaller) and |x| in the thousands, one
+    value -60000, so table entries exceed fp16's range (the fp16 table must scale them)."""
     t = random_additive_tensor(n_out, n_in, M, seed=seed, device=device)
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    if large:
+        t = AdditiveTensor(t.codes, t.codebooks * 64, (t.scales.float() / 4096).half(), t.bias)
     if bias:
         t = AdditiveTensor(t.codes, t.codebooks, t.scales, (torch.randn(n_out, generator=g) * 0.1).half().to(device))
-    x = torch.randn(batch, n_in, generator=g).half().to(device)
+    x = torch.randn(batch, n_in, generator=g).half()
+    if large:
+        x = x * 3000
+        x[0, n_in // 2] = -60000.0
+    x = x.to(device)
     return poisoned_check(AdditiveGemv(t, device=device, plan=plan, tune=tune), x, lambda x: reference(x, t),
                           f"additive M={M} batch={batch} {n_in}x{n_out} plan={plan}")
 
@@ -1138,20 +1207,27 @@ def correctness_sweep(shapes, Ms=(2, 4), batches=(1, 2, 3, 8, 16), seed: int = 0
 
     jobs = [(s, M, b, None) for s in shapes for M in Ms for b in batches]
     # cps=1: one chunk column a K-slice (the deepest K-split); cps=3: slices of 3 (an uneven last one).
-    # Plans of 8 warps build the table on the tensor cores, of 4 with multiply-adds: both builds, no extra kernels.
-    jobs += [(shapes[0], M, b, dict(cps=c, RB=rb, bt=bt, warps=w, build="mma" if w == 8 else "fma")) for M in Ms for b in (1, 3)
-             for c in (1, 3) for rb in (1, 4) for bt in (1, 2) for w in (4, 8) if bt <= b]
+    # Plans of 8 warps build the table on the tensor cores (fp32 and fp16 entries), of 4 with multiply-adds.
+    jobs += [(shapes[0], M, b, dict(cps=c, RB=rb, bt=bt, warps=w, build="mma" if w == 8 else "fma", table=tb)) for M in Ms
+             for b in (1, 3) for c in (1, 3) for rb in (1, 4) for bt in (1, 2) for w in (4, 8)
+             for tb in (("fp32", "fp16") if w == 8 else ("fp32",)) if bt <= b]
+    # table entries beyond fp16's range ("large" inputs), both tables
+    big = [(shapes[0], M, 3, dict(cps=1, bt=2, warps=8, build="mma", table=tb)) for M in Ms for tb in ("fp32", "fp16")]
+    jobs += big
     recs, failures = [], []
-    for i, ((n_in, n_out), M, b, plan) in enumerate(tqdm(jobs, desc="additive correctness", disable=not progress)):
+    for i, job in enumerate(tqdm(jobs, desc="additive correctness", disable=not progress)):
+        (n_in, n_out), M, b, plan = job
         try:
-            err = check_additive(n_in, n_out, M, b, seed=seed + i, device=device, plan=plan, bias=i % 2 == 1, tune=tune)
+            err = check_additive(n_in, n_out, M, b, seed=seed + i, device=device, plan=plan, bias=i % 2 == 1, tune=tune,
+                                 large=job in big)
             ok = err <= TOLERANCE
         except Exception as e:  # noqa: BLE001 - a driver error names its plan and the sweep goes on
             err, ok = float("nan"), False
             failures.append(str(e) if isinstance(e, AssertionError) else f"{type(e).__name__} at plan={plan} "
                             f"batch={b} {n_in}x{n_out}: {e}")
         recs.append({"kernel": "additive", "M": M, "scheme": SCHEMES[M], "batch": b, "in_features": n_in, "out_features": n_out,
-                     "max_rel_err": err, "passed": ok, "plan": str(plan) if plan else "tuned"})
+                     "max_rel_err": err, "passed": ok, "plan": str(plan) if plan else "tuned",
+                     "inputs": "large" if job in big else "normal"})
         if not ok and err == err:
             failures.append(f"additive M={M} batch={b} {n_in}x{n_out} plan={plan}: max rel err {err:.3g} > {TOLERANCE}")
     if failures:
@@ -1187,4 +1263,4 @@ def time_additive(n_in: int, n_out: int, M: int, batch: int, fp16_ms: float, see
     torch.cuda.empty_cache()
     return gemv_record("additive", K, batch, n_in, n_out, ms, fp16_ms, nbytes, err, scheme=SCHEMES[M], M=M, bits_per_weight=bits,
                        passed=err <= TOLERANCE, ksplit=plan.ksplit, warps=plan.warps, rb=plan.RB, cps=plan.cps, bt=plan.bt,
-                       shared_bytes=plan.shared_bytes, build=plan.build)
+                       shared_bytes=plan.shared_bytes, build=plan.build, table=plan.table)

@@ -60,19 +60,24 @@ def _sim_warp(key) -> tuple:
         return _sim_warps[key]
 
 
-def _sim_fragments(key, lane, frag) -> np.ndarray:
-    """Every lane's fp16-pair fragments of one warp-wide mma call, as (32, len(frag), 2) float64.
+def _sim_exchange(key, lane, value) -> list:
+    """Every lane's ``value`` in one warp-wide call, lane order.
 
     The simulator runs each CUDA thread as a Python thread, so the warp's 32 threads meet at a
-    barrier and then each reads every lane's fragments. Slots alternate between two sets, so one
+    barrier and then each reads every lane's value. Slots alternate between two sets, so one
     barrier a call suffices: a lane cannot write a set again before every lane has passed the next
     barrier, i.e. finished reading it."""
     bar, slots, calls = _sim_warp(key)
     buf = slots[calls[lane] % 2]
     calls[lane] += 1
-    buf[lane] = frag
+    buf[lane] = value
     bar.wait()
-    f = np.array(buf, dtype=np.int64).astype(np.int32).view(np.float16).astype(np.float64)
+    return list(buf)
+
+
+def _sim_fragments(key, lane, frag) -> np.ndarray:
+    """Every lane's fp16-pair fragments of one warp-wide mma call, as (32, len(frag), 2) float64."""
+    f = np.array(_sim_exchange(key, lane, frag), dtype=np.int64).astype(np.int32).view(np.float16).astype(np.float64)
     return f.reshape(32, len(frag), 2)
 
 
@@ -93,6 +98,20 @@ if SIM:
     @cuda.jit(device=True)
     def load_byte_offset(a, off):
         return a[off // 4]
+
+    @cuda.jit(device=True)
+    def load_half_byte_offset(a, off):
+        return np.float32(np.array([a[off // 2]], dtype=np.uint16).view(np.float16)[0])
+
+    @cuda.jit(device=True)
+    def store_half(a, i, v):
+        a[i] = np.array([v], dtype=np.float32).astype(np.float16).view(np.uint16)[0]
+
+    @cuda.jit(device=True)
+    def warp_max_u32(v):
+        lane = cuda.threadIdx.x % 32
+        key = (cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x // 32)
+        return np.uint32(max(int(u) for u in _sim_exchange(key, lane, int(v) & 0xFFFFFFFF)))
 
     @cuda.jit(device=True)
     def half2_to_float2(w):
@@ -186,6 +205,51 @@ else:
             i8p = builder.bitcast(ary.data, ir.IntType(8).as_pointer())
             ptr = builder.gep(i8p, [builder.zext(args[1], ir.IntType(64))])
             return builder.load(builder.bitcast(ptr, context.get_data_type(aty.dtype).as_pointer()), align=4)
+
+        return sig, codegen
+
+    @intrinsic
+    def load_half_byte_offset(typingctx, arr, off):
+        """The fp16 value at byte offset ``off`` of ``arr`` (an fp16 table kept as uint16), as fp32."""
+        sig = types.float32(arr, off)
+
+        def codegen(context, builder, sig, args):
+            aty, _ = sig.args
+            ary = context.make_array(aty)(context, builder, value=args[0])
+            i8p = builder.bitcast(ary.data, ir.IntType(8).as_pointer())
+            ptr = builder.gep(i8p, [builder.zext(args[1], ir.IntType(64))])
+            h = builder.load(builder.bitcast(ptr, ir.HalfType().as_pointer()), align=2)
+            return builder.fpext(h, ir.FloatType())
+
+        return sig, codegen
+
+    @intrinsic
+    def store_half(typingctx, arr, idx, v):
+        """arr[idx] = fp16(v), for a uint16 array holding fp16 bits (numba stores no fp16 scalars)."""
+        sig = types.none(arr, idx, v)
+
+        def codegen(context, builder, sig, args):
+            aty = sig.args[0]
+            ary = context.make_array(aty)(context, builder, value=args[0])
+            ptr = cgutils.get_item_pointer(context, builder, aty, ary, [args[1]], wraparound=False)
+            h = builder.fptrunc(args[2], ir.HalfType()) if args[2].type != ir.HalfType() else args[2]
+            builder.store(builder.bitcast(h, ir.IntType(16)), ptr, align=2)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def warp_max_u32(typingctx, v):
+        """The largest of the 32 lanes' ``v`` (unsigned), on every lane: one ``redux.sync.max.u32``
+        (sm_80+). Warp-wide: all 32 lanes call it together."""
+        sig = types.uint32(v)
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            x = args[0]
+            x = builder.trunc(x, i32) if x.type.width > 32 else builder.zext(x, i32) if x.type.width < 32 else x
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32]), "redux.sync.max.u32 $0, $1, 0xffffffff;", "=r,r", side_effect=True)
+            return builder.call(asm, [x])
 
         return sig, codegen
 
@@ -343,26 +407,34 @@ else:
 INLINE = {} if SIM else {"forceinline": True}  # cuda.jit options of device functions that must inline
 
 
-def mma_table_tile(NT: int, BG: int, PS: int):
+def mma_table_tile(NT: int, BG: int, PS: int, half: bool = False):
     """The tensor-core table builds' shared step (residual and additive kernels): one M-tile of 16
     table entries (A fragments ``a0``, ``a1``) times the ``NT`` N-tiles of x (B fragments ``bx``),
-    stored as fp32 at ``tab[base + c * PS + e]`` for table column c < ``BG`` and entry e (the
-    lane's ``e`` and ``e + 8``). Lane (g, t) holds columns 2t and 2t + 1 of D (see
-    :func:`mma_m16n8k8`); ``PS`` is the padded table row, so the 4 columns of a store fall 8 banks apart.
-    All 32 lanes of the warp must call it together."""
+    stored at ``tab[base + c * PS + e]`` for table column c < ``BG`` and entry e (the lane's ``e``
+    and ``e + 8``). Lane (g, t) holds columns 2t and 2t + 1 of D (see :func:`mma_m16n8k8`); ``PS``
+    is the padded table row, so the 4 columns of a store fall 8 banks apart. fp32 entries, or with
+    ``half`` fp16 entries times ``f`` (a power of two that keeps them finite; ``tab`` is then a
+    uint16 array). All 32 lanes of the warp must call it together."""
 
     @cuda.jit(device=True, **INLINE)
-    def tile(tab, base, e, t, a0, a1, bx):
+    def put(tab, o, v, f):
+        if half:
+            store_half(tab, o, v * f)
+        else:
+            tab[o] = v
+
+    @cuda.jit(device=True, **INLINE)
+    def tile(tab, base, e, t, a0, a1, bx, f):
         for n in range(NT):
             d0, d1, d2, d3 = mma_m16n8k8(a0, a1, bx[n])
             c = uint32(8 * n) + uint32(2) * t
             o = base + c * uint32(PS) + e
             if c < uint32(BG):
-                tab[o] = d0
-                tab[o + uint32(8)] = d2
+                put(tab, o, d0, f)
+                put(tab, o + uint32(8), d2, f)
             if c + uint32(1) < uint32(BG):
-                tab[o + uint32(PS)] = d1
-                tab[o + uint32(PS + 8)] = d3
+                put(tab, o + uint32(PS), d1, f)
+                put(tab, o + uint32(PS + 8), d3, f)
 
     return tile
 

@@ -1073,6 +1073,19 @@ def fig_residual_heatmap(df: pd.DataFrame, gpu: str | None = None) -> Figure:
 ADDITIVE_KERNELS = {"additive": "ours (numba)", "aqlm package 2x8": "aqlm package", "cuda_cpp_additive": "ours (CUDA C++)"}
 
 
+def additive_table_label(rec: dict) -> str:
+    """How a timed additive kernel built its lookup table and what its entries were (numba runs
+    before the tensor-core build recorded no ``build``, before fp16 tables no ``table``: both were
+    the only kind then, multiply-adds and fp32)."""
+    build, table, plan = rec.get("build"), rec.get("table"), rec.get("plan")
+    if rec.get("kernel") in ("additive", ADDITIVE_KERNELS["additive"]):
+        how = "tensor cores" if build == "mma" else "multiply-adds"
+        return f"{table if isinstance(table, str) else 'fp32'}, {how}"
+    if isinstance(plan, str) and "lut" in plan:  # the C++ program's plan label: lut16 / lut32
+        return "fp16, tensor cores" if "lut16" in plan else "fp32, tensor cores"
+    return ""
+
+
 def additive_table(df: pd.DataFrame) -> pd.DataFrame:
     """Additive kernels against fp16 by GPU, shape and scheme: time, speedup, bandwidth and error."""
     d = df[(df["grid"] == "additive") & df["time_ms"].notna()].copy()
@@ -1081,6 +1094,7 @@ def additive_table(df: pd.DataFrame) -> pd.DataFrame:
     d = d.sort_values(["gpu", "scheme", "in_features", "out_features", "kernel"])
     return pd.DataFrame({
         "GPU": d["gpu"].map(gpu_label).to_numpy(), "scheme": d["scheme"].to_numpy(), "kernel": d["kernel"].to_numpy(),
+        "table": [additive_table_label(r) for r in d.to_dict("records")],
         "in x out": [shape_label(s) for s in zip(d["in_features"], d["out_features"])],
         "time (ms)": d["time_ms"].to_numpy(), "torch fp16 (ms)": d["fp16_ms"].to_numpy(),
         "speedup": d["speedup"].to_numpy(), "GB/s": d["gbps"].to_numpy(), "% of copy": d["% of copy"].to_numpy(),

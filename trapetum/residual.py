@@ -920,7 +920,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
                 else:
                     a0 = resq[uint32(4) * (e - uint32(Nm)) + t]
                     a1 = resq[uint32(4) * (e - uint32(Nm)) + uint32(32) + t]
-                mma_tile(tab, uint32(CBW), e, t, a0, a1, bx)
+                mma_tile(tab, uint32(CBW), e, t, a0, a1, bx, float32(1.0))
             e += uint32(16 * warps)
 
     @cuda.jit(device=True, **INLINE)
