@@ -76,6 +76,8 @@ def test_kernel_matches_float64(M, n_in, batch):
         (4, 33, 96, 1, {"cps": 2, "warps": 1, "build": "mma"}),
         # fp16 tables: 2-byte entries and lookups, a K-split and batch tiles
         (2, 40, 128, 2, {"cps": 1, "warps": 2, "bt": 2, "build": "mma", "table": "fp16"}),
+        # K-split 10: the last block sums eight partials at a time, then a remainder of two
+        (4, 33, 320, 1, {"cps": 1, "warps": 2, "build": "mma", "table": "fp16"}),
         (4, 37, 96, 3, {"cps": 2, "warps": 2, "bt": 2, "build": "mma", "table": "fp16"}),
     ],
 )

@@ -101,6 +101,7 @@ def test_plan_launch_refuses_a_ksplit_that_overflows_shared_memory():
         (16, 256, {"ksplit": 2, "warps": 2}),  # 8 chunks in two K-slices of 4, 2 warps each
         (64, 192, {"ksplit": 3, "warps": 1, "RB": 1}),
         (256, 256, {"ksplit": 4, "warps": 2}),
+        (64, 160, {"ksplit": 10, "warps": 1, "RB": 1}),  # the last block sums 8 partials at a time, then 2
     ],
 )
 def test_k_split_reduces_in_the_last_block_and_resets_its_counters(K, n_in, plan):
@@ -288,6 +289,7 @@ def test_a_pipeline_needs_two_stages():
         ("mma", 96, 128, 3, {"warps": 4, "ksplit": 2}),  # 3 row-blocks: the second block's g = 1 warps idle
         ("mma", 33, 64, 5, {"warps": 4}),  # batch pairs (0, 2), (1, 3), (4, -): an absent partner reads zeros
         ("mma", 64, 256, 16, {"warps": 8, "ksplit": 2}),  # four mmas a step
+        ("mma", 64, 320, 1, {"warps": 4, "ksplit": 10}),  # the last block sums 8 partials at a time, then 2
         ("wide", 64, 64, 4, {"warps": 4}),  # one m-tile, 12 of its 16 rows absent
         ("wide", 96, 128, 17, {"warps": 4, "ksplit": 2, "stages": 4}),  # 3 row-blocks; a second m-tile with one row
         ("wide", 33, 64, 40, {"warps": 4, "stages": 1}),  # three m-tiles, a partial row-block

@@ -46,11 +46,11 @@ from .gemv import (
     last_to_finish,
     load16,
     load_byte_offset,
-    load_cg,
     load_half_byte_offset,
     max_shared_bytes,
     mma_table_tile,
     sm_count,
+    sum_splits,
     tuning_enabled,
     tuning_inputs,
     warp_max_u32,
@@ -728,6 +728,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
     NT = -(-BG // 8)  # mma N-tiles
     TILES = pairs // 16  # mma M-tiles
     TPW = -(-TILES // warps)
+    afr_size = 2 * TPW if mma else 1  # A fragments a lane holds
     mma_tile = mma_table_tile(NT, BG, PS, half)
     zero = int32(0)
     esize = TABLES[table]
@@ -791,7 +792,20 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
                         ws[split, b0 + bb, row] = acc[bb] * sc
 
     @cuda.jit(device=True, **INLINE)
-    def build_mma(lut, x32, cb32, b0, g0, g1, tid, cbexp):
+    def load_a(afr, cb32, tid):
+        # The A fragments of the warp's M-tiles (the same every launch), all in flight at once: loaded
+        # inside the build loop, each tile waited for its own L2 round trip before its mma.
+        lane = uint32(tid) & uint32(31)
+        e = uint32(16) * (uint32(tid) >> uint32(5)) + (lane >> uint32(2))
+        t = lane & uint32(3)
+        for k in range(TPW):
+            if e < uint32(pairs):
+                afr[2 * k] = cb32[uint32(4) * e + t]
+                afr[2 * k + 1] = cb32[uint32(4) * e + uint32(32) + t]
+            e += uint32(16 * warps)
+
+    @cuda.jit(device=True, **INLINE)
+    def build_mma(lut, x32, afr, b0, g0, g1, tid, cbexp):
         # Lane (g, t) = (lane / 4, lane % 4). B fragment of N-tile n: column c = 8n + g = (batch row
         # c / G, group c % G), x's 32-bit word t of that group (dimensions 2t, 2t + 1), zero past
         # the slice or the batch. A fragment of M-tile i: words t of entries 16i + g and 16i + g + 8.
@@ -822,7 +836,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
         e = uint32(16) * (uint32(tid) >> uint32(5)) + gl
         for k in range(TPW):
             if e < uint32(pairs):  # warp-uniform: mma needs all 32 lanes
-                mma_tile(lut, uint32(0), e, t, cb32[uint32(4) * e + t], cb32[uint32(4) * e + uint32(32) + t], bx, down)
+                mma_tile(lut, uint32(0), e, t, afr[2 * k], afr[2 * k + 1], bx, down)
             e += uint32(16 * warps)
         return up
 
@@ -843,13 +857,16 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
         ring = cuda.local.array(ring_size, int32)
         r = warp
         fetch(ring, 0, tiled, rb0 + r if r < RB else rbs, rbs, nchunks, j0, j1)
+        afr = cuda.local.array(afr_size, int32)
+        if mma:
+            load_a(afr, cb32, tid)
 
         # 2. The table.
         g0 = j0 * gpc
         g1 = j1 * gpc
         up = float32(1.0)
         if mma:
-            up = build_mma(lut, x32, cb32, b0, g0, g1, tid, cbexp)
+            up = build_mma(lut, x32, afr, b0, g0, g1, tid, cbexp)
         cbv = cuda.local.array(cbv_size, float32)
         for i in range(0 if mma else ppt):
             p = tid + i * nt
@@ -900,10 +917,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
                 bb = i // (RB * 32)
                 row = rb0 * 32 + (i - bb * RB * 32)
                 if row < n_out and b0 + bb < B:
-                    v = float32(0.0)
-                    for sp in range(nsplit):
-                        v += load_cg(ws, sp, b0 + bb, row)
-                    y[b0 + bb, row] = v + float32(bias[row])
+                    y[b0 + bb, row] = sum_splits(ws, nsplit, b0 + bb, row) + float32(bias[row])
 
     _kernel_cache[key] = kernel
     return kernel
