@@ -83,6 +83,9 @@ report.styled(report.vq_run_notes(folder))
 # The summary counts the configurations where our kernel is faster than fp16, their geometric-mean
 # speedup, the slowest point, and the slowest point among the large layers
 # (in x out at least 4096 x 28672), beside the same measures of the seed's reported numbers.
+# A run that stopped at its time limit covers part of the grid; each configuration then comes from
+# the newest run that measured it, with that run's own fp16 time, and the *runs* column says how
+# many configurations each commit contributed (the table of versions below keeps the runs apart).
 
 # %%
 report.styled(report.residual_summary(df))
@@ -97,7 +100,7 @@ report.styled(report.residual_summary(df))
 report.fig_residual_heatmap(df)
 
 # %% [markdown]
-# **Why our residual kernel loses to fp16, and what we tried.** The first kernel (*gather*)
+# **Where our residual kernel loses to fp16, and what we tried.** The first kernel (*gather*)
 # rebuilds each group of 8 weights from two random 16-byte reads of the codebooks, and random
 # 16-byte reads from a 32-bank shared memory collide: a warp's request takes several times the
 # passes a conflict-free one would. Counted per SM those passes take longer than reading the
@@ -106,19 +109,30 @@ report.fig_residual_heatmap(df)
 # turns each step of 8G input columns into tables of dot products, one entry per codebook vector,
 # so a vector costs two 4-byte lookups and an add. But a table has Nm + Nr entries of eight
 # multiply-adds each, rebuilt every step, and it pays for itself only over thousands of rows:
-# it wins at the largest layers and loses badly at small ones. The recorded runs, oldest first
-# (each row its own run and fp16 times; the last run lets the tuner pick, per shape, among the
-# gather kernel, the table with the codebook in registers (1024 rows a table) and the table with
-# the codebook in shared memory (4096 rows); it stopped at its time limit before the grid's end):
+# it wins at the largest layers and loses badly at small ones. The third version builds the tables
+# on the tensor cores: a step's tables are the product of the codebooks (entries x 8) and the step's
+# slice of x (8 x groups), so one `mma.m16n8k8` instruction makes 16 entries for 8 groups, where the
+# scalar build spent eight multiply-adds, conversions and a store per entry and group. Steps of 8
+# groups (an mma's full width) then cost little to build, and each table serves 8 vectors of every
+# row a block owns. The recorded runs, oldest first
+# (each row its own run and fp16 times; from the third on, the tuner picks per shape among the gather
+# kernel, the table with the codebook in registers (1024 rows a table) and the table with the codebook
+# in shared memory (4096 rows); the fourth adds gather blocks of one and two warps where the default
+# grid leaves SMs idle, the newest the table built on the tensor cores; the third and fourth stopped
+# at their time limit before the grid's end):
+#
 
 # %%
 report.styled(report.residual_versions(folder))
 
 # %% [markdown]
-# Which kernel the tuner chose, by output size (the newest run). Both table variants lose to the
-# VPTQ format's real cost: with Nm = 4096 or 8192 entries, a table is as large as the rows it
-# serves unless a block owns thousands of them, and the lookups themselves are random 4-byte
+# Which kernel the tuner chose, by output size (the configurations of the grid above). The
+# tensor-core build wins at the large layers, and only with 4096 main centroids: beside 8192 centroids
+# in shared memory there is room for tables of 2 groups only, and an mma then fills 2 of its 8
+# columns. At small layers every table kernel loses to the format's real cost: a table is as large
+# as the rows it serves unless a block owns thousands of them, and the lookups are random 4-byte
 # reads of shared memory, a few passes a warp. NOTES.md has each version's prediction and why it missed.
+#
 
 # %%
 report.styled(report.residual_choices(df))
@@ -151,11 +165,17 @@ report.fig_additive(df)
 #
 # The same 2-bit format three ways, each speedup against the fp16 time of its own measurement, and
 # the two ratios that matter: ours against the `aqlm` package's kernel, and the numba kernel's time
-# over the CUDA C++ kernel's. The C++ program (`kernels/gemv_additive_2bit.cu`) differs from the
-# numba kernel in two ways: it builds the lookup table on the tensor cores (`mma.m16n8k8`, the
-# codebooks times the block's slice of x) instead of eight multiply-adds a table entry, and its
-# tuner may store the table in fp16, which halves the shared-memory traffic of the lookups; each
-# of its records names the plan it ran. The numba kernel has neither.
+# over the CUDA C++ kernel's. Both kernels build the
+# lookup table on the tensor cores (`mma.m16n8k8`, the codebooks times the block's slice of x; numba
+# reaches it through an inline-PTX intrinsic, and its tuner also times the older build of eight
+# multiply-adds a table entry). The C++ program (`kernels/gemv_additive_2bit.cu`) still differs in
+# how a block works: it may walk several K-slices, a table for each, the next slice's codes loading
+# while the current slice's are summed, and its lookups compile to fewer instructions (a code's byte
+# is one `PRMT`). Both tuners choose between fp32 and fp16 table entries; an fp16 table halves the
+# shared memory a block needs, so its slices can be longer (the *table* column above says which each
+# record used; the numba kernel scales an fp16 slice by a power of two where an entry would exceed
+# fp16's range). Runs recorded before the numba kernel had fp16 tables show it without them.
+#
 
 # %%
 report.styled(report.additive_side_by_side(df))
