@@ -194,17 +194,20 @@ else:
 
         return sig, codegen
 
+    def _byte_pointer(context, builder, aty, arr, off, ety):
+        """A pointer of element type ``ety`` to byte offset ``off`` of array ``arr``."""
+        ary = context.make_array(aty)(context, builder, value=arr)
+        i8p = builder.bitcast(ary.data, ir.IntType(8).as_pointer())
+        return builder.bitcast(builder.gep(i8p, [builder.zext(off, ir.IntType(64))]), ety.as_pointer())
+
     @intrinsic
     def load_byte_offset(typingctx, arr, off):
         """arr's element at byte offset ``off``: lets ptxas fold the address into one LDS [R+UR]."""
         sig = arr.dtype(arr, off)
 
         def codegen(context, builder, sig, args):
-            aty, _ = sig.args
-            ary = context.make_array(aty)(context, builder, value=args[0])
-            i8p = builder.bitcast(ary.data, ir.IntType(8).as_pointer())
-            ptr = builder.gep(i8p, [builder.zext(args[1], ir.IntType(64))])
-            return builder.load(builder.bitcast(ptr, context.get_data_type(aty.dtype).as_pointer()), align=4)
+            ety = context.get_data_type(sig.args[0].dtype)
+            return builder.load(_byte_pointer(context, builder, sig.args[0], *args, ety), align=4)
 
         return sig, codegen
 
@@ -214,11 +217,7 @@ else:
         sig = types.float32(arr, off)
 
         def codegen(context, builder, sig, args):
-            aty, _ = sig.args
-            ary = context.make_array(aty)(context, builder, value=args[0])
-            i8p = builder.bitcast(ary.data, ir.IntType(8).as_pointer())
-            ptr = builder.gep(i8p, [builder.zext(args[1], ir.IntType(64))])
-            h = builder.load(builder.bitcast(ptr, ir.HalfType().as_pointer()), align=2)
+            h = builder.load(_byte_pointer(context, builder, sig.args[0], *args, ir.HalfType()), align=2)
             return builder.fpext(h, ir.FloatType())
 
         return sig, codegen
