@@ -13,8 +13,8 @@ K, D and a SHA-256 per tensor); corrupt, truncated and tampered files raise
 :class:`~trapetum.codebook.CodebookFormatError`.
 
 The kernel (:class:`AdditiveGemv`) builds, per thread block, a lookup table
-LUT[b][g][m][k] = dot(codebooks[m, k], x[b, 8g:8g+8]) in fp32 shared memory for its K-slice of
-groups, then each lane streams one row's codes (pre-tiled so a warp's 16-byte-a-lane loads are
+LUT[b][g][m][k] = dot(codebooks[m, k], x[b, 8g:8g+8]) in shared memory (fp32, or fp16 scaled by a
+power of two so no entry overflows) for its K-slice of groups, then each lane streams one row's codes (pre-tiled so a warp's 16-byte-a-lane loads are
 contiguous, as :func:`trapetum.codebook.tile` does for the scalar format) and adds M lookups a
 group. Rows of different warps share the table; K-slices of different blocks meet in an fp32
 workspace that the last block to finish reduces (an atomic counter it resets, so it replays in a
