@@ -33,3 +33,19 @@ def test_asking_the_gemv_chapter_to_measure_without_a_gpu_fails_clearly(tmp_path
         pm.execute_notebook(str(REPO / "notebooks" / "gemv.ipynb"), str(tmp_path / "out.ipynb"), kernel_name="python3",
                             parameters={"measure": True, "arch": "sm_86"}, cwd=str(tmp_path), progress_bar=False)
     assert e.value.ename == "NoGPUError" and "CUDA GPU" in e.value.evalue
+
+
+@pytest.mark.parametrize("chapter", sorted(p.stem for p in (REPO / "notebooks").glob("*.ipynb")))
+def test_each_notebook_matches_its_jupytext_pair(chapter):
+    # notebooks/<chapter>.py is the reviewable text of <chapter>.ipynb (jupytext, py:percent); an edit
+    # to one side only leaves a reader of the other with a different chapter. Fix: jupytext --sync.
+    import jupytext
+
+    def body(text):  # the header's jupytext_version is the writer's, not the chapter's
+        return [line for line in text.splitlines() if "jupytext_version:" not in line]
+
+    nb = jupytext.read(REPO / "notebooks" / f"{chapter}.ipynb")
+    pair = REPO / "notebooks" / f"{chapter}.py"
+    assert pair.exists(), f"notebooks/{chapter}.py is missing: jupytext --set-formats ipynb,py:percent notebooks/{chapter}.ipynb"
+    assert body(jupytext.writes(nb, fmt="py:percent")) == body(pair.read_text()), (
+        f"notebooks/{chapter}.ipynb and notebooks/{chapter}.py differ: edit one, then jupytext --sync both")
