@@ -14,9 +14,9 @@ K, D and a SHA-256 per tensor); corrupt, truncated and tampered files raise
 
 The kernel (:class:`AdditiveGemv`) builds, per thread block, a lookup table
 LUT[b][g][m][k] = dot(codebooks[m, k], x[b, 8g:8g+8]) in shared memory (fp32, or fp16 scaled by a
-power of two so no entry overflows) for its K-slice of groups, then each lane streams one row's codes (pre-tiled so a warp's 16-byte-a-lane loads are
-contiguous, as :func:`trapetum.codebook.tile` does for the scalar format) and adds M lookups a
-group. Rows of different warps share the table; K-slices of different blocks meet in an fp32
+power of two so no entry overflows) for its K-slice of groups, then each lane streams one row's
+codes (pre-tiled so a warp's 16-byte-a-lane loads are contiguous, as :func:`trapetum.codebook.tile`
+does for the scalar format) and adds M lookups a group. Rows of different warps share the table; K-slices of different blocks meet in an fp32
 workspace that the last block to finish reduces (an atomic counter it resets, so it replays in a
 CUDA graph).
 """
@@ -666,6 +666,14 @@ TABLES = {"fp32": 4, "fp16": 2}  # table entry types and their bytes
 FP16_HEADROOM = 29
 
 
+def check_table(table: str, mma: bool) -> None:
+    """A table entry type the kernel has, with the build it needs."""
+    if table not in TABLES:
+        raise ValueError(f"table must be one of {sorted(TABLES)}, got {table!r}")
+    if table == "fp16" and not mma:
+        raise ValueError("an fp16 table needs the tensor-core build (build='mma')")
+
+
 def lut_bytes(M: int, bt: int, cps: int, mma: bool, table: str = "fp32") -> int:
     """Dynamic shared memory of a block: the table of bt batch rows x cps chunk columns."""
     return TABLES[table] * bt * cps * groups_per_chunk(M) * lut_stride(M, mma)
@@ -707,11 +715,8 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
     counters int32 (row-groups x batch tiles); n_out; rbs (row-blocks); nchunks (chunks a row);
     cbexp (:func:`codebook_exponent`; unused by fp32 tables).
     """
-    if table not in TABLES:
-        raise ValueError(f"table must be one of {sorted(TABLES)}, got {table!r}")
+    check_table(table, mma)
     half = table == "fp16"
-    if half and not mma:
-        raise ValueError("an fp16 table needs the tensor-core build (build='mma')")
     key = (M, B, bt, warps, RB, cps, mma, table)
     if key in _kernel_cache:
         return _kernel_cache[key]
@@ -941,10 +946,7 @@ def plan_additive(n_out: int, nchunks: int, M: int, B: int, sms: int, smem: int,
     """Launch plan for one layer. Without overrides: blocks of up to 16 row-blocks (512 rows, so the
     table is amortized over many rows), bt = the batch where it fits, and K-slices sized so about
     two blocks share an SM. ``smem`` is what a block may opt in to (227 KiB on an H100)."""
-    if table not in TABLES:
-        raise ValueError(f"table must be one of {sorted(TABLES)}, got {table!r}")
-    if table == "fp16" and build != "mma":
-        raise ValueError("an fp16 table needs the tensor-core build (build='mma')")
+    check_table(table, build == "mma")
     chunk_lut = CHUNK_BYTES * K * TABLES[table]  # table bytes of one chunk column and batch row
     rbs = -(-n_out // ROW_BLOCK)
     usable = smem - 64  # static shared memory: the 'last' flag
@@ -1231,9 +1233,10 @@ def correctness_sweep(shapes, Ms=(2, 4), batches=(1, 2, 3, 8, 16), seed: int = 0
     recs, failures = [], []
     for i, job in enumerate(tqdm(jobs, desc="additive correctness", disable=not progress)):
         (n_in, n_out), M, b, plan = job
+        large = job in big
         try:
             err = check_additive(n_in, n_out, M, b, seed=seed + i, device=device, plan=plan, bias=i % 2 == 1, tune=tune,
-                                 large=job in big)
+                                 large=large)
             ok = err <= TOLERANCE
         except Exception as e:  # noqa: BLE001 - a driver error names its plan and the sweep goes on
             err, ok = float("nan"), False
@@ -1241,7 +1244,7 @@ def correctness_sweep(shapes, Ms=(2, 4), batches=(1, 2, 3, 8, 16), seed: int = 0
                             f"batch={b} {n_in}x{n_out}: {e}")
         recs.append({"kernel": "additive", "M": M, "scheme": SCHEMES[M], "batch": b, "in_features": n_in, "out_features": n_out,
                      "max_rel_err": err, "passed": ok, "plan": str(plan) if plan else "tuned",
-                     "inputs": "large" if job in big else "normal"})
+                     "inputs": "large" if large else "normal"})
         if not ok and err == err:
             failures.append(f"additive M={M} batch={b} {n_in}x{n_out} plan={plan}: max rel err {err:.3g} > {TOLERANCE}")
     if failures:

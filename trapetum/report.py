@@ -1078,7 +1078,7 @@ def additive_table_label(rec: dict) -> str:
     before the tensor-core build recorded no ``build``, before fp16 tables no ``table``: both were
     the only kind then, multiply-adds and fp32)."""
     build, table, plan = rec.get("build"), rec.get("table"), rec.get("plan")
-    if rec.get("kernel") in ("additive", ADDITIVE_KERNELS["additive"]):
+    if rec.get("kernel") == "additive":
         how = "tensor cores" if build == "mma" else "multiply-adds"
         return f"{table if isinstance(table, str) else 'fp32'}, {how}"
     if isinstance(plan, str) and "lut" in plan:  # the C++ program's plan label: lut16 / lut32
@@ -1089,12 +1089,13 @@ def additive_table_label(rec: dict) -> str:
 def additive_table(df: pd.DataFrame) -> pd.DataFrame:
     """Additive kernels against fp16 by GPU, shape and scheme: time, speedup, bandwidth and error."""
     d = df[(df["grid"] == "additive") & df["time_ms"].notna()].copy()
+    d["table"] = [additive_table_label(r) for r in d.to_dict("records")]
     d["kernel"] = d["kernel"].map(lambda k: ADDITIVE_KERNELS.get(k, k))
     d["% of copy"] = 100 * d["gbps"] / d["copy_gbps"]
     d = d.sort_values(["gpu", "scheme", "in_features", "out_features", "kernel"])
     return pd.DataFrame({
         "GPU": d["gpu"].map(gpu_label).to_numpy(), "scheme": d["scheme"].to_numpy(), "kernel": d["kernel"].to_numpy(),
-        "table": [additive_table_label(r) for r in d.to_dict("records")],
+        "table": d["table"].to_numpy(),
         "in x out": [shape_label(s) for s in zip(d["in_features"], d["out_features"])],
         "time (ms)": d["time_ms"].to_numpy(), "torch fp16 (ms)": d["fp16_ms"].to_numpy(),
         "speedup": d["speedup"].to_numpy(), "GB/s": d["gbps"].to_numpy(), "% of copy": d["% of copy"].to_numpy(),
