@@ -364,14 +364,19 @@ def random_qlinear(in_features: int, out_features: int, K: int, device, generato
 
 @torch.no_grad()
 def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progress: bool = True, head_K: int | None = None,
-                 **overrides):
+                 fuse: bool = False, **overrides):
     """A Llama-2 architecture with random fp16 weights built directly on the device, layer by layer.
 
     ``K=None``: fp16 nn.Linear projections. Otherwise every decoder projection is a random
     QLinear and no fp16 copy of it ever exists, so 70B at 4 bits is built without the 138 GB of
     fp16 weights. Weights ~ N(0, 0.02) as Llama's init, norms 1. ``head_K``: the LM head a
     scalar codebook QLinear too (at 7B the fp16 head is 0.26 GB, 7 % of a 4-bit model).
+    ``fuse``: each layer's q/k/v and gate/up become one layer each (:mod:`trapetum.fuse`); additive
+    groups are then built with one shared codebook set (a group quantized jointly), since layers
+    with separate codebooks do not fuse.
     """
+    from .fuse import GROUPS, fuse_projections
+
     from tqdm.auto import tqdm
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
@@ -406,6 +411,12 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
                             new = random_qlinear(lin.in_features, lin.out_features, K, device, gen)
                         parent, _, child = name.rpartition(".")
                         setattr(layer.get_submodule(parent), child, new)
+                if fuse:
+                    if isinstance(K, str):
+                        for parent, names in ((layer.self_attn, GROUPS["qkv_proj"]), (layer.mlp, GROUPS["gate_up_proj"])):
+                            for n in names[1:]:
+                                getattr(parent, n).codebooks = getattr(parent, names[0]).codebooks
+                    fuse_projections(layer)
                 layer.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
                 layer.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
                 m.layers[i] = layer
@@ -472,15 +483,18 @@ def projection_bits(model) -> float:
     return sum(q.bits_per_weight * k for q, k in zip(qs, n)) / sum(n)
 
 
-def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each projection of one Llama decoder layer."""
+def projection_shapes(cfg, fused: bool = False) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each projection (kernel launch) of one Llama decoder layer;
+    ``fused``: q/k/v and gate/up as one layer each (:mod:`trapetum.fuse`)."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    if fused:
+        return {"qkv_proj": (h, h + 2 * kv), "o_proj": (h, h), "gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
     return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
-def kernel_bound(cfg, K: int | None, head_K: int | None = None) -> dict:
+def kernel_bound(cfg, K: int | None, head_K: int | None = None, fused: bool = False) -> dict:
     """The tok/s the projection and lm_head kernels alone allow: each shape timed as CUDA-graph
     replays over L2-rotated copies (trapetum.bench), summed over the layers.
 
@@ -491,7 +505,7 @@ def kernel_bound(cfg, K: int | None, head_K: int | None = None) -> dict:
 
     times = {}
     per_layer = 0.0
-    for n_in, n_out in projection_shapes(cfg).values():
+    for n_in, n_out in projection_shapes(cfg, fused).values():
         if (n_in, n_out) not in times:
             fp16 = bench.time_fp16(n_in, n_out, 1)
             if K is None:
@@ -523,7 +537,7 @@ def _release_gpu_memory() -> None:
 
 def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_paths=("graphed",), gen_len: int = 512,
                  prompt_len: int = 32, eager_gen_len: int = 128, seed: int = 0, energy=True, progress=True,
-                 device="cuda", kernel_times: bool = True, heads=(None,), **arch_overrides) -> list[dict]:
+                 device="cuda", kernel_times: bool = True, heads=(None,), fuses=(False,), **arch_overrides) -> list[dict]:
     """fp16 vs codebook decode on a Llama-2 architecture with random weights, built on the device.
 
     One record per (scheme, path), per the results contract; ``fp16_tok_s`` is the fp16 graphed
@@ -536,6 +550,10 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
 
     Each model's peak VRAM is its own: the previous model's cuBLAS workspaces are released before
     the next is built (``vram_before_gb`` records what was still allocated).
+
+    ``fuses``: False and/or True, each a pass over every scheme, fp16 included: True fuses each
+    layer's q/k/v and gate/up (:mod:`trapetum.fuse`), and those rows (``fused`` True) are compared
+    with the fused fp16 model.
     """
     import gc
 
@@ -548,9 +566,9 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
     recs = []
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=g)
-    fp16_tok_s = {}  # fp16's tok/s by graphed path: each path is compared with fp16 on the same path
+    fp16_tok_s = {}  # fp16's tok/s by (graphed path, fused): each path is compared with fp16 on the same path
     fp16_vram = {}
-    for K, head in [(None, None)] + [(K, h) for K in Ks for h in heads]:
+    for fused, K, head in [(f, K, h) for f in fuses for K, h in [(None, None)] + [(K, h) for K in Ks for h in heads]]:
         scheme = SCHEME_NAMES.get(K, f"K={K}") + ("" if head is None else f", LM head {SCHEME_NAMES.get(head, head)}")
         model = None
         if cuda:
@@ -558,16 +576,16 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
             torch.cuda.reset_peak_memory_stats()
         base = {"model": arch, "weights": "random", "architecture": "real (published config)", "scheme": scheme, "K": K,
                 "head_K": head, "lm_head": SCHEME_NAMES.get(head, head), "bits_per_weight_codes": _bits(K), "batch": 1,
-                "prompt_len": prompt_len, "vram_before_gb": torch.cuda.memory_allocated() / 1e9 if cuda else None}
+                "prompt_len": prompt_len, "fused": bool(fused), "vram_before_gb": torch.cuda.memory_allocated() / 1e9 if cuda else None}
         try:
             bound = {}
             if kernel_times and cuda:
-                bound = kernel_bound(cfg, K, head)  # before the model is built: the rotated copies need memory
+                bound = kernel_bound(cfg, K, head, fused)  # before the model is built: the rotated copies need memory
                 if progress:
                     print(f"{arch} {scheme}: projection + lm_head kernels {bound['kernel_ms_per_token']:.3f} ms/token "
                           f"-> {bound['implied_tok_s']:.1f} tok/s bound", flush=True)
             t0 = time.time()
-            model = random_llama(arch, K, device=device, seed=seed, progress=progress, head_K=head, **arch_overrides)
+            model = random_llama(arch, K, device=device, seed=seed, progress=progress, head_K=head, fuse=fused, **arch_overrides)
             if not cuda:
                 model.float()  # CPU matmuls in fp32 (tests); codebooks stay fp16
             else:
@@ -591,13 +609,13 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
                 if path in GRAPHED and bound:
                     rec.update(bound, fraction_of_kernel_bound=r.tok_s / bound["implied_tok_s"])
                 if K is None and path in GRAPHED:
-                    fp16_tok_s[path] = r.tok_s
-                    fp16_vram[path] = r.peak_vram_gb
+                    fp16_tok_s[path, fused] = r.tok_s
+                    fp16_vram[path, fused] = r.peak_vram_gb
                 recs.append(rec)
                 if progress:
                     vram = f"{r.peak_vram_gb:6.2f} GB" if r.peak_vram_gb is not None else "n/a"
                     jpt = f"{r.j_per_token:.3f}" if r.j_per_token is not None else f"n/a ({r.energy_error})"
-                    print(f"{arch} {scheme:12s} {path:8s} {r.tok_s:8.1f} tok/s  peak {vram}  J/token {jpt}", flush=True)
+                    print(f"{arch} {scheme:12s} {path + (' fused' if fused else ''):14s} {r.tok_s:8.1f} tok/s  peak {vram}  J/token {jpt}", flush=True)
         except torch.cuda.OutOfMemoryError as e:
             recs.append({**base, "path": "graphed", "gen_len": gen_len, "tok_s": None, "vram_gb": None, "j_per_token": None,
                          "oom": True, "error": str(e).splitlines()[0][:300],
@@ -612,7 +630,7 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
     # The same model must decode the same tokens whoever launches the step: eager vs graphed
     # exactly; naive (DynamicCache, fp32 casts) may drift late. Stored as text (JSON-flat).
     for r in recs:
-        ref = next((x for x in recs if (x["K"], x["head_K"]) == (r["K"], r["head_K"]) and x.get("path") == "graphed"
+        ref = next((x for x in recs if (x["K"], x["head_K"], x["fused"]) == (r["K"], r["head_K"], r["fused"]) and x.get("path") == "graphed"
                     and not x.get("oom")), None)
         if ref is not None and not r.get("oom"):
             a, b = r["first_tokens"], ref["first_tokens"]
@@ -625,9 +643,10 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
     kv = h * cfg.num_key_value_heads // cfg.num_attention_heads
     proj = L * (2 * h * h + 2 * h * kv + 3 * h * i)
     for r in recs:
-        f = fp16_tok_s.get(r["path"], fp16_tok_s.get("graphed"))
+        key = (r["path"], r["fused"])
+        f = fp16_tok_s.get(key, fp16_tok_s.get(("graphed", r["fused"])))
         r["fp16_tok_s"] = f
-        r["fp16_vram_gb"] = fp16_vram.get(r["path"], fp16_vram.get("graphed"))
+        r["fp16_vram_gb"] = fp16_vram.get(key, fp16_vram.get(("graphed", r["fused"])))
         r["speedup"] = r["tok_s"] / f if r.get("tok_s") and f else None
         # Bytes a token must read at least (projections at their bits, embeddings/lm_head fp16): the bandwidth bound's numerator.
         K = r["K"]
@@ -654,6 +673,12 @@ def _generate_cmd(args) -> int:
         from .qlinear import save_quantized
 
         print(f"saved {save_quantized(model, args.save, tokenizer=tok)}")
+    if args.fuse:
+        from .fuse import fuse_projections
+
+        left = {k: v for k, v in fuse_projections(model).items() if v != "fused"}
+        if left:
+            print(f"not fused: {len(left)} groups, e.g. {next(iter(left))}: {next(iter(left.values()))}")
     if tok is None:
         raise SystemExit(f"{args.model} has no tokenizer files: cannot encode --prompt")
     ids = tok(args.prompt, return_tensors="pt").input_ids
@@ -703,6 +728,9 @@ def _parse_quantize(spec):
         raise SystemExit(f"--quantize takes K16, K64, K256 (scalar) or A2, A4 (additive), got {spec!r}") from None
 
 
+FUSE_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
+
+
 def _bench_cmd(args) -> int:
     from . import results
 
@@ -712,7 +740,7 @@ def _bench_cmd(args) -> int:
         recs += decode_bench(arch, Ks=tuple(_parse_quantize(k) for k in args.schemes.split(",")), paths=tuple(args.paths.split(",")),
                              fp16_paths=tuple(args.fp16_paths.split(",")), gen_len=args.gen, prompt_len=args.prompt_len,
                              eager_gen_len=args.eager_gen, energy=not args.no_energy, kernel_times=not args.no_kernel_times,
-                             heads=tuple(_parse_quantize(k) for k in args.lm_head.split(",")))
+                             heads=tuple(_parse_quantize(k) for k in args.lm_head.split(",")), fuses=FUSE_CHOICES[args.fuse])
     prov = results.provenance(command=args.command or " ".join(sys.argv), seconds=round(time.time() - t0, 1))
     path = results.save(args.name, recs, prov, folder=args.out)
     print(f"wrote {path}")
@@ -733,6 +761,7 @@ def main(argv=None) -> int:
     g.add_argument("--save", default=None, help="write the quantized model to this folder")
     g.add_argument("--device", default=None)
     g.add_argument("--no-energy", action="store_true")
+    g.add_argument("--fuse", action="store_true", help="fuse q/k/v and gate/up into one layer each (after --save: the saved format is unfused)")
     g.set_defaults(func=_generate_cmd)
     c = sub.add_parser("check", help="graphed vs eager: greedy tokens and logits of the same model must match")
     c.add_argument("model", help="as for generate (smollm2-135m is the offline real model)")
@@ -759,6 +788,8 @@ def main(argv=None) -> int:
     b.add_argument("--command", default=None)
     b.add_argument("--no-energy", action="store_true")
     b.add_argument("--no-kernel-times", action="store_true", help="skip timing each projection shape alone (the kernel bound)")
+    b.add_argument("--fuse", choices=sorted(FUSE_CHOICES), default="off",
+                   help="q/k/v and gate/up as one layer each: off, on, or both (every scheme, fp16 included, twice)")
     b.set_defaults(func=_bench_cmd)
     args = p.parse_args(argv)
     if getattr(args, "max_new_tokens", 1) < 1:

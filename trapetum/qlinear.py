@@ -371,6 +371,11 @@ def save_quantized(model, folder: str | Path, tokenizer=None) -> Path:
     """Write ``folder/model.safetensors`` and ``folder/trapetum.json`` (and the tokenizer, if given)."""
     from safetensors.torch import save_file
 
+    from .fuse import is_fused
+
+    if is_fused(model):
+        raise ValueError("this model's projections are fused (trapetum.fuse.fuse_projections): the saved format keeps "
+                         "transformers' layer names, so save the model before fusing and fuse after loading")
     summary = getattr(model, "trapetum_quant", None)
     found = qlinears(model)
     if summary is None or not found:
