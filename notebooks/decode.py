@@ -26,6 +26,14 @@
 # activations between the GEMVs are fused into fewer kernels; then it is graphed the same way.
 # fp16 runs the same paths in the same run, and each path is compared with fp16 on that path.
 #
+# Rows marked **fused q/k/v, gate/up** stack each layer's query, key and value projections into
+# one layer, and its gate and up projections into another (`trapetum.fuse`, as gpt-fast and vLLM
+# do): the same weights row for row, half the GEMV launches, and larger shapes, where the
+# previous chapters' kernels run closer to the bandwidth. They are compared with the fp16 model
+# fused the same way in the same run. Additive layers share their codebooks within a layer, so a
+# fused additive group is quantized jointly (one codebook set for q, k and v); an AQLM
+# checkpoint's separate codebooks are left unfused.
+#
 # **Random weights, real architecture**: the models are built from the published Llama-2 configs
 # with random weights on the GPU (speed does not depend on weight values). Tokens per second are
 # timed with CUDA events; peak VRAM is `torch.cuda.max_memory_allocated`; J/token is the mean NVML
@@ -40,6 +48,7 @@
 measure = "auto"  # "auto": measure when a CUDA GPU is visible, else render data/; True or False force it
 arch = "llama-2-7b,llama-2-13b"  # comma-separated: llama-2-7b, llama-2-13b, llama-2-70b
 gen = 512  # generated tokens
+fuse = "both"  # fused q/k/v and gate/up projections: "off", "on" or "both" (every model twice)
 out = None  # results folder (None: the data/ folder of the repository)
 
 # %%
@@ -48,14 +57,15 @@ from trapetum import report, results
 if report.should_measure(measure):
     from trapetum import decode
 
-    decode.main(["bench", "--arch", arch, "--gen", str(gen)] + (["--out", out] if out else []))
+    decode.main(["bench", "--arch", arch, "--gen", str(gen), "--fuse", fuse] + (["--out", out] if out else []))
 df = report.load_decode(out if out is not None else results.DATA_DIR)
 
 # %% [markdown]
 # ## Integration paths, models and GPUs
 #
 # *vs fp16* divides by the fp16 model's tok/s in the same run on the same graphed path (graphed
-# or compiled); the naive and eager rows divide by fp16 graphed, the baseline a user would run.
+# or compiled) with the same fusion; the naive and eager rows divide by fp16 graphed, the baseline
+# a user would run.
 # Where fp16 does not fit on the GPU the row says so. Rows come from several runs (a later run
 # of some paths replaces only those rows); *run* names each row's commit, and the provenance table
 # at the end gives each file's command and versions. The 4-bit rows measured before the codes

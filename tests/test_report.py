@@ -352,6 +352,18 @@ def test_decode_chapter_reads_every_run_and_keeps_the_newest_per_model(tmp_path)
     p.write_text(json.dumps(d))
     both = report.load_decode(tmp_path)
     assert sorted(both[both["model"] == "llama-2-7b"]["path"].unique()) == ["compiled", "graphed"]
+    # a fused run of the same model and path is its own row, not a newer copy of the unfused one
+    run("decode.20260401T000000.json", "2026-04-01", [("llama-2-7b", 170.0)])
+    p = tmp_path / "h100" / "decode.20260401T000000.json"
+    d = json.loads(p.read_text())
+    for r in d["records"]:
+        r.update(path="compiled", fused=True, vram_gb=r["vram_gb"] * 3)
+    p.write_text(json.dumps(d))
+    t = report.decode_table(report.load_decode(tmp_path))
+    assert sorted(t[t["Model (random weights)"] == "llama-2-7b"]["Path"].unique()) == [
+        "compiled", "compiled" + report.FUSED_SUFFIX, "graphed"]
+    fused = t[t["Path"].str.endswith(report.FUSED_SUFFIX)]
+    assert sorted(fused["VRAM vs fp16"].round(2)) == [0.25, 1.0]  # over the fused fp16 model's peak of the same run (12 GB)
     t = report.decode_table(df)
     assert len(t) == 4 and set(t["vs fp16"].round(2)) == {0.6, 1.0}
     # each model's VRAM over its own fp16 model's, from the same run: 7B and 13B do not mix

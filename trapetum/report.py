@@ -750,7 +750,9 @@ def load_decode(folder=None) -> pd.DataFrame:
     root = _root(folder)
     df = results.load(DECODE, root, every_run=True)
     if not df.empty:
-        newest = df.groupby(["gpu", "model", "scheme", "path"], dropna=False)["date"].transform("max")
+        # runs before trapetum.fuse existed have no "fused" field: their projections were separate
+        df["fused"] = df["fused"].fillna(False).astype(bool) if "fused" in df else False
+        newest = df.groupby(["gpu", "model", "scheme", "path", "fused"], dropna=False)["date"].transform("max")
         df = df[df["date"] == newest].reset_index(drop=True)
     if df.empty:
         raise NoRecordedDataError(
@@ -768,9 +770,12 @@ def _fp16_of_run(d: pd.DataFrame, col: str) -> pd.Series:
     """Each row's fp16 value of ``col`` from the same run (file), model and path (NaN where that run had none)."""
     if "file" not in d:
         return pd.Series(np.nan, index=d.index)
-    key = ["file", "model", "path"]
+    key = ["file", "model", "path", "fused"] if "fused" in d else ["file", "model", "path"]
     fp16 = d[d["scheme"] == "fp16"].drop_duplicates(key).set_index(key)[col]
     return pd.Series([fp16.get(k, np.nan) for k in zip(*(d[c] for c in key))], index=d.index, dtype=float)
+
+
+FUSED_SUFFIX = ", fused q/k/v, gate/up"  # trapetum.fuse: one layer for each group
 
 
 def decode_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -783,11 +788,12 @@ def decode_table(df: pd.DataFrame) -> pd.DataFrame:
     """
     d = df.copy()
     d["_p"] = d["path"].map(lambda p: PATH_ORDER.index(p) if p in PATH_ORDER else len(PATH_ORDER))
-    d = d.sort_values(["gpu_label", "model", "scheme", "_p"], key=lambda c: c.map(str) if c.dtype == object else c)
+    d["_f"] = d["fused"].astype(bool) if "fused" in d else False
+    d = d.sort_values(["gpu_label", "model", "scheme", "_f", "_p"], key=lambda c: c.map(str) if c.dtype == object else c)
     oom = d.get("oom", pd.Series(False, index=d.index)).fillna(False).astype(bool)
     return pd.DataFrame({
         "GPU": d["gpu_label"], "Model (random weights)": d["model"], "Scheme": d["scheme"],
-        "Path": d["path"].where(~oom, d["path"] + " (out of memory)"),
+        "Path": (d["path"] + np.where(d["_f"], FUSED_SUFFIX, "")).where(~oom, d["path"] + " (out of memory)"),
         "tok/s": d["tok_s"], "vs fp16": d["tok_s"] / d["fp16_tok_s"],
         "Peak VRAM (GB)": d["vram_gb"], "VRAM vs fp16": d["vram_gb"] / (d["fp16_vram_gb"].fillna(_fp16_of_run(d, "vram_gb")) if "fp16_vram_gb" in d
                                          else _fp16_of_run(d, "vram_gb")), "J/token": d["j_per_token"],
