@@ -123,3 +123,22 @@ def test_decode_bench_compares_fused_rows_with_fused_fp16():
     cfg = decode.llama_config("llama-2-70b")
     assert decode.projection_shapes(cfg, fused=True) == {"qkv_proj": (8192, 10240), "o_proj": (8192, 8192),
                                                         "gate_up_proj": (8192, 57344), "down_proj": (28672, 8192)}
+
+
+def test_cli_generate_fuses_a_loaded_model(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    m = tiny_llama(seed=6)
+    quantize_model(m, K=16, iters=2, progress=False)
+    words = ["<unk>"] + [f"w{i}" for i in range(95)]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    save_quantized(m, tmp_path / "m", tokenizer=PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>"))
+    args = ["generate", str(tmp_path / "m"), "--prompt", "w1 w2 w3", "--max-new-tokens", "6", "--path", "eager", "--device", "cpu", "--no-energy"]
+    assert decode.main(args) == 0
+    plain = capsys.readouterr().out
+    assert decode.main(args + ["--fuse"]) == 0
+    fused = capsys.readouterr().out
+    assert "not fused" not in fused
+    assert plain.splitlines()[0] == fused.splitlines()[0]  # the same generated text
