@@ -96,10 +96,10 @@ def _why_not(mods: list[nn.Module]) -> str | None:
         if len({m.K for m in mods}) != 1:
             return "different K"
     else:
-        a = mods[0].codebook_tensor()
-        if any(m.M != a.M for m in mods):
+        # the codebooks buffer stays on the module when the kernel takes the codes: no rebuild needed
+        if len({m.M for m in mods}) != 1:
             return "different numbers of codebooks"
-        if not all(torch.equal(m.codebook_tensor().codebooks, a.codebooks) for m in mods[1:]):
+        if not all(torch.equal(m.codebooks, mods[0].codebooks) for m in mods[1:]):
             return "additive layers with different codebooks (a group fuses only if quantized jointly)"
     return None
 
@@ -110,6 +110,10 @@ def stack(mods: list[nn.Module]) -> nn.Module:
     why = _why_not(mods)
     if why:
         raise ValueError(f"cannot fuse these projections: {why}")
+    return _stack(mods)
+
+
+def _stack(mods: list[nn.Module]) -> nn.Module:
     bias = None if mods[0].bias is None else torch.cat([m.bias for m in mods])
     first = mods[0]
     if isinstance(first, AdditiveQLinear):
@@ -126,9 +130,8 @@ def stack(mods: list[nn.Module]) -> nn.Module:
                             first.in_features, sum(m.out_features for m in mods))
         new = QLinear.from_codebook(ct, bias)
     else:
-        w = first.weight
         new = nn.Linear(first.in_features, sum(m.out_features for m in mods), bias=bias is not None, device="meta")
-        new.weight = nn.Parameter(torch.cat([m.weight for m in mods]), requires_grad=w.requires_grad)
+        new.weight = nn.Parameter(torch.cat([m.weight for m in mods]), requires_grad=first.weight.requires_grad)
         if bias is not None:
             new.bias = nn.Parameter(bias, requires_grad=first.bias.requires_grad)
     if isinstance(first, QLinear):
@@ -157,7 +160,7 @@ def fuse_projections(model: nn.Module) -> dict[str, str]:
             if why:
                 report[key] = why
                 continue
-            group = FusedProjections(stack(mods), tuple(m.out_features for m in mods), names)
+            group = FusedProjections(_stack(mods), tuple(m.out_features for m in mods), names)
             setattr(parent, fused, group)
             for i, n in enumerate(names):
                 setattr(parent, n, ProjectionPart(group, i))

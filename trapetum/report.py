@@ -767,10 +767,10 @@ def load_decode(folder=None) -> pd.DataFrame:
 
 
 def _fp16_of_run(d: pd.DataFrame, col: str) -> pd.Series:
-    """Each row's fp16 value of ``col`` from the same run (file), model and path (NaN where that run had none)."""
+    """Each row's fp16 value of ``col`` from the same run (file), model, path and fusion (NaN where that run had none)."""
     if "file" not in d:
         return pd.Series(np.nan, index=d.index)
-    key = ["file", "model", "path", "fused"] if "fused" in d else ["file", "model", "path"]
+    key = ["file", "model", "path", "fused"]
     fp16 = d[d["scheme"] == "fp16"].drop_duplicates(key).set_index(key)[col]
     return pd.Series([fp16.get(k, np.nan) for k in zip(*(d[c] for c in key))], index=d.index, dtype=float)
 
@@ -788,12 +788,11 @@ def decode_table(df: pd.DataFrame) -> pd.DataFrame:
     """
     d = df.copy()
     d["_p"] = d["path"].map(lambda p: PATH_ORDER.index(p) if p in PATH_ORDER else len(PATH_ORDER))
-    d["_f"] = d["fused"].astype(bool) if "fused" in d else False
-    d = d.sort_values(["gpu_label", "model", "scheme", "_f", "_p"], key=lambda c: c.map(str) if c.dtype == object else c)
+    d = d.sort_values(["gpu_label", "model", "scheme", "fused", "_p"], key=lambda c: c.map(str) if c.dtype == object else c)
     oom = d.get("oom", pd.Series(False, index=d.index)).fillna(False).astype(bool)
     return pd.DataFrame({
         "GPU": d["gpu_label"], "Model (random weights)": d["model"], "Scheme": d["scheme"],
-        "Path": (d["path"] + np.where(d["_f"], FUSED_SUFFIX, "")).where(~oom, d["path"] + " (out of memory)"),
+        "Path": (d["path"] + np.where(d["fused"], FUSED_SUFFIX, "")).where(~oom, d["path"] + " (out of memory)"),
         "tok/s": d["tok_s"], "vs fp16": d["tok_s"] / d["fp16_tok_s"],
         "Peak VRAM (GB)": d["vram_gb"], "VRAM vs fp16": d["vram_gb"] / (d["fp16_vram_gb"].fillna(_fp16_of_run(d, "vram_gb")) if "fp16_vram_gb" in d
                                          else _fp16_of_run(d, "vram_gb")), "J/token": d["j_per_token"],
