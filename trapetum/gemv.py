@@ -133,15 +133,6 @@ if SIM:
         return a[i]
 
     @cuda.jit(device=True)
-    def cluster_sync():
-        # The simulator runs a grid's blocks one after another: blocks cannot wait for each other.
-        raise NotImplementedError("thread block clusters need a GPU (compute capability 9.0+), not the simulator")
-
-    @cuda.jit(device=True)
-    def dsmem_load(arr, idx, rank):
-        raise NotImplementedError("distributed shared memory needs a GPU (compute capability 9.0+), not the simulator")
-
-    @cuda.jit(device=True)
     def prmt(a, b, sel):
         x = (int(a) & 0xFFFFFFFF) | ((int(b) & 0xFFFFFFFF) << 32)
         r = 0
@@ -411,73 +402,6 @@ else:
         # Written by other blocks in this launch: bypass L1, which is not coherent across SMs.
         return cuda.ldcg(a, (int64(i), int64(j), int64(k)))
 
-    @intrinsic
-    def cluster_sync(typingctx):
-        """A barrier of every thread of every block in the cluster (sm_90+), with release / acquire
-        semantics: shared-memory stores before it are visible to the cluster's other blocks after it.
-        All threads call it, outside divergent code (.aligned)."""
-        sig = types.none()
-
-        def codegen(context, builder, sig, args):
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []),
-                               "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;",
-                               "~{memory}", side_effect=True)
-            builder.call(asm, [])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @intrinsic
-    def dsmem_load(typingctx, arr, idx, rank):
-        """``arr[idx]`` of the cluster's block ``rank``, for a shared array (distributed shared memory,
-        sm_90+): ``mapa`` turns the generic address of this block's element into the other block's."""
-        sig = arr.dtype(arr, idx, rank)
-
-        def codegen(context, builder, sig, args):
-            aty = sig.args[0]
-            ary = context.make_array(aty)(context, builder, value=args[0])
-            ptr = cgutils.get_item_pointer(context, builder, aty, ary, [args[1]], wraparound=False)
-            i64, i32 = ir.IntType(64), ir.IntType(32)
-            r = args[2]
-            r = builder.trunc(r, i32) if r.type.width > 32 else builder.zext(r, i32) if r.type.width < 32 else r
-            mapa = ir.InlineAsm(ir.FunctionType(i64, [i64, i32]), "mapa.u64 $0, $1, $2;", "=l,l,r", side_effect=True)
-            remote = builder.call(mapa, [builder.ptrtoint(ptr, i64), r])
-            ety = context.get_data_type(aty.dtype)
-            return builder.load(builder.inttoptr(remote, ety.as_pointer()), align=4)
-
-        return sig, codegen
-
-    class ClusterBounds(tuple):
-        """``launch_bounds`` for ``cuda.jit`` that also fix the kernel's cluster shape (x, y, z) at
-        compile time (PTX ``.reqnctapercluster``): numba's ordinary launch then starts the grid in
-        clusters, which it has no launch option for."""
-
-        def __new__(cls, bounds, cluster):
-            obj = super().__new__(cls, bounds)
-            obj.cluster = tuple(cluster)
-            return obj
-
-    def _install_cluster_bounds():
-        # numba passes a kernel's launch_bounds to nvvm.set_launch_bounds, which writes the NVVM
-        # annotations; a ClusterBounds adds libNVVM's cluster_dim_{x,y,z} beside them.
-        from numba.cuda.cudadrv import nvvm as _nvvm
-
-        if getattr(_nvvm.set_launch_bounds, "_trapetum", False):
-            return
-        original = _nvvm.set_launch_bounds
-
-        def set_launch_bounds(kernel, launch_bounds):
-            original(kernel, tuple(launch_bounds) if isinstance(launch_bounds, ClusterBounds) else launch_bounds)
-            if isinstance(launch_bounds, ClusterBounds):
-                md = cgutils.get_or_insert_named_metadata(kernel.module, "nvvm.annotations")
-                for axis, n in zip("xyz", launch_bounds.cluster):
-                    md.add(kernel.module.add_metadata([kernel, f"cluster_dim_{axis}", ir.Constant(ir.IntType(32), n)]))
-
-        set_launch_bounds._trapetum = True
-        _nvvm.set_launch_bounds = set_launch_bounds
-
-    _install_cluster_bounds()
-
 
 INLINE = {} if SIM else {"forceinline": True}  # cuda.jit options of device functions that must inline
 
@@ -531,31 +455,6 @@ def last_to_finish(counters, idx, nsplit, last, tid) -> bool:
             counters[idx] = 0
     cuda.syncthreads()
     return last[0] == 1
-
-
-MAX_CLUSTER = 8  # the portable cluster size: larger ones need an opt-in numba cannot set
-
-
-@cuda.jit(device=True, **INLINE)
-def cluster_finish(part, y, rank, rb0, n_out, tid, B, CL, nout, nt):
-    """The K-split's last step in a cluster of ``CL`` blocks (one K-slice each, ``rank`` = slice):
-    ``part[o]`` holds each block's sum of output o = (row-block r, batch row b, lane) x 32; the
-    cluster's blocks share the outputs (o = rank mod CL) and write y. Every thread of every block of
-    the cluster calls it (two cluster barriers); the second keeps each block's ``part`` alive until
-    the others have read it."""
-    cluster_sync()
-    o = rank + tid * CL
-    while o < nout:
-        v = float32(0.0)
-        for q in range(CL):
-            v += dsmem_load(part, o, q)
-        i = o // 32
-        r = i // B
-        row = (rb0 + r) * 32 + (o - i * 32)
-        if row < n_out:
-            y[i - r * B, row] = v
-        o += nt * CL
-    cluster_sync()
 
 
 @cuda.jit(device=True, **INLINE)
@@ -634,14 +533,11 @@ def row_blocks_per_block(K: int, B: int) -> int:
     return 4 if B <= 2 else (2 if B <= 8 else 1)
 
 
-def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = None, stages: int = 2, cluster: int = 0):
+def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = None, stages: int = 2):
     """The tiled LUT-GEMV kernel for codebook size K and batch B (compiled on first use).
 
     A block owns RB row-blocks (RB x 32 rows) and one K-slice. Each warp keeps ``stages`` chunks
     of every row-block in registers: one being used, ``stages - 1`` loads in flight behind it.
-    ``cluster`` (sm_90+, a GPU only): the K-split is this many blocks, launched as one thread block
-    cluster; they sum their partials through each other's shared memory instead of the workspace,
-    the atomic counter and a last block's L2 round trips.
     Arguments: x32 (B, in/2) int32
     view of fp16 x; tiled int32 codes; cbt32 (row-blocks, K*16) int32 view of the fp16
     [code][lane] codebooks; y (B, out) fp16; ws (ksplit, B, out_pad) fp32; counters (blocks,)
@@ -650,9 +546,7 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
     RB = RB or row_blocks_per_block(K, B)
     if stages < 2:
         raise ValueError(f"stages must be at least 2 (one chunk used, one in flight), got {stages}")
-    if cluster and (SIM or not 2 <= cluster <= MAX_CLUSTER):
-        raise ValueError(f"a cluster finish takes 2..{MAX_CLUSTER} blocks on a GPU, got {cluster}" + (" in the simulator" if SIM else ""))
-    key = ("lut", K, B, warps, wide, RB, stages, cluster)
+    key = ("lut", K, B, warps, wide, RB, stages)
     if key in _kernel_cache:
         return _kernel_cache[key]
     _, dot_word, per_word = _make_device_functions(K, B)
@@ -684,14 +578,10 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
             o = off + 4 * r
             dst[o], dst[o + 1], dst[o + 2], dst[o + 3] = chunk(tiled, base, j, j1, rb0 + r < rbs)
 
-    CL = cluster
-    nout = nacc * 32  # outputs of a block: (row-block, batch row, lane)
-
-    @cuda.jit(**({"launch_bounds": ClusterBounds((nt,), (1, CL, 1))} if CL else {}))
+    @cuda.jit
     def kernel(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, cps):
         lut = cuda.shared.array(lut_size, float32)  # [row-block][code][lane]: a warp's lookups hit 32 banks
         red = cuda.shared.array((warps, nacc, 32), float32)
-        part = cuda.shared.array(nout if CL else 1, float32)  # the block's sums, read by its cluster
         last = cuda.shared.array(1, int32)
         xs = cuda.shared.array(0, float32)  # dynamic: B x (cps * cpb)
         tid = cuda.threadIdx.x
@@ -765,16 +655,12 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
                     s = float32(0.0)
                     for w in range(warps):
                         s += red[w, r * B + bb, cuda.laneid]
-                    if CL:
-                        part[(r * B + bb) * 32 + cuda.laneid] = s
-                    elif nsplit == 1:
+                    if nsplit == 1:
                         if row < n_out:
                             y[bb, row] = s
                     elif rb0 + r < rbs:
                         ws[split, bb, row] = s
-        if CL:
-            cluster_finish(part, y, split, rb0, n_out, tid, B, CL, nout, nt)
-        elif nsplit > 1 and last_to_finish(counters, blk, nsplit, last, tid) and warp == 0:
+        if nsplit > 1 and last_to_finish(counters, blk, nsplit, last, tid) and warp == 0:
             for r in range(RB):
                 row = (rb0 + r) * 32 + cuda.laneid
                 for bb in range(B):
@@ -1477,15 +1363,7 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def clusters_work(device) -> bool:
-    """Whether ``device`` launches thread block clusters (compute capability 9.0+; not the simulator)."""
-    if SIM or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
-
-
 STAGES = (2, 3, 4)  # pipeline depths the tuner tries
-CLUSTER_SPLITS = (2, 4, 8)  # K-splits the tuner tries with the cluster finish
 
 
 @dataclass
@@ -1500,7 +1378,6 @@ class LaunchPlan:
     # 4-bit, RB 2, their own shared-memory layouts; their ``stages`` is the chunks a warp uses in one
     # turn, with as many more in flight
     walk: int = 1  # groups of RB row-blocks a block walks (wide_kernel only)
-    cluster: int = 0  # lut_kernel: 0, or the K-split's blocks form one cluster that sums in shared memory
 
     def grid(self, rbs: int) -> tuple[int, int]:
         """(blocks along the rows, K-slices) for a layer of ``rbs`` row-blocks."""
@@ -1508,13 +1385,12 @@ class LaunchPlan:
 
 
 def plan_launch(n_out: int, nchunks: int, K: int, B: int, sms: int, warps: int | None = None,
-                RB: int | None = None, ksplit: int | None = None, stages: int = 2, cluster: bool = False) -> LaunchPlan:
+                RB: int | None = None, ksplit: int | None = None, stages: int = 2) -> LaunchPlan:
     """Grid shape for one layer: row-blocks a block (RB), warps a block, K-slices (ksplit).
 
     Without overrides: the widest RB allowed, 8 warps when shared memory allows, and a K-split
     that gives about two blocks an SM while leaving every warp at least 4 chunks to stream.
-    ``cluster``: the K-slices of a row-block group sum in a thread block cluster (sm_90+), so the
-    K-split must come out at 2..8. On a GPU, :meth:`LutGemv.tune` times the candidates instead.
+    On a GPU, :meth:`LutGemv.tune` times the candidates instead.
     """
     cpb = CHUNK_BYTES * (2 if K == 16 else 1)
     rbs = -(-n_out // ROW_BLOCK)
@@ -1537,11 +1413,7 @@ def plan_launch(n_out: int, nchunks: int, K: int, B: int, sms: int, warps: int |
     cps = math.ceil(nchunks / ksplit)
     ksplit = math.ceil(nchunks / cps)
     assert static + B * cps * cpb * 4 <= SMEM_BUDGET
-    if cluster and not 2 <= ksplit <= MAX_CLUSTER:
-        raise ValueError(f"a cluster finish needs a K-split of 2..{MAX_CLUSTER} blocks; this plan has {ksplit}")
-    if cluster and static + B * cps * cpb * 4 + RB * B * 32 * 4 > SMEM_BUDGET:
-        raise ValueError("the cluster finish's partial sums do not fit the block's shared memory")
-    return LaunchPlan(warps, ksplit, cps, B * cps * cpb * 4, RB, stages, cluster=ksplit if cluster else 0)
+    return LaunchPlan(warps, ksplit, cps, B * cps * cpb * 4, RB, stages)
 
 
 OPTIN_SIM = 227 * 1024  # the simulator plans as if it had an H100's opt-in shared memory
@@ -1613,27 +1485,22 @@ def plan_wide(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SI
     return p
 
 
-def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budget: int = 0,
-                    clusters: bool = False) -> list[LaunchPlan]:
-    """The plans the tuner times: every allowed RB x a ladder of K-splits, 8 warps where they fit,
-    and with ``clusters`` (sm_90+) the K-splits 2, 4 and 8 again with the cluster finish;
+def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budget: int = 0) -> list[LaunchPlan]:
+    """The plans the tuner times: every allowed RB x a ladder of K-splits, 8 warps where they fit;
     for 4-bit codes also the tensor-core kernels' warps x K-splits, where ``mma_budget`` bytes of
     shared memory hold their table: mma_kernel up to batch 16, wide_kernel from batch 4 to 64."""
     seen, out = set(), []
     rb_max = row_blocks_per_block(K, B) if B <= MAX_FUSED_BATCH else 0
-    lut_options = [(ks, False) for ks in (1, 2, 3, 4, 6, 8, 12, 16, None)]
-    if clusters:  # each cluster size is its own compiled kernel: three sizes keep the tuner's compiles few
-        lut_options += [(ks, True) for ks in CLUSTER_SPLITS]
     for RB in (1, 2, 4):
         if RB > rb_max:
             continue
-        for ks, cl in lut_options:
+        for ks in (1, 2, 3, 4, 6, 8, 12, 16, None):
             for st in STAGES:
                 try:
-                    p = plan_launch(n_out, nchunks, K, B, sms, RB=RB, ksplit=ks, stages=st, cluster=cl)
+                    p = plan_launch(n_out, nchunks, K, B, sms, RB=RB, ksplit=ks, stages=st)
                 except ValueError:
                     continue
-                key = (p.RB, p.warps, p.ksplit, p.stages, p.cluster)
+                key = (p.RB, p.warps, p.ksplit, p.stages)
                 # A warp that streams fewer chunks than it holds in flight only pays for the ring.
                 if key not in seen and p.cps >= max(2, p.stages) * p.warps:
                     seen.add(key)
@@ -1765,8 +1632,6 @@ class LutGemv:
             if kind == "mma" and "walk" in opts:
                 raise ValueError("walk (row pairs a block walks) is an option of the wide kernel only")
             return (plan_mma if kind == "mma" else plan_wide)(self.n_out, self.nchunks, B, sms, budget, **opts)
-        if opts.get("cluster") and not clusters_work(self.device):
-            raise ValueError("a cluster finish needs thread block clusters: a GPU of compute capability 9.0 or newer")
         return plan_launch(self.n_out, self.nchunks, self.K, B, sms, **opts)
 
     def _launch_parts(self, B: int, plan: LaunchPlan):
@@ -1775,8 +1640,7 @@ class LutGemv:
         elif plan.kernel == "wide":
             kern = wide_kernel(B, plan.warps, plan.stages)
         else:
-            kern = lut_kernel(self.K, B, plan.warps, wide=self.variant == "lut", RB=plan.RB, stages=plan.stages,
-                              cluster=plan.cluster)
+            kern = lut_kernel(self.K, B, plan.warps, wide=self.variant == "lut", RB=plan.RB, stages=plan.stages)
         ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
         counters = torch.zeros(-(-self.rbs // plan.RB), dtype=torch.int32, device=self.device)
         return kern, plan, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters))
@@ -1816,8 +1680,8 @@ class LutGemv:
             return _TUNED[key]
         from .bench import time_graph  # bench imports this module
 
-        cands = [p for p in candidate_plans(self.n_out, self.nchunks, self.K, B, sm_count(self.device), self._mma_budget(),
-                                            clusters=clusters_work(self.device)) if p.kernel in self.kernels]
+        cands = [p for p in candidate_plans(self.n_out, self.nchunks, self.K, B, sm_count(self.device), self._mma_budget())
+                 if p.kernel in self.kernels]
         if not cands:
             raise ValueError(f"no launch plan of kernels {self.kernels} fits this device's shared memory")
         if len(cands) == 1:
