@@ -276,48 +276,6 @@ def test_deeper_pipelines_use_every_chunk_once(K, n_in, plan):
     check(g, x_for(n_in, 1, seed=5))
 
 
-@pytest.mark.parametrize(
-    "K, n_out, n_in, batch, plan",
-    [
-        # 3 groups of 1 row-block x 8 chunks = 24 chunks over 5 blocks: ranges of 4-5 chunks, so
-        # groups are cut into 2 or 3 pieces, and a block finishes one group and starts the next
-        (16, 96, 256, 1, {"blocks": 5, "warps": 2, "RB": 1}),
-        # RB 2 (one group, the second row-block half padding) cut into 3 pieces, batch 3
-        (16, 40, 256, 3, {"blocks": 3, "warps": 2, "RB": 2, "stages": 3}),
-        # as many blocks as groups: no group is cut where the ranges fall on group boundaries
-        (64, 100, 192, 2, {"blocks": 4, "warps": 1, "RB": 1}),
-        # one chunk a block, 8-bit codes
-        (256, 33, 32, 1, {"blocks": 4, "warps": 1, "RB": 1}),
-    ],
-)
-def test_flat_grid_cuts_the_chunks_into_equal_ranges(K, n_out, n_in, batch, plan):
-    ct = random_codebook_tensor(n_out, n_in, K, seed=n_out + n_in)
-    g = LutGemv(ct, plan=plan)
-    p = g.plan(batch)
-    assert p.flat == plan["blocks"] and p.grid(g.rbs) == (plan["blocks"], 1)
-    y1 = check(g, x_for(n_in, batch, seed=6))
-    assert not g._plans[batch][2][1].any(), "a group's piece counter was not reset"
-    y2 = check(g, x_for(n_in, batch, seed=7))
-    assert not torch.equal(y1, y2)
-
-
-def test_plan_flat_bounds_and_workspace():
-    from trapetum.gemv import plan_flat
-
-    # 4096 x 14336 on 132 SMs at RB 2: 224 groups x 128 chunks
-    p = plan_flat(14336, 128, 16, 1, 132, 528, RB=2)
-    assert (p.flat, p.cps) == (528, 55)  # ceil(224 * 128 / 528)
-    # ranges of >= 54 chunks: a group of 128 meets at most 4 of them (3 cuts inside it)
-    assert p.ksplit == 4
-    with pytest.raises(ValueError, match="takes 224..28672 blocks"):
-        plan_flat(14336, 128, 16, 1, 132, 200, RB=2)
-    with pytest.raises(ValueError, match="takes 224..28672 blocks"):
-        plan_flat(14336, 128, 16, 1, 132, 30000, RB=2)
-    # the tuner's candidates include flat grids of whole blocks an SM
-    flat = [c for c in gemv.candidate_plans(14336, 128, 16, 1, 132) if c.flat]
-    assert flat and all(c.flat % 132 == 0 and c.kernel == "lut" for c in flat)
-
-
 def test_a_pipeline_needs_two_stages():
     with pytest.raises(ValueError, match="stages must be at least 2"):
         lut_kernel(16, 1, 2, stages=1)

@@ -194,7 +194,7 @@ def time_lut(n_in, n_out, K, batch, variant, fp16_ms, seed=0, kernels=LutGemv.FA
     return gemv_record(name or variant, K, batch, n_in, n_out, ms, fp16_ms, nbytes, err, scheme=SCHEMES[K],
                        ksplit=getattr(plan, "ksplit", None), warps=getattr(plan, "warps", None), rb=getattr(plan, "RB", None),
                        stages=getattr(plan, "stages", None), plan_kernel=getattr(plan, "kernel", None),
-                       walk=getattr(plan, "walk", None), flat=getattr(plan, "flat", None))
+                       walk=getattr(plan, "walk", None))
 
 
 def time_fp16(n_in, n_out, batch) -> float:

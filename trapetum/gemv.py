@@ -533,28 +533,20 @@ def row_blocks_per_block(K: int, B: int) -> int:
     return 4 if B <= 2 else (2 if B <= 8 else 1)
 
 
-def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = None, stages: int = 2, flat: bool = False):
+def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = None, stages: int = 2):
     """The tiled LUT-GEMV kernel for codebook size K and batch B (compiled on first use).
 
-    A piece of work is RB row-blocks (RB x 32 rows, a "group") times a range of chunks. Each warp
-    keeps ``stages`` chunks of every row-block in registers: one being used, ``stages - 1`` loads
-    in flight behind it. The pieces of a group meet in an fp32 workspace, summed by the last
-    to finish. Two grids:
-    - ``flat=False``: block (x, y) is group x, K-slice y of ``cps`` chunks (grid groups x ksplit);
-    - ``flat=True``: the groups' chunks laid end to end are cut into gridDim.x equal ranges, one a
-      block, so every block streams the same bytes whatever the shape (a block of g groups' worth
-      of work on n SMs otherwise leaves ceil(g/n) - g/n of a wave idle); a range crosses at most one
-      group boundary (the grid is at least the group count), so a block does one or two pieces.
-    Arguments: x32 (B, in/2) int32 view of fp16 x; tiled int32 codes; cbt32 (row-blocks, K*16)
-    int32 view of the fp16 [code][lane] codebooks; y (B, out) fp16; ws (pieces, B, out_pad) fp32;
-    counters (groups,) int32; n_out; rbs (row-blocks); nchunks (16-byte chunks a row); cps
-    (chunks a K-slice; ``flat``: the longest range, which sizes the x slice in shared memory).
+    A block owns RB row-blocks (RB x 32 rows) and one K-slice. Each warp keeps ``stages`` chunks
+    of every row-block in registers: one being used, ``stages - 1`` loads in flight behind it.
+    Arguments: x32 (B, in/2) int32
+    view of fp16 x; tiled int32 codes; cbt32 (row-blocks, K*16) int32 view of the fp16
+    [code][lane] codebooks; y (B, out) fp16; ws (ksplit, B, out_pad) fp32; counters (blocks,)
+    int32; n_out; rbs (row-blocks); nchunks (16-byte chunks a row); cps (chunks a K-slice).
     """
     RB = RB or row_blocks_per_block(K, B)
     if stages < 2:
         raise ValueError(f"stages must be at least 2 (one chunk used, one in flight), got {stages}")
-    minblocks = max(1, FLAT_MIN_BLOCKS * 8 // warps) if flat else 0  # as many threads an SM at any warp count
-    key = ("lut", K, B, warps, wide, RB, stages, flat, minblocks)
+    key = ("lut", K, B, warps, wide, RB, stages)
     if key in _kernel_cache:
         return _kernel_cache[key]
     _, dot_word, per_word = _make_device_functions(K, B)
@@ -586,13 +578,21 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
             o = off + 4 * r
             dst[o], dst[o + 1], dst[o + 2], dst[o + 3] = chunk(tiled, base, j, j1, rb0 + r < rbs)
 
-    @cuda.jit(device=True, **INLINE)
-    def piece(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, lut, red, last, xs, blk, j0, j1, split, nsplit):
-        # Group blk's chunks j0..j1: its partial is K-slice ``split`` of the group's ``nsplit``.
+    @cuda.jit
+    def kernel(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, cps):
+        lut = cuda.shared.array(lut_size, float32)  # [row-block][code][lane]: a warp's lookups hit 32 banks
+        red = cuda.shared.array((warps, nacc, 32), float32)
+        last = cuda.shared.array(1, int32)
+        xs = cuda.shared.array(0, float32)  # dynamic: B x (cps * cpb)
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane4 = uint32(cuda.laneid) << uint32(2)
+        blk = cuda.blockIdx.x
         rb0 = blk * RB
+        split = cuda.blockIdx.y
+        nsplit = cuda.gridDim.y
+        j0 = split * cps
+        j1 = min(j0 + cps, nchunks)
         ncols = (j1 - j0) * cpb
 
         # Start streaming codes before anything waits: this warp's first stages-1 chunks of each
@@ -666,36 +666,6 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
                 for bb in range(B):
                     if row < n_out:  # so rb0 + r < rbs
                         y[bb, row] = sum_splits(ws, nsplit, bb, row)
-
-    # A flat grid is sized in whole blocks an SM, so the blocks an SM holds must not drop with the
-    # registers its second piece's code costs (ptxas: 80 at RB 2 uncapped, 64 with 4 blocks of 8 warps).
-    @cuda.jit(**({"launch_bounds": (nt, minblocks)} if minblocks and not SIM else {}))
-    def kernel(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, cps):
-        lut = cuda.shared.array(lut_size, float32)  # [row-block][code][lane]: a warp's lookups hit 32 banks
-        red = cuda.shared.array((warps, nacc, 32), float32)
-        last = cuda.shared.array(1, int32)
-        xs = cuda.shared.array(0, float32)  # dynamic: B x (cps * cpb)
-        if not flat:
-            j0 = cuda.blockIdx.y * cps
-            piece(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, lut, red, last, xs,
-                  cuda.blockIdx.x, j0, min(j0 + cps, nchunks), cuda.blockIdx.y, cuda.gridDim.y)
-        else:
-            total = int64(-(-rbs // RB)) * nchunks
-            nb = int64(cuda.gridDim.x)
-            b = int64(cuda.blockIdx.x)
-            s = b * total // nb
-            s1 = (b + 1) * total // nb
-            while s < s1:
-                g = s // nchunks
-                j0 = s - g * nchunks
-                j1 = min(nchunks, j0 + s1 - s)
-                # the blocks whose ranges meet group g: the first holds chunk g*nchunks, the last its last chunk
-                first = ((g * nchunks + 1) * nb + total - 1) // total - 1
-                nsplit = (((g + 1) * nchunks) * nb + total - 1) // total - 1 - first + 1
-                piece(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, lut, red, last, xs,
-                      int32(g), int32(j0), int32(j1), int32(b - first), int32(nsplit))
-                s += j1 - j0
-                cuda.syncthreads()  # the next piece restages the table and x that this one's warps read
 
     _kernel_cache[key] = kernel
     return kernel
@@ -1394,9 +1364,6 @@ def sm_count(device) -> int:
 
 
 STAGES = (2, 3, 4)  # pipeline depths the tuner tries
-FLAT_BLOCKS_PER_SM = (2, 3, 4, 6)  # flat grids the tuner tries, in blocks an SM
-FLAT_STAGES = (2, 3)
-FLAT_MIN_BLOCKS = 4  # 8-warp blocks an SM the flat kernels are compiled to fit (a register cap)
 
 
 @dataclass
@@ -1411,13 +1378,9 @@ class LaunchPlan:
     # 4-bit, RB 2, their own shared-memory layouts; their ``stages`` is the chunks a warp uses in one
     # turn, with as many more in flight
     walk: int = 1  # groups of RB row-blocks a block walks (wide_kernel only)
-    flat: int = 0  # lut_kernel: 0, or the blocks of a flat grid (equal ranges of all chunks; ksplit is
-    # then the most pieces a group is cut into, which sizes the workspace)
 
     def grid(self, rbs: int) -> tuple[int, int]:
         """(blocks along the rows, K-slices) for a layer of ``rbs`` row-blocks."""
-        if self.flat:
-            return self.flat, 1
         return -(-(-(-rbs // self.RB)) // self.walk), self.ksplit
 
 
@@ -1451,28 +1414,6 @@ def plan_launch(n_out: int, nchunks: int, K: int, B: int, sms: int, warps: int |
     ksplit = math.ceil(nchunks / cps)
     assert static + B * cps * cpb * 4 <= SMEM_BUDGET
     return LaunchPlan(warps, ksplit, cps, B * cps * cpb * 4, RB, stages)
-
-
-def plan_flat(n_out: int, nchunks: int, K: int, B: int, sms: int, blocks: int, warps: int | None = None,
-              RB: int | None = None, stages: int = 2) -> LaunchPlan:
-    """A flat grid of ``blocks`` blocks for :func:`lut_kernel` (``flat=True``): the groups of RB
-    row-blocks laid end to end, chunk by chunk, and cut into ``blocks`` equal ranges, so every
-    block streams the same bytes. ``blocks`` runs from the group count (a range then spans at most
-    one group boundary) to the number of chunks of all groups (a chunk a block)."""
-    rbs = -(-n_out // ROW_BLOCK)
-    RB = RB or row_blocks_per_block(K, B)
-    groups = -(-rbs // RB)
-    total = groups * nchunks
-    if not groups <= blocks <= total:
-        raise ValueError(f"a flat grid for this layer takes {groups}..{total} blocks (a group of row-blocks to a chunk a block), got {blocks}")
-    cps = -(-total // blocks)
-    base = plan_launch(n_out, nchunks, K, B, sms, warps=warps, RB=RB, ksplit=-(-nchunks // cps), stages=stages)
-    cpb = CHUNK_BYTES * (2 if K == 16 else 1)
-    static = RB * K * 32 * 4 + base.warps * RB * B * 32 * 4 + 16
-    if static + B * cps * cpb * 4 > SMEM_BUDGET:
-        raise ValueError(f"a flat grid of {blocks} blocks leaves ranges of {cps} chunks: more of x than shared memory holds")
-    pieces = -(-(nchunks - 1) // (total // blocks)) + 1  # the most blocks whose ranges meet one group
-    return LaunchPlan(base.warps, min(pieces, blocks), cps, B * cps * cpb * 4, RB, stages, flat=blocks)
 
 
 OPTIN_SIM = 227 * 1024  # the simulator plans as if it had an H100's opt-in shared memory
@@ -1564,15 +1505,6 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
                 if key not in seen and p.cps >= max(2, p.stages) * p.warps:
                     seen.add(key)
                     out.append(p)
-        for waves, st in itertools.product(FLAT_BLOCKS_PER_SM, FLAT_STAGES):
-            try:
-                p = plan_flat(n_out, nchunks, K, B, sms, waves * sms, RB=RB, stages=st)
-            except ValueError:
-                continue
-            key = ("flat", p.RB, p.warps, p.flat, p.stages)
-            if key not in seen and p.cps >= max(2, p.stages) * p.warps:
-                seen.add(key)
-                out.append(p)
     if K == 16 and mma_budget:
         # unroll 8 (the plans' other option) never won on the H100: left out, as every candidate compiles
         for w, ks, st in itertools.product((4, 8, 16), (1, 2, 3, 4, 6, 8, 12, 16, None), (MMA_UNROLL,) if B <= MAX_FUSED_BATCH else ()):
@@ -1612,8 +1544,7 @@ class LutGemv:
 
     ``variant``: "lut" (16-byte loads, the product), "lut32" (same kernel, 4-byte loads: the
     ablation), "naive" (one thread a row, natural layout: the negative result).
-    ``plan``: optional overrides for :func:`plan_launch` (keys RB, ksplit, warps, stages), for
-    :func:`plan_flat` (keys blocks, RB, warps, stages), or with
+    ``plan``: optional overrides for :func:`plan_launch` (keys RB, ksplit, warps, stages), or with
     ``kernel="mma"`` / ``"wide"`` for :func:`plan_mma` / :func:`plan_wide` (keys warps, ksplit, stages;
     4-bit only); otherwise the plan is tuned on a GPU (``tune=True``: the tensor-core kernels are
     among the 4-bit candidates) or taken from the heuristic.
@@ -1701,8 +1632,6 @@ class LutGemv:
             if kind == "mma" and "walk" in opts:
                 raise ValueError("walk (row pairs a block walks) is an option of the wide kernel only")
             return (plan_mma if kind == "mma" else plan_wide)(self.n_out, self.nchunks, B, sms, budget, **opts)
-        if "blocks" in opts:
-            return plan_flat(self.n_out, self.nchunks, self.K, B, sms, **opts)
         return plan_launch(self.n_out, self.nchunks, self.K, B, sms, **opts)
 
     def _launch_parts(self, B: int, plan: LaunchPlan):
@@ -1711,8 +1640,7 @@ class LutGemv:
         elif plan.kernel == "wide":
             kern = wide_kernel(B, plan.warps, plan.stages)
         else:
-            kern = lut_kernel(self.K, B, plan.warps, wide=self.variant == "lut", RB=plan.RB, stages=plan.stages,
-                              flat=bool(plan.flat))
+            kern = lut_kernel(self.K, B, plan.warps, wide=self.variant == "lut", RB=plan.RB, stages=plan.stages)
         ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
         counters = torch.zeros(-(-self.rbs // plan.RB), dtype=torch.int32, device=self.device)
         return kern, plan, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters))
