@@ -158,6 +158,26 @@ report.fig_bandwidth_law(df)
 report.fig_roofline(df)
 
 # %% [markdown]
+# ## What bounds the 4-bit kernel
+#
+# Two measurements from the same run place the 4-bit kernel against what its bytes allow. The
+# *stream floor* is a kernel that only reads the same code bytes (16-byte loads, four in flight a
+# thread, a grid of eight blocks an SM) and computes nothing: no kernel that must read those bytes
+# once can beat it on that GPU. *Weight in L2* times our kernel on a single copy of its weight, so
+# the codes stay in the L2 cache between launches (blank where the weight is too large for that).
+# If our kernel were waiting on DRAM, the L2-resident time would be much shorter; where the two
+# are close, the time goes to work inside the SMs (table lookups, multiply-adds, shared memory),
+# not to memory. *fp16 / floor* is the speedup a kernel reaching the floor would have; the empty
+# launch is the fixed cost of one graph node. Runs recorded before these measurements existed
+# have no row here.
+
+# %%
+report.styled(report.floor_table(df))
+
+# %% mystnb={"figure": {"caption": "Speedup over torch fp16 of the tuned 4-bit kernel by weight shape, beside the speedup of a kernel that only reads the same 4-bit bytes (the streaming floor).", "name": "fig-gemv-floor"}}
+report.fig_floor(df)
+
+# %% [markdown]
 # ## Speedup by shape
 #
 # The speedup over torch fp16 for every shape of the layer and bandwidth grids, one bar per

@@ -406,3 +406,18 @@ def test_kernels_must_name_known_families():
     g = LutGemv(ct, kernels=("mma",))  # untuned (simulator): the mma heuristic plan
     assert g.plan(1).kernel == "mma"
     check(g, x_for(64, 1, seed=3))
+
+
+def test_stream_floor_kernel_reads_every_word_once():
+    # The floor's kernel XORs what each thread reads into out[thread]: the XOR of out is the XOR of
+    # the buffer only if every word was read exactly once (a grid-stride of 4 pieces a step, then the rest).
+    import numpy as np
+
+    from trapetum.gemv import stream_kernel
+
+    rng = np.random.default_rng(0)
+    for n16, blocks, threads in ((37, 2, 4), (64, 1, 8), (5, 3, 2)):
+        a = rng.integers(-2**31, 2**31 - 1, size=4 * n16, dtype=np.int64).astype(np.int32)
+        out = np.zeros(blocks * threads, dtype=np.int32)
+        stream_kernel[blocks, threads](a, out, n16)
+        assert np.bitwise_xor.reduce(out) == np.bitwise_xor.reduce(a)

@@ -35,8 +35,9 @@ def _rec(kernel, K, batch, n_in, n_out, ms, fp16_ms, grid, copy, **extra):
             "copy_gbps": copy, **extra}
 
 
-def synthetic_records(copy: float, speed: float) -> list[dict]:
-    """One GPU's gemv.json records: every grid of bench.gemv_suite plus correctness checks."""
+def synthetic_records(copy: float, speed: float, floors: bool = False) -> list[dict]:
+    """One GPU's gemv.json records: every grid of bench.gemv_suite plus correctness checks; with
+    ``floors``, the streaming floors and L2-resident times the suite records since session 18."""
     recs = []
 
     def fp16(n_in, n_out, b=1):
@@ -62,6 +63,12 @@ def synthetic_records(copy: float, speed: float) -> list[dict]:
             recs.append(_rec("lut", 16, b, *LARGE[0], f / speed * b ** 0.8, f, "batch", copy, path="fused"))
         else:
             recs.append(_rec("dequant+cublas", 16, b, *LARGE[0], f * 4, f, "batch", copy))
+    if floors:
+        for r in [r for r in recs if r["kernel"] == "lut" and r["K"] == 16 and r["batch"] == 1]:
+            r["l2_resident_ms"] = r["time_ms"] * 0.95
+        for s in dict.fromkeys([(4096, 4096), *LAYERS, *LARGE]):
+            f = fp16(*s)
+            recs.append(_rec("stream floor", 16, 1, *s, f / 3.5, f, "floor", copy, empty_launch_ms=0.0013))
     recs.append({"kernel": "lut", "K": 16, "scheme": "4-bit K=16", "batch": 1, "in_features": 256,
                  "out_features": 96, "max_rel_err": 1e-4, "passed": True, "grid": "correctness"})
     return recs
@@ -79,7 +86,7 @@ def two_gpus(tmp_path_factory) -> Path:
     """A data folder with two synthetic GPUs: a bandwidth-poor one that wins big and a rich one."""
     folder = tmp_path_factory.mktemp("data")
     write_run(folder, "NVIDIA Slow GPU", synthetic_records(copy=800.0, speed=2.5), 800.0)
-    write_run(folder, "NVIDIA Fast GPU", synthetic_records(copy=3000.0, speed=1.1), 3000.0)
+    write_run(folder, "NVIDIA Fast GPU", synthetic_records(copy=3000.0, speed=1.1, floors=True), 3000.0)
     return folder
 
 
@@ -259,6 +266,26 @@ def test_fig_speedup_by_shape(df2):
         assert any("ceiling" in t for t in texts) and any("parity" in t for t in texts)
         assert len(ax.get_xticklabels()) == len(LAYERS) + len(LARGE)
         assert "Speedup" in ax.get_ylabel()
+
+
+def test_floor_table_and_figure(df2, tmp_path):
+    t = report.floor_table(df2)
+    # only the GPU that recorded floors; one row a distinct batch-1 shape of the table, layer and large grids
+    assert set(t["GPU"]) == {"Fast GPU"}
+    assert list(t["Shape"]) == [report.shape_label(s) for s in sorted(dict.fromkeys([(4096, 4096), *LAYERS, *LARGE]), key=lambda s: (s[0] * s[1], s[0]))]
+    assert np.allclose(t["fp16 / floor"], 3.5)
+    # synthetic speeds: 1.1x fp16 on the table and layer shapes, 1.65x on the large ones
+    want = [3.5 / (1.65 if s in [report.shape_label(x) for x in LARGE] else 1.1) for s in t["Shape"]]
+    assert np.allclose(t["ours / floor"], want) and np.allclose(t["weight in L2 (us)"] / t["4-bit kernel (us)"], 0.95)
+    assert np.allclose(t["empty launch (us)"], 1.3)
+    # the floors stay out of every other table
+    assert "stream floor" not in set(report.kernel_table(df2)["Kernel"])
+    fig = report.fig_floor(df2)
+    (ax,) = _check_figure(fig, 1)[:1]
+    assert len(ax.get_xticklabels()) == len(t)
+    write_run(tmp_path, "NVIDIA Slow GPU", synthetic_records(copy=800.0, speed=2.5), 800.0)
+    with pytest.raises(ValueError, match="streaming floors"):
+        report.floor_table(report.load_gemv(tmp_path))
 
 
 def test_fig_batch(df2):

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from .codebook import random_codebook_tensor
-from .gemv import MAX_FUSED_BATCH, MAX_WIDE_BATCH, LutGemv, max_rel_err, reference, row_blocks_per_block
+from .gemv import LARGE_BLOCK_WARPS, MAX_FUSED_BATCH, MAX_WIDE_BATCH, LutGemv, max_rel_err, reference, row_blocks_per_block
 
 METHOD = "CUDA-graph replay, CUDA events, median, weights rotated past L2"
 
@@ -151,6 +151,10 @@ def correctness_sweep(shapes, Ks=(16, 64, 256), batches=(1, 2, 3, 8, 16), varian
     # Plans the tuner may pick on other GPUs: every row-block width, with and without a K-split.
     jobs += [(shapes[0], K, b, "lut", dict(RB=rb, ksplit=ks, stages=st)) for K in Ks for b in (1, 3) for rb in (1, 2, 4)
              for ks in (1, 3) for st in (2, 4) if rb <= row_blocks_per_block(K, b)]
+    # The 16- and 32-warp blocks the tuner tries for batch-1 4-bit layers (warps with no chunk at the small shapes).
+    if 16 in Ks:
+        jobs += [(s, 16, 1, "lut", dict(RB=rb, ksplit=ks, warps=w, stages=st)) for s in shapes[:3] for w in LARGE_BLOCK_WARPS
+                 for rb in (1, 2) for ks in (1, 2) for st in (2, 3) if st == 2 or s == shapes[2]]
     # The tensor-core kernel: every warp count, with and without a K-split, batches across its mma groups.
     if 16 in Ks:
         jobs += [(s, 16, b, "lut", dict(kernel="mma", warps=w, ksplit=ks)) for s in shapes[:2] for b in (1, 3, 5, 16)
@@ -185,6 +189,9 @@ def time_lut(n_in, n_out, K, batch, variant, fp16_ms, seed=0, kernels=LutGemv.FA
     (default: the variant) with the plan it ran, ``plan_kernel`` saying which kernel family."""
     launchers, keep = lut_launchers(n_in, n_out, K, batch, variant, seed=seed, kernels=kernels)
     ms = time_graph(launchers)
+    # The same launch on one copy, so the weight stays in L2 between launches: if this is not faster,
+    # the kernel is bound inside the SM, not by DRAM.
+    l2_ms = time_graph(launchers[:1], launches=len(launchers)) if keep[0][0].weight_bytes < 3 * l2_bytes() // 4 else None
     g = keep[0][0]
     err = check_kernel(n_in, n_out, K, batch, variant, seed=seed + 7, kernels=kernels)
     nbytes = g.weight_bytes + 2 * batch * (n_in + n_out)
@@ -194,7 +201,48 @@ def time_lut(n_in, n_out, K, batch, variant, fp16_ms, seed=0, kernels=LutGemv.FA
     return gemv_record(name or variant, K, batch, n_in, n_out, ms, fp16_ms, nbytes, err, scheme=SCHEMES[K],
                        ksplit=getattr(plan, "ksplit", None), warps=getattr(plan, "warps", None), rb=getattr(plan, "RB", None),
                        stages=getattr(plan, "stages", None), plan_kernel=getattr(plan, "kernel", None),
-                       walk=getattr(plan, "walk", None))
+                       walk=getattr(plan, "walk", None), l2_resident_ms=l2_ms)
+
+
+STREAM_FLOOR = "stream floor"  # kernel name of the records of time_stream in the gemv suite
+STREAM_BLOCKS_PER_SM = 8  # the streaming floor's grid: 8 blocks of 256 threads an SM (the fastest of 2-8 probed)
+
+
+def time_stream(nbytes: int) -> float:
+    """Milliseconds to only read ``nbytes`` (rotated copies past L2): the floor under any kernel that
+    must read those bytes once (:func:`trapetum.gemv.stream_kernel`)."""
+    from numba import cuda
+
+    from .gemv import _as_kernel_array, sm_count, stream_kernel
+
+    if nbytes % 16:
+        raise ValueError(f"the streaming floor reads 16-byte pieces; {nbytes} bytes is not a multiple of 16")
+    k = copies_for(nbytes)
+    bufs = [torch.randint(-2**31, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device="cuda") for _ in range(k)]
+    blocks = STREAM_BLOCKS_PER_SM * sm_count("cuda")
+    out = torch.empty(blocks * 256, dtype=torch.int32, device="cuda")
+    oa, arrs = _as_kernel_array(out), [_as_kernel_array(b) for b in bufs]
+
+    def launcher(a):
+        def go():
+            stream_kernel[blocks, 256, cuda.external_stream(torch.cuda.current_stream().cuda_stream)](a, oa, nbytes // 16)
+        return go
+
+    ms = time_graph([launcher(a) for a in arrs])
+    del bufs, arrs
+    torch.cuda.empty_cache()
+    return ms
+
+
+def time_empty() -> float:
+    """Milliseconds of a graph-replayed launch that does no work (132 x 4 blocks on an H100)."""
+    from numba import cuda
+
+    from .gemv import _as_kernel_array, empty_kernel, sm_count
+
+    out = torch.empty(1, dtype=torch.int32, device="cuda")
+    oa, blocks = _as_kernel_array(out), 4 * sm_count("cuda")
+    return time_graph([lambda: empty_kernel[blocks, 256, cuda.external_stream(torch.cuda.current_stream().cuda_stream)](oa)])
 
 
 def time_fp16(n_in, n_out, batch) -> float:
@@ -267,6 +315,14 @@ def gemv_suite(table_shape=(4096, 4096), layer_shapes=((3072, 768), (4096, 4096)
         recs.append(r)
         if progress:
             print(f"{grid:9s} {v:15s} K={K:<3d} b={b:<2d} {n_in:>5d}x{n_out:<5d} {r['time_ms']*1e3:8.2f} us  fp16 {f*1e3:8.2f} us  {r['speedup']:.2f}x  {r['gbps']:.0f} GB/s  err {r['max_rel_err']:.1e}", flush=True)
+    if 16 in Ks:
+        # What bounds the 4-bit kernel: a kernel that only reads the same code bytes, and an empty launch.
+        empty = time_empty()
+        for n_in, n_out in dict.fromkeys([table_shape, *layer_shapes, *large_shapes]):
+            nbytes = n_in * n_out // 2
+            ms = time_stream(nbytes)
+            recs.append(gemv_record(STREAM_FLOOR, 16, 1, n_in, n_out, ms, base(n_in, n_out, 1), nbytes, None,
+                                    scheme=SCHEMES[16], grid="floor", empty_launch_ms=empty))
     for r in recs:
         if r.get("grid") == "batch" and r["kernel"] != "torch fp16":
             r["path"] = "dequant+cublas" if r["kernel"] == "dequant+cublas" else "fused"

@@ -82,6 +82,7 @@ SCHEME_ORDER = ["dense fp16", "4-bit K=16", "uint8 K=64", "uint8 K=256"]
 # The kernels whose speed the chapter is about (the others are ablations or the baseline).
 PRODUCT_KERNELS = ("lut", "cuda_cpp_4bit", "cuda_cpp_4bit_mma", "cuda_cpp_u8")
 FOUR_BIT = "4-bit K=16"
+FLOOR_GRID = "floor"  # the gemv suite's streaming-floor records (bench.time_stream), read by floor_table only
 
 _SCHEME_COLORS = {
     "4-bit K=16": "#1f77b4",
@@ -152,7 +153,7 @@ def _normalise(df: pd.DataFrame) -> pd.DataFrame:
 def _timed(df: pd.DataFrame) -> pd.DataFrame:
     """Timing records only (no correctness checks), with bytes moved and short labels added."""
     df = _normalise(df)
-    d = df[(df["grid"] != "correctness") & df["time_ms"].notna()].copy()
+    d = df[~df["grid"].isin(("correctness", FLOOR_GRID)) & df["time_ms"].notna()].copy()
     # bytes the harness counted for this call (weights + x + y), recovered from GB/s x time
     d["bytes"] = d["gbps"] * d["time_ms"] * 1e6
     d["shape"] = list(zip(d["in_features"].astype(int), d["out_features"].astype(int)))
@@ -381,6 +382,10 @@ def styled(table: pd.DataFrame, caption: str | None = None):
             fmt[c] = "{:.1e}"
         elif "(ms)" in lc:
             fmt[c] = "{:.4f}"
+        elif "(us)" in lc:
+            fmt[c] = "{:.1f}"
+        elif " / floor" in lc:
+            fmt[c] = "{:.2f}x"
         elif "tb/s" in lc:
             fmt[c] = "{:.2f}"
         elif "gb/s" in lc:
@@ -576,6 +581,66 @@ def fig_speedup_by_shape(df: pd.DataFrame, kernels=PRODUCT_KERNELS) -> Figure:
             top = np.nanmax(np.r_[g["ceiling"].to_numpy(), g["speedup"].to_numpy(), 1.0])
             ax.set_ylim(0, top * 1.35)
         fig.suptitle("Speedup over fp16 by weight shape, against the byte-ratio ceiling")
+    return fig
+
+
+def floor_table(df: pd.DataFrame) -> pd.DataFrame:
+    """What bounds the 4-bit kernel at batch 1, per GPU and shape, from runs that recorded the floors.
+
+    Columns (times in microseconds): torch fp16; our tuned 4-bit kernel (weights rotated past L2);
+    the same launch with one copy of the weight, which then stays in L2 (blank where it does not
+    fit in three quarters of it); the streaming floor, a kernel that only reads the same code bytes;
+    an empty launch; "ours / floor"; and "fp16 / floor", the speedup a kernel reaching the floor
+    would have. Raises ValueError where no run recorded the floors.
+    """
+    d = _normalise(df)
+    fl = d[(d["grid"] == FLOOR_GRID) & d["time_ms"].notna()]
+    if fl.empty:
+        raise ValueError("no recorded GEMV run has the streaming floors (`trapetum gemv` records them since session 18)")
+    ours = _timed(d)
+    ours = ours[(ours["kernel"] == "lut") & (ours["scheme"] == FOUR_BIT) & (ours["batch"] == 1)]
+    ours = ours.drop_duplicates(["gpu", "in_features", "out_features"])
+    key = ["gpu", "in_features", "out_features"]
+    cols = ["time_ms"] + (["l2_resident_ms"] if "l2_resident_ms" in ours else [])
+    m = fl[key + ["time_ms", "fp16_ms", "empty_launch_ms"]].merge(ours[key + cols], on=key, how="inner", suffixes=("_floor", ""))
+    if "l2_resident_ms" not in m:
+        m["l2_resident_ms"] = np.nan
+    gpus = _gpus(d[d["gpu"].isin(m["gpu"])])
+    m = m.assign(_g=m["gpu"].map(gpus.index), _n=m["in_features"] * m["out_features"]).sort_values(["_g", "_n", "in_features"])
+    return pd.DataFrame({
+        "GPU": m["gpu"].map(gpu_label),
+        "Shape": [shape_label(s) for s in zip(m["in_features"], m["out_features"])],
+        "torch fp16 (us)": m["fp16_ms"] * 1e3,
+        "4-bit kernel (us)": m["time_ms"] * 1e3,
+        "weight in L2 (us)": m["l2_resident_ms"].astype(float) * 1e3,
+        "stream floor (us)": m["time_ms_floor"] * 1e3,
+        "empty launch (us)": m["empty_launch_ms"] * 1e3,
+        "ours / floor": m["time_ms"] / m["time_ms_floor"],
+        "fp16 / floor": m["fp16_ms"] / m["time_ms_floor"],
+    }).reset_index(drop=True)
+
+
+def fig_floor(df: pd.DataFrame) -> Figure:
+    """Speedup over fp16 of the 4-bit kernel by shape, beside the speedup of the streaming floor."""
+    t = floor_table(df)
+    gpus = list(dict.fromkeys(t["GPU"]))
+    with _style():
+        fig = Figure(figsize=(10, 3.8 * len(gpus) + 0.6), layout="constrained")
+        axes = fig.subplots(len(gpus), 1, squeeze=False)[:, 0]
+        for ax, gpu in zip(axes, gpus):
+            g = t[t["GPU"] == gpu].reset_index(drop=True)
+            xs = np.arange(len(g))
+            ours = g["torch fp16 (us)"] / g["4-bit kernel (us)"]
+            ax.bar(xs - 0.2, ours, width=0.38, color=_color(FOUR_BIT, 0), label="our 4-bit kernel (tuned)")
+            ax.bar(xs + 0.2, g["fp16 / floor"], width=0.38, color="#bbbbbb", label="a kernel that only reads the 4-bit bytes")
+            ax.axhline(1.0, color="black", linewidth=1, linestyle=":")
+            ax.set_xticks(xs)
+            ax.set_xticklabels(g["Shape"], fontsize=9)
+            ax.set_xlabel("Weight shape (in_features x out_features), smallest to largest")
+            ax.set_ylabel("Speedup vs torch fp16 (x)")
+            ax.set_title(f"{gpu}: batch 1, {MEASURED}")
+            ax.legend(loc="upper left", frameon=True)
+        fig.suptitle("The 4-bit kernel against the streaming floor of its own bytes")
     return fig
 
 
