@@ -1526,29 +1526,21 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
     for RB in (1, 2, 4):
         if RB > rb_max:
             continue
-        # Batch-1 4-bit layers also as 16 or 32 warps a block over whole rows (K-split 1 or 2): at
-        # 4096 x 4096 and 4096 x 14336 they beat the 8-warp plans by 5-8 % (NOTES, session 18).
-        if K == 16 and B == 1 and RB <= 2:
-            for w, ks, st in itertools.product(LARGE_BLOCK_WARPS, (1, 2), (2, 3)):
-                try:
-                    p = plan_launch(n_out, nchunks, K, B, sms, warps=w, RB=RB, ksplit=ks, stages=st)
-                except ValueError:
-                    continue
-                key = (p.RB, p.warps, p.ksplit, p.stages)
-                if key not in seen and p.cps >= max(2, p.stages) * p.warps:
-                    seen.add(key)
-                    out.append(p)
-        for ks in (1, 2, 3, 4, 6, 8, 12, 16, None):
-            for st in STAGES:
-                try:
-                    p = plan_launch(n_out, nchunks, K, B, sms, RB=RB, ksplit=ks, stages=st)
-                except ValueError:
-                    continue
-                key = (p.RB, p.warps, p.ksplit, p.stages)
-                # A warp that streams fewer chunks than it holds in flight only pays for the ring.
-                if key not in seen and p.cps >= max(2, p.stages) * p.warps:
-                    seen.add(key)
-                    out.append(p)
+        # (warps, K-split, stages); warps None: 8 where they fit. Batch-1 4-bit layers also as 16 or 32
+        # warps a block over whole rows (K-split 1 or 2): at 4096 x 4096 and 4096 x 14336 they beat the
+        # 8-warp plans by 5-8 % (NOTES, session 18).
+        options = list(itertools.product(LARGE_BLOCK_WARPS, (1, 2), (2, 3))) if K == 16 and B == 1 and RB <= 2 else []
+        options += list(itertools.product((None,), (1, 2, 3, 4, 6, 8, 12, 16, None), STAGES))
+        for w, ks, st in options:
+            try:
+                p = plan_launch(n_out, nchunks, K, B, sms, warps=w, RB=RB, ksplit=ks, stages=st)
+            except ValueError:
+                continue
+            key = (p.RB, p.warps, p.ksplit, p.stages)
+            # A warp that streams fewer chunks than it holds in flight only pays for the ring.
+            if key not in seen and p.cps >= max(2, p.stages) * p.warps:
+                seen.add(key)
+                out.append(p)
     if K == 16 and mma_budget:
         # unroll 8 (the plans' other option) never won on the H100: left out, as every candidate compiles
         for w, ks, st in itertools.product((4, 8, 16), (1, 2, 3, 4, 6, 8, 12, 16, None), (MMA_UNROLL,) if B <= MAX_FUSED_BATCH else ()):
