@@ -9,7 +9,7 @@ from torch import nn
 
 from trapetum import decode, gemv
 from trapetum.decode import FakeGraphRunner, generate
-from trapetum.qlinear import QLinear, qlinears, quantize_model
+from trapetum.qlinear import QEmbedding, QLinear, qlinears, quantize_model, save_quantized
 
 from test_qlinear import tiny_llama
 
@@ -169,6 +169,43 @@ def test_decode_bench_with_a_quantized_lm_head():
     assert isinstance(m.lm_head, QLinear) and m.trapetum_quant["layers"]["lm_head"]["K"] == 16
     with pytest.raises(SystemExit):
         decode._parse_quantize("K17+")
+
+
+def test_decode_bench_with_a_codebook_embedding():
+    # One row per embedding option: the same projections and head, the embedding a QEmbedding; graphed
+    # and eager agree on its tokens, and it does not count as a projection (bits) or per-token bytes.
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=96)
+    recs = decode.decode_bench("llama-2-7b", Ks=(16,), paths=("eager", "graphed"), fp16_paths=("eager",), gen_len=6,
+                               embeds=(None, 16), prompt_len=20, energy=False, progress=False, device="cpu", **tiny)
+    assert [(r["scheme"], r["embedding"]) for r in recs] == [
+        ("fp16", "fp16"), ("4-bit K=16", "fp16"), ("4-bit K=16", "fp16"),
+        ("4-bit K=16, embedding 4-bit K=16", "4-bit K=16"), ("4-bit K=16, embedding 4-bit K=16", "4-bit K=16")]
+    plain, emb = recs[1], recs[3]
+    assert emb["bits_per_weight"] == plain["bits_per_weight"] and emb["weight_bytes_per_token"] == plain["weight_bytes_per_token"]
+    assert emb["matches_graphed_tokens"] is True and emb["path"] == "eager"
+    m = decode.random_llama("llama-2-7b", 16, device="cpu", progress=False, embed_K=16, **tiny)
+    assert isinstance(m.model.embed_tokens, QEmbedding)
+    with pytest.raises(NotImplementedError, match="codebook embedding"):
+        save_quantized(m, "/nonexistent-never-written")
+
+
+def test_qembedding_decodes_the_rows_it_reads():
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(50, 64, padding_idx=3)
+    q, rep = QEmbedding.from_embedding(emb, K=16, iters=10)
+    W = q.codebook_tensor().dequantize(torch.float32)
+    assert rep.rel_mse < 0.02  # 16 levels a row of 64 Gaussian values
+    ids = torch.tensor([[0, 3, 49], [7, 7, 1]])
+    out = q(ids)
+    assert out.shape == (2, 3, 64) and out.dtype == torch.float16
+    assert torch.equal(out.float(), W[ids])
+    assert q(ids.int()).equal(out) and q.padding_idx == 3 and "K=16" in repr(q)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        q(ids.float())
+    with pytest.raises(TypeError, match="nn.Embedding"):
+        QEmbedding.from_embedding(torch.nn.Linear(4, 4))
+    with pytest.raises(IndexError):
+        q(torch.tensor([50]))
 
 
 def test_check_equivalence_with_a_fake_graph(models):

@@ -364,13 +364,14 @@ def random_qlinear(in_features: int, out_features: int, K: int, device, generato
 
 @torch.no_grad()
 def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progress: bool = True, head_K: int | None = None,
-                 fuse: bool = False, **overrides):
+                 fuse: bool = False, embed_K: int | None = None, **overrides):
     """A Llama-2 architecture with random fp16 weights built directly on the device, layer by layer.
 
     ``K=None``: fp16 nn.Linear projections. Otherwise every decoder projection is a random
     QLinear and no fp16 copy of it ever exists, so 70B at 4 bits is built without the 138 GB of
     fp16 weights. Weights ~ N(0, 0.02) as Llama's init, norms 1. ``head_K``: the LM head a
     scalar codebook QLinear too (at 7B the fp16 head is 0.26 GB, 7 % of a 4-bit model).
+    ``embed_K``: the token embedding a scalar codebook :class:`~trapetum.qlinear.QEmbedding`.
     ``fuse``: each layer's q/k/v and gate/up become one layer each (:mod:`trapetum.fuse`); additive
     groups are then built with one shared codebook set (a group quantized jointly), since layers
     with separate codebooks do not fuse.
@@ -390,8 +391,15 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
     try:
         with torch.device(device):
             m = model.model
-            m.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-            m.embed_tokens.weight.normal_(0, 0.02, generator=gen)
+            if embed_K is None:
+                m.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+                m.embed_tokens.weight.normal_(0, 0.02, generator=gen)
+            else:
+                from .codebook import random_codebook_tensor
+                from .qlinear import QEmbedding
+
+                m.embed_tokens = QEmbedding(random_codebook_tensor(config.vocab_size, config.hidden_size, embed_K, device=device,
+                                                                   generator=gen), config.pad_token_id)
             m.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             m.rotary_emb = LlamaRotaryEmbedding(config=config)  # inv_freq in fp32: computed with explicit dtypes
             if head_K is None:
@@ -537,7 +545,8 @@ def _release_gpu_memory() -> None:
 
 def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_paths=("graphed",), gen_len: int = 512,
                  prompt_len: int = 32, eager_gen_len: int = 128, seed: int = 0, energy=True, progress=True,
-                 device="cuda", kernel_times: bool = True, heads=(None,), fuses=(False,), **arch_overrides) -> list[dict]:
+                 device="cuda", kernel_times: bool = True, heads=(None,), fuses=(False,), embeds=(None,),
+                 **arch_overrides) -> list[dict]:
     """fp16 vs codebook decode on a Llama-2 architecture with random weights, built on the device.
 
     One record per (scheme, path), per the results contract; ``fp16_tok_s`` is the fp16 graphed
@@ -546,7 +555,9 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
     Eager paths generate ``eager_gen_len`` tokens (they are Python-bound; the window is recorded).
     ``kernel_times``: also time each projection shape alone (:func:`kernel_bound`) and record the
     graphed path's share of that bound. ``heads``: the LM head of each codebook scheme, fp16 (None)
-    and/or a scalar K (one row each). ``device="cpu"`` with tiny ``arch_overrides`` is for tests only.
+    and/or a scalar K (one row each); ``embeds`` likewise for the token embedding (a
+    :class:`~trapetum.qlinear.QEmbedding`: VRAM only, a token reads one row of it).
+    ``device="cpu"`` with tiny ``arch_overrides`` is for tests only.
 
     Each model's peak VRAM is its own: the previous model's cuBLAS workspaces are released before
     the next is built (``vram_before_gb`` records what was still allocated).
@@ -568,14 +579,17 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
     prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=g)
     fp16_tok_s = {}  # fp16's tok/s by (graphed path, fused): each path is compared with fp16 on the same path
     fp16_vram = {}
-    for fused, K, head in [(f, K, h) for f in fuses for K, h in [(None, None)] + [(K, h) for K in Ks for h in heads]]:
+    runs = [(f, K, h, e) for f in fuses for K, h, e in [(None, None, None)] + [(K, h, e) for K in Ks for h in heads for e in embeds]]
+    for fused, K, head, embed in runs:
         scheme = SCHEME_NAMES.get(K, f"K={K}") + ("" if head is None else f", LM head {SCHEME_NAMES.get(head, head)}")
+        scheme += "" if embed is None else f", embedding {SCHEME_NAMES.get(embed, embed)}"
         model = None
         if cuda:
             _release_gpu_memory()
             torch.cuda.reset_peak_memory_stats()
         base = {"model": arch, "weights": "random", "architecture": "real (published config)", "scheme": scheme, "K": K,
-                "head_K": head, "lm_head": SCHEME_NAMES.get(head, head), "bits_per_weight_codes": _bits(K), "batch": 1,
+                "head_K": head, "lm_head": SCHEME_NAMES.get(head, head), "embed_K": embed, "embedding": SCHEME_NAMES.get(embed, embed),
+                "bits_per_weight_codes": _bits(K), "batch": 1,
                 "prompt_len": prompt_len, "fused": bool(fused), "vram_before_gb": torch.cuda.memory_allocated() / 1e9 if cuda else None}
         try:
             bound = {}
@@ -585,7 +599,8 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
                     print(f"{arch} {scheme}: projection + lm_head kernels {bound['kernel_ms_per_token']:.3f} ms/token "
                           f"-> {bound['implied_tok_s']:.1f} tok/s bound", flush=True)
             t0 = time.time()
-            model = random_llama(arch, K, device=device, seed=seed, progress=progress, head_K=head, fuse=fused, **arch_overrides)
+            model = random_llama(arch, K, device=device, seed=seed, progress=progress, head_K=head, fuse=fused, embed_K=embed,
+                                 **arch_overrides)
             if not cuda:
                 model.float()  # CPU matmuls in fp32 (tests); codebooks stay fp16
             else:
@@ -630,7 +645,8 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
     # The same model must decode the same tokens whoever launches the step: eager vs graphed
     # exactly; naive (DynamicCache, fp32 casts) may drift late. Stored as text (JSON-flat).
     for r in recs:
-        ref = next((x for x in recs if (x["K"], x["head_K"], x["fused"]) == (r["K"], r["head_K"], r["fused"]) and x.get("path") == "graphed"
+        same = ("K", "head_K", "embed_K", "fused")
+        ref = next((x for x in recs if all(x[k] == r[k] for k in same) and x.get("path") == "graphed"
                     and not x.get("oom")), None)
         if ref is not None and not r.get("oom"):
             a, b = r["first_tokens"], ref["first_tokens"]
@@ -740,7 +756,8 @@ def _bench_cmd(args) -> int:
         recs += decode_bench(arch, Ks=tuple(_parse_quantize(k) for k in args.schemes.split(",")), paths=tuple(args.paths.split(",")),
                              fp16_paths=tuple(args.fp16_paths.split(",")), gen_len=args.gen, prompt_len=args.prompt_len,
                              eager_gen_len=args.eager_gen, energy=not args.no_energy, kernel_times=not args.no_kernel_times,
-                             heads=tuple(_parse_quantize(k) for k in args.lm_head.split(",")), fuses=FUSE_CHOICES[args.fuse])
+                             heads=tuple(_parse_quantize(k) for k in args.lm_head.split(",")), fuses=FUSE_CHOICES[args.fuse],
+                             embeds=tuple(_parse_quantize(k) for k in args.embed.split(",")))
     prov = results.provenance(command=args.command or " ".join(sys.argv), seconds=round(time.time() - t0, 1))
     path = results.save(args.name, recs, prov, folder=args.out)
     print(f"wrote {path}")
@@ -780,6 +797,8 @@ def main(argv=None) -> int:
     b.add_argument("--fp16-paths", default="naive,eager,graphed,compiled",
                    help="naive = transformers-style loop with DynamicCache (the usual fp16 baseline)")
     b.add_argument("--lm-head", default="fp16", help="LM head of the codebook schemes: fp16 and/or K16 (comma-separated, a row each)")
+    b.add_argument("--embed", default="fp16", help="token embedding of the codebook schemes: fp16 and/or K16 (comma-separated, "
+                                                   "a row each; saves VRAM, a token reads one row)")
     b.add_argument("--gen", type=int, default=512)
     b.add_argument("--eager-gen", type=int, default=128, help="tokens for the naive/eager paths (Python-bound, slower)")
     b.add_argument("--prompt-len", type=int, default=32, help="> 16, so the prefill takes dequant+cuBLAS and no batch-16 kernel is tuned")
