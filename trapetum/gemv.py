@@ -1808,8 +1808,10 @@ class LutGemv:
 
 def reference(x: torch.Tensor, ct: CodebookTensor) -> torch.Tensor:
     """float64 reference y = x @ W.T, computed where the weight lives (a GPU's float64 is IEEE
-    double too, and the correctness sweep's hundreds of references are minutes on the CPU), returned
-    on the CPU."""
+    double too, and the correctness sweep's hundreds of references are minutes on the CPU) unless
+    the float64 weight would take more than a quarter of the GPU's free memory; returned on the CPU."""
+    if ct.codes.is_cuda and not SIM and 8 * ct.out_features * ct.in_features > torch.cuda.mem_get_info(ct.codes.device)[0] // 4:
+        ct = ct.to("cpu")
     W = ct.dequantize(torch.float64)
     return (x.detach().to(W.device).double() @ W.T).cpu()
 
