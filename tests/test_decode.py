@@ -9,7 +9,7 @@ from torch import nn
 
 from trapetum import decode, gemv
 from trapetum.decode import FakeGraphRunner, generate
-from trapetum.qlinear import QEmbedding, QLinear, qlinears, quantize_model, save_quantized
+from trapetum.qlinear import QEmbedding, QLinear, qlinears, quantize_model
 
 from test_qlinear import tiny_llama
 
@@ -114,6 +114,30 @@ def test_cli_generate_from_a_saved_quantized_folder_without_tokenizer(models, tm
         decode.main(["generate", str(tmp_path / "m"), "--path", "eager", "--device", "cpu", "--no-energy"])
 
 
+def test_cli_generate_quantizes_the_embedding_and_saves_it(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from test_qlinear import tiny_llama
+
+    words = ["<unk>"] + [f"w{i}" for i in range(95)]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tiny_llama(seed=7).save_pretrained(tmp_path / "fp")
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>").save_pretrained(tmp_path / "fp")
+    args = ["--prompt", "w1 w2 w3", "--max-new-tokens", "4", "--path", "eager", "--device", "cpu", "--no-energy"]
+    with pytest.raises(SystemExit, match="goes with --quantize"):
+        decode.main(["generate", str(tmp_path / "fp"), "--quantize-embedding"] + args)
+    assert decode.main(["generate", str(tmp_path / "fp"), "--quantize", "K16", "--quantize-embedding", "--save", str(tmp_path / "q")] + args) == 0
+    first = capsys.readouterr().out
+    assert decode.main(["generate", str(tmp_path / "q")] + args) == 0  # reloaded with its QEmbedding
+    again = capsys.readouterr().out
+    assert [l for l in first.splitlines() if not l.startswith("saved")][0] == again.splitlines()[0]  # the same text
+    from trapetum.qlinear import load_quantized
+
+    assert isinstance(load_quantized(tmp_path / "q").model.embed_tokens, QEmbedding)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(gemv.SIM or not torch.cuda.is_available(), reason="needs a CUDA GPU and NUMBA_ENABLE_CUDASIM=0")
 @pytest.mark.parametrize("K", [16, "A2"])
@@ -185,8 +209,7 @@ def test_decode_bench_with_a_codebook_embedding():
     assert emb["matches_graphed_tokens"] is True and emb["path"] == "eager"
     m = decode.random_llama("llama-2-7b", 16, device="cpu", progress=False, embed_K=16, **tiny)
     assert isinstance(m.model.embed_tokens, QEmbedding)
-    with pytest.raises(NotImplementedError, match="codebook embedding"):
-        save_quantized(m, "/nonexistent-never-written")
+    assert m.trapetum_quant["embeddings"] == {"model.embed_tokens": {"K": 16, "num_embeddings": 96, "embedding_dim": 64, "padding_idx": None}}
 
 
 def test_qembedding_decodes_the_rows_it_reads():

@@ -12,6 +12,7 @@ from trapetum.codebook import random_codebook_tensor
 from trapetum.qlinear import (
     CONFIG_FILE,
     WEIGHTS_FILE,
+    QEmbedding,
     QLinear,
     QuantizedModelError,
     load_quantized,
@@ -237,6 +238,46 @@ def test_load_rejects_bad_json_and_missing_files(saved, tmp_path):
         load_quantized(tmp_path)
     (folder / CONFIG_FILE).write_text("{not json")
     with pytest.raises(QuantizedModelError, match="JSON"):
+        load_quantized(folder)
+
+
+@pytest.fixture()
+def saved_with_embedding(tmp_path):
+    m = tiny_llama(seed=2, tie=True)
+    head = m.lm_head.weight.detach().clone()
+    summary = quantize_model(m, K=16, iters=2, progress=False, embedding=True)
+    assert isinstance(m.model.embed_tokens, QEmbedding) and "model.embed_tokens" in summary["rel_mse"]
+    assert torch.equal(m.lm_head.weight, head)  # the head keeps the fp16 weight it shared; the tie ends
+    return m, save_quantized(m, tmp_path / "qe")
+
+
+def test_save_load_round_trip_with_a_codebook_embedding(saved_with_embedding):
+    m, folder = saved_with_embedding
+    h = json.loads((folder / CONFIG_FILE).read_text())
+    assert h["embeddings"] == {"model.embed_tokens": {"K": 16, "num_embeddings": 96, "embedding_dim": 64, "padding_idx": None}}
+    m2 = load_quantized(folder)
+    assert isinstance(m2.model.embed_tokens, QEmbedding) and m2.trapetum_quant["embeddings"] == h["embeddings"]
+    assert m2.model.embed_tokens.codebook.dtype == torch.float16
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(m2(ids).logits, m(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda h: h["embeddings"]["model.embed_tokens"].update(K=17), "K=17"),
+    (lambda h: h["embeddings"]["model.embed_tokens"].update(padding_idx=96), "padding_idx"),
+    (lambda h: h["embeddings"]["model.embed_tokens"].update(embedding_dim=32), "model.embed_tokens"),
+    (lambda h: h["embeddings"]["model.embed_tokens"].pop("num_embeddings"), "lacks"),
+    (lambda h: h["embeddings"].update({"model.nothing": {"K": 16, "num_embeddings": 96, "embedding_dim": 64, "padding_idx": None}}), "does not exist"),
+    (lambda h: h.update(embeddings=[]), "not a dict"),
+])
+def test_load_rejects_a_mismatched_embedding(saved_with_embedding, edit, match):
+    _, folder = saved_with_embedding
+    p = folder / CONFIG_FILE
+    h = json.loads(p.read_text())
+    edit(h)
+    p.write_text(json.dumps(h))
+    with pytest.raises(QuantizedModelError, match=match):
         load_quantized(folder)
 
 

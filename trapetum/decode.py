@@ -433,14 +433,16 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"random_llama left tensors unallocated: {left[:5]}")
-    if K is not None or head_K is not None:
+    if K is not None or head_K is not None or embed_K is not None:
         model.trapetum_quant = {"K": K, "excluded": {}, "layers": {
             n: {"K": head_K if n == "lm_head" else K, "in_features": mod.in_features, "out_features": mod.out_features, "bias": False}
-            for n, mod in model.named_modules() if isinstance(mod, QLinear)}}
+            for n, mod in model.named_modules() if isinstance(mod, QLinear)},
+            "embeddings": {} if embed_K is None else {"model.embed_tokens": model.model.embed_tokens.spec()}}
     return model.eval()
 
 
-def load(name: str, device=None, dtype=None, quantize: int | None = None, exclude=(), min_features: int = 0, progress=True):
+def load(name: str, device=None, dtype=None, quantize: int | None = None, exclude=(), min_features: int = 0, progress=True,
+         embedding: bool = False):
     """(model, tokenizer or None) from a saved quantized folder, a local model folder, a hub id or 'smollm2-135m'."""
     from . import ppl
     from .qlinear import is_quantized_folder, load_quantized, quantize_model
@@ -462,7 +464,7 @@ def load(name: str, device=None, dtype=None, quantize: int | None = None, exclud
         return model, tok
     model, tok = ppl.load_model(name, dtype=dtype)
     if quantize:
-        quantize_model(model, K=quantize, exclude=exclude, min_features=min_features, progress=progress,
+        quantize_model(model, K=quantize, exclude=exclude, min_features=min_features, progress=progress, embedding=embedding,
                        device=device if torch.device(device).type == "cuda" else None)
     return model.to(device).eval(), tok
 
@@ -684,7 +686,10 @@ def _generate_cmd(args) -> int:
     from .energy import projections
 
     K = _parse_quantize(args.quantize)
-    model, tok = load(args.model, device=args.device, quantize=K, exclude=tuple(args.exclude or ()), min_features=args.min_features)
+    if args.quantize_embedding and K is None:
+        raise SystemExit("--quantize-embedding goes with --quantize (the embedding takes the projections' K)")
+    model, tok = load(args.model, device=args.device, quantize=K, exclude=tuple(args.exclude or ()), min_features=args.min_features,
+                      embedding=args.quantize_embedding)
     if args.save:
         from .qlinear import save_quantized
 
@@ -775,6 +780,7 @@ def main(argv=None) -> int:
     g.add_argument("--quantize", default=None, help="K16 | K64 | K256 (default: run the model as loaded)")
     g.add_argument("--exclude", action="append", help="glob of layer names to keep in fp16 (repeatable)")
     g.add_argument("--min-features", type=int, default=0)
+    g.add_argument("--quantize-embedding", action="store_true", help="the token embedding too (QEmbedding; saves VRAM)")
     g.add_argument("--save", default=None, help="write the quantized model to this folder")
     g.add_argument("--device", default=None)
     g.add_argument("--no-energy", action="store_true")

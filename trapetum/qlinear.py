@@ -326,8 +326,25 @@ class QEmbedding(nn.Module):
         ct, rep = quantize(emb.weight.detach().float(), K=K, iters=iters, seed=seed, device=device)
         return cls(ct.to(emb.weight.device), emb.padding_idx), rep
 
+    @classmethod
+    def empty(cls, num_embeddings: int, embedding_dim: int, K: int, padding_idx: int | None = None, device="meta"):
+        """A QEmbedding of this shape with unset buffers (load_quantized fills them from the file)."""
+        q = cls.__new__(cls)
+        nn.Module.__init__(q)
+        q.K, q.num_embeddings, q.embedding_dim, q.padding_idx = K, num_embeddings, embedding_dim, padding_idx
+        q.register_buffer("codes", torch.empty(num_embeddings, embedding_dim // codes_per_byte(K), dtype=torch.uint8, device=device))
+        q.register_buffer("codebook", torch.empty(num_embeddings, K, dtype=torch.float16, device=device))
+        return q
+
+    def spec(self) -> dict:
+        """What the saved format records of this layer."""
+        return {"K": self.K, "num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim, "padding_idx": self.padding_idx}
+
     def codebook_tensor(self) -> CodebookTensor:
-        return CodebookTensor(self.codes, self.codebook.half(), self.K, self.embedding_dim, self.num_embeddings)
+        """The table as a CodebookTensor (validated: dtypes, shapes, finite codebooks, code range)."""
+        ct = CodebookTensor(self.codes, self.codebook.half(), self.K, self.embedding_dim, self.num_embeddings)
+        ct.validate()
+        return ct
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
@@ -360,13 +377,15 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def quantize_model(model, K: int = 16, exclude=(), min_features: int = 0, iters: int = 25, seed: int = 0,
-                   device=None, progress: bool = True) -> dict:
+                   device=None, progress: bool = True, embedding: bool = False) -> dict:
     """Replace every decoder projection (nn.Linear in model.model.layers) by a QLinear, in place.
 
     ``exclude``: glob patterns on full module names (e.g. ``"*.down_proj"``, ``"model.layers.0.*"``)
     kept as nn.Linear; ``min_features``: layers whose smaller side is below it stay nn.Linear too
     (seed 004 applies the kernel only to large layers: small ones are launch-bound). Layers whose
-    in_features the packing cannot take are kept and reported. Embeddings and lm_head always stay.
+    in_features the packing cannot take are kept and reported. lm_head always stays; the token
+    embedding too unless ``embedding`` (then a :class:`QEmbedding` with the same K; on a model whose
+    lm_head shares the embedding's weight, the head keeps that weight in fp16 and the tie ends).
     ``device``: where k-means runs (default: the weight's device). Returns the quantization
     summary, also kept as ``model.trapetum_quant`` (what save_quantized writes).
     """
@@ -397,7 +416,15 @@ def quantize_model(model, K: int = 16, exclude=(), min_features: int = 0, iters:
         _set_submodule(model, name, q)
         layers[name] = {"K": K, "in_features": lin.in_features, "out_features": lin.out_features, "bias": lin.bias is not None}
         rel_mse[name] = rep.rel_mse
-    summary = {"K": K, "layers": layers, "excluded": excluded}
+    embeddings = {}
+    if embedding:
+        emb = model.get_input_embeddings()
+        name = next(n for n, mod in model.named_modules() if mod is emb)
+        q, rep = QEmbedding.from_embedding(emb, K=K, iters=iters, seed=seed, device=device)
+        _set_submodule(model, name, q)
+        embeddings[name] = q.spec()
+        rel_mse[name] = rep.rel_mse
+    summary = {"K": K, "layers": layers, "excluded": excluded, "embeddings": embeddings}
     model.trapetum_quant = summary
     return {**summary, "rel_mse": rel_mse}
 
@@ -422,10 +449,8 @@ def save_quantized(model, folder: str | Path, tokenizer=None) -> Path:
         raise ValueError("this model has no QLinear layers: call trapetum.qlinear.quantize_model first")
     if set(found) != set(summary["layers"]):
         raise ValueError(f"model.trapetum_quant lists {sorted(summary['layers'])} but the model's QLinears are {sorted(found)}")
-    if any(isinstance(m, QEmbedding) for m in model.modules()):
-        raise NotImplementedError("saving a model with a codebook embedding (QEmbedding) is not supported yet: the saved "
-                                  "format keeps transformers' fp16 embedding; quantize the embedding after loading")
-    for q in found.values():
+    embeddings = {n: m for n, m in model.named_modules() if isinstance(m, QEmbedding)}
+    for q in list(found.values()) + list(embeddings.values()):
         if isinstance(q, AdditiveQLinear):
             raise NotImplementedError("saving a model with additive codebook layers is not supported yet; "
                                       "save its layers one by one with AdditiveTensor.save")
@@ -448,6 +473,7 @@ def save_quantized(model, folder: str | Path, tokenizer=None) -> Path:
         "K": summary["K"],
         "layers": summary["layers"],
         "excluded": summary["excluded"],
+        "embeddings": {n: q.spec() for n, q in embeddings.items()},
         "tied": tied,
         "tensors": {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "sha256": _sha(t)} for n, t in tensors.items()},
     }
@@ -481,6 +507,22 @@ def read_config(folder: str | Path) -> dict:
     for key, typ in (("base_config", dict), ("layers", dict), ("excluded", dict), ("tied", dict), ("tensors", dict)):
         if not isinstance(h.get(key), typ):
             raise QuantizedModelError(f"{path}: field {key!r} missing or not a {typ.__name__}")
+    if not isinstance(h.setdefault("embeddings", {}), dict):  # files written before QEmbedding have none
+        raise QuantizedModelError(f"{path}: field 'embeddings' is not a dict")
+    for name, spec in h["embeddings"].items():
+        try:
+            K, n, dim = int(spec["K"]), int(spec["num_embeddings"]), int(spec["embedding_dim"])
+            pad = spec["padding_idx"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise QuantizedModelError(f"{path}: embedding {name} lacks K/num_embeddings/embedding_dim/padding_idx: {e}") from e
+        if K not in SUPPORTED_K:
+            raise QuantizedModelError(f"{path}: embedding {name} has K={K}, not one of {SUPPORTED_K}")
+        if pad is not None and not (isinstance(pad, int) and 0 <= pad < n):
+            raise QuantizedModelError(f"{path}: embedding {name} has padding_idx {pad!r}, not a row of {n}")
+        try:
+            check_in_features(dim, K)
+        except ValueError as e:
+            raise QuantizedModelError(f"{path}: embedding {name}: {e}") from e
     for name, spec in h["layers"].items():
         try:
             K, n_in, n_out = int(spec["K"]), int(spec["in_features"]), int(spec["out_features"])
@@ -543,6 +585,14 @@ def load_quantized(folder: str | Path, device="cpu", dtype: torch.dtype | None =
         if not isinstance(old, nn.Linear) or (old.in_features, old.out_features) != (spec["in_features"], spec["out_features"]):
             raise QuantizedModelError(f"{folder}: layer {name} is {old} in the base config, the file says {spec}")
         _set_submodule(model, name, QLinear(spec["in_features"], spec["out_features"], spec["K"], bias=spec["bias"], device="meta"))
+    for name, spec in h["embeddings"].items():
+        try:
+            old = model.get_submodule(name)
+        except AttributeError as e:
+            raise QuantizedModelError(f"{folder}: quantized embedding {name} does not exist in {type(model).__name__}") from e
+        if not isinstance(old, nn.Embedding) or (old.num_embeddings, old.embedding_dim) != (spec["num_embeddings"], spec["embedding_dim"]):
+            raise QuantizedModelError(f"{folder}: embedding {name} is {old} in the base config, the file says {spec}")
+        _set_submodule(model, name, QEmbedding.empty(spec["num_embeddings"], spec["embedding_dim"], spec["K"], spec["padding_idx"]))
     state = dict(tensors)
     for alias, src in h["tied"].items():
         if src not in state:
@@ -557,7 +607,7 @@ def load_quantized(folder: str | Path, device="cpu", dtype: torch.dtype | None =
         smod, _, sattr = src.rpartition(".")
         setattr(model.get_submodule(mod), attr, getattr(model.get_submodule(smod), sattr))
     _rebuild_non_persistent(model, config)
-    for name, q in qlinears(model).items():
+    for name, q in list(qlinears(model).items()) + [(n, model.get_submodule(n)) for n in h["embeddings"]]:
         try:
             q.codebook_tensor()
         except (CodebookFormatError, ValueError) as e:
@@ -569,7 +619,7 @@ def load_quantized(folder: str | Path, device="cpu", dtype: torch.dtype | None =
             for p in m.parameters(recurse=False):
                 if p.is_floating_point():
                     p.data = p.data.to(dtype)
-    model.trapetum_quant = {"K": h.get("K"), "layers": h["layers"], "excluded": h["excluded"]}
+    model.trapetum_quant = {"K": h.get("K"), "layers": h["layers"], "excluded": h["excluded"], "embeddings": h["embeddings"]}
     return model.to(device).eval()
 
 
