@@ -223,7 +223,11 @@ def test_load_rejects_tampered_tensor(saved):
     (lambda h: h.pop("base_config"), "base_config"),
 ])
 def test_load_rejects_mismatched_config(saved, edit, match):
-    _, folder = saved
+    load_edited(saved[1], edit, match)
+
+
+def load_edited(folder, edit, match):
+    """Edit a saved model's trapetum.json with ``edit``; loading it must fail with ``match``."""
     p = folder / CONFIG_FILE
     h = json.loads(p.read_text())
     edit(h)
@@ -272,13 +276,7 @@ def test_save_load_round_trip_with_a_codebook_embedding(saved_with_embedding):
     (lambda h: h.update(embeddings=[]), "not a dict"),
 ])
 def test_load_rejects_a_mismatched_embedding(saved_with_embedding, edit, match):
-    _, folder = saved_with_embedding
-    p = folder / CONFIG_FILE
-    h = json.loads(p.read_text())
-    edit(h)
-    p.write_text(json.dumps(h))
-    with pytest.raises(QuantizedModelError, match=match):
-        load_quantized(folder)
+    load_edited(saved_with_embedding[1], edit, match)
 
 
 def test_save_refuses_an_unquantized_model(tmp_path):

@@ -577,22 +577,22 @@ def load_quantized(folder: str | Path, device="cpu", dtype: torch.dtype | None =
         model = AutoModelForCausalLM.from_config(config)
     if type(model).__name__ != h.get("model_class"):
         raise QuantizedModelError(f"{folder}: config builds {type(model).__name__}, the file was saved from {h.get('model_class')}")
-    for name, spec in h["layers"].items():
+    def swap_in(what, name, spec, cls, shape, want, new):
+        # the base config's module must be the fp16 kind of the saved one (``cls``), of the saved shape
         try:
             old = model.get_submodule(name)
         except AttributeError as e:
-            raise QuantizedModelError(f"{folder}: quantized layer {name} does not exist in {type(model).__name__}") from e
-        if not isinstance(old, nn.Linear) or (old.in_features, old.out_features) != (spec["in_features"], spec["out_features"]):
-            raise QuantizedModelError(f"{folder}: layer {name} is {old} in the base config, the file says {spec}")
-        _set_submodule(model, name, QLinear(spec["in_features"], spec["out_features"], spec["K"], bias=spec["bias"], device="meta"))
-    for name, spec in h["embeddings"].items():
-        try:
-            old = model.get_submodule(name)
-        except AttributeError as e:
-            raise QuantizedModelError(f"{folder}: quantized embedding {name} does not exist in {type(model).__name__}") from e
-        if not isinstance(old, nn.Embedding) or (old.num_embeddings, old.embedding_dim) != (spec["num_embeddings"], spec["embedding_dim"]):
-            raise QuantizedModelError(f"{folder}: embedding {name} is {old} in the base config, the file says {spec}")
-        _set_submodule(model, name, QEmbedding.empty(spec["num_embeddings"], spec["embedding_dim"], spec["K"], spec["padding_idx"]))
+            raise QuantizedModelError(f"{folder}: quantized {what} {name} does not exist in {type(model).__name__}") from e
+        if not isinstance(old, cls) or shape(old) != want:
+            raise QuantizedModelError(f"{folder}: {what} {name} is {old} in the base config, the file says {spec}")
+        _set_submodule(model, name, new)
+
+    for name, sp in h["layers"].items():
+        swap_in("layer", name, sp, nn.Linear, lambda m: (m.in_features, m.out_features), (sp["in_features"], sp["out_features"]),
+                QLinear(sp["in_features"], sp["out_features"], sp["K"], bias=sp["bias"], device="meta"))
+    for name, sp in h["embeddings"].items():
+        swap_in("embedding", name, sp, nn.Embedding, lambda m: (m.num_embeddings, m.embedding_dim), (sp["num_embeddings"], sp["embedding_dim"]),
+                QEmbedding.empty(sp["num_embeddings"], sp["embedding_dim"], sp["K"], sp["padding_idx"]))
     state = dict(tensors)
     for alias, src in h["tied"].items():
         if src not in state:
