@@ -398,8 +398,8 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
                 from .codebook import random_codebook_tensor
                 from .qlinear import QEmbedding
 
-                m.embed_tokens = QEmbedding(random_codebook_tensor(config.vocab_size, config.hidden_size, embed_K, device=device,
-                                                                   generator=gen), config.pad_token_id)
+                m.embed_tokens = QEmbedding.from_codebook(random_codebook_tensor(config.vocab_size, config.hidden_size, embed_K,
+                                                                                 device=device, generator=gen), config.pad_token_id)
             m.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             m.rotary_emb = LlamaRotaryEmbedding(config=config)  # inv_freq in fp32: computed with explicit dtypes
             if head_K is None:

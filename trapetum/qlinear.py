@@ -97,6 +97,17 @@ class QuantizedModelError(ValueError):
     """A saved quantized model is missing, corrupt, tampered or does not match its config."""
 
 
+def _kmeans_weight(module: nn.Module, kind: type, K: int, iters: int, seed: int, device):
+    """Per-row k-means of ``module.weight`` (:func:`trapetum.codebook.quantize`, run on ``device``),
+    returned on the weight's device with the report."""
+    from .codebook import quantize
+
+    if not isinstance(module, kind):
+        raise TypeError(f"expected an nn.{kind.__name__}, got {type(module).__name__}")
+    ct, rep = quantize(module.weight.detach().float(), K=K, iters=iters, seed=seed, device=device)
+    return ct.to(module.weight.device), rep
+
+
 class QLinear(nn.Module):
     """``y = x @ W_hat.T + b`` with ``W_hat`` a codebook weight; a drop-in for ``nn.Linear``."""
 
@@ -130,13 +141,8 @@ class QLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, K: int = 16, iters: int = 25, seed: int = 0, device=None):
         """Per-row k-means of ``linear.weight`` (:func:`trapetum.codebook.quantize`); returns (QLinear, report)."""
-        from .codebook import quantize
-
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"expected an nn.Linear, got {type(linear).__name__}")
-        ct, rep = quantize(linear.weight.detach().float(), K=K, iters=iters, seed=seed, device=device)
-        q = cls.from_codebook(ct.to(linear.weight.device), linear.bias)
-        return q, rep
+        ct, rep = _kmeans_weight(linear, nn.Linear, K, iters, seed, device)
+        return cls.from_codebook(ct, linear.bias), rep
 
     def codebook_tensor(self) -> CodebookTensor:
         """The weight as a CodebookTensor (validated: dtypes, shapes, finite codebooks, code range)."""
@@ -306,35 +312,30 @@ class AdditiveQLinear(QLinear):
 class QEmbedding(nn.Module):
     """``nn.Embedding`` with scalar codebook rows: a token's row is its own K-entry fp16 codebook and
     packed codes (a :class:`CodebookTensor` of (vocab, dim)), and a lookup decodes only the rows it
-    reads. At 7B the fp16 embedding is 0.26 GB, 6 % of a 4-bit model with a 4-bit LM head."""
+    reads. At 7B the fp16 embedding is 0.26 GB, 6 % of a 4-bit model with a 4-bit LM head.
+    Built as :class:`QLinear` is: empty buffers of a shape here, filled by :meth:`from_codebook` or a
+    state dict."""
 
-    def __init__(self, ct: CodebookTensor, padding_idx: int | None = None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, K: int = 16, padding_idx: int | None = None, device=None):
         super().__init__()
+        packing_for(K)
+        check_in_features(embedding_dim, K)
+        self.K, self.num_embeddings, self.embedding_dim, self.padding_idx = K, num_embeddings, embedding_dim, padding_idx
+        self.register_buffer("codes", torch.zeros(num_embeddings, embedding_dim // codes_per_byte(K), dtype=torch.uint8, device=device))
+        self.register_buffer("codebook", torch.zeros(num_embeddings, K, dtype=torch.float16, device=device))
+
+    @classmethod
+    def from_codebook(cls, ct: CodebookTensor, padding_idx: int | None = None) -> "QEmbedding":
         ct.validate()
-        self.K, self.num_embeddings, self.embedding_dim = ct.K, ct.out_features, ct.in_features
-        self.padding_idx = padding_idx
-        self.register_buffer("codes", ct.codes)
-        self.register_buffer("codebook", ct.codebook)
+        q = cls(ct.out_features, ct.in_features, ct.K, padding_idx, device="meta")
+        q.codes, q.codebook = ct.codes, ct.codebook
+        return q
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, K: int = 16, iters: int = 25, seed: int = 0, device=None):
         """Per-row k-means of ``emb.weight`` (:func:`trapetum.codebook.quantize`); returns (QEmbedding, report)."""
-        from .codebook import quantize
-
-        if not isinstance(emb, nn.Embedding):
-            raise TypeError(f"expected an nn.Embedding, got {type(emb).__name__}")
-        ct, rep = quantize(emb.weight.detach().float(), K=K, iters=iters, seed=seed, device=device)
-        return cls(ct.to(emb.weight.device), emb.padding_idx), rep
-
-    @classmethod
-    def empty(cls, num_embeddings: int, embedding_dim: int, K: int, padding_idx: int | None = None, device="meta"):
-        """A QEmbedding of this shape with unset buffers (load_quantized fills them from the file)."""
-        q = cls.__new__(cls)
-        nn.Module.__init__(q)
-        q.K, q.num_embeddings, q.embedding_dim, q.padding_idx = K, num_embeddings, embedding_dim, padding_idx
-        q.register_buffer("codes", torch.empty(num_embeddings, embedding_dim // codes_per_byte(K), dtype=torch.uint8, device=device))
-        q.register_buffer("codebook", torch.empty(num_embeddings, K, dtype=torch.float16, device=device))
-        return q
+        ct, rep = _kmeans_weight(emb, nn.Embedding, K, iters, seed, device)
+        return cls.from_codebook(ct, emb.padding_idx), rep
 
     def spec(self) -> dict:
         """What the saved format records of this layer."""
@@ -351,6 +352,7 @@ class QEmbedding(nn.Module):
             raise TypeError(f"token ids must be an int32 or int64 tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
         if ids.device != self.codes.device:
             raise ValueError(f"token ids are on {ids.device}, the embedding on {self.codes.device}")
+        # CodebookTensor.dequantize's gather, without a CodebookTensor: its checks do not belong in a decode step
         flat = ids.reshape(-1)
         q = unpack_codes(self.codes[flat], self.K).long()
         return self.codebook[flat].gather(1, q).reshape(*ids.shape, self.embedding_dim)
@@ -592,7 +594,7 @@ def load_quantized(folder: str | Path, device="cpu", dtype: torch.dtype | None =
                 QLinear(sp["in_features"], sp["out_features"], sp["K"], bias=sp["bias"], device="meta"))
     for name, sp in h["embeddings"].items():
         swap_in("embedding", name, sp, nn.Embedding, lambda m: (m.num_embeddings, m.embedding_dim), (sp["num_embeddings"], sp["embedding_dim"]),
-                QEmbedding.empty(sp["num_embeddings"], sp["embedding_dim"], sp["K"], sp["padding_idx"]))
+                QEmbedding(sp["num_embeddings"], sp["embedding_dim"], sp["K"], sp["padding_idx"], device="meta"))
     state = dict(tensors)
     for alias, src in h["tied"].items():
         if src not in state:

@@ -133,7 +133,8 @@ def _normalise(df: pd.DataFrame) -> pd.DataFrame:
     df = df.copy()
     for col, default in (("gpu", "unknown GPU"), ("grid", None), ("scheme", None), ("K", np.nan),
                          ("batch", 1), ("copy_gbps", np.nan), ("max_rel_err", np.nan), ("gbps", np.nan),
-                         ("time_ms", np.nan), ("fp16_ms", np.nan), ("speedup", np.nan)):
+                         ("time_ms", np.nan), ("fp16_ms", np.nan), ("speedup", np.nan),
+                         ("l2_resident_ms", np.nan), ("empty_launch_ms", np.nan)):
         if col not in df:
             df[col] = default
     df["gpu"] = df["gpu"].fillna("unknown GPU")
@@ -601,10 +602,8 @@ def floor_table(df: pd.DataFrame) -> pd.DataFrame:
     ours = ours[(ours["kernel"] == "lut") & (ours["scheme"] == FOUR_BIT) & (ours["batch"] == 1)]
     ours = ours.drop_duplicates(["gpu", "in_features", "out_features"])
     key = ["gpu", "in_features", "out_features"]
-    cols = ["time_ms"] + (["l2_resident_ms"] if "l2_resident_ms" in ours else [])
-    m = fl[key + ["time_ms", "fp16_ms", "empty_launch_ms"]].merge(ours[key + cols], on=key, how="inner", suffixes=("_floor", ""))
-    if "l2_resident_ms" not in m:
-        m["l2_resident_ms"] = np.nan
+    m = fl[key + ["time_ms", "fp16_ms", "empty_launch_ms"]].merge(ours[key + ["time_ms", "l2_resident_ms"]], on=key, how="inner",
+                                                                   suffixes=("_floor", ""))
     gpus = _gpus(d[d["gpu"].isin(m["gpu"])])
     m = m.assign(_g=m["gpu"].map(gpus.index), _n=m["in_features"] * m["out_features"]).sort_values(["_g", "_n", "in_features"])
     return pd.DataFrame({
