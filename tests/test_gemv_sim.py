@@ -421,3 +421,57 @@ def test_stream_floor_kernel_reads_every_word_once():
         out = np.zeros(blocks * threads, dtype=np.int32)
         stream_kernel[blocks, threads](a, out, n16)
         assert np.bitwise_xor.reduce(out) == np.bitwise_xor.reduce(a)
+
+
+# -- operations fused into the lut kernel (the decode step's norms, SiLU and residual adds) -------
+def _fused_reference(ct, x, pre, post, g, res, eps):
+    x64 = x.double()
+    if pre == "rms":
+        x64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * g.double()
+    elif pre == "silu":
+        a, b = x64.chunk(2, dim=-1)
+        x64 = torch.nn.functional.silu(a) * b
+    y = x64 @ ct.dequantize(torch.float64).T
+    return y + res.double() if post == "add" else y
+
+
+@pytest.mark.parametrize("pre,post", [("rms", ""), ("silu", ""), ("", "add"), ("rms", "add"), ("silu", "add")])
+@pytest.mark.parametrize("K,batch,plan", [(16, 1, {"ksplit": 1}), (16, 2, {"ksplit": 2}), (64, 1, {"ksplit": 2, "RB": 1})])
+def test_fused_operations_match_the_float64_reference(pre, post, K, batch, plan):
+    n_in, n_out, eps = 64, 96, 1e-5
+    ct = random_codebook_tensor(n_out, n_in, K, seed=7)
+    g = LutGemv(ct, plan=plan)
+    x = x_for(2 * n_in if pre == "silu" else n_in, batch, seed=3) * 3
+    w = (torch.rand(n_in, generator=torch.Generator().manual_seed(5)) + 0.5).half()
+    res = x_for(n_out, batch, seed=9)
+    y = poisoned(batch, n_out)
+    g.bind(x, y, pre=pre, post=post, norm_weight=w if pre == "rms" else None, eps=eps, res=res if post else None)()
+    ref = _fused_reference(ct, x, pre, post, w, res, eps)
+    err = float((y.double() - ref).abs().max() / ref.abs().max())
+    assert torch.isfinite(y).all() and err <= TOLERANCE, err
+
+
+def test_fused_residual_add_may_update_its_input_in_place():
+    ct = random_codebook_tensor(64, 64, 16, seed=2)
+    g = LutGemv(ct, plan={"ksplit": 2})
+    x, h = x_for(64, 1, seed=4), x_for(64, 1, seed=6)
+    want = reference(x, ct) + h.double()
+    g.bind(x, h, post="add", res=h)()
+    assert float((h.double() - want).abs().max() / want.abs().max()) <= TOLERANCE
+
+
+def test_fused_operations_refuse_bad_operands(small):
+    x = x_for(small.n_in, 1)
+    y = poisoned(1, small.n_out)
+    with pytest.raises(ValueError, match="pre must be one of"):
+        small.bind(x, y, pre="gelu")
+    with pytest.raises(ValueError, match="norm_weight"):
+        small.bind(x, y, pre="rms")
+    with pytest.raises(ValueError, match="norm_weight"):
+        small.bind(x, y, pre="rms", norm_weight=torch.ones(small.n_in))  # float32
+    with pytest.raises(ValueError, match=r"shape \(128,\)|\(batch, 128\)"):
+        small.bind(x, y, pre="silu")  # silu takes [gate | up], twice the width
+    with pytest.raises(ValueError, match="res"):
+        small.bind(x, y, post="add")
+    with pytest.raises(ValueError, match="out must be"):
+        small.bind(x, y, post="add", res=torch.zeros(1, small.n_out + 1, dtype=torch.float16))

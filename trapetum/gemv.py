@@ -114,6 +114,12 @@ if SIM:
         return np.uint32(max(int(u) for u in _sim_exchange(key, lane, int(v) & 0xFFFFFFFF)))
 
     @cuda.jit(device=True)
+    def warp_sum_f32(v):
+        lane = cuda.threadIdx.x % 32
+        key = (cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x // 32)
+        return np.float32(sum(float(u) for u in _sim_exchange(key, lane, float(v))))
+
+    @cuda.jit(device=True)
     def half2_to_float2(w):
         h = np.array([w]).astype(np.int32).view(np.float16)
         return np.float32(h[0]), np.float32(h[1])
@@ -402,6 +408,15 @@ else:
         # Written by other blocks in this launch: bypass L1, which is not coherent across SMs.
         return cuda.ldcg(a, (int64(i), int64(j), int64(k)))
 
+    @cuda.jit(device=True)
+    def warp_sum_f32(v):
+        """The sum of the 32 lanes' ``v``, on every lane (butterfly shuffles; all lanes call it)."""
+        k = 16
+        while k > 0:
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, k)
+            k >>= 1
+        return v
+
 
 INLINE = {} if SIM else {"forceinline": True}  # cuda.jit options of device functions that must inline
 
@@ -533,7 +548,12 @@ def row_blocks_per_block(K: int, B: int) -> int:
     return 4 if B <= 2 else (2 if B <= 8 else 1)
 
 
-def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = None, stages: int = 2):
+PRE_OPS = ("", "rms", "silu")  # what lut_kernel applies to x as it stages it (see there)
+POST_OPS = ("", "add")  # what it applies to y as it writes it
+
+
+def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = None, stages: int = 2,
+               pre: str = "", post: str = ""):
     """The tiled LUT-GEMV kernel for codebook size K and batch B (compiled on first use).
 
     A block owns RB row-blocks (RB x 32 rows) and one K-slice. Each warp keeps ``stages`` chunks
@@ -541,12 +561,26 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
     Arguments: x32 (B, in/2) int32
     view of fp16 x; tiled int32 codes; cbt32 (row-blocks, K*16) int32 view of the fp16
     [code][lane] codebooks; y (B, out) fp16; ws (ksplit, B, out_pad) fp32; counters (blocks,)
-    int32; n_out; rbs (row-blocks); nchunks (16-byte chunks a row); cps (chunks a K-slice).
+    int32; n_out; rbs (row-blocks); nchunks (16-byte chunks a row); cps (chunks a K-slice);
+    g32, res, eps: the fused operations' operands (unused without them).
+
+    The decode step's elementwise work rides on the GEMV (a launch of its own costs 1-3 us of a
+    ~10 us layer; NOTES "Fused projections"):
+
+    * ``pre="rms"``: y = W (g * x / rms(x)), Llama's RMSNorm before the GEMV: g32 the int32 view of
+      the fp16 norm weight (in,), eps its epsilon. Every block takes the whole row's sum of squares
+      (its warps' sums meet in shared memory) while its codebooks load; g scales x as it is staged,
+      1/rms the sum as it is written.
+    * ``pre="silu"``: y = W (silu(a) * b) for x32 = [a | b] (B, in): the MLP's gate and up halves.
+    * ``post="add"``: y = res + W x (res (B, out) fp16, which may be y itself: the residual stream
+      updated in place, each element read and written by the same thread).
     """
     RB = RB or row_blocks_per_block(K, B)
     if stages < 2:
         raise ValueError(f"stages must be at least 2 (one chunk used, one in flight), got {stages}")
-    key = ("lut", K, B, warps, wide, RB, stages)
+    if pre not in PRE_OPS or post not in POST_OPS:
+        raise ValueError(f"pre must be one of {PRE_OPS} and post one of {POST_OPS}, got {pre!r}, {post!r}")
+    key = ("lut", K, B, warps, wide, RB, stages, pre, post)
     if key in _kernel_cache:
         return _kernel_cache[key]
     _, dot_word, per_word = _make_device_functions(K, B)
@@ -563,6 +597,63 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
     nacc = RB * B
     load = load16 if wide else load4
     zero = int32(0)
+    RMS, SILU, ADD = pre == "rms", pre == "silu", post == "add"
+
+    @cuda.jit(device=True, **INLINE)
+    def put2(xs, o, w, u):
+        # Two staged values of x from their fp16 word w, through the pre-op (u: its operand's word).
+        a, b = half2_to_float2(w)
+        if RMS:
+            c, d = half2_to_float2(u)
+            a, b = a * c, b * d
+        elif SILU:
+            c, d = half2_to_float2(u)
+            a = a / (float32(1.0) + math.exp(-a)) * c
+            b = b / (float32(1.0) + math.exp(-b)) * d
+        xs[o], xs[o + 1] = a, b
+
+    @cuda.jit(device=True, **INLINE)
+    def stage8(xs, o, x32, g32, bb, wo, up):
+        w0, w1, w2, w3 = load16(x32[bb], wo)
+        if SILU:
+            u0, u1, u2, u3 = load16(x32[bb], up + wo)
+        elif RMS:
+            u0, u1, u2, u3 = load16(g32, wo)
+        else:
+            u0, u1, u2, u3 = w0, w1, w2, w3
+        put2(xs, o, w0, u0)
+        put2(xs, o + 2, w1, u1)
+        put2(xs, o + 4, w2, u2)
+        put2(xs, o + 6, w3, u3)
+
+    @cuda.jit(device=True, **INLINE)
+    def row_sumsq(x32, wsq, tid, warp):
+        # Each warp's share of every row's sum of squares, to wsq[warp, b] (summed at the finish).
+        part = cuda.local.array(B, float32)
+        for bb in range(B):
+            part[bb] = 0.0
+        nq = x32.shape[1] // 4
+        for t in range(tid, B * nq, nt):
+            bb = t // nq
+            w0, w1, w2, w3 = load16(x32[bb], (t - bb * nq) * 4)
+            for w in (w0, w1, w2, w3):
+                a, b = half2_to_float2(w)
+                part[bb] += a * a + b * b
+        for bb in range(B):
+            v = warp_sum_f32(part[bb])
+            if cuda.laneid == 0:
+                wsq[warp, bb] = v
+
+    @cuda.jit(device=True, **INLINE)
+    def write_out(s, y, bb, row, res, wsq, inv_n, eps):
+        if RMS:
+            t = float32(0.0)
+            for w in range(warps):
+                t += wsq[w, bb]
+            s *= float32(1.0) / math.sqrt(t * inv_n + eps)
+        if ADD:
+            s += float32(res[bb, row])
+        y[bb, row] = s
 
     @cuda.jit(device=True)
     def chunk(tiled, base, j, j1, ok):
@@ -580,10 +671,11 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
 
     # Blocks above 8 warps get launch bounds, so ptxas keeps to registers that many threads can launch with.
     @cuda.jit(**({"launch_bounds": (nt,)} if warps > 8 and not SIM else {}))
-    def kernel(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, cps):
+    def kernel(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, cps, g32, res, eps):
         lut = cuda.shared.array(lut_size, float32)  # [row-block][code][lane]: a warp's lookups hit 32 banks
         red = cuda.shared.array((warps, nacc, 32), float32)
         last = cuda.shared.array(1, int32)
+        wsq = cuda.shared.array((warps, B), float32)  # pre="rms": each warp's share of the sums of squares
         xs = cuda.shared.array(0, float32)  # dynamic: B x (cps * cpb)
         tid = cuda.threadIdx.x
         warp = tid // 32
@@ -612,6 +704,8 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
                 buf[4 * i], buf[4 * i + 1], buf[4 * i + 2], buf[4 * i + 3] = load16(cbt32[rb0 + r], (q - r * quads_per_rb) * 4)
             else:
                 buf[4 * i], buf[4 * i + 1], buf[4 * i + 2], buf[4 * i + 3] = zero, zero, zero, zero
+        if RMS:  # its loads wait behind the codebooks' (already issued), not in front of them
+            row_sumsq(x32, wsq, tid, warp)
         for i in range(quads_per_thread):
             q = tid + i * nt
             if q < lut_quads:
@@ -620,16 +714,14 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
         # This block's slice of x -> fp32, 8 values a 16-byte load.
         xq = ncols // 8
         xbase = j0 * (cpb // 2)
+        up = x32.shape[1] // 2
         for t in range(tid, B * xq, nt):
             bb = t // xq
             q = t - bb * xq
-            w0, w1, w2, w3 = load16(x32[bb], xbase + q * 4)
-            o = bb * ncols + q * 8
-            xs[o], xs[o + 1] = half2_to_float2(w0)
-            xs[o + 2], xs[o + 3] = half2_to_float2(w1)
-            xs[o + 4], xs[o + 5] = half2_to_float2(w2)
-            xs[o + 6], xs[o + 7] = half2_to_float2(w3)
+            stage8(xs, bb * ncols + q * 8, x32, g32, bb, xbase + q * 4, up)
         cuda.syncthreads()
+        inv_n = float32(1.0) / float32(x32.shape[1] * 2)
+        eps32 = float32(eps)
 
         acc = cuda.local.array(nacc, float32)
         for i in range(nacc):
@@ -658,7 +750,7 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
                         s += red[w, r * B + bb, cuda.laneid]
                     if nsplit == 1:
                         if row < n_out:
-                            y[bb, row] = s
+                            write_out(s, y, bb, row, res, wsq, inv_n, eps32)
                     elif rb0 + r < rbs:
                         ws[split, bb, row] = s
         if nsplit > 1 and last_to_finish(counters, blk, nsplit, last, tid) and warp == 0:
@@ -666,7 +758,7 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
                 row = (rb0 + r) * 32 + cuda.laneid
                 for bb in range(B):
                     if row < n_out:  # so rb0 + r < rbs
-                        y[bb, row] = sum_splits(ws, nsplit, bb, row)
+                        write_out(sum_splits(ws, nsplit, bb, row), y, bb, row, res, wsq, inv_n, eps32)
 
     _kernel_cache[key] = kernel
     return kernel
@@ -1728,14 +1820,15 @@ class LutGemv:
         for plan in cands:
             kern, _, owners, (wsa, cnta) = self._launch_parts(B, plan)
             grid, block = plan.grid(self.rbs), plan.warps * 32
-            kern = with_shared_limit(kern, (xa, views[0], self._cbt, ya, wsa, cnta, self.n_out, self.rbs, self.nchunks, plan.cps),
+            kern = with_shared_limit(kern, self._args(plan, xa, views[0], ya, wsa, cnta),
                                      plan.shared_bytes if plan.kernel in ("mma", "wide") else 0)
 
             def launcher(ta, kern=kern, grid=grid, block=block, plan=plan, wsa=wsa, cnta=cnta):
+                args = self._args(plan, xa, ta, ya, wsa, cnta)
+
                 def go():
                     stream = cuda.external_stream(torch.cuda.current_stream(self.device).cuda_stream)
-                    kern[grid, block, stream, plan.shared_bytes](
-                        xa, ta, self._cbt, ya, wsa, cnta, self.n_out, self.rbs, self.nchunks, plan.cps)
+                    kern[grid, block, stream, plan.shared_bytes](*args)
                 return go
 
             ms = time_graph([launcher(v) for v in views], launches=max(10, len(views)), replays=5, warmup=1)
@@ -1745,14 +1838,38 @@ class LutGemv:
         _TUNED[key] = best[1]
         return best[1]
 
-    def bind(self, x: torch.Tensor, out: torch.Tensor):
+    def _args(self, plan: LaunchPlan, xa, tiled, ya, wsa, cnta, fused: tuple = ()) -> tuple:
+        """A tiled kernel's arguments; the lut kernel also takes its fused operands (g32, res, eps),
+        which default to arrays it never reads when it fuses nothing."""
+        args = (xa, tiled, self._cbt, ya, wsa, cnta, self.n_out, self.rbs, self.nchunks, plan.cps)
+        # Not ya as the unread res: the simulator copies each array argument back after a launch, and
+        # an unchanged copy of y would overwrite the kernel's output.
+        return args + (fused or (xa, xa, 0.0)) if plan.kernel == "lut" else args
+
+    def fusable(self, B: int = 1) -> bool:
+        """Whether :meth:`bind` can fuse the decode step's pre/post operations at batch ``B``: the
+        tuned plan must be the lut kernel's (the tensor-core kernels take none)."""
+        if self.variant != "lut" or B > MAX_FUSED_BATCH:
+            return False
+        return self._prepare(B)[1].kernel == "lut"
+
+    def bind(self, x: torch.Tensor, out: torch.Tensor, pre: str = "", post: str = "", norm_weight: torch.Tensor | None = None,
+             eps: float = 1e-5, res: torch.Tensor | None = None):
         """A zero-argument launcher for fixed x and out buffers.
 
         Array views are made here, once, so the launcher does no host-side work a CUDA graph
         capture could trip on, and costs only numba's launch path when called eagerly.
         It launches on torch's stream current at call time (the capture stream under a graph).
+
+        ``pre`` / ``post``: operations fused into the lut kernel (see :func:`lut_kernel`):
+        ``pre="rms"`` with ``norm_weight`` (in,) and ``eps``; ``pre="silu"`` with x (B, 2 * in);
+        ``post="add"`` with ``res`` (B, out), which may be ``out`` itself.
         """
-        x2 = self.check_input(x)
+        fused = bool(pre or post)
+        if fused:
+            x2 = self._check_fused(x, out, pre, post, norm_weight, res)
+        else:
+            x2 = self.check_input(x)
         B = x2.shape[0]
         check_output(out, B, self.n_out, x2.device)
         kern, plan, owners, views = self._prepare(B)
@@ -1766,7 +1883,16 @@ class LutGemv:
             args = (xa, self._codes, self._cb, ya, self.n_out, self.n_in)
         else:
             cfg = (plan.grid(self.rbs), plan.warps * 32)
-            args = (xa, self._tiled, self._cbt, ya, views[0], views[1], self.n_out, self.rbs, self.nchunks, plan.cps)
+            extra = ()
+            if fused:
+                kern = lut_kernel(self.K, B, plan.warps, RB=plan.RB, stages=plan.stages, pre=pre, post=post)
+                if SIM and post:
+                    # The simulator copies arrays back after a launch: res must not share out's memory, or
+                    # its unchanged copy overwrites the output. The launcher refreshes this copy each call.
+                    res, res_src = res.clone(), res
+                extra = (_as_kernel_array(norm_weight.view(torch.int32)) if pre == "rms" else xa,
+                         _as_kernel_array(res) if post else xa, float(eps))
+            args = self._args(plan, xa, self._tiled, ya, views[0], views[1], extra)
             if plan.kernel in ("mma", "wide"):  # above the 48 KiB default: raise this kernel's limit (compiles it, once)
                 kern = with_shared_limit(kern, args, plan.shared_bytes)
         smem = 0 if plan is None else plan.shared_bytes
@@ -1775,11 +1901,32 @@ class LutGemv:
         def launch():
             _ = owners  # the workspace lives as long as the launcher
             stream = 0 if SIM else cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
+            if SIM and post:
+                res.copy_(res_src)
             kern[cfg[0], cfg[1], stream, smem](*args)
             if SIM:
                 out.copy_(torch.from_numpy(ya).view(out.shape))
 
         return launch
+
+    def _check_fused(self, x, out, pre, post, norm_weight, res) -> torch.Tensor:
+        if pre not in PRE_OPS or post not in POST_OPS:
+            raise ValueError(f"pre must be one of {PRE_OPS} and post one of {POST_OPS}, got {pre!r}, {post!r}")
+        n_x = 2 * self.n_in if pre == "silu" else self.n_in
+        x2 = check_activation(x, n_x, self.device, MAX_FUSED_BATCH)
+        if not self.fusable(x2.shape[0]):
+            raise ValueError("this layer's kernel cannot fuse operations (its tuned plan is a tensor-core kernel, "
+                             "or the variant is not 'lut'): apply them with torch around an unfused call")
+        if pre == "rms":
+            if (not isinstance(norm_weight, torch.Tensor) or norm_weight.shape != (self.n_in,)
+                    or norm_weight.dtype != torch.float16 or norm_weight.device != x2.device or not norm_weight.is_contiguous()
+                    or norm_weight.data_ptr() % 16):
+                raise ValueError(f"pre='rms' takes a contiguous, 16-byte aligned float16 norm_weight of shape ({self.n_in},) on {x2.device}")
+        if post == "add":
+            if not isinstance(res, torch.Tensor):
+                raise ValueError("post='add' takes the residual tensor res")
+            check_output(res, x2.shape[0], self.n_out, x2.device)
+        return x2
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         x2 = self.check_input(x)

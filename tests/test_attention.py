@@ -1,0 +1,75 @@
+"""The decode-attention kernel in numba's CUDA simulator, against the float64 reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trapetum import attention, gemv
+from trapetum.attention import DecodeAttention, reference
+
+pytestmark = pytest.mark.skipif(not gemv.SIM, reason="written for the CUDA simulator")
+
+
+def tables(T, D, base=10000.0):
+    inv = 1.0 / base ** (torch.arange(0, D, 2).float() / D)
+    f = torch.outer(torch.arange(T).float(), inv)
+    emb = torch.cat([f, f], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+@pytest.mark.parametrize("H,Hkv,p", [(2, 2, 0), (2, 2, 5), (4, 2, 16), (4, 1, 37)])
+def test_attention_matches_reference_and_writes_the_cache(H, Hkv, p):
+    D, T, L = 16, 48, 2
+    cos, sin = tables(T, D)
+    pos = torch.tensor([p])
+    att = DecodeAttention(L, H, Hkv, D, T, cos, sin, pos, "cpu")
+    g = torch.Generator().manual_seed(p)
+    att.k_cache.copy_(torch.randn(att.k_cache.shape, generator=g).half())
+    att.v_cache.copy_(torch.randn(att.v_cache.shape, generator=g).half())
+    before_k, before_v = att.k_cache.clone(), att.v_cache.clone()
+    qkv = torch.randn(1, (H + 2 * Hkv) * D, generator=g).half()
+    out = torch.full((1, H * D), float("nan"), dtype=torch.float16)
+    att.bind(1, qkv, out)()
+    want = reference(qkv, before_k[1], before_v[1], cos, sin, p, H, Hkv)
+    err = float((out.double().view(-1) - want).abs().max() / want.abs().max())
+    assert torch.isfinite(out).all() and err < 2e-3, err
+    # the new token's rotated k and its v land at position p of layer 1, nothing else changes
+    kv = qkv.view(-1)[H * D:].view(2, Hkv, D).double()
+    rot = torch.cat([-kv[0, :, D // 2:], kv[0, :, :D // 2]], dim=-1)
+    k_new = kv[0] * cos[p].double() + rot * sin[p].double()
+    assert torch.allclose(att.k_cache[1, :, p].double(), k_new, atol=2e-3)
+    assert torch.equal(att.v_cache[1, :, p], kv[1].half())
+    mask = torch.ones(T, dtype=torch.bool)
+    mask[p] = False
+    assert torch.equal(att.k_cache[1][:, mask], before_k[1][:, mask]) and torch.equal(att.k_cache[0], before_k[0])
+    assert torch.equal(att.counters, torch.zeros_like(att.counters)), "the finish must reset its counters for the next replay"
+
+
+def test_attention_reads_the_position_at_launch():
+    D, T, H = 16, 40, 2
+    cos, sin = tables(T, D)
+    pos = torch.tensor([3])
+    att = DecodeAttention(1, H, H, D, T, cos, sin, pos, "cpu")
+    qkv = torch.randn(1, 3 * H * D).half()
+    out = torch.empty(1, H * D, dtype=torch.float16)
+    launch = att.bind(0, qkv, out)
+    launch()
+    pos.fill_(20)
+    k_before, v_before = att.k_cache[0].clone(), att.v_cache[0].clone()
+    launch()
+    want = reference(qkv, k_before, v_before, cos, sin, 20, H, H)
+    assert float((out.double().view(-1) - want).abs().max() / want.abs().max()) < 2e-3
+
+
+def test_bad_shapes_are_refused():
+    cos, sin = tables(8, 16)
+    pos = torch.tensor([0])
+    with pytest.raises(ValueError, match="multiple"):
+        DecodeAttention(1, 3, 2, 16, 8, cos, sin, pos, "cpu")
+    with pytest.raises(ValueError, match="tables"):
+        DecodeAttention(1, 2, 2, 16, 9, cos, sin, pos, "cpu")
+    with pytest.raises(ValueError, match="power of two"):
+        attention.attention_kernel(24, 1)
+    att = DecodeAttention(1, 2, 2, 16, 8, cos, sin, pos, "cpu")
+    with pytest.raises(ValueError, match="qkv"):
+        att.bind(0, torch.zeros(1, 10, dtype=torch.float16), torch.zeros(1, 32, dtype=torch.float16))

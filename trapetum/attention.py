@@ -1,0 +1,220 @@
+"""Decode attention in one numba.cuda launch: rotary, the KV-cache write and attention of one new
+token (flash-decoding's split over the context, finished by the last block of each head).
+
+Why a kernel of our own: in a compiled transformers step the attention of a 7B layer is cuDNN's
+SDPA (4.9 us) plus inductor kernels for rotary, the cache writes and SDPA's input preparation,
+~4 launches of 1.2-2.8 us, while the layer's four codebook GEMVs take ~65 us (NOTES "Fused
+projections"). One launch does all of it.
+
+Layout (one layer): ``qkv`` (1, (H + 2 Hkv) D) fp16, the fused projection's output (q heads,
+then k, then v); caches ``kc``/``vc`` (Hkv, T, D) fp16; ``cos``/``sin`` (T, D) fp32, the model's
+own rotary tables (transformers' ``rotary_emb``, so every scaling variant is the model's);
+``pos`` (1,) int64 on the device, the new token's position, so a CUDA graph replays every token.
+
+Grid (H, splits): block (h, s) takes context positions [s C, s C + C) of query head h, C = D
+threads a block, one position a thread for the scores and one dimension a thread for P V. Blocks
+past the context return at once. The new token's k and v are used from registers by the block
+that covers it (and written to the cache by the first query head of its group), so no block
+reads a cache row another block of the launch writes. Each block leaves (o, max, sum) in a
+workspace; the last of a head's blocks merges them (a counter it resets, as the GEMVs' K-split
+finish does). Reductions go through shared memory: no warp shuffles, so the CUDA simulator runs
+it, and D = 16 works for tests.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from numba import cuda, float32, int32
+
+from .gemv import SIM, _as_kernel_array, float2_to_half2, half2_to_float2, last_to_finish, load16, load_cg, require_gpu
+
+_kernels: dict = {}
+
+
+def attention_kernel(D: int, group: int):
+    """The kernel for head dimension ``D`` (a power of two, 16..256) and ``group`` query heads a KV head."""
+    if D < 16 or D > 256 or D & (D - 1):
+        raise ValueError(f"head_dim must be a power of two in 16..256, got {D}")
+    key = (D, group)
+    if key in _kernels:
+        return _kernels[key]
+    half = D // 2
+
+    @cuda.jit(device=True)
+    def rope(v, t, base, qkv, cos, sin, p):
+        # rotate_half: dims t < D/2 pair with t + D/2 (negated), as transformers' Llama does.
+        other = float32(qkv[0, base + (t + half if t < half else t - half)])
+        if t < half:
+            other = -other
+        return v * cos[p, t] + other * sin[p, t]
+
+    @cuda.jit(device=True)
+    def dot2(qs, d, w):
+        a, b = half2_to_float2(w)
+        return qs[d] * a + qs[d + 1] * b
+
+    @cuda.jit(device=True)
+    def block_reduce(red, t, v, is_max):
+        red[t] = v
+        cuda.syncthreads()
+        k = D // 2
+        while k > 0:
+            if t < k:
+                red[t] = max(red[t], red[t + k]) if is_max else red[t] + red[t + k]
+            cuda.syncthreads()
+            k //= 2
+        r = red[0]
+        cuda.syncthreads()
+        return r
+
+    @cuda.jit
+    def kernel(qkv, kc32, vc32, cos, sin, pos, out, ws, counters, scale):
+        # kc32 / vc32: int32 views of the (Hkv, T, D) fp16 caches, read 8 values a 16-byte load.
+        h = cuda.blockIdx.x
+        s = cuda.blockIdx.y
+        t = cuda.threadIdx.x
+        H = cuda.gridDim.x
+        p = int32(pos[0])
+        nsplit = (p + D) // D  # context p + 1 positions, D a block
+        if s >= nsplit:
+            return
+        qs = cuda.shared.array(D, float32)
+        kn = cuda.shared.array(D, float32)
+        vn = cuda.shared.array(D, float32)
+        pr = cuda.shared.array(D, float32)
+        red = cuda.shared.array(D, float32)
+        last = cuda.shared.array(1, int32)
+        kvh = h // group
+        Hkv = H // group
+        qb, kb, vb = h * D, (H + kvh) * D, (H + Hkv + kvh) * D
+        qs[t] = rope(float32(qkv[0, qb + t]), t, qb, qkv, cos, sin, p) * float32(scale)
+        last_split = s == nsplit - 1
+        if last_split:
+            kn[t] = rope(float32(qkv[0, kb + t]), t, kb, qkv, cos, sin, p)
+            vn[t] = float32(qkv[0, vb + t])
+        cuda.syncthreads()
+        if last_split and h % group == 0 and t < half:
+            kc32[kvh, p, t] = float2_to_half2(kn[2 * t], kn[2 * t + 1])
+            vc32[kvh, p, t] = float2_to_half2(vn[2 * t], vn[2 * t + 1])
+
+        j0 = s * D
+        j = j0 + t
+        score = float32(-math.inf)
+        if j <= p:
+            acc = float32(0.0)
+            if j == p:
+                for d in range(D):
+                    acc += qs[d] * kn[d]
+            else:
+                row = kc32[kvh, j]
+                for d8 in range(D // 8):
+                    w0, w1, w2, w3 = load16(row, d8 * 4)
+                    acc += dot2(qs, d8 * 8, w0) + dot2(qs, d8 * 8 + 2, w1) + dot2(qs, d8 * 8 + 4, w2) + dot2(qs, d8 * 8 + 6, w3)
+            score = acc
+        m = block_reduce(red, t, score, True)
+        e = float32(0.0) if j > p else math.exp(score - m)
+        pr[t] = e
+        l_sum = block_reduce(red, t, e, False)  # also the barrier that publishes pr
+
+        n = min(D, p + 1 - j0)
+        o = float32(0.0)
+        hi = t & 1
+        for i in range(n):
+            jj = j0 + i
+            if jj == p:
+                v = vn[t]
+            else:
+                a, b = half2_to_float2(vc32[kvh, jj, t >> 1])
+                v = b if hi else a
+            o += pr[i] * v
+        if nsplit == 1:
+            out[0, qb + t] = o / l_sum
+            return
+        ws[h, s, t] = o
+        if t == 0:
+            ws[h, s, D] = m
+            ws[h, s, D + 1] = l_sum
+        if last_to_finish(counters, h, nsplit, last, t):
+            mx = float32(-math.inf)
+            for i in range(nsplit):
+                mx = max(mx, load_cg(ws, h, i, D))
+            num = float32(0.0)
+            den = float32(0.0)
+            for i in range(nsplit):
+                f = math.exp(load_cg(ws, h, i, D) - mx)
+                num += f * load_cg(ws, h, i, t)
+                den += f * load_cg(ws, h, i, D + 1)
+            out[0, qb + t] = num / den
+
+    _kernels[key] = kernel
+    return kernel
+
+
+class DecodeAttention:
+    """Attention of one new token for a Llama-architecture layer stack (all layers share the
+    buffers' shapes): ``bind(layer, qkv, out)`` gives a zero-argument launcher for a CUDA graph.
+
+    ``k_cache``/``v_cache``: (layers, Hkv, T, D) fp16, owned here; ``pos``: the step's (1,) or
+    (1, 1) int64 position tensor, read on the device at launch.
+    """
+
+    def __init__(self, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, max_len: int,
+                 cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, device, scale: float | None = None):
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads={n_heads} is not a multiple of n_kv_heads={n_kv_heads}")
+        if cos.shape != (max_len, head_dim) or sin.shape != (max_len, head_dim):
+            raise ValueError(f"cos and sin must be ({max_len}, {head_dim}) tables, got {tuple(cos.shape)}, {tuple(sin.shape)}")
+        if pos.dtype != torch.int64 or pos.numel() != 1:
+            raise ValueError("pos must be a one-element int64 tensor")
+        device = torch.device(device)
+        if device.type != "cuda" and not SIM:
+            require_gpu()
+        self.H, self.Hkv, self.D, self.T = n_heads, n_kv_heads, head_dim, max_len
+        self.kernel = attention_kernel(head_dim, n_heads // n_kv_heads)
+        self.scale = float(head_dim ** -0.5 if scale is None else scale)
+        self.k_cache = torch.zeros(n_layers, n_kv_heads, max_len, head_dim, dtype=torch.float16, device=device)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        self.cos, self.sin = cos.float().contiguous().to(device), sin.float().contiguous().to(device)
+        self.pos = pos
+        self.splits = -(-max_len // head_dim)
+        self.ws = torch.empty(n_heads, self.splits, head_dim + 2, dtype=torch.float32, device=device)
+        self.counters = torch.zeros(n_heads, dtype=torch.int32, device=device)
+
+    def bind(self, layer: int, qkv: torch.Tensor, out: torch.Tensor):
+        width = (self.H + 2 * self.Hkv) * self.D
+        if qkv.shape != (1, width) or qkv.dtype != torch.float16 or not qkv.is_contiguous():
+            raise ValueError(f"qkv must be a contiguous float16 (1, {width}) tensor, got {tuple(qkv.shape)} {qkv.dtype}")
+        if out.shape != (1, self.H * self.D) or out.dtype != torch.float16 or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous float16 (1, {self.H * self.D}) tensor")
+        kc, vc = self.k_cache[layer].view(torch.int32), self.v_cache[layer].view(torch.int32)
+        args = [_as_kernel_array(t) for t in (qkv, kc, vc, self.cos, self.sin, self.pos.view(1), out, self.ws, self.counters)]
+        grid, dev = (self.H, self.splits), self.k_cache.device
+
+        def launch():
+            stream = 0 if SIM else cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
+            self.kernel[grid, self.D, stream](*args, self.scale)
+
+        return launch
+
+
+def reference(qkv: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p: int,
+              n_heads: int, n_kv_heads: int, scale: float | None = None) -> torch.Tensor:
+    """float64 attention of the token at position ``p`` over the ``p`` cached positions and itself
+    (transformers' Llama math): returns (H * D,)."""
+    D = k_past.shape[-1]
+    x = qkv.double().view(-1)
+    q = x[:n_heads * D].view(n_heads, D)
+    k = x[n_heads * D:(n_heads + n_kv_heads) * D].view(n_kv_heads, D)
+    v = x[(n_heads + n_kv_heads) * D:].view(n_kv_heads, D)
+
+    def rope(t):
+        rot = torch.cat([-t[..., D // 2:], t[..., :D // 2]], dim=-1)
+        return t * cos[p].double() + rot * sin[p].double()
+
+    K = torch.cat([k_past[:, :p].double(), rope(k)[:, None]], dim=1)  # (Hkv, p+1, D)
+    V = torch.cat([v_past[:, :p].double(), v[:, None]], dim=1)
+    g = n_heads // n_kv_heads
+    K, V = K.repeat_interleave(g, 0), V.repeat_interleave(g, 0)
+    att = torch.softmax((rope(q)[:, None] * K).sum(-1) * (D ** -0.5 if scale is None else scale), dim=-1)
+    return (att[..., None] * V).sum(1).reshape(-1)
