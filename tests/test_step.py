@@ -1,0 +1,76 @@
+"""Trapetum's fused decode step on a tiny random Llama, kernels in the CUDA simulator, against
+transformers' eager path on the same quantized model."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from trapetum import gemv
+from trapetum.decode import FakeGraphRunner, check_equivalence, generate
+from trapetum.qlinear import qlinears, quantize_model
+from trapetum.step import FusedStep, UnsupportedModelError, kernel_checks
+
+from test_qlinear import tiny_llama
+
+pytestmark = pytest.mark.skipif(not gemv.SIM, reason="written for the CUDA simulator")
+N = 8
+
+
+def quantized(seed, **kw):
+    m = tiny_llama(seed=seed, **kw)
+    quantize_model(m, K=16, iters=3, progress=False)
+    m.half()
+    for q in qlinears(m).values():
+        q.simulate = True  # the kernels run in the simulator on CPU tensors
+    return m
+
+
+@pytest.fixture(scope="module")
+def model():
+    return quantized(5)
+
+
+PROMPT = torch.tensor([[3, 17, 42, 8, 61]])
+
+
+def test_fused_step_matches_the_eager_path(model):
+    fake = FakeGraphRunner()
+    r = check_equivalence(model, PROMPT, n=N, runner=fake, path="fused-step")
+    assert fake.captures == 1 and fake.replays == N - 2
+    assert r["first_mismatch"] is None, r
+    assert r["max_rel_logit_diff"] < 1e-2, r
+
+
+def test_fused_step_fuses_every_codebook_projection(model):
+    step = FusedStep(model, max_len=16, n=4)
+    # per layer: qkv (one fused weight), o, gate_up, down; the fp16 lm_head runs unfused
+    assert step.fused_launches == 2 * 4 and step.unfused_projections == ["lm_head"]
+    assert len(step.ops) == 1 + 2 * 5 + 1
+
+
+def test_fp16_model_runs_unfused_and_agrees():
+    m = tiny_llama(seed=6).half()
+    r = check_equivalence(m, PROMPT, n=6, runner=FakeGraphRunner(), path="fused-step")
+    assert r["first_mismatch"] is None and r["max_rel_logit_diff"] < 1e-2, r
+
+
+def test_unsupported_models_are_refused():
+    with pytest.raises(UnsupportedModelError, match="Llama-architecture"):
+        FusedStep(nn.Linear(4, 4), max_len=8, n=2)
+    with pytest.raises(UnsupportedModelError, match="biases"):
+        FusedStep(tiny_llama(bias=True).half(), max_len=8, n=2)
+    with pytest.raises(UnsupportedModelError, match="float16"):
+        FusedStep(tiny_llama(), max_len=8, n=2)
+
+
+def test_the_graphed_fused_step_needs_a_gpu(model):
+    with pytest.raises(RuntimeError, match="CUDA GPU"):
+        generate(model, PROMPT, 4, path="fused-step", energy=False)
+
+
+def test_kernel_checks_pass_on_small_shapes():
+    recs = kernel_checks(
+        shapes=((64, 96),), attention_cases=((4, 2, 16),), positions=(0, 20), device="cpu", plans=({"ksplit": 2},))
+    assert len(recs) == 3 + 2
+    assert all(r["finite"] and r["max_rel_err"] < 2e-3 for r in recs), recs
