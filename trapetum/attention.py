@@ -30,6 +30,7 @@ from numba import cuda, float32, int32
 from .gemv import SIM, _as_kernel_array, float2_to_half2, half2_to_float2, last_to_finish, load16, load_cg, require_gpu
 
 _kernels: dict = {}
+UNROLL = 8  # P V steps a thread keeps in flight
 
 
 def attention_kernel(D: int, group: int):
@@ -40,6 +41,7 @@ def attention_kernel(D: int, group: int):
     if key in _kernels:
         return _kernels[key]
     half = D // 2
+    quarter = D // 4
 
     @cuda.jit(device=True)
     def rope(v, t, base, qkv, cos, sin, p):
@@ -84,6 +86,7 @@ def attention_kernel(D: int, group: int):
         vn = cuda.shared.array(D, float32)
         pr = cuda.shared.array(D, float32)
         red = cuda.shared.array(D, float32)
+        po = cuda.shared.array((4, D), float32)  # P V partials of the four position groups
         last = cuda.shared.array(1, int32)
         kvh = h // group
         Hkv = H // group
@@ -107,27 +110,49 @@ def attention_kernel(D: int, group: int):
                 for d in range(D):
                     acc += qs[d] * kn[d]
             else:
+                # All of the row's loads first (a constant loop: unrolled, the words in registers), so
+                # they are in flight together; a load a step would wait D / 8 memory latencies.
                 row = kc32[kvh, j]
+                kw = cuda.local.array(half, int32)
                 for d8 in range(D // 8):
-                    w0, w1, w2, w3 = load16(row, d8 * 4)
-                    acc += dot2(qs, d8 * 8, w0) + dot2(qs, d8 * 8 + 2, w1) + dot2(qs, d8 * 8 + 4, w2) + dot2(qs, d8 * 8 + 6, w3)
+                    kw[4 * d8], kw[4 * d8 + 1], kw[4 * d8 + 2], kw[4 * d8 + 3] = load16(row, d8 * 4)
+                for d2 in range(half):
+                    acc += dot2(qs, 2 * d2, kw[d2])
             score = acc
         m = block_reduce(red, t, score, True)
         e = float32(0.0) if j > p else math.exp(score - m)
         pr[t] = e
         l_sum = block_reduce(red, t, e, False)  # also the barrier that publishes pr
 
+        # P V: four groups of D / 4 threads, each group every fourth position, a thread four dims
+        # (two fp16 pairs: a group reads a row coalesced). Loads are unconditional from a clamped row
+        # and masked after, so the unrolled steps' loads are in flight together.
+        g = t // quarter
+        c = t - g * quarter
         n = min(D, p + 1 - j0)
-        o = float32(0.0)
-        hi = t & 1
-        for i in range(n):
-            jj = j0 + i
-            if jj == p:
-                v = vn[t]
-            else:
-                a, b = half2_to_float2(vc32[kvh, jj, t >> 1])
-                v = b if hi else a
-            o += pr[i] * v
+        T = kc32.shape[1]
+        o0 = o1 = o2 = o3 = float32(0.0)
+        i = g
+        while i < n:
+            for u in range(UNROLL):
+                ii = i + 4 * u
+                jj = min(j0 + ii, T - 1)
+                w0 = vc32[kvh, jj, 2 * c]
+                w1 = vc32[kvh, jj, 2 * c + 1]
+                a0, a1 = half2_to_float2(w0)
+                a2, a3 = half2_to_float2(w1)
+                if j0 + ii == p:
+                    a0, a1, a2, a3 = vn[4 * c], vn[4 * c + 1], vn[4 * c + 2], vn[4 * c + 3]
+                valid = ii < n  # selects, not a branch: a stale row past the context must not reach o
+                pe = pr[min(ii, D - 1)] if valid else float32(0.0)
+                o0 += pe * (a0 if valid else float32(0.0))
+                o1 += pe * (a1 if valid else float32(0.0))
+                o2 += pe * (a2 if valid else float32(0.0))
+                o3 += pe * (a3 if valid else float32(0.0))
+            i += 4 * UNROLL
+        po[g, 4 * c], po[g, 4 * c + 1], po[g, 4 * c + 2], po[g, 4 * c + 3] = o0, o1, o2, o3
+        cuda.syncthreads()
+        o = po[0, t] + po[1, t] + po[2, t] + po[3, t]
         if nsplit == 1:
             out[0, qb + t] = o / l_sum
             return
