@@ -393,6 +393,13 @@ def test_decode_chapter_reads_every_run_and_keeps_the_newest_per_model(tmp_path)
     assert sorted(fused["VRAM vs fp16"].round(2)) == [0.25, 1.0]  # over the fused fp16 model's peak of the same run (12 GB)
     t = report.decode_table(df)
     assert len(t) == 4 and set(t["vs fp16"].round(2)) == {0.6, 1.0}
+    # "vs fastest fp16": a fused-step row of the same run divides by fp16's fastest graphed path
+    step = df[df["file"] == df["file"].iloc[0]].copy()
+    step["path"], step["tok_s"] = "fused-step", step["tok_s"] * np.where(step["scheme"] == "fp16", 0.5, 2.0)
+    t2 = report.decode_table(pd.concat([df, step], ignore_index=True))
+    s = t2[t2["Path"] == "fused-step"].set_index("Scheme")
+    assert s.loc["4-bit K=16", "vs fastest fp16"] == pytest.approx(2.0)  # over fp16 graphed, not fp16 fused-step
+    assert s.loc["fp16", "vs fastest fp16"] == pytest.approx(0.5)
     # each model's VRAM over its own fp16 model's, from the same run: 7B and 13B do not mix
     assert sorted(t["VRAM vs fp16"].round(2)) == [0.25, 0.25, 1.0, 1.0]
     assert t["share of bandwidth bound"].isna().all()  # no GEMV run of this GPU: no copy bandwidth

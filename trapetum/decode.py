@@ -819,8 +819,8 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="Llama-2 architectures, random weights: fp16 vs codebook decode; writes <out>/<gpu>/<name>.json")
     b.add_argument("--arch", default="llama-2-7b,llama-2-13b", help=f"comma-separated, of {sorted(LLAMA2)}")
     b.add_argument("--schemes", default="K16")
-    b.add_argument("--paths", default="naive,eager,graphed,compiled", help="paths for the codebook models")
-    b.add_argument("--fp16-paths", default="naive,eager,graphed,compiled",
+    b.add_argument("--paths", default="naive,eager,graphed,compiled,fused-step", help="paths for the codebook models")
+    b.add_argument("--fp16-paths", default="naive,eager,graphed,compiled,fused-step",
                    help="naive = transformers-style loop with DynamicCache (the usual fp16 baseline)")
     b.add_argument("--lm-head", default="fp16", help="LM head of the codebook schemes: fp16 and/or K16 (comma-separated, a row each)")
     b.add_argument("--embed", default="fp16", help="token embedding of the codebook schemes: fp16 and/or K16 (comma-separated, "
