@@ -30,7 +30,7 @@ from numba import cuda, float32, int32
 from .gemv import SIM, _as_kernel_array, float2_to_half2, half2_to_float2, last_to_finish, load16, load_cg, require_gpu
 
 _kernels: dict = {}
-UNROLL = 8  # P V steps a thread keeps in flight
+MERGE = 8  # split partials a thread of the merge keeps in flight
 
 
 def attention_kernel(D: int, group: int):
@@ -41,7 +41,9 @@ def attention_kernel(D: int, group: int):
     if key in _kernels:
         return _kernels[key]
     half = D // 2
-    quarter = D // 4
+    quarter = D // 4  # dims a thread takes of a score's row, and threads a row in P V
+    eighth = D // 8  # fp16 pairs of a quarter row
+    C = D // 4  # positions a block: four threads a position
 
     @cuda.jit(device=True)
     def rope(v, t, base, qkv, cos, sin, p):
@@ -57,10 +59,12 @@ def attention_kernel(D: int, group: int):
         return qs[d] * a + qs[d + 1] * b
 
     @cuda.jit(device=True)
-    def block_reduce(red, t, v, is_max):
-        red[t] = v
+    def block_reduce(red, t, v, is_max, width):
+        # max or sum of v over threads 0..width-1 (a power of two), on every thread.
+        if t < width:
+            red[t] = v
         cuda.syncthreads()
-        k = D // 2
+        k = width // 2
         while k > 0:
             if t < k:
                 red[t] = max(red[t], red[t + k]) if is_max else red[t] + red[t + k]
@@ -72,19 +76,20 @@ def attention_kernel(D: int, group: int):
 
     @cuda.jit
     def kernel(qkv, kc32, vc32, cos, sin, pos, out, ws, counters, scale):
-        # kc32 / vc32: int32 views of the (Hkv, T, D) fp16 caches, read 8 values a 16-byte load.
+        # kc32 / vc32: int32 views of the (Hkv, T, D) fp16 caches.
         h = cuda.blockIdx.x
         s = cuda.blockIdx.y
         t = cuda.threadIdx.x
         H = cuda.gridDim.x
         p = int32(pos[0])
-        nsplit = (p + D) // D  # context p + 1 positions, D a block
+        nsplit = (p + C) // C  # context p + 1 positions, C a block
         if s >= nsplit:
             return
         qs = cuda.shared.array(D, float32)
         kn = cuda.shared.array(D, float32)
         vn = cuda.shared.array(D, float32)
-        pr = cuda.shared.array(D, float32)
+        sp = cuda.shared.array(D, float32)  # score partials: four threads a position
+        pr = cuda.shared.array(C, float32)
         red = cuda.shared.array(D, float32)
         po = cuda.shared.array((4, D), float32)  # P V partials of the four position groups
         last = cuda.shared.array(1, int32)
@@ -101,55 +106,54 @@ def attention_kernel(D: int, group: int):
             kc32[kvh, p, t] = float2_to_half2(kn[2 * t], kn[2 * t + 1])
             vc32[kvh, p, t] = float2_to_half2(vn[2 * t], vn[2 * t + 1])
 
-        j0 = s * D
-        j = j0 + t
+        # Scores: position j0 + t // 4, a quarter of its dims a thread; every load of the quarter row
+        # issued before the first is used (a constant loop: unrolled into registers).
+        T = kc32.shape[1]
+        j0 = s * C
+        jq = t // 4
+        d0 = (t - jq * 4) * quarter
+        j = j0 + jq
+        acc = float32(0.0)
+        if j == p:
+            for d in range(quarter):
+                acc += qs[d0 + d] * kn[d0 + d]
+        else:
+            row = kc32[kvh, min(j, T - 1)]
+            kw = cuda.local.array(eighth, int32)
+            for w in range(eighth):
+                kw[w] = row[d0 // 2 + w]
+            for w in range(eighth):
+                acc += dot2(qs, d0 + 2 * w, kw[w])
+        sp[t] = acc
+        cuda.syncthreads()
         score = float32(-math.inf)
-        if j <= p:
-            acc = float32(0.0)
-            if j == p:
-                for d in range(D):
-                    acc += qs[d] * kn[d]
-            else:
-                # All of the row's loads first (a constant loop: unrolled, the words in registers), so
-                # they are in flight together; a load a step would wait D / 8 memory latencies.
-                row = kc32[kvh, j]
-                kw = cuda.local.array(half, int32)
-                for d8 in range(D // 8):
-                    kw[4 * d8], kw[4 * d8 + 1], kw[4 * d8 + 2], kw[4 * d8 + 3] = load16(row, d8 * 4)
-                for d2 in range(half):
-                    acc += dot2(qs, 2 * d2, kw[d2])
-            score = acc
-        m = block_reduce(red, t, score, True)
-        e = float32(0.0) if j > p else math.exp(score - m)
-        pr[t] = e
-        l_sum = block_reduce(red, t, e, False)  # also the barrier that publishes pr
+        if t < C and j0 + t <= p:
+            score = sp[4 * t] + sp[4 * t + 1] + sp[4 * t + 2] + sp[4 * t + 3]
+        m = block_reduce(red, t, score, True, C)
+        e = float32(0.0) if t >= C or j0 + t > p else math.exp(score - m)
+        if t < C:
+            pr[t] = e
+        l_sum = block_reduce(red, t, e, False, C)  # also the barrier that publishes pr
 
-        # P V: four groups of D / 4 threads, each group every fourth position, a thread four dims
-        # (two fp16 pairs: a group reads a row coalesced). Loads are unconditional from a clamped row
-        # and masked after, so the unrolled steps' loads are in flight together.
+        # P V: four groups of D / 4 threads, group g every fourth position, a thread four dims (two
+        # fp16 pairs: a group reads a row coalesced); C / 4 positions a group, all loads in flight.
         g = t // quarter
         c = t - g * quarter
-        n = min(D, p + 1 - j0)
-        T = kc32.shape[1]
+        n = min(C, p + 1 - j0)
         o0 = o1 = o2 = o3 = float32(0.0)
-        i = g
-        while i < n:
-            for u in range(UNROLL):
-                ii = i + 4 * u
-                jj = min(j0 + ii, T - 1)
-                w0 = vc32[kvh, jj, 2 * c]
-                w1 = vc32[kvh, jj, 2 * c + 1]
-                a0, a1 = half2_to_float2(w0)
-                a2, a3 = half2_to_float2(w1)
-                if j0 + ii == p:
-                    a0, a1, a2, a3 = vn[4 * c], vn[4 * c + 1], vn[4 * c + 2], vn[4 * c + 3]
-                valid = ii < n  # selects, not a branch: a stale row past the context must not reach o
-                pe = pr[min(ii, D - 1)] if valid else float32(0.0)
-                o0 += pe * (a0 if valid else float32(0.0))
-                o1 += pe * (a1 if valid else float32(0.0))
-                o2 += pe * (a2 if valid else float32(0.0))
-                o3 += pe * (a3 if valid else float32(0.0))
-            i += 4 * UNROLL
+        for u in range(C // 4):
+            ii = g + 4 * u
+            jj = min(j0 + ii, T - 1)
+            a0, a1 = half2_to_float2(vc32[kvh, jj, 2 * c])
+            a2, a3 = half2_to_float2(vc32[kvh, jj, 2 * c + 1])
+            if j0 + ii == p:
+                a0, a1, a2, a3 = vn[4 * c], vn[4 * c + 1], vn[4 * c + 2], vn[4 * c + 3]
+            valid = ii < n  # selects, not a branch: a stale row past the context must not reach o
+            pe = pr[ii] if valid else float32(0.0)
+            o0 += pe * (a0 if valid else float32(0.0))
+            o1 += pe * (a1 if valid else float32(0.0))
+            o2 += pe * (a2 if valid else float32(0.0))
+            o3 += pe * (a3 if valid else float32(0.0))
         po[g, 4 * c], po[g, 4 * c + 1], po[g, 4 * c + 2], po[g, 4 * c + 3] = o0, o1, o2, o3
         cuda.syncthreads()
         o = po[0, t] + po[1, t] + po[2, t] + po[3, t]
@@ -161,15 +165,24 @@ def attention_kernel(D: int, group: int):
             ws[h, s, D] = m
             ws[h, s, D + 1] = l_sum
         if last_to_finish(counters, h, nsplit, last, t):
-            mx = float32(-math.inf)
-            for i in range(nsplit):
-                mx = max(mx, load_cg(ws, h, i, D))
+            # Merge: each split's (max, sum) loaded by one thread, all at once; then every thread's
+            # dim over the splits, MERGE loads in flight at a time.
+            mi = load_cg(ws, h, t, D) if t < nsplit else float32(-math.inf)
+            li = load_cg(ws, h, t, D + 1) if t < nsplit else float32(0.0)
+            mx = block_reduce(red, t, mi, True, D)
+            f = math.exp(mi - mx) if t < nsplit else float32(0.0)
+            den = block_reduce(red, t, f * li, False, D)
+            if t < nsplit:
+                sp[t] = f
+            cuda.syncthreads()
             num = float32(0.0)
-            den = float32(0.0)
-            for i in range(nsplit):
-                f = math.exp(load_cg(ws, h, i, D) - mx)
-                num += f * load_cg(ws, h, i, t)
-                den += f * load_cg(ws, h, i, D + 1)
+            i = 0
+            while i < nsplit:
+                for u in range(MERGE):
+                    k = min(i + u, nsplit - 1)
+                    v = load_cg(ws, h, k, t)
+                    num += (sp[k] * v) if i + u < nsplit else float32(0.0)
+                i += MERGE
             out[0, qb + t] = num / den
 
     _kernels[key] = kernel
@@ -202,7 +215,9 @@ class DecodeAttention:
         self.v_cache = torch.zeros_like(self.k_cache)
         self.cos, self.sin = cos.float().contiguous().to(device), sin.float().contiguous().to(device)
         self.pos = pos
-        self.splits = -(-max_len // head_dim)
+        self.splits = -(-max_len // (head_dim // 4))
+        if self.splits > head_dim:
+            raise ValueError(f"max_len={max_len} needs {self.splits} context splits; the merge takes at most head_dim={head_dim}")
         self.ws = torch.empty(n_heads, self.splits, head_dim + 2, dtype=torch.float32, device=device)
         self.counters = torch.zeros(n_heads, dtype=torch.int32, device=device)
 
