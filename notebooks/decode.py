@@ -24,7 +24,11 @@
 # layer), plus a fourth, **compiled**: the step's forward goes through `torch.compile` first, with
 # Trapetum's kernel registered as one opaque custom op, so the norms, rotary embedding and
 # activations between the GEMVs are fused into fewer kernels; then it is graphed the same way.
-# fp16 runs the same paths in the same run, and each path is compared with fp16 on that path.
+# A fifth, **fused-step**, leaves transformers' layer code: `trapetum.step.FusedStep` runs each
+# layer as five launches (the norms, SiLU x up and residual adds carried by the codebook GEMVs,
+# rotary, the cache write and attention in one kernel of ours), graphed.
+# fp16 runs the same paths in the same run, and each path is compared with fp16 on that path and
+# with fp16's fastest path.
 #
 # Rows marked **fused q/k/v, gate/up** stack each layer's query, key and value projections into
 # one layer, and its gate and up projections into another (`trapetum.fuse`, as gpt-fast and vLLM
