@@ -11,14 +11,16 @@ then k, then v); caches ``kc``/``vc`` (Hkv, T, D) fp16; ``cos``/``sin`` (T, D) f
 own rotary tables (transformers' ``rotary_emb``, so every scaling variant is the model's);
 ``pos`` (1,) int64 on the device, the new token's position, so a CUDA graph replays every token.
 
-Grid (H, splits): block (h, s) takes context positions [s C, s C + C) of query head h, C = D
-threads a block, one position a thread for the scores and one dimension a thread for P V. Blocks
-past the context return at once. The new token's k and v are used from registers by the block
-that covers it (and written to the cache by the first query head of its group), so no block
-reads a cache row another block of the launch writes. Each block leaves (o, max, sum) in a
-workspace; the last of a head's blocks merges them (a counter it resets, as the GEMVs' K-split
-finish does). Reductions go through shared memory: no warp shuffles, so the CUDA simulator runs
-it, and D = 16 works for tests.
+Grid (H, splits): block (h, s) of D threads takes context positions [s C, s C + C) of query
+head h, C = D / 4: four threads a position for the scores (a quarter row each, every load issued
+before the first is used), and for P V four groups of D / 4 threads, a thread four dims of every
+fourth position. Blocks past the context return at once. The new token's k and v are used from
+shared memory by the block that covers it (and written to the cache by the first query head of
+its group), so no block reads a cache row another block of the launch writes. Each block leaves
+(o, max, sum) in a workspace; the last of a head's blocks merges them (a counter it resets, as
+the GEMVs' K-split finish does), so a head takes at most D splits: a context of D^2 / 4 tokens.
+Reductions go through shared memory: no warp shuffles, so the CUDA simulator runs it, and D = 16
+works for tests. Its time is a chain of dependent memory round trips, not bytes (NOTES, session 19).
 """
 from __future__ import annotations
 
