@@ -14,15 +14,15 @@ def tables(T, D, base=10000.0):
     inv = 1.0 / base ** (torch.arange(0, D, 2).float() / D)
     f = torch.outer(torch.arange(T).float(), inv)
     emb = torch.cat([f, f], dim=-1)
-    return emb.cos(), emb.sin()
+    return emb.cos(), emb.sin(), inv
 
 
 @pytest.mark.parametrize("H,Hkv,p", [(2, 2, 0), (2, 2, 5), (4, 2, 16), (4, 1, 37)])
 def test_attention_matches_reference_and_writes_the_cache(H, Hkv, p):
     D, T, L = 16, 48, 2
-    cos, sin = tables(T, D)
+    cos, sin, inv = tables(T, D)
     pos = torch.tensor([p])
-    att = DecodeAttention(L, H, Hkv, D, T, cos, sin, pos, "cpu")
+    att = DecodeAttention(L, H, Hkv, D, T, inv, pos, "cpu")
     g = torch.Generator().manual_seed(p)
     att.k_cache.copy_(torch.randn(att.k_cache.shape, generator=g).half())
     att.v_cache.copy_(torch.randn(att.v_cache.shape, generator=g).half())
@@ -47,9 +47,9 @@ def test_attention_matches_reference_and_writes_the_cache(H, Hkv, p):
 
 def test_attention_reads_the_position_at_launch():
     D, T, H = 16, 40, 2
-    cos, sin = tables(T, D)
+    cos, sin, inv = tables(T, D)
     pos = torch.tensor([3])
-    att = DecodeAttention(1, H, H, D, T, cos, sin, pos, "cpu")
+    att = DecodeAttention(1, H, H, D, T, inv, pos, "cpu")
     qkv = torch.randn(1, 3 * H * D).half()
     out = torch.empty(1, H * D, dtype=torch.float16)
     launch = att.bind(0, qkv, out)
@@ -62,14 +62,16 @@ def test_attention_reads_the_position_at_launch():
 
 
 def test_bad_shapes_are_refused():
-    cos, sin = tables(8, 16)
+    cos, sin, inv = tables(8, 16)
     pos = torch.tensor([0])
     with pytest.raises(ValueError, match="multiple"):
-        DecodeAttention(1, 3, 2, 16, 8, cos, sin, pos, "cpu")
-    with pytest.raises(ValueError, match="tables"):
-        DecodeAttention(1, 2, 2, 16, 9, cos, sin, pos, "cpu")
+        DecodeAttention(1, 3, 2, 16, 8, inv, pos, "cpu")
+    with pytest.raises(ValueError, match="inv_freq"):
+        DecodeAttention(1, 2, 2, 16, 9, inv[:3], pos, "cpu")
+    with pytest.raises(ValueError, match="context splits"):
+        DecodeAttention(1, 2, 2, 16, 65, inv, pos, "cpu")
     with pytest.raises(ValueError, match="power of two"):
         attention.attention_kernel(24, 1)
-    att = DecodeAttention(1, 2, 2, 16, 8, cos, sin, pos, "cpu")
+    att = DecodeAttention(1, 2, 2, 16, 8, inv, pos, "cpu")
     with pytest.raises(ValueError, match="qkv"):
         att.bind(0, torch.zeros(1, 10, dtype=torch.float16), torch.zeros(1, 32, dtype=torch.float16))

@@ -7,8 +7,9 @@ SDPA (4.9 us) plus inductor kernels for rotary, the cache writes and SDPA's inpu
 projections"). One launch does all of it.
 
 Layout (one layer): ``qkv`` (1, (H + 2 Hkv) D) fp16, the fused projection's output (q heads,
-then k, then v); caches ``kc``/``vc`` (Hkv, T, D) fp16; ``cos``/``sin`` (T, D) fp32, the model's
-own rotary tables (transformers' ``rotary_emb``, so every scaling variant is the model's);
+then k, then v); caches ``kc``/``vc`` (Hkv, T, D) fp16; ``inv_freq`` (D/2,) and the attention
+scaling of the model's own rotary module (transformers' ``rotary_emb``: its rope type's frequencies),
+the angles taken in fp32 as transformers does;
 ``pos`` (1,) int64 on the device, the new token's position, so a CUDA graph replays every token.
 
 Grid (H, splits): block (h, s) of D threads takes context positions [s C, s C + C) of query
@@ -48,12 +49,11 @@ def attention_kernel(D: int, group: int):
     C = D // 4  # positions a block: four threads a position
 
     @cuda.jit(device=True)
-    def rope(v, t, base, qkv, cos, sin, p):
-        # rotate_half: dims t < D/2 pair with t + D/2 (negated), as transformers' Llama does.
-        other = float32(qkv[0, base + (t + half if t < half else t - half)])
-        if t < half:
-            other = -other
-        return v * cos[p, t] + other * sin[p, t]
+    def rope(v, other, t, f, rscale, p):
+        # transformers' Llama rotary at position p: angle p * inv_freq[t mod D/2] in fp32, dims t < D/2
+        # pair with t + D/2 negated (rotate_half); rscale is the rope type's attention scaling.
+        ang = float32(p) * f
+        return (v * math.cos(ang) + (-other if t < half else other) * math.sin(ang)) * rscale
 
     @cuda.jit(device=True)
     def dot2(qs, d, w):
@@ -77,12 +77,22 @@ def attention_kernel(D: int, group: int):
         return r
 
     @cuda.jit
-    def kernel(qkv, kc32, vc32, cos, sin, pos, out, ws, counters, scale):
-        # kc32 / vc32: int32 views of the (Hkv, T, D) fp16 caches.
+    def kernel(qkv, kc32, vc32, inv_freq, rscale, pos, out, ws, counters, scale):
+        # kc32 / vc32: int32 views of the (Hkv, T, D) fp16 caches. Every load that does not need the
+        # position is issued with it, and K and V rows together: the kernel is a chain of memory round
+        # trips (position + q/k/v, K + V, partials + counter, merge), not of bytes.
         h = cuda.blockIdx.x
         s = cuda.blockIdx.y
         t = cuda.threadIdx.x
         H = cuda.gridDim.x
+        kvh = h // group
+        Hkv = H // group
+        qb, kb, vb = h * D, (H + kvh) * D, (H + Hkv + kvh) * D
+        tp = t + half if t < half else t - half
+        q0, q1 = float32(qkv[0, qb + t]), float32(qkv[0, qb + tp])
+        k0, k1 = float32(qkv[0, kb + t]), float32(qkv[0, kb + tp])
+        v0 = float32(qkv[0, vb + t])
+        f = inv_freq[t - half if t >= half else t]
         p = int32(pos[0])
         nsplit = (p + C) // C  # context p + 1 positions, C a block
         if s >= nsplit:
@@ -95,35 +105,44 @@ def attention_kernel(D: int, group: int):
         red = cuda.shared.array(D, float32)
         po = cuda.shared.array((4, D), float32)  # P V partials of the four position groups
         last = cuda.shared.array(1, int32)
-        kvh = h // group
-        Hkv = H // group
-        qb, kb, vb = h * D, (H + kvh) * D, (H + Hkv + kvh) * D
-        qs[t] = rope(float32(qkv[0, qb + t]), t, qb, qkv, cos, sin, p) * float32(scale)
-        last_split = s == nsplit - 1
-        if last_split:
-            kn[t] = rope(float32(qkv[0, kb + t]), t, kb, qkv, cos, sin, p)
-            vn[t] = float32(qkv[0, vb + t])
-        cuda.syncthreads()
-        if last_split and h % group == 0 and t < half:
-            kc32[kvh, p, t] = float2_to_half2(kn[2 * t], kn[2 * t + 1])
-            vc32[kvh, p, t] = float2_to_half2(vn[2 * t], vn[2 * t + 1])
 
-        # Scores: position j0 + t // 4, a quarter of its dims a thread; every load of the quarter row
-        # issued before the first is used (a constant loop: unrolled into registers).
+        # Scores: position j0 + t // 4, a quarter of its row a thread. P V: four groups of D / 4
+        # threads, group g every fourth position, a thread four dims (two fp16 pairs: a group reads a
+        # row coalesced). Both sets of rows load now, from rows clamped into the cache (a row past the
+        # context is masked, never used); the new token's row is written below and read from shared.
         T = kc32.shape[1]
         j0 = s * C
         jq = t // 4
         d0 = (t - jq * 4) * quarter
         j = j0 + jq
+        krow = kc32[kvh, min(j, T - 1)]
+        kw = cuda.local.array(eighth, int32)
+        for w in range(eighth):
+            kw[w] = krow[d0 // 2 + w]
+        g = t // quarter
+        c = t - g * quarter
+        vw = cuda.local.array((C // 4) * 2, int32)
+        for u in range(C // 4):
+            jj = min(j0 + g + 4 * u, T - 1)
+            vw[2 * u] = vc32[kvh, jj, 2 * c]
+            vw[2 * u + 1] = vc32[kvh, jj, 2 * c + 1]
+
+        rs = float32(rscale)
+        qs[t] = rope(q0, q1, t, f, rs, p) * float32(scale)
+        last_split = s == nsplit - 1
+        if last_split:
+            kn[t] = rope(k0, k1, t, f, rs, p)
+            vn[t] = v0
+        cuda.syncthreads()
+        if last_split and h % group == 0 and t < half:
+            kc32[kvh, p, t] = float2_to_half2(kn[2 * t], kn[2 * t + 1])
+            vc32[kvh, p, t] = float2_to_half2(vn[2 * t], vn[2 * t + 1])
+
         acc = float32(0.0)
         if j == p:
             for d in range(quarter):
                 acc += qs[d0 + d] * kn[d0 + d]
         else:
-            row = kc32[kvh, min(j, T - 1)]
-            kw = cuda.local.array(eighth, int32)
-            for w in range(eighth):
-                kw[w] = row[d0 // 2 + w]
             for w in range(eighth):
                 acc += dot2(qs, d0 + 2 * w, kw[w])
         sp[t] = acc
@@ -137,17 +156,12 @@ def attention_kernel(D: int, group: int):
             pr[t] = e
         l_sum = block_reduce(red, t, e, False, C)  # also the barrier that publishes pr
 
-        # P V: four groups of D / 4 threads, group g every fourth position, a thread four dims (two
-        # fp16 pairs: a group reads a row coalesced); C / 4 positions a group, all loads in flight.
-        g = t // quarter
-        c = t - g * quarter
         n = min(C, p + 1 - j0)
         o0 = o1 = o2 = o3 = float32(0.0)
         for u in range(C // 4):
             ii = g + 4 * u
-            jj = min(j0 + ii, T - 1)
-            a0, a1 = half2_to_float2(vc32[kvh, jj, 2 * c])
-            a2, a3 = half2_to_float2(vc32[kvh, jj, 2 * c + 1])
+            a0, a1 = half2_to_float2(vw[2 * u])
+            a2, a3 = half2_to_float2(vw[2 * u + 1])
             if j0 + ii == p:
                 a0, a1, a2, a3 = vn[4 * c], vn[4 * c + 1], vn[4 * c + 2], vn[4 * c + 3]
             valid = ii < n  # selects, not a branch: a stale row past the context must not reach o
@@ -167,23 +181,30 @@ def attention_kernel(D: int, group: int):
             ws[h, s, D] = m
             ws[h, s, D + 1] = l_sum
         if last_to_finish(counters, h, nsplit, last, t):
-            # Merge: each split's (max, sum) loaded by one thread, all at once; then every thread's
-            # dim over the splits, MERGE loads in flight at a time.
-            mi = load_cg(ws, h, t, D) if t < nsplit else float32(-math.inf)
-            li = load_cg(ws, h, t, D + 1) if t < nsplit else float32(0.0)
+            # Merge: each split's (max, sum) by one thread and this thread's dim of the first MERGE
+            # splits, all loaded at once; later splits MERGE at a time.
+            mi = load_cg(ws, h, min(t, nsplit - 1), D)
+            li = load_cg(ws, h, min(t, nsplit - 1), D + 1)
+            ov = cuda.local.array(MERGE, float32)
+            for u in range(MERGE):
+                ov[u] = load_cg(ws, h, min(u, nsplit - 1), t)
+            mi = mi if t < nsplit else float32(-math.inf)
             mx = block_reduce(red, t, mi, True, D)
-            f = math.exp(mi - mx) if t < nsplit else float32(0.0)
-            den = block_reduce(red, t, f * li, False, D)
+            fi = math.exp(mi - mx) if t < nsplit else float32(0.0)
+            den = block_reduce(red, t, fi * (li if t < nsplit else float32(0.0)), False, D)
             if t < nsplit:
-                sp[t] = f
+                sp[t] = fi
             cuda.syncthreads()
             num = float32(0.0)
-            i = 0
+            for u in range(MERGE):
+                num += (sp[u] * ov[u]) if u < nsplit else float32(0.0)
+            i = MERGE
             while i < nsplit:
                 for u in range(MERGE):
                     k = min(i + u, nsplit - 1)
-                    v = load_cg(ws, h, k, t)
-                    num += (sp[k] * v) if i + u < nsplit else float32(0.0)
+                    ov[u] = load_cg(ws, h, k, t)
+                for u in range(MERGE):
+                    num += (sp[min(i + u, D - 1)] * ov[u]) if i + u < nsplit else float32(0.0)
                 i += MERGE
             out[0, qb + t] = num / den
 
@@ -200,11 +221,11 @@ class DecodeAttention:
     """
 
     def __init__(self, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, max_len: int,
-                 cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, device, scale: float | None = None):
+                 inv_freq: torch.Tensor, pos: torch.Tensor, device, scale: float | None = None, rope_scaling: float = 1.0):
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads={n_heads} is not a multiple of n_kv_heads={n_kv_heads}")
-        if cos.shape != (max_len, head_dim) or sin.shape != (max_len, head_dim):
-            raise ValueError(f"cos and sin must be ({max_len}, {head_dim}) tables, got {tuple(cos.shape)}, {tuple(sin.shape)}")
+        if inv_freq.shape != (head_dim // 2,):
+            raise ValueError(f"inv_freq must have head_dim / 2 = {head_dim // 2} entries, got {tuple(inv_freq.shape)}")
         if pos.dtype != torch.int64 or pos.numel() != 1:
             raise ValueError("pos must be a one-element int64 tensor")
         device = torch.device(device)
@@ -215,7 +236,8 @@ class DecodeAttention:
         self.scale = float(head_dim ** -0.5 if scale is None else scale)
         self.k_cache = torch.zeros(n_layers, n_kv_heads, max_len, head_dim, dtype=torch.float16, device=device)
         self.v_cache = torch.zeros_like(self.k_cache)
-        self.cos, self.sin = cos.float().contiguous().to(device), sin.float().contiguous().to(device)
+        self.inv_freq = inv_freq.float().contiguous().to(device)
+        self.rope_scaling = float(rope_scaling)
         self.pos = pos
         self.splits = -(-max_len // (head_dim // 4))
         if self.splits > head_dim:
@@ -230,12 +252,13 @@ class DecodeAttention:
         if out.shape != (1, self.H * self.D) or out.dtype != torch.float16 or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous float16 (1, {self.H * self.D}) tensor")
         kc, vc = self.k_cache[layer].view(torch.int32), self.v_cache[layer].view(torch.int32)
-        args = [_as_kernel_array(t) for t in (qkv, kc, vc, self.cos, self.sin, self.pos.view(1), out, self.ws, self.counters)]
+        arrays = [_as_kernel_array(t) for t in (qkv, kc, vc, self.inv_freq)]
+        arrays += [self.rope_scaling] + [_as_kernel_array(t) for t in (self.pos.view(1), out, self.ws, self.counters)]
         grid, dev = (self.H, self.splits), self.k_cache.device
 
         def launch():
             stream = 0 if SIM else cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
-            self.kernel[grid, self.D, stream](*args, self.scale)
+            self.kernel[grid, self.D, stream](*arrays, self.scale)
 
         return launch
 

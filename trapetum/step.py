@@ -90,11 +90,10 @@ class FusedStep:
         self.gu = torch.zeros(1, 2 * cfg.intermediate_size, **f16)
         self.out = torch.zeros(1, model.lm_head.out_features, **f16)
         self.logits = torch.zeros(n, self.out.shape[1], **f16) if keep_logits else None
-        with torch.no_grad():
-            ids = torch.arange(max_len, device=dev)[None]
-            cos, sin = inner.rotary_emb(self.h[None], ids)  # the model's own tables (any rope scaling)
+        rot = inner.rotary_emb  # the model's own frequencies and scaling (any rope type transformers applies statically)
         scale = getattr(inner.layers[0].self_attn, "scaling", D ** -0.5)
-        self.attention = DecodeAttention(len(inner.layers), H, Hkv, D, max_len, cos[0], sin[0], self.pos, dev, scale)
+        self.attention = DecodeAttention(len(inner.layers), H, Hkv, D, max_len, rot.inv_freq, self.pos, dev, scale,
+                                         rope_scaling=getattr(rot, "attention_scaling", 1.0))
         self.fused_launches, self.unfused_projections = 0, []
         self.ops = [self._embed(inner.embed_tokens)]
         for li, layer in enumerate(inner.layers):
@@ -239,7 +238,7 @@ def kernel_checks(shapes=((4096, 4096), (4096, 12288), (11008, 4096)), attention
         inv = 1.0 / 10000.0 ** (torch.arange(0, D, 2).float() / D)
         emb = torch.outer(torch.arange(T).float(), inv).repeat(1, 2)
         pos = torch.zeros(1, dtype=torch.long, device=dev)
-        att = attn.DecodeAttention(1, H, Hkv, D, T, emb.cos(), emb.sin(), pos, dev)
+        att = attn.DecodeAttention(1, H, Hkv, D, T, inv, pos, dev)
         for p in positions:
             att.k_cache.copy_(torch.randn(att.k_cache.shape, generator=g).half())
             att.v_cache.copy_(torch.randn(att.v_cache.shape, generator=g).half())
