@@ -47,6 +47,7 @@ def attention_kernel(D: int, group: int):
     quarter = D // 4  # dims a thread takes of a score's row, and threads a row in P V
     eighth = D // 8  # fp16 pairs of a quarter row
     C = D // 4  # positions a block: four threads a position
+    VW = (C // 4) * 2  # V words a thread loads: two a position of its group (a literal size for numba)
 
     @cuda.jit(device=True)
     def rope(v, other, t, f, rscale, p):
@@ -121,7 +122,7 @@ def attention_kernel(D: int, group: int):
             kw[w] = krow[d0 // 2 + w]
         g = t // quarter
         c = t - g * quarter
-        vw = cuda.local.array((C // 4) * 2, int32)
+        vw = cuda.local.array(VW, int32)
         for u in range(C // 4):
             jj = min(j0 + g + 4 * u, T - 1)
             vw[2 * u] = vc32[kvh, jj, 2 * c]

@@ -548,6 +548,8 @@ def row_blocks_per_block(K: int, B: int) -> int:
     return 4 if B <= 2 else (2 if B <= 8 else 1)
 
 
+SUMSQ_LOADS = 2  # 16-byte loads of x a thread of a pre="rms" kernel keeps in flight for the sum of squares
+SUMSQ_WORDS = 4 * SUMSQ_LOADS
 PRE_OPS = ("", "rms", "silu")  # what lut_kernel applies to x as it stages it (see there)
 POST_OPS = ("", "add")  # what it applies to y as it writes it
 
@@ -632,17 +634,17 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
         part = cuda.local.array(B, float32)
         for bb in range(B):
             part[bb] = 0.0
-        # Four 16-byte loads a thread issued before any is used: one memory latency, not one a load
-        # (at 4096 inputs and 8 warps the loop-carried version cost ~2 us a launch).
+        # SUMSQ_LOADS 16-byte loads a thread issued before any is used: one memory latency, not one a
+        # load (at 4096 inputs and 8 warps the loop-carried version cost ~2 us a launch).
         nq = x32.shape[1] // 4
         tot = B * nq
-        wv = cuda.local.array(16, int32)
-        for base in range(tid, tot, 4 * nt):
-            for u in range(4):
+        wv = cuda.local.array(SUMSQ_WORDS, int32)
+        for base in range(tid, tot, SUMSQ_LOADS * nt):
+            for u in range(SUMSQ_LOADS):
                 idx = min(base + u * nt, tot - 1)
                 bb = idx // nq
                 wv[4 * u], wv[4 * u + 1], wv[4 * u + 2], wv[4 * u + 3] = load16(x32[bb], (idx - bb * nq) * 4)
-            for u in range(4):
+            for u in range(SUMSQ_LOADS):
                 idx = base + u * nt
                 if idx < tot:
                     bb = idx // nq
@@ -655,12 +657,9 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
                 wsq[warp, bb] = v
 
     @cuda.jit(device=True, **INLINE)
-    def write_out(s, y, bb, row, res, wsq, inv_n, eps):
+    def write_out(s, y, bb, row, res, irms):
         if RMS:
-            t = float32(0.0)
-            for w in range(warps):
-                t += wsq[w, bb]
-            s *= float32(1.0) / math.sqrt(t * inv_n + eps)
+            s *= irms[bb]
         if ADD:
             s += float32(res[bb, row])
         y[bb, row] = s
@@ -686,6 +685,7 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
         red = cuda.shared.array((warps, nacc, 32), float32)
         last = cuda.shared.array(1, int32)
         wsq = cuda.shared.array((warps, B), float32)  # pre="rms": each warp's share of the sums of squares
+        irms = cuda.shared.array(B, float32)  # pre="rms": 1 / rms of each row of x
         xs = cuda.shared.array(0, float32)  # dynamic: B x (cps * cpb)
         tid = cuda.threadIdx.x
         warp = tid // 32
@@ -730,8 +730,13 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
             q = t - bb * xq
             stage8(xs, bb * ncols + q * 8, x32, g32, bb, xbase + q * 4, up)
         cuda.syncthreads()
-        inv_n = float32(1.0) / float32(x32.shape[1] * 2)
-        eps32 = float32(eps)
+        if RMS and tid < B:
+            # Once a block, into shared memory (read after the finish's barrier): computed at each
+            # write it held ~25 more registers through the main loop (ptxas: 89 against 64).
+            t = float32(0.0)
+            for w in range(warps):
+                t += wsq[w, tid]
+            irms[tid] = float32(1.0) / math.sqrt(t / float32(x32.shape[1] * 2) + float32(eps))
 
         acc = cuda.local.array(nacc, float32)
         for i in range(nacc):
@@ -760,7 +765,7 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
                         s += red[w, r * B + bb, cuda.laneid]
                     if nsplit == 1:
                         if row < n_out:
-                            write_out(s, y, bb, row, res, wsq, inv_n, eps32)
+                            write_out(s, y, bb, row, res, irms)
                     elif rb0 + r < rbs:
                         ws[split, bb, row] = s
         if nsplit > 1 and last_to_finish(counters, blk, nsplit, last, tid) and warp == 0:
@@ -768,7 +773,7 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
                 row = (rb0 + r) * 32 + cuda.laneid
                 for bb in range(B):
                     if row < n_out:  # so rb0 + r < rbs
-                        write_out(sum_splits(ws, nsplit, bb, row), y, bb, row, res, wsq, inv_n, eps32)
+                        write_out(sum_splits(ws, nsplit, bb, row), y, bb, row, res, irms)
 
     _kernel_cache[key] = kernel
     return kernel
