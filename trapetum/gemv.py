@@ -604,7 +604,9 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
     @cuda.jit(device=True, **INLINE)
     def put2(xs, o, w, u):
         # Two staged values of x from their fp16 word w, through the pre-op (u: its operand's word).
+        # Returns the raw pair's sum of squares (pre="rms": a block that stages the whole row sums them).
         a, b = half2_to_float2(w)
+        sq = a * a + b * b
         if RMS:
             c, d = half2_to_float2(u)
             a, b = a * c, b * d
@@ -613,6 +615,7 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
             a = a / (float32(1.0) + math.exp(-a)) * c
             b = b / (float32(1.0) + math.exp(-b)) * d
         xs[o], xs[o + 1] = a, b
+        return sq
 
     @cuda.jit(device=True, **INLINE)
     def stage8(xs, o, x32, g32, bb, wo, up):
@@ -623,10 +626,7 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
             u0, u1, u2, u3 = load16(g32, wo)
         else:
             u0, u1, u2, u3 = w0, w1, w2, w3
-        put2(xs, o, w0, u0)
-        put2(xs, o + 2, w1, u1)
-        put2(xs, o + 4, w2, u2)
-        put2(xs, o + 6, w3, u3)
+        return put2(xs, o, w0, u0) + put2(xs, o + 2, w1, u1) + put2(xs, o + 4, w2, u2) + put2(xs, o + 6, w3, u3)
 
     @cuda.jit(device=True, **INLINE)
     def row_sumsq(x32, wsq, tid, warp):
@@ -714,7 +714,7 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
                 buf[4 * i], buf[4 * i + 1], buf[4 * i + 2], buf[4 * i + 3] = load16(cbt32[rb0 + r], (q - r * quads_per_rb) * 4)
             else:
                 buf[4 * i], buf[4 * i + 1], buf[4 * i + 2], buf[4 * i + 3] = zero, zero, zero, zero
-        if RMS:  # its loads wait behind the codebooks' (already issued), not in front of them
+        if RMS and nsplit > 1:  # a K-slice: the row's other inputs load for the norm alone (behind the codebooks')
             row_sumsq(x32, wsq, tid, warp)
         for i in range(quads_per_thread):
             q = tid + i * nt
@@ -725,10 +725,18 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
         xq = ncols // 8
         xbase = j0 * (cpb // 2)
         up = x32.shape[1] // 2
+        part = cuda.local.array(B, float32)
+        for bb in range(B):
+            part[bb] = 0.0
         for t in range(tid, B * xq, nt):
             bb = t // xq
             q = t - bb * xq
-            stage8(xs, bb * ncols + q * 8, x32, g32, bb, xbase + q * 4, up)
+            part[bb] += stage8(xs, bb * ncols + q * 8, x32, g32, bb, xbase + q * 4, up)
+        if RMS and nsplit == 1:  # the block staged the whole row: its squares are summed already
+            for bb in range(B):
+                v = warp_sum_f32(part[bb])
+                if cuda.laneid == 0:
+                    wsq[warp, bb] = v
         cuda.syncthreads()
         if RMS and tid < B:
             # Once a block, into shared memory (read after the finish's barrier): computed at each
