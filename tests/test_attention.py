@@ -5,22 +5,19 @@ import pytest
 import torch
 
 from trapetum import attention, gemv
-from trapetum.attention import DecodeAttention, reference
+from trapetum.attention import DecodeAttention, reference, rotate
 
 pytestmark = pytest.mark.skipif(not gemv.SIM, reason="written for the CUDA simulator")
 
 
-def tables(T, D, base=10000.0):
-    inv = 1.0 / base ** (torch.arange(0, D, 2).float() / D)
-    f = torch.outer(torch.arange(T).float(), inv)
-    emb = torch.cat([f, f], dim=-1)
-    return emb.cos(), emb.sin(), inv
+def inv_freq(D, base=10000.0):
+    return 1.0 / base ** (torch.arange(0, D, 2).float() / D)
 
 
 @pytest.mark.parametrize("H,Hkv,p", [(2, 2, 0), (2, 2, 5), (4, 2, 16), (4, 1, 37)])
 def test_attention_matches_reference_and_writes_the_cache(H, Hkv, p):
     D, T, L = 16, 48, 2
-    cos, sin, inv = tables(T, D)
+    inv = inv_freq(D)
     pos = torch.tensor([p])
     att = DecodeAttention(L, H, Hkv, D, T, inv, pos, "cpu")
     g = torch.Generator().manual_seed(p)
@@ -30,13 +27,12 @@ def test_attention_matches_reference_and_writes_the_cache(H, Hkv, p):
     qkv = torch.randn(1, (H + 2 * Hkv) * D, generator=g).half()
     out = torch.full((1, H * D), float("nan"), dtype=torch.float16)
     att.bind(1, qkv, out)()
-    want = reference(qkv, before_k[1], before_v[1], cos, sin, p, H, Hkv)
+    want = reference(qkv, before_k[1], before_v[1], inv, p, H, Hkv)
     err = float((out.double().view(-1) - want).abs().max() / want.abs().max())
     assert torch.isfinite(out).all() and err < 2e-3, err
     # the new token's rotated k and its v land at position p of layer 1, nothing else changes
     kv = qkv.view(-1)[H * D:].view(2, Hkv, D).double()
-    rot = torch.cat([-kv[0, :, D // 2:], kv[0, :, :D // 2]], dim=-1)
-    k_new = kv[0] * cos[p].double() + rot * sin[p].double()
+    k_new = rotate(kv[0], inv, p)
     assert torch.allclose(att.k_cache[1, :, p].double(), k_new, atol=2e-3)
     assert torch.equal(att.v_cache[1, :, p], kv[1].half())
     mask = torch.ones(T, dtype=torch.bool)
@@ -47,7 +43,7 @@ def test_attention_matches_reference_and_writes_the_cache(H, Hkv, p):
 
 def test_attention_reads_the_position_at_launch():
     D, T, H = 16, 40, 2
-    cos, sin, inv = tables(T, D)
+    inv = inv_freq(D)
     pos = torch.tensor([3])
     att = DecodeAttention(1, H, H, D, T, inv, pos, "cpu")
     qkv = torch.randn(1, 3 * H * D).half()
@@ -57,12 +53,12 @@ def test_attention_reads_the_position_at_launch():
     pos.fill_(20)
     k_before, v_before = att.k_cache[0].clone(), att.v_cache[0].clone()
     launch()
-    want = reference(qkv, k_before, v_before, cos, sin, 20, H, H)
+    want = reference(qkv, k_before, v_before, inv, 20, H, H)
     assert float((out.double().view(-1) - want).abs().max() / want.abs().max()) < 2e-3
 
 
 def test_bad_shapes_are_refused():
-    cos, sin, inv = tables(8, 16)
+    inv = inv_freq(16)
     pos = torch.tensor([0])
     with pytest.raises(ValueError, match="multiple"):
         DecodeAttention(1, 3, 2, 16, 8, inv, pos, "cpu")

@@ -264,23 +264,28 @@ class DecodeAttention:
         return launch
 
 
-def reference(qkv: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p: int,
-              n_heads: int, n_kv_heads: int, scale: float | None = None) -> torch.Tensor:
+def rotate(t: torch.Tensor, inv_freq: torch.Tensor, p: int, scaling: float = 1.0) -> torch.Tensor:
+    """float64 rotary of ``t`` (..., D) at position ``p``: transformers' Llama math (angles p x inv_freq
+    taken in fp32, rotate_half pairing), as the kernel does it."""
+    D = t.shape[-1]
+    ang = float(p) * inv_freq.float().cpu()
+    cos, sin = (torch.cat([f(ang), f(ang)]).double() * scaling for f in (torch.cos, torch.sin))
+    rot = torch.cat([-t[..., D // 2:], t[..., :D // 2]], dim=-1)
+    return t * cos + rot * sin
+
+
+def reference(qkv: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor, inv_freq: torch.Tensor, p: int,
+              n_heads: int, n_kv_heads: int, scale: float | None = None, scaling: float = 1.0) -> torch.Tensor:
     """float64 attention of the token at position ``p`` over the ``p`` cached positions and itself
     (transformers' Llama math): returns (H * D,)."""
     D = k_past.shape[-1]
-    x = qkv.double().view(-1)
+    x = qkv.double().cpu().view(-1)
     q = x[:n_heads * D].view(n_heads, D)
     k = x[n_heads * D:(n_heads + n_kv_heads) * D].view(n_kv_heads, D)
     v = x[(n_heads + n_kv_heads) * D:].view(n_kv_heads, D)
-
-    def rope(t):
-        rot = torch.cat([-t[..., D // 2:], t[..., :D // 2]], dim=-1)
-        return t * cos[p].double() + rot * sin[p].double()
-
-    K = torch.cat([k_past[:, :p].double(), rope(k)[:, None]], dim=1)  # (Hkv, p+1, D)
-    V = torch.cat([v_past[:, :p].double(), v[:, None]], dim=1)
+    K = torch.cat([k_past[:, :p].double().cpu(), rotate(k, inv_freq, p, scaling)[:, None]], dim=1)  # (Hkv, p+1, D)
+    V = torch.cat([v_past[:, :p].double().cpu(), v[:, None]], dim=1)
     g = n_heads // n_kv_heads
     K, V = K.repeat_interleave(g, 0), V.repeat_interleave(g, 0)
-    att = torch.softmax((rope(q)[:, None] * K).sum(-1) * (D ** -0.5 if scale is None else scale), dim=-1)
+    att = torch.softmax((rotate(q, inv_freq, p, scaling)[:, None] * K).sum(-1) * (D ** -0.5 if scale is None else scale), dim=-1)
     return (att[..., None] * V).sum(1).reshape(-1)

@@ -554,6 +554,11 @@ PRE_OPS = ("", "rms", "silu")  # what lut_kernel applies to x as it stages it (s
 POST_OPS = ("", "add")  # what it applies to y as it writes it
 
 
+def check_ops(pre: str, post: str) -> None:
+    if pre not in PRE_OPS or post not in POST_OPS:
+        raise ValueError(f"pre must be one of {PRE_OPS} and post one of {POST_OPS}, got {pre!r}, {post!r}")
+
+
 def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = None, stages: int = 2,
                pre: str = "", post: str = ""):
     """The tiled LUT-GEMV kernel for codebook size K and batch B (compiled on first use).
@@ -580,8 +585,7 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
     RB = RB or row_blocks_per_block(K, B)
     if stages < 2:
         raise ValueError(f"stages must be at least 2 (one chunk used, one in flight), got {stages}")
-    if pre not in PRE_OPS or post not in POST_OPS:
-        raise ValueError(f"pre must be one of {PRE_OPS} and post one of {POST_OPS}, got {pre!r}, {post!r}")
+    check_ops(pre, post)
     key = ("lut", K, B, warps, wide, RB, stages, pre, post)
     if key in _kernel_cache:
         return _kernel_cache[key]
@@ -651,6 +655,11 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
                     for k in range(4):
                         a, b = half2_to_float2(wv[4 * u + k])
                         part[bb] += a * a + b * b
+        warp_sums(part, wsq, warp)
+
+    @cuda.jit(device=True, **INLINE)
+    def warp_sums(part, wsq, warp):
+        # Every row's sum over this warp's lanes of ``part``, to wsq[warp, b] (all lanes call it).
         for bb in range(B):
             v = warp_sum_f32(part[bb])
             if cuda.laneid == 0:
@@ -733,10 +742,7 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
             q = t - bb * xq
             part[bb] += stage8(xs, bb * ncols + q * 8, x32, g32, bb, xbase + q * 4, up)
         if RMS and nsplit == 1:  # the block staged the whole row: its squares are summed already
-            for bb in range(B):
-                v = warp_sum_f32(part[bb])
-                if cuda.laneid == 0:
-                    wsq[warp, bb] = v
+            warp_sums(part, wsq, warp)
         cuda.syncthreads()
         if RMS and tid < B:
             # Once a block, into shared memory (read after the finish's barrier): computed at each
@@ -1933,8 +1939,7 @@ class LutGemv:
         return launch
 
     def _check_fused(self, x, out, pre, post, norm_weight, res) -> torch.Tensor:
-        if pre not in PRE_OPS or post not in POST_OPS:
-            raise ValueError(f"pre must be one of {PRE_OPS} and post one of {POST_OPS}, got {pre!r}, {post!r}")
+        check_ops(pre, post)
         n_x = 2 * self.n_in if pre == "silu" else self.n_in
         x2 = check_activation(x, n_x, self.device, MAX_FUSED_BATCH)
         if not self.fusable(x2.shape[0]):
@@ -1976,14 +1981,24 @@ class LutGemv:
         return W
 
 
-def reference(x: torch.Tensor, ct: CodebookTensor) -> torch.Tensor:
+def reference(x: torch.Tensor, ct: CodebookTensor, pre: str = "", post: str = "", norm_weight: torch.Tensor | None = None,
+              res: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
     """float64 reference y = x @ W.T, computed where the weight lives (a GPU's float64 is IEEE
     double too, and the correctness sweep's hundreds of references are minutes on the CPU) unless
-    the float64 weight would take more than a quarter of the GPU's free memory; returned on the CPU."""
+    the float64 weight would take more than a quarter of the GPU's free memory; returned on the CPU.
+    ``pre`` / ``post`` (with their operands): the operations :func:`lut_kernel` fuses, in float64."""
+    check_ops(pre, post)
     if ct.codes.is_cuda and not SIM and 8 * ct.out_features * ct.in_features > torch.cuda.mem_get_info(ct.codes.device)[0] // 4:
         ct = ct.to("cpu")
     W = ct.dequantize(torch.float64)
-    return (x.detach().to(W.device).double() @ W.T).cpu()
+    x64 = x.detach().to(W.device).double()
+    if pre == "rms":
+        x64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.to(W.device).double()
+    elif pre == "silu":
+        a, b = x64.chunk(2, dim=-1)
+        x64 = torch.nn.functional.silu(a) * b
+    y = x64 @ W.T
+    return (y + res.to(W.device).double() if post == "add" else y).cpu()
 
 
 def max_rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:

@@ -173,18 +173,16 @@ class FusedStep:
             self.tok.copy_(ids[p].view(1, 1))
             self.pos.fill_(p)
             self.forward()
-        nxt = self.out.argmax(dim=-1)
-        self.tokens[0] = nxt[0]
-        self.tok.copy_(nxt.view(1, 1))
-        self.pos.fill_(ids.numel())
-        self.i.fill_(1)
-        if self.logits is not None:
-            self.logits[0] = self.out[0]
+        self.i.zero_()
+        self._emit(self.out)
         return self.out.clone()
 
     @torch.no_grad()
     def __call__(self) -> None:
-        logits = self.forward()
+        self._emit(self.forward())
+
+    def _emit(self, logits: torch.Tensor) -> None:
+        # The greedy token of ``logits`` becomes tokens[i] and the next input; position and index advance.
         nxt = logits.argmax(dim=-1)
         self.tokens.index_copy_(0, self.i, nxt)
         if self.logits is not None:
@@ -205,14 +203,13 @@ def kernel_checks(shapes=((4096, 4096), (4096, 12288), (11008, 4096)), attention
     poisoned with NaN first. One record each: kind, shape, plan or position, max_rel_err, finite."""
     from . import attention as attn
     from .codebook import random_codebook_tensor
-    from .gemv import LutGemv
+    from .gemv import LutGemv, max_rel_err, reference
 
     dev = torch.device(device)
     g = torch.Generator().manual_seed(seed)
     recs = []
     for n_in, n_out in shapes:
         ct = random_codebook_tensor(n_out, n_in, 16, seed=seed + n_in + n_out).to(dev)
-        W = ct.dequantize(torch.float64)
         for plan in plans:
             lg = LutGemv(ct, device=dev if dev.type == "cuda" else None, plan=plan)
             if not lg.fusable(1):
@@ -224,19 +221,12 @@ def kernel_checks(shapes=((4096, 4096), (4096, 12288), (11008, 4096)), attention
                 res = torch.randn(1, n_out, generator=g).half().to(dev)
                 y = torch.full((1, n_out), float("nan"), dtype=torch.float16, device=dev)
                 lg.bind(x, y, pre=pre, post=post, norm_weight=w if pre == "rms" else None, eps=1e-5, res=res if post else None)()
-                x64 = x.double()
-                if pre == "rms":
-                    x64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
-                elif pre == "silu":
-                    x64 = F.silu(x64[:, :n_in]) * x64[:, n_in:]
-                ref = x64 @ W.T + (res.double() if post else 0)
-                err = float((y.double() - ref).abs().max() / ref.abs().max())
+                err = max_rel_err(y, reference(x, ct, pre, post, w, res, 1e-5))
                 recs.append({"kind": "gemv", "in_features": n_in, "out_features": n_out, "plan": str(plan or lg.plan(1)),
                              "pre": pre, "post": post, "max_rel_err": err, "finite": bool(torch.isfinite(y).all())})
     for H, Hkv, D in attention_cases:
         T = max(positions) + 1
         inv = 1.0 / 10000.0 ** (torch.arange(0, D, 2).float() / D)
-        emb = torch.outer(torch.arange(T).float(), inv).repeat(1, 2)
         pos = torch.zeros(1, dtype=torch.long, device=dev)
         att = attn.DecodeAttention(1, H, Hkv, D, T, inv, pos, dev)
         for p in positions:
@@ -247,8 +237,7 @@ def kernel_checks(shapes=((4096, 4096), (4096, 12288), (11008, 4096)), attention
             out = torch.full((1, H * D), float("nan"), dtype=torch.float16, device=dev)
             pos.fill_(p)
             att.bind(0, qkv, out)()
-            ref = attn.reference(qkv.cpu(), kb.cpu(), vb.cpu(), emb.cos(), emb.sin(), p, H, Hkv)
-            err = float((out.double().cpu().view(-1) - ref).abs().max() / ref.abs().max())
+            err = max_rel_err(out.view(-1), attn.reference(qkv, kb, vb, inv, p, H, Hkv))
             recs.append({"kind": "attention", "heads": H, "kv_heads": Hkv, "head_dim": D, "position": p,
                          "max_rel_err": err, "finite": bool(torch.isfinite(out).all()),
                          "counters_reset": bool((att.counters == 0).all())})
