@@ -14,9 +14,13 @@ def inv_freq(D, base=10000.0):
     return 1.0 / base ** (torch.arange(0, D, 2).float() / D)
 
 
-@pytest.mark.parametrize("H,Hkv,p", [(2, 2, 0), (2, 2, 5), (4, 2, 16), (4, 1, 37)])
-def test_attention_matches_reference_and_writes_the_cache(H, Hkv, p):
-    D, T, L = 16, 48, 2
+@pytest.mark.parametrize("H,Hkv,p,D", [(2, 2, 0, 16), (2, 2, 5, 16), (4, 2, 16, 16), (4, 1, 37, 16),
+                                       (2, 1, 0, 32), (2, 1, 37, 64), (1, 1, 200, 32), (1, 1, 530, 64)])
+def test_attention_matches_reference_and_writes_the_cache(H, Hkv, p, D):
+    # D = 16: shared-memory reductions; D = 32 and 64: warp-shuffle reductions and 16-byte K loads
+    # (D = 32 at p = 200: 26 splits, more than the merge keeps in flight at once; D = 64 at p = 530: 34
+    # splits, more than warp 0 has lanes).
+    T, L = max(48, p + 8), 2
     inv = inv_freq(D)
     pos = torch.tensor([p])
     att = DecodeAttention(L, H, Hkv, D, T, inv, pos, "cpu")

@@ -20,8 +20,9 @@ shared memory by the block that covers it (and written to the cache by the first
 its group), so no block reads a cache row another block of the launch writes. Each block leaves
 (o, max, sum) in a workspace; the last of a head's blocks merges them (a counter it resets, as
 the GEMVs' K-split finish does), so a head takes at most D splits: a context of D^2 / 4 tokens.
-Reductions go through shared memory: no warp shuffles, so the CUDA simulator runs it, and D = 16
-works for tests. Its time is a chain of dependent memory round trips, not bytes (NOTES, session 19).
+Reductions run in warp 0 by shuffles where a warp holds a block's positions (32 <= D <= 128: one
+barrier each, not 2 log2 C), else through shared memory (D = 16, the simulator tests' small heads, and
+D = 256). Its time is a chain of dependent memory round trips, not bytes (NOTES, session 19).
 """
 from __future__ import annotations
 
@@ -30,10 +31,11 @@ import math
 import torch
 from numba import cuda, float32, int32
 
-from .gemv import SIM, _as_kernel_array, float2_to_half2, half2_to_float2, last_to_finish, load16, load_cg, require_gpu
+from .gemv import (SIM, _as_kernel_array, float2_to_half2, half2_to_float2, last_to_finish, load16, load_cg, require_gpu,
+                   warp_max_f32, warp_sum_f32)
 
 _kernels: dict = {}
-MERGE = 8  # split partials a thread of the merge keeps in flight
+MERGE = 16  # split partials a thread of the merge keeps in flight (a 7B layer at 512 tokens has 17 splits)
 
 
 def attention_kernel(D: int, group: int):
@@ -48,6 +50,11 @@ def attention_kernel(D: int, group: int):
     eighth = D // 8  # fp16 pairs of a quarter row
     C = D // 4  # positions a block: four threads a position
     VW = (C // 4) * 2  # V words a thread loads: two a position of its group (a literal size for numba)
+    # Scores and the merge's statistics reduce in warp 0 by shuffles (one barrier, not ~2 log2 C) when
+    # a warp holds every position of a block (C <= 32) and the block has a whole warp (D >= 32).
+    WARP = 32 <= D and C <= 32
+    NS = max(D // 32, 1)  # splits a lane of warp 0 takes in the merge (a head has at most D)
+    VEC = eighth % 4 == 0  # a quarter row of K in 16-byte loads
 
     @cuda.jit(device=True)
     def rope(v, other, t, f, rscale, p):
@@ -106,6 +113,7 @@ def attention_kernel(D: int, group: int):
         red = cuda.shared.array(D, float32)
         po = cuda.shared.array((4, D), float32)  # P V partials of the four position groups
         last = cuda.shared.array(1, int32)
+        st = cuda.shared.array(2, float32)  # a warp reduction's results, for the whole block
 
         # Scores: position j0 + t // 4, a quarter of its row a thread. P V: four groups of D / 4
         # threads, group g every fourth position, a thread four dims (two fp16 pairs: a group reads a
@@ -118,8 +126,12 @@ def attention_kernel(D: int, group: int):
         j = j0 + jq
         krow = kc32[kvh, min(j, T - 1)]
         kw = cuda.local.array(eighth, int32)
-        for w in range(eighth):
-            kw[w] = krow[d0 // 2 + w]
+        if VEC:
+            for w in range(eighth // 4):
+                kw[4 * w], kw[4 * w + 1], kw[4 * w + 2], kw[4 * w + 3] = load16(krow, d0 // 2 + 4 * w)
+        else:
+            for w in range(eighth):
+                kw[w] = krow[d0 // 2 + w]
         g = t // quarter
         c = t - g * quarter
         vw = cuda.local.array(VW, int32)
@@ -148,14 +160,29 @@ def attention_kernel(D: int, group: int):
                 acc += dot2(qs, d0 + 2 * w, kw[w])
         sp[t] = acc
         cuda.syncthreads()
-        score = float32(-math.inf)
-        if t < C and j0 + t <= p:
-            score = sp[4 * t] + sp[4 * t + 1] + sp[4 * t + 2] + sp[4 * t + 3]
-        m = block_reduce(red, t, score, True, C)
-        e = float32(0.0) if t >= C or j0 + t > p else math.exp(score - m)
-        if t < C:
-            pr[t] = e
-        l_sum = block_reduce(red, t, e, False, C)  # also the barrier that publishes pr
+        if WARP:
+            if t < 32:
+                score = float32(-math.inf)
+                if t < C and j0 + t <= p:
+                    score = sp[4 * t] + sp[4 * t + 1] + sp[4 * t + 2] + sp[4 * t + 3]
+                m = warp_max_f32(score)
+                e = float32(0.0) if t >= C or j0 + t > p else math.exp(score - m)
+                l_sum = warp_sum_f32(e)
+                if t < C:
+                    pr[t] = e
+                if t == 0:
+                    st[0], st[1] = m, l_sum
+            cuda.syncthreads()
+            m, l_sum = st[0], st[1]
+        else:
+            score = float32(-math.inf)
+            if t < C and j0 + t <= p:
+                score = sp[4 * t] + sp[4 * t + 1] + sp[4 * t + 2] + sp[4 * t + 3]
+            m = block_reduce(red, t, score, True, C)
+            e = float32(0.0) if t >= C or j0 + t > p else math.exp(score - m)
+            if t < C:
+                pr[t] = e
+            l_sum = block_reduce(red, t, e, False, C)  # also the barrier that publishes pr
 
         n = min(C, p + 1 - j0)
         o0 = o1 = o2 = o3 = float32(0.0)
@@ -184,18 +211,46 @@ def attention_kernel(D: int, group: int):
         if last_to_finish(counters, h, nsplit, last, t):
             # Merge: each split's (max, sum) by one thread and this thread's dim of the first MERGE
             # splits, all loaded at once; later splits MERGE at a time.
-            mi = load_cg(ws, h, min(t, nsplit - 1), D)
-            li = load_cg(ws, h, min(t, nsplit - 1), D + 1)
             ov = cuda.local.array(MERGE, float32)
-            for u in range(MERGE):
-                ov[u] = load_cg(ws, h, min(u, nsplit - 1), t)
-            mi = mi if t < nsplit else float32(-math.inf)
-            mx = block_reduce(red, t, mi, True, D)
-            fi = math.exp(mi - mx) if t < nsplit else float32(0.0)
-            den = block_reduce(red, t, fi * (li if t < nsplit else float32(0.0)), False, D)
-            if t < nsplit:
-                sp[t] = fi
-            cuda.syncthreads()
+            if WARP:
+                # Warp 0 takes the (max, sum) of splits lane, lane + 32, ...; shuffles reduce them.
+                ml = cuda.local.array(NS, float32)
+                ll = cuda.local.array(NS, float32)
+                if t < 32:
+                    for k in range(NS):
+                        ml[k] = load_cg(ws, h, min(t + 32 * k, nsplit - 1), D)
+                        ll[k] = load_cg(ws, h, min(t + 32 * k, nsplit - 1), D + 1)
+                for u in range(MERGE):
+                    ov[u] = load_cg(ws, h, min(u, nsplit - 1), t)
+                if t < 32:
+                    mx = float32(-math.inf)
+                    for k in range(NS):
+                        if t + 32 * k < nsplit:
+                            mx = max(mx, ml[k])
+                    mx = warp_max_f32(mx)
+                    dp = float32(0.0)
+                    for k in range(NS):
+                        if t + 32 * k < nsplit:
+                            fi = math.exp(ml[k] - mx)
+                            sp[t + 32 * k] = fi
+                            dp += fi * ll[k]
+                    dp = warp_sum_f32(dp)
+                    if t == 0:
+                        st[0] = dp
+                cuda.syncthreads()
+                den = st[0]
+            else:
+                mi = load_cg(ws, h, min(t, nsplit - 1), D)
+                li = load_cg(ws, h, min(t, nsplit - 1), D + 1)
+                for u in range(MERGE):
+                    ov[u] = load_cg(ws, h, min(u, nsplit - 1), t)
+                mi = mi if t < nsplit else float32(-math.inf)
+                mx = block_reduce(red, t, mi, True, D)
+                fi = math.exp(mi - mx) if t < nsplit else float32(0.0)
+                den = block_reduce(red, t, fi * (li if t < nsplit else float32(0.0)), False, D)
+                if t < nsplit:
+                    sp[t] = fi
+                cuda.syncthreads()
             num = float32(0.0)
             for u in range(MERGE):
                 num += (sp[u] * ov[u]) if u < nsplit else float32(0.0)

@@ -81,6 +81,15 @@ def _sim_fragments(key, lane, frag) -> np.ndarray:
     return f.reshape(32, len(frag), 2)
 
 
+@cuda.jit(device=True)
+def better(v, i, bv, bi) -> bool:
+    """Whether (v, i) ranks before (bv, bi) in torch.argmax's order: the larger value, NaN above
+    every number, the smaller index on a tie."""
+    if v != v:
+        return bv == bv or i < bi
+    return v > bv or (v == bv and i < bi)
+
+
 if SIM:
 
     @cuda.jit(device=True)
@@ -118,6 +127,22 @@ if SIM:
         lane = cuda.threadIdx.x % 32
         key = (cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x // 32)
         return np.float32(sum(float(u) for u in _sim_exchange(key, lane, float(v))))
+
+    @cuda.jit(device=True)
+    def warp_max_f32(v):
+        lane = cuda.threadIdx.x % 32
+        key = (cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x // 32)
+        return np.float32(max(float(u) for u in _sim_exchange(key, lane, float(v))))
+
+    @cuda.jit(device=True)
+    def warp_argmax(v, i):
+        lane = cuda.threadIdx.x % 32
+        key = (cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x // 32)
+        bv, bi = float(v), int(i)
+        for ov, oi in _sim_exchange(key, lane, (float(v), int(i))):
+            if better(ov, oi, bv, bi):
+                bv, bi = ov, oi
+        return np.float32(bv), bi
 
     @cuda.jit(device=True)
     def half2_to_float2(w):
@@ -416,6 +441,27 @@ else:
             v += cuda.shfl_xor_sync(0xFFFFFFFF, v, k)
             k >>= 1
         return v
+
+    @cuda.jit(device=True)
+    def warp_max_f32(v):
+        """The max of the 32 lanes' ``v``, on every lane (all lanes call it)."""
+        k = 16
+        while k > 0:
+            v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, k))
+            k >>= 1
+        return v
+
+    @cuda.jit(device=True)
+    def warp_argmax(v, i):
+        """The (value, index) of the 32 lanes' pairs that :func:`better` ranks first, on every lane."""
+        k = 16
+        while k > 0:
+            ov = cuda.shfl_xor_sync(0xFFFFFFFF, v, k)
+            oi = cuda.shfl_xor_sync(0xFFFFFFFF, i, k)
+            if better(ov, oi, v, i):
+                v, i = ov, oi
+            k >>= 1
+        return v, i
 
 
 INLINE = {} if SIM else {"forceinline": True}  # cuda.jit options of device functions that must inline
@@ -1367,8 +1413,6 @@ def require_gpu() -> None:
 def _as_kernel_array(t: torch.Tensor):
     # The simulator runs on numpy arrays; a real GPU takes torch memory zero-copy.
     if SIM:
-        if t.dtype == torch.float16:
-            return t.detach().cpu().numpy()
         return t.detach().cpu().numpy()
     return cuda.as_cuda_array(t.detach())
 

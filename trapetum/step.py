@@ -13,7 +13,9 @@ cuDNN's attention (NOTES "Fused projections"). Here a layer is
 4. ``gu = Wgu rmsnorm(h)``;
 5. ``h = h + Wd (silu(g) * u)`` (``pre="silu"``, ``post="add"``);
 
-then ``logits = Whead rmsnorm(h)`` and the argmax. Projections are fused first
+then ``logits = Whead rmsnorm(h)``, and one launch (:mod:`trapetum.greedy`) takes the argmax, records
+the token, advances the position and gathers the token's embedding row into ``h`` for the next
+step. Projections are fused first
 (:func:`trapetum.fuse.fuse_projections`: q/k/v and gate/up as one weight each). A projection whose
 kernel cannot fuse (fp16 nn.Linear, additive or residual codebooks, a tensor-core plan, a bias)
 runs unfused with the model's own norm module and torch ops around it: every model of the
@@ -95,7 +97,8 @@ class FusedStep:
         self.attention = DecodeAttention(len(inner.layers), H, Hkv, D, max_len, rot.inv_freq, self.pos, dev, scale,
                                          rope_scaling=getattr(rot, "attention_scaling", 1.0))
         self.fused_launches, self.unfused_projections = 0, []
-        self.ops = [self._embed(inner.embed_tokens)]
+        self.embed = self._embed(inner.embed_tokens)
+        self.ops = []
         for li, layer in enumerate(inner.layers):
             att, mlp = layer.self_attn, layer.mlp
             self._project(f"layers.{li}.qkv", _parts(getattr(att, "qkv_proj", None), ("q_proj", "k_proj", "v_proj"), att),
@@ -106,6 +109,16 @@ class FusedStep:
                           self.h, self.gu, norm=layer.post_attention_layernorm)
             self._project(f"layers.{li}.down_proj", [mlp.down_proj], self.gu, self.h, silu=True, add=True)
         self._project("lm_head", [model.lm_head], self.h, self.out, norm=inner.norm)
+        emb = inner.embed_tokens
+        # The greedy launch gathers the next token's row itself from a plain fp16 embedding of the
+        # LM head's vocabulary; any other embedding (a QEmbedding) runs after it as a torch op.
+        fused_embed = (type(emb) is nn.Embedding and emb.weight.dtype == torch.float16 and emb.weight.is_contiguous()
+                       and emb.weight.shape == (self.out.shape[1], hidden) and hidden % 2 == 0)
+        from .greedy import Greedy
+
+        self.greedy = Greedy(self.out, self.tokens, self.tok, self.pos, self.i,
+                             emb.weight.detach() if fused_embed else None, self.h if fused_embed else None)
+        self.finish = [self.greedy] if fused_embed else [self.greedy, self.embed]
 
     # -- building the launch list -----------------------------------------------------------------
     def _embed(self, emb):
@@ -160,6 +173,10 @@ class FusedStep:
     # -- running ----------------------------------------------------------------------------------
     def forward(self) -> torch.Tensor:
         """Run the launches for the token in ``tok`` at position ``pos``; returns the logits buffer."""
+        self.embed()
+        return self._layers()
+
+    def _layers(self) -> torch.Tensor:
         for op in self.ops:
             op()
         return self.out
@@ -179,17 +196,16 @@ class FusedStep:
 
     @torch.no_grad()
     def __call__(self) -> None:
-        self._emit(self.forward())
+        # ``h`` already holds ``tok``'s embedding: the previous step's finish (or the prefill's) put it there.
+        self._emit(self._layers())
 
     def _emit(self, logits: torch.Tensor) -> None:
-        # The greedy token of ``logits`` becomes tokens[i] and the next input; position and index advance.
-        nxt = logits.argmax(dim=-1)
-        self.tokens.index_copy_(0, self.i, nxt)
+        # The greedy token of ``logits`` becomes tokens[i] and the next input (its embedding in h);
+        # position and index advance.
         if self.logits is not None:
             self.logits.index_copy_(0, self.i, logits)
-        self.tok.copy_(nxt.view(1, 1))
-        self.pos.add_(1)
-        self.i.add_(1)
+        for op in self.finish:
+            op()
 
 
 # -- the kernels' correctness sweep (run on the device before any timing of this step) ---------------
@@ -197,11 +213,15 @@ FUSIONS = (("rms", ""), ("", "add"), ("silu", "add"))  # qkv / gate_up, o_proj, 
 
 
 def kernel_checks(shapes=((4096, 4096), (4096, 12288), (11008, 4096)), attention_cases=((32, 32, 128), (64, 8, 128)),
-                  positions=(0, 5, 127, 128, 300, 530), device="cuda", seed=0, plans=(None, {"ksplit": 2})) -> list[dict]:
+                  positions=(0, 5, 127, 128, 300, 530), device="cuda", seed=0, plans=(None, {"ksplit": 2}),
+                  vocabs=(32000, 50257)) -> list[dict]:
     """Every fused GEMV operation at ``shapes`` (in, out), and the attention kernel for (heads,
     KV heads, head_dim) at ``positions``, against float64 references on fresh random inputs, outputs
-    poisoned with NaN first. One record each: kind, shape, plan or position, max_rel_err, finite."""
+    poisoned with NaN first; the greedy launch at ``vocabs`` against torch.argmax (a tie across
+    threads included) and its embedding row. One record each: kind, shape, plan or position,
+    max_rel_err (0 or 1 for the greedy launch's exact results), finite."""
     from . import attention as attn
+    from .greedy import Greedy
     from .codebook import random_codebook_tensor
     from .gemv import LutGemv, max_rel_err, reference
 
@@ -241,4 +261,21 @@ def kernel_checks(shapes=((4096, 4096), (4096, 12288), (11008, 4096)), attention
             recs.append({"kind": "attention", "heads": H, "kv_heads": Hkv, "head_dim": D, "position": p,
                          "max_rel_err": err, "finite": bool(torch.isfinite(out).all()),
                          "counters_reset": bool((att.counters == 0).all())})
+    for V in vocabs:
+        hidden = 4096
+        logits = torch.randn(1, V, generator=g).half().to(dev)
+        top = logits.max()
+        logits[0, V - 3] = top  # ties: the first index wins, as in torch
+        logits[0, V // 3 + 1] = top
+        emb = torch.randn(V, hidden, generator=g).half().to(dev)
+        h = torch.full((1, hidden), float("nan"), dtype=torch.float16, device=dev)
+        tokens = torch.full((4,), -1, dtype=torch.long, device=dev)
+        tok = torch.full((1, 1), -1, dtype=torch.long, device=dev)
+        pos, i = torch.tensor([9], device=dev), torch.tensor([2], device=dev)
+        Greedy(logits, tokens, tok, pos, i, emb, h)()
+        want = int(logits.argmax())
+        ok = (tokens.tolist() == [-1, -1, want, -1] and tok.item() == want and pos.item() == 10 and i.item() == 3
+              and torch.equal(h[0], emb[want]))
+        recs.append({"kind": "greedy", "vocab": V, "token": int(tokens[2]), "want": want,
+                     "max_rel_err": 0.0 if ok else 1.0, "finite": bool(torch.isfinite(h).all())})
     return recs
