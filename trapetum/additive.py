@@ -1115,38 +1115,37 @@ class AdditiveGemv:
         key = (torch.cuda.get_device_name(self.device), "additive", self.M, B, self.n_in, self.n_out)
         if key in _TUNED:
             return _TUNED[key]
-        from .bench import time_graph
+        from .bench import pick_fastest
 
         cands = candidate_plans(self.n_out, self.nchunks, self.M, B, sm_count(self.device), self._smem())
         if len(cands) == 1:
             _TUNED[key] = cands[0]
             return cands[0]
         copies, views, xa, ya = tuning_inputs(self._tiled_t, self.weight_bytes, self.n_in, self.n_out, B, self.device)
-        best = None
-        for plan in cands:
+
+        def launchers(plan):
             kern, _, grid, owners, kviews = self._launch_parts(B, plan)
             kern = _with_limit(kern, self._args(xa, views[0], ya, kviews), plan.shared_bytes)
 
-            def launcher(ta, kern=kern, grid=grid, plan=plan, kviews=kviews):
+            def launcher(ta):
                 args = self._args(xa, ta, ya, kviews)
 
                 def go():
+                    _ = owners  # the candidate's workspace lives as long as its launchers
                     stream = cuda.external_stream(torch.cuda.current_stream(self.device).cuda_stream)
                     kern[grid, plan.warps * 32, stream, plan.shared_bytes](*args)
                 return go
+            return [launcher(v) for v in views]
 
-            try:
-                ms = time_graph([launcher(v) for v in views], launches=max(10, len(views)), replays=5, warmup=1)
-            except Exception as e:  # noqa: BLE001 - a candidate that cannot launch here is skipped, not fatal
-                warnings.warn(f"additive plan {plan} skipped: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
-                continue
-            if best is None or ms < best[0]:
-                best = (ms, plan)
+        def skip(plan, e):  # a candidate that cannot launch here is skipped, not fatal
+            warnings.warn(f"additive plan {plan} skipped: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+
+        best = pick_fastest(cands, launchers, self.device, on_error=skip)
         del copies, views
         if best is None:
             raise RuntimeError(f"no additive plan launches for M={self.M}, batch {B}, {self.n_in}x{self.n_out}")
-        _TUNED[key] = best[1]
-        return best[1]
+        _TUNED[key] = best
+        return best
 
     def bind(self, x: torch.Tensor, out: torch.Tensor):
         """A zero-argument launcher for fixed x and out buffers (views made here, once; it launches on

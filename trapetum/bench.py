@@ -56,6 +56,54 @@ def time_graph(launchers: list[Callable[[], None]], launches: int = 20, replays:
     return statistics.median(times)
 
 
+_warmed: set = set()
+
+
+def warm_gpu(device, seconds: float = 0.3) -> None:
+    """Keep the GPU busy for ``seconds``, once a process: a tuner's first candidates were otherwise
+    timed while the clocks still rose from idle, and a worse plan could win (NOTES, session 20)."""
+    import time
+
+    dev = torch.device(device)
+    if dev in _warmed:
+        return
+    a = torch.randn(4096, 4096, device=dev, dtype=torch.float16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize(dev)
+    _warmed.add(dev)
+
+
+def pick_fastest(cands: list, launchers_of: Callable, device, on_error: Callable | None = None):
+    """The candidate plan whose launchers (``launchers_of(plan)``: one per L2-rotated weight copy)
+    time fastest, or None if none launches. Candidates are timed twice, in order and in reverse,
+    and each keeps its faster median, so drift during tuning (clocks, another process) does not
+    favour the candidates timed last. ``on_error(plan, exc)``: skip a candidate that cannot launch
+    (re-raised without it)."""
+    warm_gpu(device)
+    best: dict[int, float] = {}
+    made: dict[int, list] = {}
+    order = list(range(len(cands)))
+    for k in order + order[::-1]:
+        if best.get(k) == math.inf:
+            continue
+        try:
+            if k not in made:
+                made[k] = launchers_of(cands[k])
+            ms = time_graph(made[k], launches=max(10, len(made[k])), replays=5, warmup=1)
+        except Exception as e:  # noqa: BLE001 - the caller decides whether a candidate may fail
+            if on_error is None:
+                raise
+            on_error(cands[k], e)
+            best[k] = math.inf
+            continue
+        best[k] = min(best.get(k, math.inf), ms)
+    k = min(best, key=best.get, default=None)
+    return None if k is None or best[k] == math.inf else cands[k]
+
+
 def copy_bandwidth(nbytes: int = 2 * 2**30) -> dict:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written.
 

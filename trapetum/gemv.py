@@ -1794,6 +1794,7 @@ class LutGemv:
             self._tiled = _as_kernel_array(tiled)
             self._cbt = _as_kernel_array(cbt32)
         self._plans: dict[int, tuple] = {}
+        self._fused_plans: dict[tuple, tuple] = {}
 
     @property
     def ct(self) -> CodebookTensor:
@@ -1879,7 +1880,7 @@ class LutGemv:
         key = (torch.cuda.get_device_name(self.device), self.variant, self.kernels, self.K, B, self.n_in, self.n_out)
         if key in _TUNED:
             return _TUNED[key]
-        from .bench import time_graph  # bench imports this module
+        from .bench import pick_fastest  # bench imports this module
 
         cands = [p for p in candidate_plans(self.n_out, self.nchunks, self.K, B, sm_count(self.device), self._mma_budget())
                  if p.kernel in self.kernels]
@@ -1889,27 +1890,74 @@ class LutGemv:
             _TUNED[key] = cands[0]
             return cands[0]
         copies, views, xa, ya = tuning_inputs(self._tiled_t, self.weight_bytes, self.n_in, self.n_out, B, self.device)
-        best = None
-        for plan in cands:
+
+        def launchers(plan):
             kern, _, owners, (wsa, cnta) = self._launch_parts(B, plan)
             grid, block = plan.grid(self.rbs), plan.warps * 32
             kern = with_shared_limit(kern, self._args(plan, xa, views[0], ya, wsa, cnta),
                                      plan.shared_bytes if plan.kernel in ("mma", "wide") else 0)
 
-            def launcher(ta, kern=kern, grid=grid, block=block, plan=plan, wsa=wsa, cnta=cnta):
+            def launcher(ta):
                 args = self._args(plan, xa, ta, ya, wsa, cnta)
 
                 def go():
+                    _ = owners  # the candidate's workspace lives as long as its launchers
                     stream = cuda.external_stream(torch.cuda.current_stream(self.device).cuda_stream)
                     kern[grid, block, stream, plan.shared_bytes](*args)
                 return go
+            return [launcher(v) for v in views]
 
-            ms = time_graph([launcher(v) for v in views], launches=max(10, len(views)), replays=5, warmup=1)
-            if best is None or ms < best[0]:
-                best = (ms, plan)
+        best = pick_fastest(cands, launchers, self.device)
         del copies, views
-        _TUNED[key] = best[1]
-        return best[1]
+        _TUNED[key] = best
+        return best
+
+    def tune_fused(self, B: int, pre: str, post: str) -> LaunchPlan:
+        """The fastest lut-kernel plan for the kernel with these fused operations, timed as
+        :meth:`tune` times the plain one: a fused variant does more per block (``pre="rms"`` a sum of
+        squares of x, ``"silu"`` two rows of x), so its best plan can differ; cached per GPU model,
+        shape and operations."""
+        key = (torch.cuda.get_device_name(self.device), self.variant, self.K, B, self.n_in, self.n_out, pre, post)
+        if key in _TUNED:
+            return _TUNED[key]
+        from .bench import pick_fastest  # bench imports this module
+
+        cands = [p for p in candidate_plans(self.n_out, self.nchunks, self.K, B, sm_count(self.device)) if p.kernel == "lut"]
+        copies, views, _, ya = tuning_inputs(self._tiled_t, self.weight_bytes, self.n_in, self.n_out, B, self.device)
+        x = torch.randn(B, 2 * self.n_in if pre == "silu" else self.n_in, device=self.device, dtype=torch.float16)
+        w = torch.ones(self.n_in, device=self.device, dtype=torch.float16)
+        res = torch.zeros(B, self.n_out, device=self.device, dtype=torch.float16)
+        xa = _as_kernel_array(x.view(torch.int32))
+        extra = (_as_kernel_array(w.view(torch.int32)) if pre == "rms" else xa, _as_kernel_array(res) if post else xa, 1e-5)
+
+        def launchers(plan):
+            kern = lut_kernel(self.K, B, plan.warps, RB=plan.RB, stages=plan.stages, pre=pre, post=post)
+            _, _, owners, (wsa, cnta) = self._launch_parts(B, plan)
+            grid, block = plan.grid(self.rbs), plan.warps * 32
+
+            def launcher(ta):
+                args = self._args(plan, xa, ta, ya, wsa, cnta, extra)
+
+                def go():
+                    _ = owners
+                    stream = cuda.external_stream(torch.cuda.current_stream(self.device).cuda_stream)
+                    kern[grid, block, stream, plan.shared_bytes](*args)
+                return go
+            return [launcher(v) for v in views]
+
+        best = pick_fastest(cands, launchers, self.device)
+        del copies, views
+        _TUNED[key] = best
+        return best
+
+    def _prepare_fused(self, B: int, pre: str, post: str):
+        """The launch parts of a fused call: its own tuned plan where the tuner runs, else the plain one's."""
+        if not self.tune_on_gpu or self.fixed_plan is not None:
+            return self._prepare(B)
+        k = (B, pre, post)
+        if k not in self._fused_plans:
+            self._fused_plans[k] = self._launch_parts(B, self.tune_fused(B, pre, post))
+        return self._fused_plans[k]
 
     def _args(self, plan: LaunchPlan, xa, tiled, ya, wsa, cnta, fused: tuple = ()) -> tuple:
         """A tiled kernel's arguments; the lut kernel also takes its fused operands (g32, res, eps),
@@ -1945,7 +1993,7 @@ class LutGemv:
             x2 = self.check_input(x)
         B = x2.shape[0]
         check_output(out, B, self.n_out, x2.device)
-        kern, plan, owners, views = self._prepare(B)
+        kern, plan, owners, views = self._prepare_fused(B, pre, post) if fused else self._prepare(B)
         if plan is not None and owners is None:  # a large batch: its own workspace, freed with the launcher
             kern, plan, owners, views = self._launch_parts(B, plan)
         ya = _as_kernel_array(out)

@@ -1327,12 +1327,12 @@ class ResidualGemv:
         return launch
 
     def tune(self, B: int = 1) -> ResidualPlan:
-        """Time every candidate plan once (CUDA-graph replays over copies of the words that exceed
-        the L2) and keep the fastest; cached per GPU model and shape."""
+        """Time every candidate plan (CUDA-graph replays over copies of the words that exceed the L2;
+        :func:`trapetum.bench.pick_fastest`) and keep the fastest; cached per GPU model and shape."""
         key = (torch.cuda.get_device_name(self.device), self.Nm, self.Nr, self.norm, B, self.n_in, self.n_out)
         if key in _TUNED:
             return _TUNED[key]
-        from .bench import time_graph
+        from .bench import pick_fastest
 
         cands = candidate_plans(self.n_out, self.nchunks, self.Nm, self.Nr, B, sm_count(self.device), self.norm,
                                 shared_budget(self.device))
@@ -1340,19 +1340,20 @@ class ResidualGemv:
             _TUNED[key] = cands[0]
             return cands[0]
         copies, views, xa, ya = tuning_inputs(self._tiled_t, self.weight_bytes, self.n_in, self.n_out, B, self.device)
-        best = None
-        for plan in cands:
-            try:
-                entry = self._launch_parts(B, plan)
-                ms = time_graph([self._launcher(entry, xa, ya, v) for v in views], launches=max(10, len(views)), replays=5, warmup=1)
-            except Exception as e:  # noqa: BLE001 - a candidate that cannot launch here is skipped, not fatal
-                warnings.warn(f"residual plan {plan} skipped: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
-                continue
-            if best is None or ms < best[0]:
-                best = (ms, plan)
+
+        def launchers(plan):
+            entry = self._launch_parts(B, plan)
+            return [self._launcher(entry, xa, ya, v) for v in views]
+
+        def skip(plan, e):  # a candidate that cannot launch here is skipped, not fatal
+            warnings.warn(f"residual plan {plan} skipped: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+
+        best = pick_fastest(cands, launchers, self.device, on_error=skip)
         del copies, views
-        _TUNED[key] = best[1]
-        return best[1]
+        if best is None:
+            raise RuntimeError(f"no residual plan launches for {self.n_in}x{self.n_out}, batch {B}")
+        _TUNED[key] = best
+        return best
 
     def bind(self, x: torch.Tensor, out: torch.Tensor, tiled=None):
         """A zero-argument launcher for fixed x and out buffers (views made here, so it can be
