@@ -76,30 +76,31 @@ def warm_gpu(device, seconds: float = 0.3) -> None:
     _warmed.add(dev)
 
 
-def pick_fastest(cands: list, launchers_of: Callable, device, on_error: Callable | None = None):
+def pick_fastest(cands: list, launchers_of: Callable, device, on_error: Callable | None = None, recheck: int = 3):
     """The candidate plan whose launchers (``launchers_of(plan)``: one per L2-rotated weight copy)
-    time fastest, or None if none launches. Candidates are timed twice, in order and in reverse,
-    and each keeps its faster median, so drift during tuning (clocks, another process) does not
-    favour the candidates timed last. ``on_error(plan, exc)``: skip a candidate that cannot launch
-    (re-raised without it)."""
+    time fastest, or None if none launches. After one pass over all candidates the ``recheck``
+    fastest are timed again in reverse order, each keeping its faster median, so drift during
+    tuning (clocks, another process) cannot crown a candidate by one lucky or unlucky timing.
+    ``on_error(plan, exc)``: skip a candidate that cannot launch (re-raised without it)."""
     warm_gpu(device)
     best: dict[int, float] = {}
-    made: dict[int, list] = {}
-    order = list(range(len(cands)))
-    for k in order + order[::-1]:
-        if best.get(k) == math.inf:
-            continue
+
+    def time_one(k):
         try:
-            if k not in made:
-                made[k] = launchers_of(cands[k])
-            ms = time_graph(made[k], launches=max(10, len(made[k])), replays=5, warmup=1)
+            launchers = launchers_of(cands[k])  # rebuilt per timing: one candidate's workspace at a time
+            ms = time_graph(launchers, launches=max(10, len(launchers)), replays=5, warmup=1)
         except Exception as e:  # noqa: BLE001 - the caller decides whether a candidate may fail
             if on_error is None:
                 raise
             on_error(cands[k], e)
-            best[k] = math.inf
-            continue
+            ms = math.inf
         best[k] = min(best.get(k, math.inf), ms)
+
+    for k in range(len(cands)):
+        time_one(k)
+    for k in sorted(best, key=best.get)[:recheck][::-1]:
+        if best[k] < math.inf:
+            time_one(k)
     k = min(best, key=best.get, default=None)
     return None if k is None or best[k] == math.inf else cands[k]
 
