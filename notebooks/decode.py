@@ -26,7 +26,8 @@
 # activations between the GEMVs are fused into fewer kernels; then it is graphed the same way.
 # A fifth, **fused-step**, leaves transformers' layer code: `trapetum.step.FusedStep` runs each
 # layer as five launches (the norms, SiLU x up and residual adds carried by the codebook GEMVs,
-# rotary, the cache write and attention in one kernel of ours), graphed.
+# rotary, the cache write and attention in one kernel of ours) and ends each token with one more
+# (the argmax, the token's record and its embedding row for the next step), graphed.
 # fp16 runs the same paths in the same run, and each path is compared with fp16 on that path and
 # with fp16's fastest path.
 #
@@ -78,7 +79,9 @@ df = report.load_decode(out if out is not None else results.DATA_DIR)
 # five launches, the RMSNorms, SiLU x up and residual adds carried by the codebook GEMVs and
 # rotary, the cache write and attention in one kernel of ours (`trapetum.attention`). The
 # *compiled* path runs transformers' code through torch.compile, which fuses the same elementwise
-# work into ~8 inductor kernels a layer beside cuDNN's attention.
+# work into ~8 inductor kernels a layer beside cuDNN's attention. From commit ebb2b5a the fused
+# GEMVs' launch plans are tuned for the fused kernels themselves (`LutGemv.tune_fused`), and every
+# tuner re-times its fastest candidates, as one noisy timing had picked slower plans in some runs.
 # Where fp16 does not fit on the GPU the row says so. Rows come from several runs (a later run
 # of some paths replaces only those rows); *run* names each row's commit, and the provenance table
 # at the end gives each file's command and versions. The 4-bit rows measured before the codes
