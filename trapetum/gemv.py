@@ -1892,25 +1892,31 @@ class LutGemv:
         copies, views, xa, ya = tuning_inputs(self._tiled_t, self.weight_bytes, self.n_in, self.n_out, B, self.device)
 
         def launchers(plan):
-            kern, _, owners, (wsa, cnta) = self._launch_parts(B, plan)
-            grid, block = plan.grid(self.rbs), plan.warps * 32
-            kern = with_shared_limit(kern, self._args(plan, xa, views[0], ya, wsa, cnta),
+            kern, _, owners, ws = self._launch_parts(B, plan)
+            kern = with_shared_limit(kern, self._args(plan, xa, views[0], ya, *ws),
                                      plan.shared_bytes if plan.kernel in ("mma", "wide") else 0)
-
-            def launcher(ta):
-                args = self._args(plan, xa, ta, ya, wsa, cnta)
-
-                def go():
-                    _ = owners  # the candidate's workspace lives as long as its launchers
-                    stream = cuda.external_stream(torch.cuda.current_stream(self.device).cuda_stream)
-                    kern[grid, block, stream, plan.shared_bytes](*args)
-                return go
-            return [launcher(v) for v in views]
+            return self._rotating(kern, plan, owners, ws, xa, ya, views, ())
 
         best = pick_fastest(cands, launchers, self.device)
         del copies, views
         _TUNED[key] = best
         return best
+
+    def _rotating(self, kern, plan: LaunchPlan, owners, ws, xa, ya, views, extra: tuple) -> list:
+        """A tuner's launchers of one candidate: one per weight copy (``views``), on torch's current
+        stream; ``owners``/``ws``: its workspace tensors and their kernel arrays (:meth:`_launch_parts`)."""
+        wsa, cnta = ws
+        grid, block = plan.grid(self.rbs), plan.warps * 32
+
+        def launcher(ta):
+            args = self._args(plan, xa, ta, ya, wsa, cnta, extra)
+
+            def go():
+                _ = owners  # the candidate's workspace lives as long as its launchers
+                stream = cuda.external_stream(torch.cuda.current_stream(self.device).cuda_stream)
+                kern[grid, block, stream, plan.shared_bytes](*args)
+            return go
+        return [launcher(v) for v in views]
 
     def tune_fused(self, B: int, pre: str, post: str) -> LaunchPlan:
         """The fastest lut-kernel plan for the kernel with these fused operations, timed as
@@ -1932,18 +1938,8 @@ class LutGemv:
 
         def launchers(plan):
             kern = lut_kernel(self.K, B, plan.warps, RB=plan.RB, stages=plan.stages, pre=pre, post=post)
-            _, _, owners, (wsa, cnta) = self._launch_parts(B, plan)
-            grid, block = plan.grid(self.rbs), plan.warps * 32
-
-            def launcher(ta):
-                args = self._args(plan, xa, ta, ya, wsa, cnta, extra)
-
-                def go():
-                    _ = owners
-                    stream = cuda.external_stream(torch.cuda.current_stream(self.device).cuda_stream)
-                    kern[grid, block, stream, plan.shared_bytes](*args)
-                return go
-            return [launcher(v) for v in views]
+            _, _, owners, ws = self._launch_parts(B, plan)
+            return self._rotating(kern, plan, owners, ws, xa, ya, views, extra)
 
         best = pick_fastest(cands, launchers, self.device)
         del copies, views
