@@ -49,6 +49,9 @@ def test_fused_step_fuses_every_codebook_projection(model):
     assert len(step.ops) == 2 * 5 + 1
     # the finish gathers the next token's row from the fp16 embedding itself: no torch op after it
     assert step.finish == [step.greedy]
+    # each fused shape and operation names the plan it launches (recorded by the bench)
+    assert sorted(k.split(" ")[1] for k in step.plans) == ["-/add", "rms/-", "rms/-", "silu/add"], step.plans
+    assert all("warps" in v and "K-split" in v for v in step.plans.values())
 
 
 def test_fp16_model_runs_unfused_and_agrees():

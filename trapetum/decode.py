@@ -316,7 +316,8 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, path: str = "g
         path=path, tokens=[int(v) for v in tokens.tolist()], prompt_len=P, gen_len=n,
         decode_seconds=t_dec.seconds, prefill_seconds=t_pre.seconds,
         tok_s=timed / t_dec.seconds if timed > 0 and t_dec.seconds > 0 else float("nan"),
-        peak_vram_gb=peak, energy_error=why, extra={"timed_tokens": timed},
+        peak_vram_gb=peak, energy_error=why,
+        extra={"timed_tokens": timed, **({"fused_plans": step.plans} if path == "fused-step" else {})},
         logits=None if all_logits is None else all_logits.float().cpu(),
     )
     if reading is not None and timed > 0:
@@ -642,6 +643,8 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
                        "energy_error": r.energy_error, "decode_seconds": r.decode_seconds,
                        "prefill_seconds": r.prefill_seconds, "timed_tokens": r.extra["timed_tokens"],
                        "build_seconds": build_s, "oom": False, "first_tokens": r.tokens[:32]}
+                if "fused_plans" in r.extra:  # which plan each fused GEMV ran: plans are tuned per process
+                    rec["fused_plans"] = json.dumps(r.extra["fused_plans"])
                 if path in GRAPHED and bound:
                     rec.update(bound, fraction_of_kernel_bound=r.tok_s / bound["implied_tok_s"])
                 if K is None and path in GRAPHED:

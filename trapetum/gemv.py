@@ -1946,6 +1946,10 @@ class LutGemv:
         _TUNED[key] = best
         return best
 
+    def fused_plan(self, B: int, pre: str, post: str) -> LaunchPlan:
+        """The plan a :meth:`bind` with these fused operations launches (tuned for them on a GPU)."""
+        return self._prepare_fused(B, pre, post)[1]
+
     def _prepare_fused(self, B: int, pre: str, post: str):
         """The launch parts of a fused call: its own tuned plan where the tuner runs, else the plain one's."""
         if not self.tune_on_gpu or self.fixed_plan is not None:

@@ -97,6 +97,7 @@ class FusedStep:
         self.attention = DecodeAttention(len(inner.layers), H, Hkv, D, max_len, rot.inv_freq, self.pos, dev, scale,
                                          rope_scaling=getattr(rot, "attention_scaling", 1.0))
         self.fused_launches, self.unfused_projections = 0, []
+        self.plans: dict[str, str] = {}  # "in x out pre/post" -> the fused GEMV's launch plan
         self.embed = self._embed(inner.embed_tokens)
         self.ops = []
         for li, layer in enumerate(inner.layers):
@@ -146,11 +147,14 @@ class FusedStep:
             g = lin.gemv() if ok else None
             kernels.append(g if isinstance(g, LutGemv) and g.fusable(1) else None)
         if all(k is not None for k in kernels):
+            pre, post = "rms" if norm is not None else "silu" if silu else "", "add" if add else ""
             for g, o in zip(kernels, slices):
-                self.ops.append(g.bind(x, o, pre="rms" if norm is not None else "silu" if silu else "", post="add" if add else "",
-                                       norm_weight=None if norm is None else norm.weight, eps=getattr(norm, "variance_epsilon", 1e-6),
-                                       res=o if add else None))
+                self.ops.append(g.bind(x, o, pre=pre, post=post, norm_weight=None if norm is None else norm.weight,
+                                       eps=getattr(norm, "variance_epsilon", 1e-6), res=o if add else None))
                 self.fused_launches += 1
+                p = g.fused_plan(1, pre, post)
+                self.plans[f"{g.n_in}x{g.n_out} {pre or '-'}/{post or '-'}"] = (
+                    f"{p.warps} warps, RB {p.RB}, K-split {p.ksplit}, stages {p.stages}")
             return
         self.unfused_projections.append(name)
         n_in = linears[0].in_features
