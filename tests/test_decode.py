@@ -338,3 +338,15 @@ def test_the_step_passes_a_static_cache_position_where_forward_takes_one():
     for _ in range(3):
         step()
     assert [int(c) for c in m.seen] == [5, 6, 7] and step.tokens.tolist() == [3, 4, 5, 6]
+
+
+def test_profiling_the_fused_step_needs_a_gpu():
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=96)
+    with pytest.raises(ValueError, match="device='cuda'"):
+        decode.decode_bench("llama-2-7b", Ks=(16,), paths=("fused-step",), fp16_paths=(), profile=True, device="cpu", **tiny)
+    m = decode.random_llama("llama-2-7b", 16, device="cpu", progress=False, **tiny)
+    with pytest.raises(RuntimeError, match="CUDA GPU"):
+        decode.profile_fused_step(m, torch.tensor([[1, 2, 3]]))
+    with pytest.raises(SystemExit) as e:  # the CLI takes the flag
+        decode.main(["bench", "--profile", "--help"])
+    assert e.value.code == 0

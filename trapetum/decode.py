@@ -565,10 +565,53 @@ def _release_gpu_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def profile_fused_step(model, input_ids: torch.Tensor, replays: int = 40, warmup: int = 50) -> dict:
+    """Where a graphed fused-step token goes, in this process (its own tuned plans): after
+    ``warmup`` replays, torch.profiler's CUDA kernel times over ``replays`` more. Returns wall_us
+    (CUDA events over the same replays, profiler off), kernel_us (their sum), gaps_us and rows
+    [kernel name, calls a token, us a token], the slowest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .step import FusedStep
+
+    dev = _device_of(model)
+    if dev.type != "cuda":
+        raise RuntimeError("profile_fused_step times CUDA kernels and needs the model on a CUDA GPU")
+    n = 2 + warmup + 2 * replays
+    step = FusedStep(model, input_ids.shape[1] + n, n)
+    step.prefill(input_ids.to(dev))
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream(dev).wait_stream(s)
+    runner = CudaGraphRunner()
+    runner.capture(step)
+    for _ in range(warmup):
+        runner.replay()
+    with Timer(dev) as t:
+        for _ in range(replays):
+            runner.replay()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            runner.replay()
+        torch.cuda.synchronize(dev)
+    tot: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            d = tot.setdefault(e.name, [0, 0.0])
+            d[0] += 1
+            d[1] += e.device_time_total
+    rows = sorted(([name, c / replays, us / replays] for name, (c, us) in tot.items()), key=lambda r: -r[2])
+    wall = t.seconds / replays * 1e6
+    kernels = sum(r[2] for r in rows)
+    return {"wall_us": wall, "kernel_us": kernels, "gaps_us": wall - kernels, "rows": rows}
+
+
 def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_paths=("graphed",), gen_len: int = 512,
                  prompt_len: int = 32, eager_gen_len: int = 128, seed: int = 0, energy=True, progress=True,
                  device="cuda", kernel_times: bool = True, heads=(None,), fuses=(False,), embeds=(None,),
-                 **arch_overrides) -> list[dict]:
+                 profile: bool = False, **arch_overrides) -> list[dict]:
     """fp16 vs codebook decode on a Llama-2 architecture with random weights, built on the device.
 
     One record per (scheme, path), per the results contract; ``fp16_tok_s`` is the fp16 graphed
@@ -587,7 +630,12 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
     ``fuses``: False and/or True, each a pass over every scheme, fp16 included: True fuses each
     layer's q/k/v and gate/up (:mod:`trapetum.fuse`), and those rows (``fused`` True) are compared
     with the fused fp16 model.
+
+    ``profile``: each fused-step row also records :func:`profile_fused_step` of the same model in
+    the same process (``profile``, JSON), after its timed run.
     """
+    if profile and not torch.device(device).type == "cuda":
+        raise ValueError("profile=True times CUDA kernels: it needs device='cuda'")
     import gc
 
     cuda = torch.device(device).type == "cuda"
@@ -645,6 +693,13 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
                        "build_seconds": build_s, "oom": False, "first_tokens": r.tokens[:32]}
                 if "fused_plans" in r.extra:  # which plan each fused GEMV ran: plans are tuned per process
                     rec["fused_plans"] = json.dumps(r.extra["fused_plans"])
+                if profile and path == "fused-step":
+                    prof = profile_fused_step(model, prompt)
+                    rec["profile"] = json.dumps(prof)
+                    if progress:
+                        print(f"  profile: wall {prof['wall_us']:.1f} us a token, kernels {prof['kernel_us']:.1f}", flush=True)
+                        for name, c, us in prof["rows"][:8]:
+                            print(f"  {us:9.1f} us a token {c:6.1f} calls  {name[:90]}", flush=True)
                 if path in GRAPHED and bound:
                     rec.update(bound, fraction_of_kernel_bound=r.tok_s / bound["implied_tok_s"])
                 if K is None and path in GRAPHED:
@@ -788,7 +843,7 @@ def _bench_cmd(args) -> int:
                              fp16_paths=tuple(args.fp16_paths.split(",")), gen_len=args.gen, prompt_len=args.prompt_len,
                              eager_gen_len=args.eager_gen, energy=not args.no_energy, kernel_times=not args.no_kernel_times,
                              heads=tuple(_parse_quantize(k) for k in args.lm_head.split(",")), fuses=FUSE_CHOICES[args.fuse],
-                             embeds=tuple(_parse_quantize(k) for k in args.embed.split(",")))
+                             embeds=tuple(_parse_quantize(k) for k in args.embed.split(",")), profile=args.profile)
     prov = results.provenance(command=args.command or " ".join(sys.argv), seconds=round(time.time() - t0, 1))
     path = results.save(args.name, recs, prov, folder=args.out)
     print(f"wrote {path}")
@@ -842,6 +897,8 @@ def main(argv=None) -> int:
     b.add_argument("--no-kernel-times", action="store_true", help="skip timing each projection shape alone (the kernel bound)")
     b.add_argument("--fuse", choices=sorted(FUSE_CHOICES), default="off",
                    help="q/k/v and gate/up as one layer each: off, on, or both (every scheme, fp16 included, twice)")
+    b.add_argument("--profile", action="store_true",
+                   help="fused-step rows also record a torch.profiler breakdown of a token (kernel by kernel) from the same process")
     b.set_defaults(func=_bench_cmd)
     args = p.parse_args(argv)
     if getattr(args, "max_new_tokens", 1) < 1:
