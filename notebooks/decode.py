@@ -80,7 +80,7 @@ df = report.load_decode(out if out is not None else results.DATA_DIR)
 # rotary, the cache write and attention in one kernel of ours (`trapetum.attention`). The
 # *compiled* path runs transformers' code through torch.compile, which fuses the same elementwise
 # work into ~8 inductor kernels a layer beside cuDNN's attention. From commit ebb2b5a the fused
-# GEMVs' launch plans are tuned for the fused kernels themselves (`LutGemv.tune_fused`), and every
+# GEMVs' launch plans are tuned for the fused kernels themselves (`LutGemv.tune(B, pre, post)`), and every
 # tuner re-times its fastest candidates, as one noisy timing had picked slower plans in some runs.
 # Where fp16 does not fit on the GPU the row says so. Rows come from several runs (a later run
 # of some paths replaces only those rows); *run* names each row's commit, and the provenance table

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -62,8 +63,6 @@ _warmed: set = set()
 def warm_gpu(device, seconds: float = 0.3) -> None:
     """Keep the GPU busy for ``seconds``, once a process: a tuner's first candidates were otherwise
     timed while the clocks still rose from idle, and a worse plan could win (NOTES, session 20)."""
-    import time
-
     dev = torch.device(device)
     if dev in _warmed:
         return

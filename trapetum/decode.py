@@ -143,6 +143,16 @@ class CudaGraphRunner:
         self.graph.replay()
 
 
+def _side_stream_call(step, dev) -> None:
+    """One eager call of ``step`` on a side stream, as torch requires before a CUDA-graph capture
+    (kernels compiled and tuned, lazy allocations made off the capture stream)."""
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream(dev).wait_stream(s)
+
+
 # -- timing ---------------------------------------------------------------------------------------
 class Timer:
     """Seconds of a region: CUDA events on a GPU (device time, no host sync inside), perf_counter on CPU."""
@@ -287,11 +297,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, path: str = "g
         if n > 1:
             # The first decoded token runs eagerly: warm-up for the capture (kernels compiled and tuned).
             if cuda and path in GRAPHED:
-                s = torch.cuda.Stream(dev)
-                s.wait_stream(torch.cuda.current_stream(dev))
-                with torch.cuda.stream(s):
-                    step()
-                torch.cuda.current_stream(dev).wait_stream(s)
+                _side_stream_call(step, dev)
             else:
                 step()
         if runner is None:
@@ -580,11 +586,7 @@ def profile_fused_step(model, input_ids: torch.Tensor, replays: int = 40, warmup
     n = 2 + warmup + 2 * replays
     step = FusedStep(model, input_ids.shape[1] + n, n)
     step.prefill(input_ids.to(dev))
-    s = torch.cuda.Stream(dev)
-    s.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream(dev).wait_stream(s)
+    _side_stream_call(step, dev)
     runner = CudaGraphRunner()
     runner.capture(step)
     for _ in range(warmup):
@@ -634,7 +636,7 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
     ``profile``: each fused-step row also records :func:`profile_fused_step` of the same model in
     the same process (``profile``, JSON), after its timed run.
     """
-    if profile and not torch.device(device).type == "cuda":
+    if profile and torch.device(device).type != "cuda":
         raise ValueError("profile=True times CUDA kernels: it needs device='cuda'")
     import gc
 

@@ -1874,72 +1874,52 @@ class LutGemv:
     def plan(self, B: int = 1) -> LaunchPlan | None:
         return self._prepare(B)[1]
 
-    def tune(self, B: int = 1) -> LaunchPlan:
-        """Time every candidate plan for this shape once (CUDA-graph replays over copies of the
-        codes that exceed the L2) and keep the fastest; cached per GPU model and shape."""
-        key = (torch.cuda.get_device_name(self.device), self.variant, self.kernels, self.K, B, self.n_in, self.n_out)
+    def tune(self, B: int = 1, pre: str = "", post: str = "") -> LaunchPlan:
+        """Time every candidate plan for this shape (CUDA-graph replays over copies of the codes
+        that exceed the L2; :func:`trapetum.bench.pick_fastest`) and keep the fastest; cached per GPU
+        model and shape. With fused operations (``pre``/``post``, see :func:`lut_kernel`) the lut
+        kernel's plans are timed with them: a fused variant does more per block (``pre="rms"`` a sum
+        of squares of x, ``"silu"`` two rows of x), so its best plan can differ."""
+        fused = bool(pre or post)
+        kernels = ("lut",) if fused else self.kernels
+        key = (torch.cuda.get_device_name(self.device), self.variant, kernels, self.K, B, self.n_in, self.n_out, pre, post)
         if key in _TUNED:
             return _TUNED[key]
         from .bench import pick_fastest  # bench imports this module
 
-        cands = [p for p in candidate_plans(self.n_out, self.nchunks, self.K, B, sm_count(self.device), self._mma_budget())
-                 if p.kernel in self.kernels]
+        cands = [p for p in candidate_plans(self.n_out, self.nchunks, self.K, B, sm_count(self.device),
+                                            0 if fused else self._mma_budget()) if p.kernel in kernels]
         if not cands:
-            raise ValueError(f"no launch plan of kernels {self.kernels} fits this device's shared memory")
+            raise ValueError(f"no launch plan of kernels {kernels} fits this device's shared memory")
         if len(cands) == 1:
             _TUNED[key] = cands[0]
             return cands[0]
         copies, views, xa, ya = tuning_inputs(self._tiled_t, self.weight_bytes, self.n_in, self.n_out, B, self.device)
+        extra = ()
+        if fused:
+            x = torch.randn(B, 2 * self.n_in if pre == "silu" else self.n_in, device=self.device, dtype=torch.float16)
+            w = torch.ones(self.n_in, device=self.device, dtype=torch.float16)
+            res = torch.zeros(B, self.n_out, device=self.device, dtype=torch.float16)
+            xa = _as_kernel_array(x.view(torch.int32))
+            extra = (_as_kernel_array(w.view(torch.int32)) if pre == "rms" else xa, _as_kernel_array(res) if post else xa, 1e-5)
 
         def launchers(plan):
-            kern, _, owners, ws = self._launch_parts(B, plan)
-            kern = with_shared_limit(kern, self._args(plan, xa, views[0], ya, *ws),
+            kern, _, owners, (wsa, cnta) = self._launch_parts(B, plan)
+            if fused:
+                kern = lut_kernel(self.K, B, plan.warps, RB=plan.RB, stages=plan.stages, pre=pre, post=post)
+            kern = with_shared_limit(kern, self._args(plan, xa, views[0], ya, wsa, cnta, extra),
                                      plan.shared_bytes if plan.kernel in ("mma", "wide") else 0)
-            return self._rotating(kern, plan, owners, ws, xa, ya, views, ())
+            grid, block = plan.grid(self.rbs), plan.warps * 32
 
-        best = pick_fastest(cands, launchers, self.device)
-        del copies, views
-        _TUNED[key] = best
-        return best
+            def launcher(ta):
+                args = self._args(plan, xa, ta, ya, wsa, cnta, extra)
 
-    def _rotating(self, kern, plan: LaunchPlan, owners, ws, xa, ya, views, extra: tuple) -> list:
-        """A tuner's launchers of one candidate: one per weight copy (``views``), on torch's current
-        stream; ``owners``/``ws``: its workspace tensors and their kernel arrays (:meth:`_launch_parts`)."""
-        wsa, cnta = ws
-        grid, block = plan.grid(self.rbs), plan.warps * 32
-
-        def launcher(ta):
-            args = self._args(plan, xa, ta, ya, wsa, cnta, extra)
-
-            def go():
-                _ = owners  # the candidate's workspace lives as long as its launchers
-                stream = cuda.external_stream(torch.cuda.current_stream(self.device).cuda_stream)
-                kern[grid, block, stream, plan.shared_bytes](*args)
-            return go
-        return [launcher(v) for v in views]
-
-    def tune_fused(self, B: int, pre: str, post: str) -> LaunchPlan:
-        """The fastest lut-kernel plan for the kernel with these fused operations, timed as
-        :meth:`tune` times the plain one: a fused variant does more per block (``pre="rms"`` a sum of
-        squares of x, ``"silu"`` two rows of x), so its best plan can differ; cached per GPU model,
-        shape and operations."""
-        key = (torch.cuda.get_device_name(self.device), self.variant, self.K, B, self.n_in, self.n_out, pre, post)
-        if key in _TUNED:
-            return _TUNED[key]
-        from .bench import pick_fastest  # bench imports this module
-
-        cands = [p for p in candidate_plans(self.n_out, self.nchunks, self.K, B, sm_count(self.device)) if p.kernel == "lut"]
-        copies, views, _, ya = tuning_inputs(self._tiled_t, self.weight_bytes, self.n_in, self.n_out, B, self.device)
-        x = torch.randn(B, 2 * self.n_in if pre == "silu" else self.n_in, device=self.device, dtype=torch.float16)
-        w = torch.ones(self.n_in, device=self.device, dtype=torch.float16)
-        res = torch.zeros(B, self.n_out, device=self.device, dtype=torch.float16)
-        xa = _as_kernel_array(x.view(torch.int32))
-        extra = (_as_kernel_array(w.view(torch.int32)) if pre == "rms" else xa, _as_kernel_array(res) if post else xa, 1e-5)
-
-        def launchers(plan):
-            kern = lut_kernel(self.K, B, plan.warps, RB=plan.RB, stages=plan.stages, pre=pre, post=post)
-            _, _, owners, ws = self._launch_parts(B, plan)
-            return self._rotating(kern, plan, owners, ws, xa, ya, views, extra)
+                def go():
+                    _ = owners  # the candidate's workspace lives as long as its launchers
+                    stream = cuda.external_stream(torch.cuda.current_stream(self.device).cuda_stream)
+                    kern[grid, block, stream, plan.shared_bytes](*args)
+                return go
+            return [launcher(v) for v in views]
 
         best = pick_fastest(cands, launchers, self.device)
         del copies, views
@@ -1956,7 +1936,7 @@ class LutGemv:
             return self._prepare(B)
         k = (B, pre, post)
         if k not in self._fused_plans:
-            self._fused_plans[k] = self._launch_parts(B, self.tune_fused(B, pre, post))
+            self._fused_plans[k] = self._launch_parts(B, self.tune(B, pre, post))
         return self._fused_plans[k]
 
     def _args(self, plan: LaunchPlan, xa, tiled, ya, wsa, cnta, fused: tuple = ()) -> tuple:

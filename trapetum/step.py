@@ -225,9 +225,9 @@ def kernel_checks(shapes=((4096, 4096), (4096, 12288), (11008, 4096)), attention
     threads included) and its embedding row. One record each: kind, shape, plan or position,
     max_rel_err (0 or 1 for the greedy launch's exact results), finite."""
     from . import attention as attn
-    from .greedy import Greedy
     from .codebook import random_codebook_tensor
     from .gemv import LutGemv, max_rel_err, reference
+    from .greedy import Greedy
 
     dev = torch.device(device)
     g = torch.Generator().manual_seed(seed)
