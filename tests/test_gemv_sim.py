@@ -448,6 +448,42 @@ def test_fused_residual_add_may_update_its_input_in_place():
     assert max_rel_err(h, want) <= TOLERANCE
 
 
+def test_a_fused_call_takes_its_own_lut_plan_when_the_plain_call_tuned_to_a_tensor_core_kernel(monkeypatch):
+    # On a GPU the plain call's tuner may crown the mma kernel (13B's qkv GEMV did); the fused call is
+    # tuned over lut plans alone, so the layer stays fusable and fuses (here the tuner is scripted).
+    n_in, n_out = 64, 96
+    ct = random_codebook_tensor(n_out, n_in, 16, seed=11)
+    g = LutGemv(ct)
+    sms = gemv.sm_count(g.device)
+    mma = gemv.plan_mma(n_out, g.nchunks, 1, sms, gemv.OPTIN_SIM)
+    lut = plan_launch(n_out, g.nchunks, 16, 1, sms, ksplit=2)
+    asked = []
+
+    def scripted_tune(B=1, pre="", post=""):
+        asked.append((pre, post))
+        return lut if pre or post else mma
+
+    g.tune_on_gpu = True
+    monkeypatch.setattr(g, "tune", scripted_tune)
+    assert g.fusable(1) and asked == []  # fusability no longer needs the plain call's plan
+    assert g.plan(1).kernel == "mma"
+    assert g.fused_plan(1, "rms", "") == lut and asked == [("", ""), ("rms", "")]
+    x = x_for(n_in, 1, seed=3) * 3
+    w = (torch.rand(n_in, generator=torch.Generator().manual_seed(5)) + 0.5).half()
+    y = poisoned(1, n_out)
+    g.bind(x, y, pre="rms", norm_weight=w, eps=1e-5)()
+    assert max_rel_err(y, reference(x, ct, "rms", "", w, None, 1e-5)) <= TOLERANCE
+
+
+def test_a_weight_held_to_the_tensor_core_kernels_is_not_fusable():
+    ct = random_codebook_tensor(96, 64, 16, seed=11)
+    x, y = x_for(64, 1), poisoned(1, 96)
+    for g in (LutGemv(ct, plan={"kernel": "mma"}), LutGemv(ct, kernels=("mma",))):
+        assert not g.fusable(1)
+        with pytest.raises(ValueError, match="cannot fuse"):
+            g.bind(x, y, post="add", res=torch.zeros(1, 96, dtype=torch.float16))
+
+
 def test_fused_operations_refuse_bad_operands(small):
     x = x_for(small.n_in, 1)
     y = poisoned(1, small.n_out)

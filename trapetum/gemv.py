@@ -1948,11 +1948,17 @@ class LutGemv:
         return args + (fused or (xa, xa, 0.0)) if plan.kernel == "lut" else args
 
     def fusable(self, B: int = 1) -> bool:
-        """Whether :meth:`bind` can fuse the decode step's pre/post operations at batch ``B``: the
-        tuned plan must be the lut kernel's (the tensor-core kernels take none)."""
-        if self.variant != "lut" or B > MAX_FUSED_BATCH:
+        """Whether :meth:`bind` can fuse the decode step's pre/post operations at batch ``B``: only
+        the lut kernel takes them (not the tensor-core kernels), so this weight must be allowed it.
+        Where the tuner runs, a fused call has its own lut plan whatever the plain call's tuned plan
+        is: at 13B the plain qkv GEMV's fastest plan is sometimes a tensor-core one, and taking that
+        as "not fusable" left the layer's RMSNorm to ~9 torch launches (~0.5 ms a token; NOTES
+        "Session 21")."""
+        if self.variant != "lut" or B > MAX_FUSED_BATCH or "lut" not in self.kernels:
             return False
-        return self._prepare(B)[1].kernel == "lut"
+        if self.fixed_plan is not None or not self.tune_on_gpu:
+            return self._prepare(B)[1].kernel == "lut"
+        return True
 
     def bind(self, x: torch.Tensor, out: torch.Tensor, pre: str = "", post: str = "", norm_weight: torch.Tensor | None = None,
              eps: float = 1e-5, res: torch.Tensor | None = None):
@@ -2015,8 +2021,8 @@ class LutGemv:
         n_x = 2 * self.n_in if pre == "silu" else self.n_in
         x2 = check_activation(x, n_x, self.device, MAX_FUSED_BATCH)
         if not self.fusable(x2.shape[0]):
-            raise ValueError("this layer's kernel cannot fuse operations (its tuned plan is a tensor-core kernel, "
-                             "or the variant is not 'lut'): apply them with torch around an unfused call")
+            raise ValueError("this layer's kernel cannot fuse operations (its plan is a tensor-core kernel, its kernels "
+                             "exclude 'lut', or the variant is not 'lut'): apply them with torch around an unfused call")
         if pre == "rms":
             if (not isinstance(norm_weight, torch.Tensor) or norm_weight.shape != (self.n_in,)
                     or norm_weight.dtype != torch.float16 or norm_weight.device != x2.device or not norm_weight.is_contiguous()

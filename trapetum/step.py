@@ -246,7 +246,7 @@ def kernel_checks(shapes=((4096, 4096), (4096, 12288), (11008, 4096)), attention
                 y = torch.full((1, n_out), float("nan"), dtype=torch.float16, device=dev)
                 lg.bind(x, y, pre=pre, post=post, norm_weight=w if pre == "rms" else None, eps=1e-5, res=res if post else None)()
                 err = max_rel_err(y, reference(x, ct, pre, post, w, res, 1e-5))
-                recs.append({"kind": "gemv", "in_features": n_in, "out_features": n_out, "plan": str(plan or lg.plan(1)),
+                recs.append({"kind": "gemv", "in_features": n_in, "out_features": n_out, "plan": str(plan or lg.fused_plan(1, pre, post)),
                              "pre": pre, "post": post, "max_rel_err": err, "finite": bool(torch.isfinite(y).all())})
     for H, Hkv, D in attention_cases:
         T = max(positions) + 1
