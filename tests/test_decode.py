@@ -350,3 +350,33 @@ def test_profiling_the_fused_step_needs_a_gpu():
     with pytest.raises(SystemExit) as e:  # the CLI takes the flag
         decode.main(["bench", "--profile", "--help"])
     assert e.value.code == 0
+
+
+def test_check_cli_checks_each_path_on_one_model_load(monkeypatch, tmp_path):
+    # The bookkeeping of `decode check --path a,b` (the checks themselves need a GPU: scripted here).
+    import json
+
+    loads, checked = [], []
+
+    class Tok:
+        def __call__(self, text, return_tensors):
+            return type("Enc", (), {"input_ids": torch.tensor([[1, 2, 3]])})()
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    monkeypatch.setattr(decode, "load", lambda name, device=None, quantize=None: loads.append(name) or (object(), Tok()))
+
+    def fake_check(model, ids, n, path):
+        checked.append(path)
+        bad = path == "fused-step"
+        return {"tokens": n, "matching_prefix": n - bad, "first_mismatch": 5 if bad else None, "max_abs_logit_diff": 0.01,
+                "max_rel_logit_diff": 1e-4, "reference_tokens": [4] * n, "graphed_tokens": [4] * n}
+
+    monkeypatch.setattr(decode, "check_equivalence", fake_check)
+    rc = decode.main(["check", "m", "--path", "graphed,fused-step", "--tokens", "6", "--out", str(tmp_path)])
+    assert rc == 1 and loads == ["m"] and checked == ["graphed", "fused-step"]
+    recs = json.loads(next(tmp_path.rglob("decode-check.json")).read_text())["records"]
+    assert [(r["check"], r["passed"]) for r in recs] == [("graphed vs eager", True), ("fused-step vs eager", False)]
+    with pytest.raises(SystemExit, match="--path takes"):
+        decode.main(["check", "m", "--path", "graphed,fast"])
