@@ -115,6 +115,22 @@ report.fig_decode(df)
 report.fig_decode_pareto(df)
 
 # %% [markdown]
+# ## A real model: each graphed path against eager
+#
+# Speed above is measured on random weights; correctness is checked on a real pretrained model,
+# SmolLM2-135M-Instruct (the offline model: its linear layers ship as Q4_1, so its reference is
+# that dequantized model), quantized to 4-bit K = 16 codebooks. `python -m trapetum.decode check`
+# decodes 32 greedy tokens after the prompt on the eager path and on each graphed path of the same
+# quantized model, and compares the tokens and the logits of every step. The graphed path
+# replays the eager step's own kernels, so its logits should agree to the last bit. The compiled
+# path (inductor's fused norms) and the fused step (norm and SiLU applied in fp32 as x is staged)
+# round differently from eager, and those differences add up over the layers, so they are held to
+# a looser tolerance (`trapetum.decode.CHECK_TOL`; the table applies it to each recorded run).
+
+# %%
+report.styled(report.decode_check_table(report.load_decode_checks(out if out is not None else results.DATA_DIR)))
+
+# %% [markdown]
 # ## Where the numbers come from
 
 # %%

@@ -426,3 +426,21 @@ def test_measure_auto_follows_the_gpu(monkeypatch):
     assert not report.should_measure("auto")
     with pytest.raises(ValueError, match="True, False or 'auto'"):
         report.should_measure("yes")
+
+
+def test_real_model_check_table_judges_each_path_by_its_tolerance(tmp_path):
+    from trapetum.decode import CHECK_TOL
+
+    assert report.decode_check_table(report.load_decode_checks(tmp_path)).columns.tolist() == ["Real-model check"]
+    prov = results.provenance(command="check")
+    prov.update(gpu="NVIDIA H100 80GB HBM3")
+    rows = [("fused-step", 32, 0.005, 0.001), ("graphed", 32, 0.0, 0.001), ("compiled", 31, 0.004, 0.001), ("fused-step", 32, 0.02, 0.01)]
+    recs = [{"model": f"m{i // 3}", "scheme": "4-bit K=16", "path": p, "tokens": 32, "matching_prefix": n,
+             "max_rel_logit_diff": e, "tol": t, "passed": n == 32 and e <= t} for i, (p, n, e, t) in enumerate(rows)]
+    results.save("decode-check", recs, prov, folder=tmp_path)
+    t = report.decode_check_table(report.load_decode_checks(tmp_path))
+    assert t["Path vs eager"].tolist() == ["graphed", "compiled", "fused-step", "fused-step"]  # path order within a model
+    assert t["Tolerance"].tolist() == [CHECK_TOL["graphed"], CHECK_TOL["compiled"], CHECK_TOL["fused-step"], CHECK_TOL["fused-step"]]
+    # a token mismatch fails whatever the logits; a logit gap over the path's tolerance fails
+    assert t["Passed"].tolist() == ["yes", "no", "yes", "no"]
+    assert t["Greedy tokens equal"].tolist()[1] == "31 / 32"

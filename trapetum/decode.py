@@ -39,6 +39,12 @@ from .qlinear import QLinear, qlinears, set_mode
 
 PATHS = ("naive", "eager", "graphed", "compiled", "fused-step")
 GRAPHED = ("graphed", "compiled", "fused-step")  # paths that replay one CUDA graph a token
+# `decode check`'s default logit tolerance (of the largest logit) per path. "graphed" replays the eager
+# step's own kernels, so its logits should agree to the last bit. "compiled" (inductor's fused norms)
+# and "fused-step" (the norm and SiLU applied in fp32 as x is staged, never rounded to fp16 between
+# them) round differently from eager, and the differences add up over the layers: at SmolLM2-135M's
+# 30 layers ~0.5 % of the largest logit with all 32 greedy tokens equal (NOTES "Session 21").
+CHECK_TOL = {"graphed": 1e-3, "compiled": 1e-2, "fused-step": 1e-2}
 
 
 # -- the decode step ------------------------------------------------------------------------------
@@ -814,14 +820,15 @@ def _check_cmd(args) -> int:
     recs = []
     for path in paths:  # one model load for every path: each is checked against the same eager run's tokens
         r = check_equivalence(model, ids, args.tokens, path=path)
-        ok = r["first_mismatch"] is None and r["max_rel_logit_diff"] <= args.tol
+        tol = args.tol if args.tol is not None else CHECK_TOL[path]
+        ok = r["first_mismatch"] is None and r["max_rel_logit_diff"] <= tol
         print(f"{args.model} {SCHEME_NAMES.get(K, K)}: {path} vs eager, {r['matching_prefix']}/{r['tokens']} tokens equal, "
               f"max |logit diff| {r['max_abs_logit_diff']:.3g} ({r['max_rel_logit_diff']:.3g} of the largest logit): "
               f"{'OK' if ok else 'MISMATCH'}")
         print("eager:  ", tok.decode(r["reference_tokens"]))
         print(f"{path}:", tok.decode(r["graphed_tokens"]))
         recs.append({"model": args.model, "weights": "real", "scheme": SCHEME_NAMES.get(K, K), "check": f"{path} vs eager",
-                     "passed": ok, "tol": args.tol, "prompt": args.prompt,
+                     "passed": ok, "tol": tol, "prompt": args.prompt,
                      **{k: (str(v) if isinstance(v, list) else v) for k, v in r.items()}})
     if args.out:
         print(f"wrote {results.save(args.name, recs, results.provenance(), folder=args.out)}")
@@ -883,7 +890,9 @@ def main(argv=None) -> int:
     c.add_argument("--prompt", default="The capital of France is")
     c.add_argument("--tokens", type=int, default=32)
     c.add_argument("--path", default="graphed", help=f"graphed path(s) checked against eager, comma-separated, of {GRAPHED}")
-    c.add_argument("--tol", type=float, default=1e-3, help="largest allowed logit difference, relative to the largest logit")
+    c.add_argument("--tol", type=float, default=None,
+                   help="largest allowed logit difference, relative to the largest logit (default per path: "
+                        + ", ".join(f"{k} {v:g}" for k, v in CHECK_TOL.items()) + ")")
     c.add_argument("--device", default=None)
     c.add_argument("--out", default=None, help="also write <out>/<gpu>/<name>.json")
     c.add_argument("--name", default="decode-check")

@@ -850,6 +850,41 @@ def _best_fp16_of_run(d: pd.DataFrame) -> pd.Series:
     return pd.Series([f.get(k, np.nan) for k in zip(*(d[c] for c in key))], index=d.index, dtype=float)
 
 
+DECODE_CHECK = "decode-check"
+
+
+def load_decode_checks(folder=None) -> pd.DataFrame:
+    """The real-model checks (``python -m trapetum.decode check``): each graphed path's greedy tokens
+    and logits against the eager path of the same quantized model, from every GPU's latest
+    ``decode-check.json``. Empty where none was recorded."""
+    df = results.load(DECODE_CHECK, _root(folder))
+    if not df.empty:
+        df["gpu_label"] = df["gpu"].map(gpu_label)
+    return df
+
+
+def decode_check_table(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per GPU, model, scheme and path: greedy tokens equal to eager's, the largest logit
+    difference relative to the largest logit, and the verdict against the path's tolerance
+    (``trapetum.decode.CHECK_TOL``, the check's default; a run may have applied another, kept in
+    its record as ``tol``)."""
+    from .decode import CHECK_TOL  # torch and transformers: only where this table is drawn
+
+    if df.empty:  # a chapter rerun into a fresh results folder: say how to fill this table, don't stop the chapter
+        return pd.DataFrame({"Real-model check": ["none recorded in this results folder: run `python -m trapetum.decode "
+                                                  "check smollm2-135m --path graphed,compiled,fused-step --out <folder>`"]})
+    d = df.sort_values(["gpu_label", "model", "scheme", "path"], key=lambda c: c.map(
+        lambda p: PATH_ORDER.index(p) if p in PATH_ORDER else len(PATH_ORDER)) if c.name == "path" else c)
+    return pd.DataFrame({
+        "GPU": d["gpu_label"], "Model (real weights)": d["model"], "Scheme": d["scheme"], "Path vs eager": d["path"],
+        "Greedy tokens equal": d["matching_prefix"].astype(int).astype(str) + " / " + d["tokens"].astype(int).astype(str),
+        "Max logit diff (of the largest logit)": d["max_rel_logit_diff"].astype(float),
+        "Tolerance": d["path"].map(CHECK_TOL).astype(float),
+        "Passed": np.where((d["matching_prefix"] == d["tokens"]) & (d["max_rel_logit_diff"] <= d["path"].map(CHECK_TOL)), "yes", "no"),
+        "Run": d["git_commit"],
+    }).reset_index(drop=True)
+
+
 FUSED_SUFFIX = ", fused q/k/v, gate/up"  # trapetum.fuse: one layer for each group
 
 
