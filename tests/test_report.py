@@ -444,3 +444,25 @@ def test_real_model_check_table_judges_each_path_by_its_tolerance(tmp_path):
     # a token mismatch fails whatever the logits; a logit gap over the path's tolerance fails
     assert t["Passed"].tolist() == ["yes", "no", "yes", "no"]
     assert t["Greedy tokens equal"].tolist()[1] == "31 / 32"
+
+
+def test_a_decode_row_keeps_its_own_runs_fp16_baseline_after_a_newer_fp16_run(tmp_path):
+    # Run 1: fp16 compiled 100 tok/s (10 GB) beside a 4-bit fused-step row; run 2 (newer) measures
+    # fp16 compiled again (160) with another scheme. The newer fp16 row replaces run 1's in the table,
+    # but run 1's 4-bit row still divides by run 1's fp16, and its VRAM by run 1's fastest fp16 path's.
+    def run(date, fp16_tok_s, scheme, tok_s):
+        prov = results.provenance(command="bench")
+        prov.update(gpu="NVIDIA H100 80GB HBM3", date=date)
+        recs = [{"model": "llama-2-7b", "scheme": "fp16", "path": "compiled", "fused": True, "tok_s": fp16_tok_s,
+                 "vram_gb": 10.0, "fp16_vram_gb": 10.0, "fp16_tok_s": fp16_tok_s, "j_per_token": 1.0, "oom": False},
+                {"model": "llama-2-7b", "scheme": scheme, "path": "fused-step", "fused": True, "tok_s": tok_s,
+                 "vram_gb": 3.0, "fp16_vram_gb": None, "fp16_tok_s": None, "j_per_token": 0.5, "oom": False}]
+        return results.save("decode", recs, prov, folder=tmp_path)
+
+    run("2026-01-01T00:00:00+00:00", 100.0, "4-bit", 250.0)
+    run("2026-01-02T00:00:00+00:00", 160.0, "4-bit, 4-bit head", 400.0)  # the first run is kept aside under its date
+    t = report.decode_table(report.load_decode(tmp_path)).set_index("Scheme")
+    assert t.loc["fp16", "tok/s"] == 160.0  # the newest fp16 row is shown
+    assert t.loc["4-bit", "vs fastest fp16"] == pytest.approx(2.5)  # its own run's fp16: 250 / 100
+    assert t.loc["4-bit, 4-bit head", "vs fastest fp16"] == pytest.approx(2.5)  # 400 / 160
+    assert t.loc["4-bit", "VRAM vs fp16"] == pytest.approx(0.3)

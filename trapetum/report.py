@@ -817,6 +817,7 @@ def load_decode(folder=None) -> pd.DataFrame:
     if not df.empty:
         # runs before trapetum.fuse existed have no "fused" field: their projections were separate
         df["fused"] = df["fused"].fillna(False).astype(bool) if "fused" in df else False
+        df = _baselines(df)
         newest = df.groupby(["gpu", "model", "scheme", "path", "fused"], dropna=False)["date"].transform("max")
         df = df[df["date"] == newest].reset_index(drop=True)
     if df.empty:
@@ -840,14 +841,24 @@ def _fp16_of_run(d: pd.DataFrame, col: str) -> pd.Series:
     return pd.Series([fp16.get(k, np.nan) for k in zip(*(d[c] for c in key))], index=d.index, dtype=float)
 
 
-def _best_fp16_of_run(d: pd.DataFrame) -> pd.Series:
-    """Each row's fastest fp16 graphed tok/s of the same run, model and fusion: a path that slows
-    fp16 down (the fused step runs fp16 projections unfused) must not flatter a codebook row."""
+def _best_fp16_of_run(d: pd.DataFrame, col: str = "tok_s") -> pd.Series:
+    """Each row's ``col`` of the fastest fp16 graphed path of the same run, model and fusion: a path
+    that slows fp16 down (the fused step runs fp16 projections unfused) must not flatter a codebook row."""
     if "file" not in d:
         return pd.Series(np.nan, index=d.index)
     key = ["file", "model", "fused"]
-    f = d[(d["scheme"] == "fp16") & d["path"].isin(GRAPHED_PATHS)].groupby(key)["tok_s"].max()
+    f = (d[(d["scheme"] == "fp16") & d["path"].isin(GRAPHED_PATHS) & d["tok_s"].notna()]
+         .sort_values("tok_s").drop_duplicates(key, keep="last").set_index(key)[col])
     return pd.Series([f.get(k, np.nan) for k in zip(*(d[c] for c in key))], index=d.index, dtype=float)
+
+
+def _baselines(d: pd.DataFrame) -> pd.DataFrame:
+    """Each row's fp16 baselines from its own run, computed before newer runs replace that run's fp16
+    rows (a later fp16-only rerun must not leave an older codebook row without its same-run fp16):
+    ``best_fp16_tok_s`` / ``best_fp16_vram_gb`` (the fastest fp16 graphed path's) and
+    ``fp16_path_vram_gb`` (fp16's peak on the row's own path)."""
+    return d.assign(best_fp16_tok_s=_best_fp16_of_run(d), best_fp16_vram_gb=_best_fp16_of_run(d, "vram_gb"),
+                    fp16_path_vram_gb=_fp16_of_run(d, "vram_gb"))
 
 
 DECODE_CHECK = "decode-check"
@@ -893,19 +904,26 @@ def decode_table(df: pd.DataFrame) -> pd.DataFrame:
 
     Random weights, real architecture; "vs fp16" divides by fp16's tok/s on the same graphed path (naive and eager rows: fp16 graphed) of the
     same run, "vs fastest fp16" by the fastest fp16 graphed path of that run; a row whose fp16 model did not fit says so instead of a number. "VRAM vs fp16": peak
-    VRAM over the fp16 model's on the same path of the same run. "share of bandwidth
+    VRAM over the fp16 model's on the same path of the same run (where that run had no fp16 on the
+    path, its fastest fp16 path's). Baselines come from each row's own run even where a newer run
+    replaced that run's fp16 rows (:func:`load_decode`). "share of bandwidth
     bound": tok/s x weight bytes a token reads / the copy bandwidth of the same GPU's GEMV run.
     """
     d = df.copy()
+    if "fp16_vram_gb" not in d:
+        d["fp16_vram_gb"] = np.nan
+    if "best_fp16_tok_s" not in d:  # a frame not from load_decode: its own rows are the runs
+        d = _baselines(d)
     d["_p"] = d["path"].map(lambda p: PATH_ORDER.index(p) if p in PATH_ORDER else len(PATH_ORDER))
     d = d.sort_values(["gpu_label", "model", "scheme", "fused", "_p"], key=lambda c: c.map(str) if c.dtype == object else c)
     oom = d.get("oom", pd.Series(False, index=d.index)).fillna(False).astype(bool)
     return pd.DataFrame({
         "GPU": d["gpu_label"], "Model (random weights)": d["model"], "Scheme": d["scheme"],
         "Path": (d["path"] + np.where(d["fused"], FUSED_SUFFIX, "")).where(~oom, d["path"] + " (out of memory)"),
-        "tok/s": d["tok_s"], "vs fp16": d["tok_s"] / d["fp16_tok_s"], "vs fastest fp16": d["tok_s"] / _best_fp16_of_run(d),
-        "Peak VRAM (GB)": d["vram_gb"], "VRAM vs fp16": d["vram_gb"] / (d["fp16_vram_gb"].fillna(_fp16_of_run(d, "vram_gb")) if "fp16_vram_gb" in d
-                                         else _fp16_of_run(d, "vram_gb")), "J/token": d["j_per_token"],
+        "tok/s": d["tok_s"], "vs fp16": d["tok_s"] / d["fp16_tok_s"], "vs fastest fp16": d["tok_s"] / d["best_fp16_tok_s"],
+        "Peak VRAM (GB)": d["vram_gb"],
+        "VRAM vs fp16": d["vram_gb"] / d["fp16_vram_gb"].fillna(d["fp16_path_vram_gb"]).fillna(d["best_fp16_vram_gb"]),
+        "J/token": d["j_per_token"],
         "share of kernel bound": d.get("fraction_of_kernel_bound", np.nan),
         # the weight bytes a token must read (projections at their bits, fp16 lm_head) at the
         # GPU's copy bandwidth: how close decode gets to what the memory allows
