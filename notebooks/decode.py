@@ -86,11 +86,13 @@ df = report.load_decode(out if out is not None else results.DATA_DIR)
 # of some paths replaces only those rows); *run* names each row's commit, and the provenance table
 # at the end gives each file's command and versions. The 4-bit rows measured before the codes
 # were held once (commit e73851b) report the higher VRAM of that older code. *VRAM vs fp16* is
-# the peak over the fp16 model's peak on the same path in the same run (from commit 4753c29 each
-# model's peak is its own: the previous model's cuBLAS workspaces are released first, and a
-# prefill no longer holds a whole fp16 weight or keeps per-layer workspaces). Rows named
-# "LM head 4-bit K=16" also store the LM head as a 4-bit codebook layer (its kernel is the
-# projections'); every other row keeps the LM head and the embeddings in fp16.
+# the peak over the fp16 model's peak on the same path in the same run, or, where that run
+# measured fp16 on other paths only, over its fastest fp16 path's peak; a row's baselines always
+# come from its own run. From commit 4753c29 each model's peak is its own: the previous model's
+# cuBLAS workspaces are released first, and a prefill no longer holds a whole fp16 weight or
+# keeps per-layer workspaces. Rows named "LM head 4-bit K=16" also store the LM head as a 4-bit
+# codebook layer (its kernel is the projections'), and rows named "embedding 4-bit K=16" the
+# token embedding (`QEmbedding`: it saves memory, not time); every other row keeps them in fp16.
 
 # %%
 report.styled(report.decode_table(df))
