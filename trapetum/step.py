@@ -17,7 +17,7 @@ then ``logits = Whead rmsnorm(h)``, and one launch (:mod:`trapetum.greedy`) take
 the token, advances the position and gathers the token's embedding row into ``h`` for the next
 step. Projections are fused first
 (:func:`trapetum.fuse.fuse_projections`: q/k/v and gate/up as one weight each). A projection whose
-kernel cannot fuse (fp16 nn.Linear, additive or residual codebooks, a tensor-core plan, a bias)
+kernel cannot fuse (fp16 nn.Linear, additive or residual codebooks, a fixed tensor-core plan, a bias)
 runs unfused with the model's own norm module and torch ops around it: every model of the
 architecture decodes, the scalar-codebook ones with the fewest launches.
 
