@@ -1836,13 +1836,15 @@ class LutGemv:
             return (plan_mma if kind == "mma" else plan_wide)(self.n_out, self.nchunks, B, sms, budget, **opts)
         return plan_launch(self.n_out, self.nchunks, self.K, B, sms, **opts)
 
-    def _launch_parts(self, B: int, plan: LaunchPlan):
+    def _launch_parts(self, B: int, plan: LaunchPlan, pre: str = "", post: str = ""):
+        if (pre or post) and plan.kernel != "lut":
+            raise ValueError(f"only the lut kernel fuses operations, not the {plan.kernel} kernel")
         if plan.kernel == "mma":
             kern = mma_kernel(B, plan.warps, plan.stages)
         elif plan.kernel == "wide":
             kern = wide_kernel(B, plan.warps, plan.stages)
         else:
-            kern = lut_kernel(self.K, B, plan.warps, wide=self.variant == "lut", RB=plan.RB, stages=plan.stages)
+            kern = lut_kernel(self.K, B, plan.warps, wide=self.variant == "lut", RB=plan.RB, stages=plan.stages, pre=pre, post=post)
         ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
         counters = torch.zeros(-(-self.rbs // plan.RB), dtype=torch.int32, device=self.device)
         return kern, plan, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters))
@@ -1904,9 +1906,7 @@ class LutGemv:
             extra = (_as_kernel_array(w.view(torch.int32)) if pre == "rms" else xa, _as_kernel_array(res) if post else xa, 1e-5)
 
         def launchers(plan):
-            kern, _, owners, (wsa, cnta) = self._launch_parts(B, plan)
-            if fused:
-                kern = lut_kernel(self.K, B, plan.warps, RB=plan.RB, stages=plan.stages, pre=pre, post=post)
+            kern, _, owners, (wsa, cnta) = self._launch_parts(B, plan, pre, post)
             kern = with_shared_limit(kern, self._args(plan, xa, views[0], ya, wsa, cnta, extra),
                                      plan.shared_bytes if plan.kernel in ("mma", "wide") else 0)
             grid, block = plan.grid(self.rbs), plan.warps * 32
@@ -1931,12 +1931,13 @@ class LutGemv:
         return self._prepare_fused(B, pre, post)[1]
 
     def _prepare_fused(self, B: int, pre: str, post: str):
-        """The launch parts of a fused call: its own tuned plan where the tuner runs, else the plain one's."""
-        if not self.tune_on_gpu or self.fixed_plan is not None:
-            return self._prepare(B)
+        """The launch parts of a fused call (its fused kernel): its own plan, tuned for these
+        operations where the tuner runs, else the plain call's plan."""
         k = (B, pre, post)
         if k not in self._fused_plans:
-            self._fused_plans[k] = self._launch_parts(B, self.tune(B, pre, post))
+            tuned = self.tune_on_gpu and self.fixed_plan is None
+            plan = self.tune(B, pre, post) if tuned else self._prepare(B)[1]
+            self._fused_plans[k] = self._launch_parts(B, plan, pre, post)
         return self._fused_plans[k]
 
     def _args(self, plan: LaunchPlan, xa, tiled, ya, wsa, cnta, fused: tuple = ()) -> tuple:
@@ -1992,7 +1993,6 @@ class LutGemv:
             cfg = (plan.grid(self.rbs), plan.warps * 32)
             extra = ()
             if fused:
-                kern = lut_kernel(self.K, B, plan.warps, RB=plan.RB, stages=plan.stages, pre=pre, post=post)
                 if SIM and post:
                     # The simulator copies arrays back after a launch: res must not share out's memory, or
                     # its unchanged copy overwrites the output. The launcher refreshes this copy each call.

@@ -804,6 +804,11 @@ PATH_ORDER = ["naive", "eager", "graphed", "compiled", "fused-step"]
 GRAPHED_PATHS = ("graphed", "compiled", "fused-step")
 
 
+def _path_rank(path) -> int:
+    """A path's place in PATH_ORDER (unknown paths last), for sorting rows slowest path first."""
+    return PATH_ORDER.index(path) if path in PATH_ORDER else len(PATH_ORDER)
+
+
 def load_decode(folder=None) -> pd.DataFrame:
     """Every recorded decode run as one DataFrame; raises if there is none.
 
@@ -884,14 +889,14 @@ def decode_check_table(df: pd.DataFrame) -> pd.DataFrame:
     if df.empty:  # a chapter rerun into a fresh results folder: say how to fill this table, don't stop the chapter
         return pd.DataFrame({"Real-model check": ["none recorded in this results folder: run `python -m trapetum.decode "
                                                   "check smollm2-135m --path graphed,compiled,fused-step --out <folder>`"]})
-    d = df.sort_values(["gpu_label", "model", "scheme", "path"], key=lambda c: c.map(
-        lambda p: PATH_ORDER.index(p) if p in PATH_ORDER else len(PATH_ORDER)) if c.name == "path" else c)
+    d = df.sort_values(["gpu_label", "model", "scheme", "path"], key=lambda c: c.map(_path_rank) if c.name == "path" else c)
+    tol = d["path"].map(CHECK_TOL).astype(float)
     return pd.DataFrame({
         "GPU": d["gpu_label"], "Model (real weights)": d["model"], "Scheme": d["scheme"], "Path vs eager": d["path"],
         "Greedy tokens equal": d["matching_prefix"].astype(int).astype(str) + " / " + d["tokens"].astype(int).astype(str),
         "Max logit diff (of the largest logit)": d["max_rel_logit_diff"].astype(float),
-        "Tolerance": d["path"].map(CHECK_TOL).astype(float),
-        "Passed": np.where((d["matching_prefix"] == d["tokens"]) & (d["max_rel_logit_diff"] <= d["path"].map(CHECK_TOL)), "yes", "no"),
+        "Tolerance": tol,
+        "Passed": np.where((d["matching_prefix"] == d["tokens"]) & (d["max_rel_logit_diff"] <= tol), "yes", "no"),
         "Run": d["git_commit"],
     }).reset_index(drop=True)
 
@@ -914,7 +919,7 @@ def decode_table(df: pd.DataFrame) -> pd.DataFrame:
         d["fp16_vram_gb"] = np.nan
     if "best_fp16_tok_s" not in d:  # a frame not from load_decode: its own rows are the runs
         d = _baselines(d)
-    d["_p"] = d["path"].map(lambda p: PATH_ORDER.index(p) if p in PATH_ORDER else len(PATH_ORDER))
+    d["_p"] = d["path"].map(_path_rank)
     d = d.sort_values(["gpu_label", "model", "scheme", "fused", "_p"], key=lambda c: c.map(str) if c.dtype == object else c)
     oom = d.get("oom", pd.Series(False, index=d.index)).fillna(False).astype(bool)
     return pd.DataFrame({
