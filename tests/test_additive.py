@@ -576,3 +576,66 @@ def test_check_additive_large_inputs_reach_beyond_fp16_and_pass():
     for table in ("fp32", "fp16"):
         plan = {"cps": 1, "warps": 2, "bt": 2, "build": "mma", "table": table}
         assert A.check_additive(128, 40, 2, 3, seed=3, device="cpu", plan=plan, large=True, tune=False) <= TOL
+
+
+# -- operations fused into the kernel (the decode step's norms, SiLU and residual adds) ----------
+@pytest.mark.parametrize("pre,post", [("rms", ""), ("silu", ""), ("", "add"), ("rms", "add"), ("silu", "add")])
+@pytest.mark.parametrize("M,batch,plan", [
+    (2, 1, {"cps": 1, "warps": 2, "build": "mma", "table": "fp16"}),  # K-split 2: the last block adds res
+    (4, 2, {"cps": 2, "warps": 2, "bt": 1, "build": "mma"}),  # one K-slice, two batch tiles (irms a row each)
+    (2, 1, None),  # no plan: the fused call builds its table on the tensor cores, the plain call need not
+])
+def test_fused_operations_match_the_float64_reference(pre, post, M, batch, plan):
+    n_in, n_out, eps = 128, 40, 1e-5
+    t = with_bias(random_additive_tensor(n_out, n_in, M, seed=7), seed=3)
+    g = AdditiveGemv(t, plan=plan)
+    x = x_for(2 * n_in if pre == "silu" else n_in, batch, seed=3) * 3
+    w = (torch.rand(n_in, generator=torch.Generator().manual_seed(5)) + 0.5).half()
+    res = x_for(n_out, batch, seed=9)
+    y = torch.full((batch, n_out), float("nan"), dtype=torch.float16)
+    g.bind(x, y, pre=pre, post=post, norm_weight=w if pre == "rms" else None, eps=eps, res=res if post else None)()
+    err = max_rel_err(y, reference(x, t, pre, post, w, res, eps))
+    assert torch.isfinite(y).all() and err <= TOL, err
+    assert g.fused_plan(batch, pre, post).build == "mma"
+
+
+def test_rms_input_in_the_thousands_is_normalised_before_fp16():
+    # The norm runs before x becomes an fp16 B fragment: g * x itself would overflow fp16 here.
+    t = random_additive_tensor(40, 128, 2, seed=4)
+    x = x_for(128, 1, seed=2) * 3000
+    x[0, 5] = 60000.0
+    w = torch.full((128,), 4.0, dtype=torch.float16)
+    y = torch.full((1, 40), float("nan"), dtype=torch.float16)
+    AdditiveGemv(t, plan={"cps": 1, "warps": 2, "build": "mma", "table": "fp16"}).bind(x, y, pre="rms", norm_weight=w)()
+    assert torch.isfinite(y).all() and max_rel_err(y, reference(x, t, "rms", "", w, None, 1e-5)) <= TOL
+
+
+def test_fused_residual_add_may_update_its_input_in_place():
+    t = random_additive_tensor(40, 128, 2, seed=2)
+    x, h = x_for(128, 1, seed=4), x_for(40, 1, seed=6)
+    want = reference(x, t, post="add", res=h)
+    AdditiveGemv(t, plan={"cps": 1, "warps": 2, "build": "mma"}).bind(x, h, post="add", res=h)()
+    assert max_rel_err(h, want) <= TOL
+
+
+def test_a_fixed_plan_without_the_tensor_core_build_is_not_fusable():
+    t = random_additive_tensor(40, 128, 2, seed=2)
+    g = AdditiveGemv(t, plan={"cps": 1, "warps": 2})  # fma build
+    assert not g.fusable(1) and AdditiveGemv(t).fusable(1) and not AdditiveGemv(t).fusable(gemv.MAX_FUSED_BATCH + 1)
+    with pytest.raises(ValueError, match="cannot fuse"):
+        g.bind(x_for(128, 1), torch.zeros(1, 40, dtype=torch.float16), post="add", res=torch.zeros(1, 40, dtype=torch.float16))
+    with pytest.raises(ValueError, match="tensor-core table build"):
+        A.additive_kernel(2, 1, 1, 2, 1, 1, mma=False, pre="rms")
+
+
+def test_fused_operations_refuse_bad_operands():
+    small = AdditiveGemv(random_additive_tensor(33, 64, 2, seed=4), plan={"warps": 2, "build": "mma"})
+    x, y = x_for(small.n_in, 1), torch.zeros(1, small.n_out, dtype=torch.float16)
+    with pytest.raises(ValueError, match="pre must be one of"):
+        small.bind(x, y, pre="gelu")
+    with pytest.raises(ValueError, match="norm_weight"):
+        small.bind(x, y, pre="rms", norm_weight=torch.ones(small.n_in))  # float32
+    with pytest.raises(ValueError, match="shape"):
+        small.bind(x, y, pre="silu")  # silu takes [gate | up], twice the width
+    with pytest.raises(ValueError, match="res"):
+        small.bind(x, y, post="add")

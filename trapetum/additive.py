@@ -40,7 +40,11 @@ from .gemv import (
     SIM,
     _as_kernel_array,
     check_activation,
+    check_fused,
+    check_ops,
     check_output,
+    apply_post,
+    apply_pre,
     half2_to_float2,
     kernel_device,
     last_to_finish,
@@ -49,10 +53,13 @@ from .gemv import (
     load_half_byte_offset,
     max_shared_bytes,
     mma_table_tile,
+    rms_word,
+    silu_word,
     sm_count,
     sum_splits,
     tuning_enabled,
     tuning_inputs,
+    warp_irms,
     warp_max_u32,
     with_shared_limit,
 )
@@ -686,7 +693,8 @@ def codebook_exponent(codebooks: torch.Tensor) -> int:
     return math.frexp(l1)[1] if l1 > 0 else 0
 
 
-def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma: bool = False, table: str = "fp32"):
+def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma: bool = False, table: str = "fp32",
+                    pre: str = "", post: str = ""):
     """The fused additive GEMV for M codebooks and batch B (compiled on first use, per plan).
 
     Grid (row-groups of RB row-blocks, K-slices, batch tiles of bt). A block:
@@ -710,14 +718,24 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
     s the least that keeps every entry below 2**15 whatever the codes (from max |x| over the slice,
     one warp-wide max, and ``cbexp``: every codebook entry's L1 norm is below 2**cbexp), and
     multiplies its sums by 2**s. s is 0 for ordinary activations; the sums stay fp32.
+    The decode step's operations fuse as into :func:`trapetum.gemv.lut_kernel` (mma build only: they
+    act on x where the build reads it, as fp16 B fragments, rounded as transformers' fp16 Llama rounds them):
+    ``pre="rms"``: x is RMS-normalised by g (every warp takes 1 / rms of its batch rows itself, reading
+    the whole row, before the build; no barrier); ``pre="silu"``: x32 = [a | b], x = silu(a) * b;
+    ``post="add"``: y = res + W x (res may be y itself).
     Arguments: x32 (B, in/2) int32 view of fp16 x; tiled int32 codes; cb32 (M*256*4,) int32 view of
     the fp16 codebooks; scales, bias (out,) fp16; y (B, out) fp16; ws (ksplit, B, out_pad) fp32;
     counters int32 (row-groups x batch tiles); n_out; rbs (row-blocks); nchunks (chunks a row);
-    cbexp (:func:`codebook_exponent`; unused by fp32 tables).
+    cbexp (:func:`codebook_exponent`; unused by fp32 tables); g32 (the norm weight's int32 view),
+    res, eps: the fused operands (unread without them).
     """
     check_table(table, mma)
+    check_ops(pre, post)
+    if (pre or post) and not mma:
+        raise ValueError("fused operations need the tensor-core table build (build='mma')")
+    RMS, SILU, ADD = pre == "rms", pre == "silu", post == "add"
     half = table == "fp16"
-    key = (M, B, bt, warps, RB, cps, mma, table)
+    key = (M, B, bt, warps, RB, cps, mma, table, pre, post)
     if key in _kernel_cache:
         return _kernel_cache[key]
     gpc = groups_per_chunk(M)
@@ -777,7 +795,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
                             acc[bb] += lookup(lut, uint32(((bb * G + c * gpc + gi) * PS + m * K) * esize) + o)
 
     @cuda.jit(device=True, **INLINE)
-    def row_block(ring, cur, nxt, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out, up):
+    def row_block(ring, cur, nxt, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out, up, res):
         # Prefetch the warp's next row-block into slot nxt, sum this one's (slot cur), then
         # 4. scale and write y, or this K-slice's partial.
         nr = r + warps
@@ -792,7 +810,10 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
             for bb in range(bt):
                 if b0 + bb < B:
                     if nsplit == 1:
-                        y[b0 + bb, row] = acc[bb] * sc + float32(bias[row])
+                        v = acc[bb] * sc + float32(bias[row])
+                        if ADD:
+                            v += float32(res[b0 + bb, row])
+                        y[b0 + bb, row] = v
                     else:
                         ws[split, b0 + bb, row] = acc[bb] * sc
 
@@ -810,7 +831,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
             e += uint32(16 * warps)
 
     @cuda.jit(device=True, **INLINE)
-    def build_mma(lut, x32, afr, b0, g0, g1, tid, cbexp):
+    def build_mma(lut, x32, afr, b0, g0, g1, tid, cbexp, g32, irms):
         # Lane (g, t) = (lane / 4, lane % 4). B fragment of N-tile n: column c = 8n + g = (batch row
         # c / G, group c % G), x's 32-bit word t of that group (dimensions 2t, 2t + 1), zero past
         # the slice or the batch. A fragment of M-tile i: words t of entries 16i + g and 16i + g + 8.
@@ -825,7 +846,13 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
             g = int32(c % uint32(G))
             bx[n] = 0
             if c < uint32(BG) and b0 + bb < B and g0 + g < g1:
-                bx[n] = x32[b0 + bb, 4 * (g0 + g) + int32(t)]
+                wi = 4 * (g0 + g) + int32(t)
+                w = x32[b0 + bb, wi]
+                if RMS:
+                    w = rms_word(w, g32[wi], irms[bb])
+                elif SILU:
+                    w = silu_word(w, x32[b0 + bb, (x32.shape[1] >> 1) + wi])
+                bx[n] = w
         up = float32(1.0)
         down = float32(1.0)
         if half:
@@ -846,7 +873,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
         return up
 
     @cuda.jit
-    def kernel(x32, tiled, cb32, scales, bias, y, ws, counters, n_out, rbs, nchunks, cbexp):
+    def kernel(x32, tiled, cb32, scales, bias, y, ws, counters, n_out, rbs, nchunks, cbexp, g32, res, eps):
         lut = cuda.shared.array(0, uint16 if half else float32)  # [b][g][m][k]
         last = cuda.shared.array(1, int32)
         tid = cuda.threadIdx.x
@@ -870,8 +897,13 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
         g0 = j0 * gpc
         g1 = j1 * gpc
         up = float32(1.0)
+        irms = cuda.local.array(bt, float32)
+        for bb in range(bt):
+            irms[bb] = float32(1.0)
+            if RMS and b0 + bb < B:  # while this block's first codes and A fragments load
+                irms[bb] = warp_irms(x32, b0 + bb, eps)
         if mma:
-            up = build_mma(lut, x32, afr, b0, g0, g1, tid, cbexp)
+            up = build_mma(lut, x32, afr, b0, g0, g1, tid, cbexp, g32, irms)
         cbv = cuda.local.array(cbv_size, float32)
         for i in range(0 if mma else ppt):
             p = tid + i * nt
@@ -910,10 +942,10 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
         #    out twice so that every ring index is a constant and the ring stays in registers.
         acc = cuda.local.array(bt, float32)
         while r < RB:
-            row_block(ring, 0, regs, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out, up)
+            row_block(ring, 0, regs, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out, up, res)
             r += warps
             if r < RB:
-                row_block(ring, regs, 0, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out, up)
+                row_block(ring, regs, 0, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out, up, res)
                 r += warps
 
         cidx = cuda.blockIdx.x + cuda.gridDim.x * cuda.blockIdx.z
@@ -922,7 +954,10 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
                 bb = i // (RB * 32)
                 row = rb0 * 32 + (i - bb * RB * 32)
                 if row < n_out and b0 + bb < B:
-                    y[b0 + bb, row] = sum_splits(ws, nsplit, b0 + bb, row) + float32(bias[row])
+                    v = sum_splits(ws, nsplit, b0 + bb, row) + float32(bias[row])
+                    if ADD:
+                        v += float32(res[b0 + bb, row])
+                    y[b0 + bb, row] = v
 
     _kernel_cache[key] = kernel
     return kernel
@@ -1063,6 +1098,7 @@ class AdditiveGemv:
         self._sc = _as_kernel_array(self._scales)
         self._bias = _as_kernel_array(self._bias_k)
         self._plans: dict[int, tuple] = {}
+        self._fused_plans: dict[tuple, tuple] = {}
 
     @property
     def t(self) -> AdditiveTensor:
@@ -1081,8 +1117,8 @@ class AdditiveGemv:
     def _smem(self) -> int:
         return max_shared_bytes(self.device)
 
-    def _launch_parts(self, B: int, plan: AdditivePlan):
-        kern = additive_kernel(self.M, B, plan.bt, plan.warps, plan.RB, plan.cps, plan.build == "mma", plan.table)
+    def _launch_parts(self, B: int, plan: AdditivePlan, pre: str = "", post: str = ""):
+        kern = additive_kernel(self.M, B, plan.bt, plan.warps, plan.RB, plan.cps, plan.build == "mma", plan.table, pre, post)
         ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
         groups = -(-self.rbs // plan.RB)
         counters = torch.zeros(groups * -(-B // plan.bt), dtype=torch.int32, device=self.device)
@@ -1106,29 +1142,44 @@ class AdditiveGemv:
     def plan(self, B: int = 1) -> AdditivePlan:
         return self._prepare(B)[1]
 
-    def _args(self, xa, tiled, ya, views):
-        return (xa, tiled, self._cb32, self._sc, self._bias, ya, views[0], views[1], self.n_out, self.rbs, self.nchunks, self._cbexp)
+    def _args(self, xa, tiled, ya, views, fused: tuple = ()):
+        # fused: (g32, res, eps); without fused operations arrays the kernel never reads (not ya: the
+        # simulator copies every array argument back after a launch, and an unchanged y would win)
+        return (xa, tiled, self._cb32, self._sc, self._bias, ya, views[0], views[1], self.n_out, self.rbs, self.nchunks,
+                self._cbexp) + (fused or (xa, xa, 0.0))
 
-    def tune(self, B: int = 1) -> AdditivePlan:
+    def tune(self, B: int = 1, pre: str = "", post: str = "") -> AdditivePlan:
         """Time every candidate plan (CUDA-graph replays over copies of the codes exceeding the L2)
-        and keep the fastest; cached per GPU model and shape."""
-        key = (torch.cuda.get_device_name(self.device), "additive", self.M, B, self.n_in, self.n_out)
+        and keep the fastest; cached per GPU model and shape. With fused operations (see
+        :func:`additive_kernel`) only the tensor-core builds are candidates, timed with them."""
+        fused = bool(pre or post)
+        key = (torch.cuda.get_device_name(self.device), "additive", self.M, B, self.n_in, self.n_out, pre, post)
         if key in _TUNED:
             return _TUNED[key]
         from .bench import pick_fastest
 
-        cands = candidate_plans(self.n_out, self.nchunks, self.M, B, sm_count(self.device), self._smem())
+        cands = [p for p in candidate_plans(self.n_out, self.nchunks, self.M, B, sm_count(self.device), self._smem())
+                 if p.build == "mma" or not fused]
+        if not cands:
+            raise ValueError(f"no tensor-core additive plan fits this device's shared memory for M={self.M}, batch {B}")
         if len(cands) == 1:
             _TUNED[key] = cands[0]
             return cands[0]
         copies, views, xa, ya = tuning_inputs(self._tiled_t, self.weight_bytes, self.n_in, self.n_out, B, self.device)
+        extra = ()
+        if fused:
+            x = torch.randn(B, 2 * self.n_in if pre == "silu" else self.n_in, device=self.device, dtype=torch.float16)
+            w = torch.ones(self.n_in, device=self.device, dtype=torch.float16)
+            res = torch.zeros(B, self.n_out, device=self.device, dtype=torch.float16)
+            xa = _as_kernel_array(x.view(torch.int32))
+            extra = (_as_kernel_array(w.view(torch.int32)) if pre == "rms" else xa, _as_kernel_array(res) if post else xa, 1e-5)
 
         def launchers(plan):
-            kern, _, grid, owners, kviews = self._launch_parts(B, plan)
-            kern = _with_limit(kern, self._args(xa, views[0], ya, kviews), plan.shared_bytes)
+            kern, _, grid, owners, kviews = self._launch_parts(B, plan, pre, post)
+            kern = _with_limit(kern, self._args(xa, views[0], ya, kviews, extra), plan.shared_bytes)
 
             def launcher(ta):
-                args = self._args(xa, ta, ya, kviews)
+                args = self._args(xa, ta, ya, kviews, extra)
 
                 def go():
                     _ = owners  # the candidate's workspace lives as long as its launchers
@@ -1147,21 +1198,61 @@ class AdditiveGemv:
         _TUNED[key] = best
         return best
 
-    def bind(self, x: torch.Tensor, out: torch.Tensor):
+    def fusable(self, B: int = 1) -> bool:
+        """Whether :meth:`bind` can fuse the decode step's pre/post operations at batch ``B``: the
+        tensor-core table build takes them, so a fixed plan must be one (a tuned or heuristic fused
+        call takes its own)."""
+        if B > MAX_FUSED_BATCH:
+            return False
+        return self.fixed_plan is None or self._prepare(B)[1].build == "mma"
+
+    def fused_plan(self, B: int, pre: str, post: str) -> AdditivePlan:
+        """The plan a :meth:`bind` with these fused operations launches (tuned for them on a GPU)."""
+        return self._prepare_fused(B, pre, post)[1]
+
+    def _prepare_fused(self, B: int, pre: str, post: str):
+        k = (B, pre, post)
+        if k not in self._fused_plans:
+            if self.fixed_plan is not None:
+                plan = self._prepare(B)[1]
+            elif self.tune_on_gpu:
+                plan = self.tune(B, pre, post)
+            else:  # the heuristic plan with its table built on the tensor cores
+                plan = plan_additive(self.n_out, self.nchunks, self.M, B, sm_count(self.device), self._smem(), build="mma")
+            self._fused_plans[k] = self._launch_parts(B, plan, pre, post)
+        return self._fused_plans[k]
+
+    def bind(self, x: torch.Tensor, out: torch.Tensor, pre: str = "", post: str = "", norm_weight: torch.Tensor | None = None,
+             eps: float = 1e-5, res: torch.Tensor | None = None):
         """A zero-argument launcher for fixed x and out buffers (views made here, once; it launches on
-        torch's stream current at call time, so it can be captured in a CUDA graph)."""
-        x2 = self.check_input(x)
+        torch's stream current at call time, so it can be captured in a CUDA graph). ``pre`` / ``post``:
+        the fused operations of :meth:`trapetum.gemv.LutGemv.bind`, with the same operands."""
+        fused = bool(pre or post)
+        if fused:
+            x2 = check_fused(self, x, out, pre, post, norm_weight, res, "its fixed plan builds its table without the tensor cores")
+        else:
+            x2 = self.check_input(x)
         B = x2.shape[0]
         check_output(out, B, self.n_out, x2.device)
-        kern, plan, grid, _owners, views = self._prepare(B)
+        kern, plan, grid, _owners, views = self._prepare_fused(B, pre, post) if fused else self._prepare(B)
         ya = _as_kernel_array(out)
         xa = _as_kernel_array(x2.view(torch.int32))
-        args = self._args(xa, self._tiled, ya, views)
+        extra = ()
+        if fused:
+            if SIM and post:
+                # the simulator copies arrays back after a launch: res must not share out's memory (the
+                # launcher refreshes this copy each call)
+                res, res_src = res.clone(), res
+            extra = (_as_kernel_array(norm_weight.view(torch.int32)) if pre == "rms" else xa,
+                     _as_kernel_array(res) if post else xa, float(eps))
+        args = self._args(xa, self._tiled, ya, views, extra)
         kern = _with_limit(kern, args, plan.shared_bytes)
         block, smem, dev = plan.warps * 32, plan.shared_bytes, self.device
 
         def launch():
             stream = 0 if SIM else cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
+            if SIM and post:
+                res.copy_(res_src)
             kern[grid, block, stream, smem](*args)
             if SIM:
                 out.copy_(torch.from_numpy(ya).view(out.shape))
@@ -1183,11 +1274,13 @@ class AdditiveGemv:
         return _decode(codes, self._codebooks.float(), self._scales[r0:r1].float()).half()
 
 
-def reference(x: torch.Tensor, t: AdditiveTensor) -> torch.Tensor:
-    """float64 reference y = x @ W.T (+ bias) on the CPU."""
+def reference(x: torch.Tensor, t: AdditiveTensor, pre: str = "", post: str = "", norm_weight: torch.Tensor | None = None,
+              res: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+    """float64 reference y = x @ W.T (+ bias) on the CPU; ``pre`` / ``post`` (with their operands):
+    the operations :func:`additive_kernel` fuses."""
     W = t.dequantize(torch.float64).cpu()
-    y = x.detach().cpu().double() @ W.T
-    return y if t.bias is None else y + t.bias.cpu().double()
+    y = apply_pre(x.detach().cpu().double(), pre, norm_weight, eps) @ W.T
+    return apply_post(y if t.bias is None else y + t.bias.cpu().double(), post, res)
 
 
 # -- checks and timings for the chapter ------------------------------------------------------

@@ -605,6 +605,84 @@ def check_ops(pre: str, post: str) -> None:
         raise ValueError(f"pre must be one of {PRE_OPS} and post one of {POST_OPS}, got {pre!r}, {post!r}")
 
 
+# The pre-operations on one fp16 word of x, rounded as transformers' fp16 Llama rounds them, for
+# kernels that feed x to the tensor cores as fp16 (the additive table build); lut_kernel stages fp32.
+@cuda.jit(device=True, **INLINE)
+def rms_word(w, gw, irms):
+    """fp16(g * fp16(x / rms)) of the pair in ``w`` (LlamaRMSNorm: the normalised x is cast to fp16
+    before the weight multiplies it); ``gw`` the norm weight's word, ``irms`` 1 / rms of the row."""
+    a, b = half2_to_float2(w)
+    a, b = half2_to_float2(float2_to_half2(a * irms, b * irms))
+    c, d = half2_to_float2(gw)
+    return float2_to_half2(a * c, b * d)
+
+
+@cuda.jit(device=True, **INLINE)
+def silu_word(w, uw):
+    """fp16(fp16(silu(a)) * b) of the gate pair ``w`` and the up pair ``uw`` (LlamaMLP in fp16)."""
+    a, b = half2_to_float2(w)
+    a, b = half2_to_float2(float2_to_half2(a / (float32(1.0) + math.exp(-a)), b / (float32(1.0) + math.exp(-b))))
+    c, d = half2_to_float2(uw)
+    return float2_to_half2(a * c, b * d)
+
+
+@cuda.jit(device=True, **INLINE)
+def warp_irms(x32, bb, eps):
+    """1 / rms of row ``bb`` of x (x32: its int32 view), on every lane of the calling warp, which
+    reads the whole row (L2, then L1: every warp of a block reads the same row): no barrier and no
+    shared memory. Four 16-byte loads a lane in flight before any is used (one latency, not one a load)."""
+    nq = x32.shape[1] // 4
+    s = float32(0.0)
+    zero = int32(0)
+    for q0 in range(cuda.laneid, nq, 128):
+        w = cuda.local.array(16, int32)
+        for u in range(4):
+            q = q0 + 32 * u
+            if q < nq:
+                w[4 * u], w[4 * u + 1], w[4 * u + 2], w[4 * u + 3] = load16(x32[bb], q * 4)
+            else:
+                w[4 * u], w[4 * u + 1], w[4 * u + 2], w[4 * u + 3] = zero, zero, zero, zero
+        for k in range(16):
+            a, b = half2_to_float2(w[k])
+            s += a * a + b * b
+    s = warp_sum_f32(s)
+    return float32(1.0) / math.sqrt(s / float32(x32.shape[1] * 2) + float32(eps))
+
+
+def apply_pre(x64: torch.Tensor, pre: str, norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """A fused kernel's pre-operation on float64 x (for the references)."""
+    if pre == "rms":
+        return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.to(x64.device).double()
+    if pre == "silu":
+        a, b = x64.chunk(2, dim=-1)
+        return torch.nn.functional.silu(a) * b
+    return x64
+
+
+def apply_post(y64: torch.Tensor, post: str, res: torch.Tensor | None) -> torch.Tensor:
+    return y64 + res.to(y64.device).double() if post == "add" else y64
+
+
+def check_fused(g, x: torch.Tensor, out: torch.Tensor, pre: str, post: str, norm_weight, res, why: str) -> torch.Tensor:
+    """The operands of a fused call of GEMV ``g`` (n_in, n_out, device, fusable()); returns x as (B, in).
+    ``why``: what makes a weight of g's kind unfusable, for the error."""
+    check_ops(pre, post)
+    n_x = 2 * g.n_in if pre == "silu" else g.n_in
+    x2 = check_activation(x, n_x, g.device, MAX_FUSED_BATCH)
+    if not g.fusable(x2.shape[0]):
+        raise ValueError(f"this layer's kernel cannot fuse operations ({why}): apply them with torch around an unfused call")
+    if pre == "rms":
+        if (not isinstance(norm_weight, torch.Tensor) or norm_weight.shape != (g.n_in,)
+                or norm_weight.dtype != torch.float16 or norm_weight.device != x2.device or not norm_weight.is_contiguous()
+                or norm_weight.data_ptr() % 16):
+            raise ValueError(f"pre='rms' takes a contiguous, 16-byte aligned float16 norm_weight of shape ({g.n_in},) on {x2.device}")
+    if post == "add":
+        if not isinstance(res, torch.Tensor):
+            raise ValueError("post='add' takes the residual tensor res")
+        check_output(res, x2.shape[0], g.n_out, x2.device)
+    return x2
+
+
 def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = None, stages: int = 2,
                pre: str = "", post: str = ""):
     """The tiled LUT-GEMV kernel for codebook size K and batch B (compiled on first use).
@@ -1975,7 +2053,8 @@ class LutGemv:
         """
         fused = bool(pre or post)
         if fused:
-            x2 = self._check_fused(x, out, pre, post, norm_weight, res)
+            x2 = check_fused(self, x, out, pre, post, norm_weight, res, "its plan is a tensor-core kernel, its kernels exclude 'lut', "
+                            "or the variant is not 'lut'")
         else:
             x2 = self.check_input(x)
         B = x2.shape[0]
@@ -2016,24 +2095,6 @@ class LutGemv:
 
         return launch
 
-    def _check_fused(self, x, out, pre, post, norm_weight, res) -> torch.Tensor:
-        check_ops(pre, post)
-        n_x = 2 * self.n_in if pre == "silu" else self.n_in
-        x2 = check_activation(x, n_x, self.device, MAX_FUSED_BATCH)
-        if not self.fusable(x2.shape[0]):
-            raise ValueError("this layer's kernel cannot fuse operations (its plan is a tensor-core kernel, its kernels "
-                             "exclude 'lut', or the variant is not 'lut'): apply them with torch around an unfused call")
-        if pre == "rms":
-            if (not isinstance(norm_weight, torch.Tensor) or norm_weight.shape != (self.n_in,)
-                    or norm_weight.dtype != torch.float16 or norm_weight.device != x2.device or not norm_weight.is_contiguous()
-                    or norm_weight.data_ptr() % 16):
-                raise ValueError(f"pre='rms' takes a contiguous, 16-byte aligned float16 norm_weight of shape ({self.n_in},) on {x2.device}")
-        if post == "add":
-            if not isinstance(res, torch.Tensor):
-                raise ValueError("post='add' takes the residual tensor res")
-            check_output(res, x2.shape[0], self.n_out, x2.device)
-        return x2
-
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         x2 = self.check_input(x)
         y = out if out is not None else torch.empty(x2.shape[0], self.n_out, dtype=torch.float16, device=x2.device)
@@ -2069,14 +2130,8 @@ def reference(x: torch.Tensor, ct: CodebookTensor, pre: str = "", post: str = ""
     if ct.codes.is_cuda and not SIM and 8 * ct.out_features * ct.in_features > torch.cuda.mem_get_info(ct.codes.device)[0] // 4:
         ct = ct.to("cpu")
     W = ct.dequantize(torch.float64)
-    x64 = x.detach().to(W.device).double()
-    if pre == "rms":
-        x64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.to(W.device).double()
-    elif pre == "silu":
-        a, b = x64.chunk(2, dim=-1)
-        x64 = torch.nn.functional.silu(a) * b
-    y = x64 @ W.T
-    return (y + res.to(W.device).double() if post == "add" else y).cpu()
+    x64 = apply_pre(x.detach().to(W.device).double(), pre, norm_weight, eps)
+    return apply_post(x64 @ W.T, post, res).cpu()
 
 
 def max_rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:

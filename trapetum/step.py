@@ -17,7 +17,8 @@ then ``logits = Whead rmsnorm(h)``, and one launch (:mod:`trapetum.greedy`) take
 the token, advances the position and gathers the token's embedding row into ``h`` for the next
 step. Projections are fused first
 (:func:`trapetum.fuse.fuse_projections`: q/k/v and gate/up as one weight each). A projection whose
-kernel cannot fuse (fp16 nn.Linear, additive or residual codebooks, a fixed tensor-core plan, a bias)
+kernel cannot fuse (fp16 nn.Linear, residual codebooks, a fixed tensor-core plan of a scalar codebook or
+an additive plan whose table is not built on the tensor cores, a bias)
 runs unfused with the model's own norm module and torch ops around it: every model of the
 architecture decodes, the scalar-codebook ones with the fewest launches.
 
@@ -131,6 +132,7 @@ class FusedStep:
 
     def _project(self, name, linears, x, out, norm=None, silu=False, add=False):
         """Append the launches of ``out (+)= W pre(x)`` for the linears whose rows stack into ``out``."""
+        from .additive import AdditiveGemv
         from .gemv import LutGemv
         from .qlinear import QLinear
 
@@ -143,18 +145,16 @@ class FusedStep:
             raise UnsupportedModelError(f"{name}: the projections give {r0} outputs, the step expects {out.shape[1]}")
         kernels = []
         for lin in linears:
-            ok = type(lin) is QLinear and lin.bias is None and lin.mode == "fast" and (lin.codebook.is_cuda or lin.simulate)
+            ok = isinstance(lin, QLinear) and lin.bias is None and lin.mode == "fast" and (lin.codes.is_cuda or lin.simulate)
             g = lin.gemv() if ok else None
-            kernels.append(g if isinstance(g, LutGemv) and g.fusable(1) else None)
+            kernels.append(g if isinstance(g, (LutGemv, AdditiveGemv)) and g.fusable(1) else None)
         if all(k is not None for k in kernels):
             pre, post = "rms" if norm is not None else "silu" if silu else "", "add" if add else ""
             for g, o in zip(kernels, slices):
                 self.ops.append(g.bind(x, o, pre=pre, post=post, norm_weight=None if norm is None else norm.weight,
                                        eps=getattr(norm, "variance_epsilon", 1e-6), res=o if add else None))
                 self.fused_launches += 1
-                p = g.fused_plan(1, pre, post)
-                self.plans[f"{g.n_in}x{g.n_out} {pre or '-'}/{post or '-'}"] = (
-                    f"{p.warps} warps, RB {p.RB}, K-split {p.ksplit}, stages {p.stages}")
+                self.plans[f"{g.n_in}x{g.n_out} {pre or '-'}/{post or '-'}"] = plan_label(g.fused_plan(1, pre, post))
             return
         self.unfused_projections.append(name)
         n_in = linears[0].in_features
@@ -212,42 +212,56 @@ class FusedStep:
             op()
 
 
+def plan_label(p) -> str:
+    """A fused GEMV's launch plan in a few words (a scalar-codebook LaunchPlan or an AdditivePlan)."""
+    if hasattr(p, "stages"):
+        return f"{p.warps} warps, RB {p.RB}, K-split {p.ksplit}, stages {p.stages}"
+    return f"additive: {p.warps} warps, RB {p.RB}, K-split {p.ksplit}, {p.table} table"
+
+
 # -- the kernels' correctness sweep (run on the device before any timing of this step) ---------------
 FUSIONS = (("rms", ""), ("", "add"), ("silu", "add"))  # qkv / gate_up, o_proj, down_proj
 
 
 def kernel_checks(shapes=((4096, 4096), (4096, 12288), (11008, 4096)), attention_cases=((32, 32, 128), (64, 8, 128)),
                   positions=(0, 5, 127, 128, 300, 530), device="cuda", seed=0, plans=(None, {"ksplit": 2}),
-                  vocabs=(32000, 50257)) -> list[dict]:
-    """Every fused GEMV operation at ``shapes`` (in, out), and the attention kernel for (heads,
-    KV heads, head_dim) at ``positions``, against float64 references on fresh random inputs, outputs
-    poisoned with NaN first; the greedy launch at ``vocabs`` against torch.argmax (a tie across
-    threads included) and its embedding row. One record each: kind, shape, plan or position,
-    max_rel_err (0 or 1 for the greedy launch's exact results), finite."""
+                  vocabs=(32000, 50257), additive_plans=(None, {"cps": 4, "build": "mma", "table": "fp16"})) -> list[dict]:
+    """Every fused GEMV operation at ``shapes`` (in, out), for the 4-bit scalar codebook at ``plans``
+    and the 2-bit additive one at ``additive_plans`` (kind "gemv" / "additive"), and the attention
+    kernel for (heads, KV heads, head_dim) at ``positions``, against float64 references on fresh
+    random inputs, outputs poisoned with NaN first; the greedy launch at ``vocabs`` against
+    torch.argmax (a tie across threads included) and its embedding row. One record each: kind,
+    shape, plan or position, max_rel_err (0 or 1 for the greedy launch's exact results), finite."""
+    from . import additive
     from . import attention as attn
+    from . import gemv
     from .codebook import random_codebook_tensor
-    from .gemv import LutGemv, max_rel_err, reference
+    from .gemv import max_rel_err
     from .greedy import Greedy
 
     dev = torch.device(device)
     g = torch.Generator().manual_seed(seed)
     recs = []
     for n_in, n_out in shapes:
-        ct = random_codebook_tensor(n_out, n_in, 16, seed=seed + n_in + n_out).to(dev)
-        for plan in plans:
-            lg = LutGemv(ct, device=dev if dev.type == "cuda" else None, plan=plan)
-            if not lg.fusable(1):
-                recs.append({"kind": "gemv", "in_features": n_in, "out_features": n_out, "plan": str(plan), "fusable": False})
-                continue
-            for pre, post in FUSIONS:
-                x = (torch.randn(1, 2 * n_in if pre == "silu" else n_in, generator=g) * 2).half().to(dev)
-                w = (torch.rand(n_in, generator=g) + 0.5).half().to(dev)
-                res = torch.randn(1, n_out, generator=g).half().to(dev)
-                y = torch.full((1, n_out), float("nan"), dtype=torch.float16, device=dev)
-                lg.bind(x, y, pre=pre, post=post, norm_weight=w if pre == "rms" else None, eps=1e-5, res=res if post else None)()
-                err = max_rel_err(y, reference(x, ct, pre, post, w, res, 1e-5))
-                recs.append({"kind": "gemv", "in_features": n_in, "out_features": n_out, "plan": str(plan or lg.fused_plan(1, pre, post)),
-                             "pre": pre, "post": post, "max_rel_err": err, "finite": bool(torch.isfinite(y).all())})
+        weights = [("gemv", random_codebook_tensor(n_out, n_in, 16, seed=seed + n_in + n_out).to(dev), gemv.LutGemv, gemv.reference, plans),
+                   ("additive", additive.random_additive_tensor(n_out, n_in, 2, seed=seed + n_in + n_out).to(dev),
+                    additive.AdditiveGemv, additive.reference, additive_plans)]
+        for kind, t, Gemv, ref, kind_plans in weights:
+            for plan in kind_plans:
+                lg = Gemv(t, device=dev if dev.type == "cuda" else None, plan=plan)
+                if not lg.fusable(1):
+                    recs.append({"kind": kind, "in_features": n_in, "out_features": n_out, "plan": str(plan), "fusable": False})
+                    continue
+                for pre, post in FUSIONS:
+                    x = (torch.randn(1, 2 * n_in if pre == "silu" else n_in, generator=g) * 2).half().to(dev)
+                    w = (torch.rand(n_in, generator=g) + 0.5).half().to(dev)
+                    res = torch.randn(1, n_out, generator=g).half().to(dev)
+                    y = torch.full((1, n_out), float("nan"), dtype=torch.float16, device=dev)
+                    lg.bind(x, y, pre=pre, post=post, norm_weight=w if pre == "rms" else None, eps=1e-5, res=res if post else None)()
+                    err = max_rel_err(y, ref(x, t, pre, post, w, res, 1e-5))
+                    recs.append({"kind": kind, "in_features": n_in, "out_features": n_out,
+                                 "plan": str(plan or lg.fused_plan(1, pre, post)), "pre": pre, "post": post, "max_rel_err": err,
+                                 "finite": bool(torch.isfinite(y).all())})
     for H, Hkv, D in attention_cases:
         T = max(positions) + 1
         inv = 1.0 / 10000.0 ** (torch.arange(0, D, 2).float() / D)
