@@ -59,7 +59,7 @@ from .gemv import (
     sum_splits,
     tuning_enabled,
     tuning_inputs,
-    warp_irms,
+    rms_sums,
     warp_max_u32,
     with_shared_limit,
 )
@@ -720,8 +720,8 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
     multiplies its sums by 2**s. s is 0 for ordinary activations; the sums stay fp32.
     The decode step's operations fuse as into :func:`trapetum.gemv.lut_kernel` (mma build only: they
     act on x where the build reads it, as fp16 B fragments, rounded as transformers' fp16 Llama rounds them):
-    ``pre="rms"``: x is RMS-normalised by g (every warp takes 1 / rms of its batch rows itself, reading
-    the whole row, before the build; no barrier); ``pre="silu"``: x32 = [a | b], x = silu(a) * b;
+    ``pre="rms"``: x is RMS-normalised by g (the block's warps sum the rows' squares between them
+    while the first codes load, one barrier, then every thread takes 1 / rms of its rows); ``pre="silu"``: x32 = [a | b], x = silu(a) * b;
     ``post="add"``: y = res + W x (res may be y itself).
     Arguments: x32 (B, in/2) int32 view of fp16 x; tiled int32 codes; cb32 (M*256*4,) int32 view of
     the fp16 codebooks; scales, bias (out,) fp16; y (B, out) fp16; ws (ksplit, B, out_pad) fp32;
@@ -736,6 +736,8 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
     RMS, SILU, ADD = pre == "rms", pre == "silu", post == "add"
     half = table == "fp16"
     key = (M, B, bt, warps, RB, cps, mma, table, pre, post)
+    row_sumsq, _, irms_of = rms_sums(B, warps)
+    WSQ = (warps, B) if RMS else (1, 1)  # shared: the warps' shares of the rows' sums of squares
     if key in _kernel_cache:
         return _kernel_cache[key]
     gpc = groups_per_chunk(M)
@@ -876,6 +878,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
     def kernel(x32, tiled, cb32, scales, bias, y, ws, counters, n_out, rbs, nchunks, cbexp, g32, res, eps):
         lut = cuda.shared.array(0, uint16 if half else float32)  # [b][g][m][k]
         last = cuda.shared.array(1, int32)
+        wsq = cuda.shared.array(WSQ, float32)
         tid = cuda.threadIdx.x
         warp = tid // 32
         rb0 = cuda.blockIdx.x * RB
@@ -898,10 +901,13 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
         g1 = j1 * gpc
         up = float32(1.0)
         irms = cuda.local.array(bt, float32)
+        if RMS:  # while this block's first codes and A fragments load
+            row_sumsq(x32, wsq, tid, warp)
+            cuda.syncthreads()
         for bb in range(bt):
             irms[bb] = float32(1.0)
-            if RMS and b0 + bb < B:  # while this block's first codes and A fragments load
-                irms[bb] = warp_irms(x32, b0 + bb, eps)
+            if RMS and b0 + bb < B:
+                irms[bb] = irms_of(wsq, b0 + bb, x32.shape[1] * 2, eps)
         if mma:
             up = build_mma(lut, x32, afr, b0, g0, g1, tid, cbexp, g32, irms)
         cbv = cuda.local.array(cbv_size, float32)
@@ -1118,6 +1124,8 @@ class AdditiveGemv:
         return max_shared_bytes(self.device)
 
     def _launch_parts(self, B: int, plan: AdditivePlan, pre: str = "", post: str = ""):
+        if pre == "rms" and plan.shared_bytes + 4 * (1 + plan.warps * B) > self._smem():
+            raise ValueError(f"{plan}: its table leaves no room for pre='rms' sums of squares ({4 * plan.warps * B} bytes)")
         kern = additive_kernel(self.M, B, plan.bt, plan.warps, plan.RB, plan.cps, plan.build == "mma", plan.table, pre, post)
         ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
         groups = -(-self.rbs // plan.RB)

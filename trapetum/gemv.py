@@ -626,29 +626,6 @@ def silu_word(w, uw):
     return float2_to_half2(a * c, b * d)
 
 
-@cuda.jit(device=True, **INLINE)
-def warp_irms(x32, bb, eps):
-    """1 / rms of row ``bb`` of x (x32: its int32 view), on every lane of the calling warp, which
-    reads the whole row (L2, then L1: every warp of a block reads the same row): no barrier and no
-    shared memory. Four 16-byte loads a lane in flight before any is used (one latency, not one a load)."""
-    nq = x32.shape[1] // 4
-    s = float32(0.0)
-    zero = int32(0)
-    for q0 in range(cuda.laneid, nq, 128):
-        w = cuda.local.array(16, int32)
-        for u in range(4):
-            q = q0 + 32 * u
-            if q < nq:
-                w[4 * u], w[4 * u + 1], w[4 * u + 2], w[4 * u + 3] = load16(x32[bb], q * 4)
-            else:
-                w[4 * u], w[4 * u + 1], w[4 * u + 2], w[4 * u + 3] = zero, zero, zero, zero
-        for k in range(16):
-            a, b = half2_to_float2(w[k])
-            s += a * a + b * b
-    s = warp_sum_f32(s)
-    return float32(1.0) / math.sqrt(s / float32(x32.shape[1] * 2) + float32(eps))
-
-
 def apply_pre(x64: torch.Tensor, pre: str, norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """A fused kernel's pre-operation on float64 x (for the references)."""
     if pre == "rms":
@@ -681,6 +658,56 @@ def check_fused(g, x: torch.Tensor, out: torch.Tensor, pre: str, post: str, norm
             raise ValueError("post='add' takes the residual tensor res")
         check_output(res, x2.shape[0], g.n_out, x2.device)
     return x2
+
+
+def rms_sums(B: int, warps: int):
+    """Device functions for a fused RMSNorm's statistics in a block of ``warps`` warps and batch B
+    (the lut and additive kernels): ``row_sumsq(x32, wsq, tid, warp)`` leaves each warp's share of
+    every row's sum of squares in wsq[warp, b] (shared, (warps, B)); ``warp_sums(part, wsq, warp)``
+    puts a warp's own per-row sums there; after a barrier, ``irms_of(wsq, b, n, eps)`` is 1 / rms of
+    row b (n inputs), read by any thread."""
+    nt = warps * 32
+
+    @cuda.jit(device=True, **INLINE)
+    def warp_sums(part, wsq, warp):
+        # Every row's sum over this warp's lanes of ``part``, to wsq[warp, b] (all lanes call it).
+        for bb in range(B):
+            v = warp_sum_f32(part[bb])
+            if cuda.laneid == 0:
+                wsq[warp, bb] = v
+
+    @cuda.jit(device=True, **INLINE)
+    def row_sumsq(x32, wsq, tid, warp):
+        part = cuda.local.array(B, float32)
+        for bb in range(B):
+            part[bb] = 0.0
+        # SUMSQ_LOADS 16-byte loads a thread issued before any is used: one memory latency, not one a
+        # load (at 4096 inputs and 8 warps the loop-carried version cost ~2 us a launch).
+        nq = x32.shape[1] // 4
+        tot = B * nq
+        wv = cuda.local.array(SUMSQ_WORDS, int32)
+        for base in range(tid, tot, SUMSQ_LOADS * nt):
+            for u in range(SUMSQ_LOADS):
+                idx = min(base + u * nt, tot - 1)
+                bb = idx // nq
+                wv[4 * u], wv[4 * u + 1], wv[4 * u + 2], wv[4 * u + 3] = load16(x32[bb], (idx - bb * nq) * 4)
+            for u in range(SUMSQ_LOADS):
+                idx = base + u * nt
+                if idx < tot:
+                    bb = idx // nq
+                    for k in range(4):
+                        a, b = half2_to_float2(wv[4 * u + k])
+                        part[bb] += a * a + b * b
+        warp_sums(part, wsq, warp)
+
+    @cuda.jit(device=True, **INLINE)
+    def irms_of(wsq, bb, n, eps):
+        t = float32(0.0)
+        for w in range(warps):
+            t += wsq[w, bb]
+        return float32(1.0) / math.sqrt(t / float32(n) + float32(eps))
+
+    return row_sumsq, warp_sums, irms_of
 
 
 def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = None, stages: int = 2,
@@ -728,6 +755,7 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
     load = load16 if wide else load4
     zero = int32(0)
     RMS, SILU, ADD = pre == "rms", pre == "silu", post == "add"
+    row_sumsq, warp_sums, irms_of = rms_sums(B, warps)
 
     @cuda.jit(device=True, **INLINE)
     def put2(xs, o, w, u):
@@ -755,39 +783,6 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
         else:
             u0, u1, u2, u3 = w0, w1, w2, w3
         return put2(xs, o, w0, u0) + put2(xs, o + 2, w1, u1) + put2(xs, o + 4, w2, u2) + put2(xs, o + 6, w3, u3)
-
-    @cuda.jit(device=True, **INLINE)
-    def row_sumsq(x32, wsq, tid, warp):
-        # Each warp's share of every row's sum of squares, to wsq[warp, b] (summed at the finish).
-        part = cuda.local.array(B, float32)
-        for bb in range(B):
-            part[bb] = 0.0
-        # SUMSQ_LOADS 16-byte loads a thread issued before any is used: one memory latency, not one a
-        # load (at 4096 inputs and 8 warps the loop-carried version cost ~2 us a launch).
-        nq = x32.shape[1] // 4
-        tot = B * nq
-        wv = cuda.local.array(SUMSQ_WORDS, int32)
-        for base in range(tid, tot, SUMSQ_LOADS * nt):
-            for u in range(SUMSQ_LOADS):
-                idx = min(base + u * nt, tot - 1)
-                bb = idx // nq
-                wv[4 * u], wv[4 * u + 1], wv[4 * u + 2], wv[4 * u + 3] = load16(x32[bb], (idx - bb * nq) * 4)
-            for u in range(SUMSQ_LOADS):
-                idx = base + u * nt
-                if idx < tot:
-                    bb = idx // nq
-                    for k in range(4):
-                        a, b = half2_to_float2(wv[4 * u + k])
-                        part[bb] += a * a + b * b
-        warp_sums(part, wsq, warp)
-
-    @cuda.jit(device=True, **INLINE)
-    def warp_sums(part, wsq, warp):
-        # Every row's sum over this warp's lanes of ``part``, to wsq[warp, b] (all lanes call it).
-        for bb in range(B):
-            v = warp_sum_f32(part[bb])
-            if cuda.laneid == 0:
-                wsq[warp, bb] = v
 
     @cuda.jit(device=True, **INLINE)
     def write_out(s, y, bb, row, res, irms):
@@ -871,10 +866,7 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
         if RMS and tid < B:
             # Once a block, into shared memory (read after the finish's barrier): computed at each
             # write it held ~25 more registers through the main loop (ptxas: 89 against 64).
-            t = float32(0.0)
-            for w in range(warps):
-                t += wsq[w, tid]
-            irms[tid] = float32(1.0) / math.sqrt(t / float32(x32.shape[1] * 2) + float32(eps))
+            irms[tid] = irms_of(wsq, tid, x32.shape[1] * 2, eps)
 
         acc = cuda.local.array(nacc, float32)
         for i in range(nacc):
