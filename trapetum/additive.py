@@ -42,6 +42,7 @@ from .gemv import (
     check_activation,
     check_fused,
     check_ops,
+    fused_operands,
     check_output,
     apply_post,
     apply_pre,
@@ -1245,14 +1246,9 @@ class AdditiveGemv:
         kern, plan, grid, _owners, views = self._prepare_fused(B, pre, post) if fused else self._prepare(B)
         ya = _as_kernel_array(out)
         xa = _as_kernel_array(x2.view(torch.int32))
-        extra = ()
+        extra, res_src = (), None
         if fused:
-            if SIM and post:
-                # the simulator copies arrays back after a launch: res must not share out's memory (the
-                # launcher refreshes this copy each call)
-                res, res_src = res.clone(), res
-            extra = (_as_kernel_array(norm_weight.view(torch.int32)) if pre == "rms" else xa,
-                     _as_kernel_array(res) if post else xa, float(eps))
+            extra, res, res_src = fused_operands(xa, pre, post, norm_weight, res, eps)
         args = self._args(xa, self._tiled, ya, views, extra)
         kern = _with_limit(kern, args, plan.shared_bytes)
         block, smem, dev = plan.warps * 32, plan.shared_bytes, self.device

@@ -640,6 +640,19 @@ def apply_post(y64: torch.Tensor, post: str, res: torch.Tensor | None) -> torch.
     return y64 + res.to(y64.device).double() if post == "add" else y64
 
 
+def fused_operands(xa, pre: str, post: str, norm_weight, res, eps: float):
+    """A fused call's extra kernel arguments (g32, res, eps), with ``xa`` (never read) for an absent
+    operand; and ``(res, res_src)``: under the simulator, which copies every array argument back after
+    a launch, res must not share out's memory (its unchanged copy would overwrite the output), so it is
+    a copy the launcher refreshes from res_src each call (res_src is None elsewhere)."""
+    res_src = None
+    if SIM and post:
+        res, res_src = res.clone(), res
+    extra = (_as_kernel_array(norm_weight.view(torch.int32)) if pre == "rms" else xa,
+             _as_kernel_array(res) if post else xa, float(eps))
+    return extra, res, res_src
+
+
 def check_fused(g, x: torch.Tensor, out: torch.Tensor, pre: str, post: str, norm_weight, res, why: str) -> torch.Tensor:
     """The operands of a fused call of GEMV ``g`` (n_in, n_out, device, fusable()); returns x as (B, in).
     ``why``: what makes a weight of g's kind unfusable, for the error."""
@@ -2062,14 +2075,9 @@ class LutGemv:
             args = (xa, self._codes, self._cb, ya, self.n_out, self.n_in)
         else:
             cfg = (plan.grid(self.rbs), plan.warps * 32)
-            extra = ()
+            extra, res_src = (), None
             if fused:
-                if SIM and post:
-                    # The simulator copies arrays back after a launch: res must not share out's memory, or
-                    # its unchanged copy overwrites the output. The launcher refreshes this copy each call.
-                    res, res_src = res.clone(), res
-                extra = (_as_kernel_array(norm_weight.view(torch.int32)) if pre == "rms" else xa,
-                         _as_kernel_array(res) if post else xa, float(eps))
+                extra, res, res_src = fused_operands(xa, pre, post, norm_weight, res, eps)
             args = self._args(plan, xa, self._tiled, ya, views[0], views[1], extra)
             if plan.kernel in ("mma", "wide"):  # above the 48 KiB default: raise this kernel's limit (compiles it, once)
                 kern = with_shared_limit(kern, args, plan.shared_bytes)
