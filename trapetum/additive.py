@@ -43,6 +43,7 @@ from .gemv import (
     check_fused,
     check_ops,
     fused_operands,
+    fused_tuning_operands,
     check_output,
     apply_post,
     apply_pre,
@@ -1177,11 +1178,7 @@ class AdditiveGemv:
         copies, views, xa, ya = tuning_inputs(self._tiled_t, self.weight_bytes, self.n_in, self.n_out, B, self.device)
         extra = ()
         if fused:
-            x = torch.randn(B, 2 * self.n_in if pre == "silu" else self.n_in, device=self.device, dtype=torch.float16)
-            w = torch.ones(self.n_in, device=self.device, dtype=torch.float16)
-            res = torch.zeros(B, self.n_out, device=self.device, dtype=torch.float16)
-            xa = _as_kernel_array(x.view(torch.int32))
-            extra = (_as_kernel_array(w.view(torch.int32)) if pre == "rms" else xa, _as_kernel_array(res) if post else xa, 1e-5)
+            xa, extra, _keep = fused_tuning_operands(self.n_in, self.n_out, B, pre, post, self.device)
 
         def launchers(plan):
             kern, _, grid, owners, kviews = self._launch_parts(B, plan, pre, post)

@@ -653,6 +653,16 @@ def fused_operands(xa, pre: str, post: str, norm_weight, res, eps: float):
     return extra, res, res_src
 
 
+def fused_tuning_operands(n_in: int, n_out: int, B: int, pre: str, post: str, device):
+    """Operands for timing a fused kernel's plans: random x, a unit norm weight, a zero residual.
+    Returns (xa, the extra arguments, the tensors, to be kept alive while the plans are timed)."""
+    x = torch.randn(B, 2 * n_in if pre == "silu" else n_in, device=device, dtype=torch.float16)
+    w = torch.ones(n_in, device=device, dtype=torch.float16)
+    res = torch.zeros(B, n_out, device=device, dtype=torch.float16)
+    xa = _as_kernel_array(x.view(torch.int32))
+    return xa, fused_operands(xa, pre, post, w, res, 1e-5)[0], (x, w, res)
+
+
 def check_fused(g, x: torch.Tensor, out: torch.Tensor, pre: str, post: str, norm_weight, res, why: str) -> torch.Tensor:
     """The operands of a fused call of GEMV ``g`` (n_in, n_out, device, fusable()); returns x as (B, in).
     ``why``: what makes a weight of g's kind unfusable, for the error."""
@@ -1982,11 +1992,7 @@ class LutGemv:
         copies, views, xa, ya = tuning_inputs(self._tiled_t, self.weight_bytes, self.n_in, self.n_out, B, self.device)
         extra = ()
         if fused:
-            x = torch.randn(B, 2 * self.n_in if pre == "silu" else self.n_in, device=self.device, dtype=torch.float16)
-            w = torch.ones(self.n_in, device=self.device, dtype=torch.float16)
-            res = torch.zeros(B, self.n_out, device=self.device, dtype=torch.float16)
-            xa = _as_kernel_array(x.view(torch.int32))
-            extra = (_as_kernel_array(w.view(torch.int32)) if pre == "rms" else xa, _as_kernel_array(res) if post else xa, 1e-5)
+            xa, extra, _keep = fused_tuning_operands(self.n_in, self.n_out, B, pre, post, self.device)
 
         def launchers(plan):
             kern, _, owners, (wsa, cnta) = self._launch_parts(B, plan, pre, post)
