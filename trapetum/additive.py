@@ -39,14 +39,14 @@ from .gemv import (
     MAX_FUSED_BATCH,
     SIM,
     _as_kernel_array,
+    apply_post,
+    apply_pre,
     check_activation,
     check_fused,
     check_ops,
+    check_output,
     fused_operands,
     fused_tuning_operands,
-    check_output,
-    apply_post,
-    apply_pre,
     half2_to_float2,
     kernel_device,
     last_to_finish,
@@ -55,13 +55,13 @@ from .gemv import (
     load_half_byte_offset,
     max_shared_bytes,
     mma_table_tile,
+    rms_sums,
     rms_word,
     silu_word,
     sm_count,
     sum_splits,
     tuning_enabled,
     tuning_inputs,
-    rms_sums,
     warp_max_u32,
     with_shared_limit,
 )
@@ -738,10 +738,10 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
     RMS, SILU, ADD = pre == "rms", pre == "silu", post == "add"
     half = table == "fp16"
     key = (M, B, bt, warps, RB, cps, mma, table, pre, post)
-    row_sumsq, _, irms_of = rms_sums(B, warps)
-    WSQ = (warps, B) if RMS else (1, 1)  # shared: the warps' shares of the rows' sums of squares
     if key in _kernel_cache:
         return _kernel_cache[key]
+    row_sumsq, _, irms_of = rms_sums(B, warps)
+    WSQ = (warps, B) if RMS else (1, 1)  # shared: the warps' shares of the rows' sums of squares
     gpc = groups_per_chunk(M)
     G = cps * gpc
     nt = warps * 32
@@ -799,6 +799,13 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
                             acc[bb] += lookup(lut, uint32(((bb * G + c * gpc + gi) * PS + m * K) * esize) + o)
 
     @cuda.jit(device=True, **INLINE)
+    def with_res(v, res, b, row):
+        # post="add": the residual, read and written back (as y) by the same thread
+        if ADD:
+            v += float32(res[b, row])
+        return v
+
+    @cuda.jit(device=True, **INLINE)
     def row_block(ring, cur, nxt, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out, up, res):
         # Prefetch the warp's next row-block into slot nxt, sum this one's (slot cur), then
         # 4. scale and write y, or this K-slice's partial.
@@ -814,10 +821,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
             for bb in range(bt):
                 if b0 + bb < B:
                     if nsplit == 1:
-                        v = acc[bb] * sc + float32(bias[row])
-                        if ADD:
-                            v += float32(res[b0 + bb, row])
-                        y[b0 + bb, row] = v
+                        y[b0 + bb, row] = with_res(acc[bb] * sc + float32(bias[row]), res, b0 + bb, row)
                     else:
                         ws[split, b0 + bb, row] = acc[bb] * sc
 
@@ -962,10 +966,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
                 bb = i // (RB * 32)
                 row = rb0 * 32 + (i - bb * RB * 32)
                 if row < n_out and b0 + bb < B:
-                    v = sum_splits(ws, nsplit, b0 + bb, row) + float32(bias[row])
-                    if ADD:
-                        v += float32(res[b0 + bb, row])
-                    y[b0 + bb, row] = v
+                    y[b0 + bb, row] = with_res(sum_splits(ws, nsplit, b0 + bb, row) + float32(bias[row]), res, b0 + bb, row)
 
     _kernel_cache[key] = kernel
     return kernel
@@ -981,6 +982,10 @@ class AdditivePlan:
     shared_bytes: int  # dynamic: the table, bt * cps * 16 KiB in fp32 (plus padding under the mma build)
     build: str = "fma"  # the table: "fma" (scalar multiply-adds) or "mma" (tensor cores)
     table: str = "fp32"  # its entries: "fp32" or "fp16" (mma build only; half the bytes)
+
+    def label(self) -> str:
+        """The plan in a few words (the fused step's and the bench's record of it)."""
+        return f"additive: {self.warps} warps, RB {self.RB}, K-split {self.ksplit}, {self.table} table"
 
 
 def plan_additive(n_out: int, nchunks: int, M: int, B: int, sms: int, smem: int, warps: int | None = None, RB: int | None = None,

@@ -1669,6 +1669,10 @@ class LaunchPlan:
     # turn, with as many more in flight
     walk: int = 1  # groups of RB row-blocks a block walks (wide_kernel only)
 
+    def label(self) -> str:
+        """The plan in a few words (the fused step's and the bench's record of it)."""
+        return f"{self.warps} warps, RB {self.RB}, K-split {self.ksplit}, stages {self.stages}"
+
     def grid(self, rbs: int) -> tuple[int, int]:
         """(blocks along the rows, K-slices) for a layer of ``rbs`` row-blocks."""
         return -(-(-(-rbs // self.RB)) // self.walk), self.ksplit

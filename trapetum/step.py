@@ -154,7 +154,7 @@ class FusedStep:
                 self.ops.append(g.bind(x, o, pre=pre, post=post, norm_weight=None if norm is None else norm.weight,
                                        eps=getattr(norm, "variance_epsilon", 1e-6), res=o if add else None))
                 self.fused_launches += 1
-                self.plans[f"{g.n_in}x{g.n_out} {pre or '-'}/{post or '-'}"] = plan_label(g.fused_plan(1, pre, post))
+                self.plans[f"{g.n_in}x{g.n_out} {pre or '-'}/{post or '-'}"] = g.fused_plan(1, pre, post).label()
             return
         self.unfused_projections.append(name)
         n_in = linears[0].in_features
@@ -210,13 +210,6 @@ class FusedStep:
             self.logits.index_copy_(0, self.i, logits)
         for op in self.finish:
             op()
-
-
-def plan_label(p) -> str:
-    """A fused GEMV's launch plan in a few words (a scalar-codebook LaunchPlan or an AdditivePlan)."""
-    if hasattr(p, "stages"):
-        return f"{p.warps} warps, RB {p.RB}, K-split {p.ksplit}, stages {p.stages}"
-    return f"additive: {p.warps} warps, RB {p.RB}, K-split {p.ksplit}, {p.table} table"
 
 
 # -- the kernels' correctness sweep (run on the device before any timing of this step) ---------------
