@@ -33,7 +33,7 @@ os.environ.setdefault("NUMBA_CUDA_ARRAY_INTERFACE_SYNC", "0")
 
 import torch  # noqa: E402
 from numba import config as _nb_config  # noqa: E402
-from numba import cuda, float32, int32, int64, uint32  # noqa: E402
+from numba import cuda, float32, int32, int64, uint16, uint32  # noqa: E402
 
 from .codebook import CHUNK_BYTES, ROW_BLOCK, CodebookTensor, check_rows, codes_per_byte, tile, untile  # noqa: E402
 
@@ -106,7 +106,7 @@ if SIM:
 
     @cuda.jit(device=True)
     def load_byte_offset(a, off):
-        return a[off // 4]
+        return a[off // a.itemsize]
 
     @cuda.jit(device=True)
     def load_half_byte_offset(a, off):
@@ -238,7 +238,7 @@ else:
 
         def codegen(context, builder, sig, args):
             ety = context.get_data_type(sig.args[0].dtype)
-            return builder.load(_byte_pointer(context, builder, sig.args[0], *args, ety), align=4)
+            return builder.load(_byte_pointer(context, builder, sig.args[0], *args, ety), align=context.get_abi_sizeof(ety))
 
         return sig, codegen
 
@@ -957,14 +957,24 @@ def stage_pair_block(sm, cbt32, x32, CO, XO, xrow, bx, rbs, j0, jend, B, tid, nt
     """mma_kernel's prologue: the codebooks (:func:`stage_codebooks`) and B rows of this K-slice
     of x at XO, ``xrow`` words a row."""
     stage_codebooks(sm, cbt32, CO, bx, rbs, tid, nt)
+    stage_x_rows(sm, x32, XO, xrow, j0, jend, B, B, tid, nt)
+
+
+@cuda.jit(device=True, **INLINE)
+def stage_x_rows(sm, x32, XO, xrow, j0, jend, B, BP, tid, nt):
+    """Rows 0..BP-1 of this K-slice (chunks j0..jend-1) of x at word XO, ``xrow`` words a row, fp16
+    as staged: the B rows of x, then zeros (rows a kernel's n-tile reads past the batch)."""
     xq = (jend - j0) * 4  # 16-byte pieces of a batch row
     # 32-bit division: numba's int64 one is a long emulated sequence. (Eight pieces in flight a
     # thread instead of one gave no gain at batch 16-64 and cost the batch-1 kernel 10 registers.)
-    n = uint32(B * xq)
+    n = uint32(BP * xq)
     uxq = uint32(xq)
+    zero = int32(0)
     for t in range(uint32(tid), n, uint32(nt)):
         bb = t // uxq
-        v0, v1, v2, v3 = load16(x32[bb], uint32(j0 * 16) + (t - bb * uxq) * uint32(4))
+        v0, v1, v2, v3 = zero, zero, zero, zero
+        if BP == B or bb < uint32(B):  # the first folds away where every staged row is x's
+            v0, v1, v2, v3 = load16(x32[bb], uint32(j0 * 16) + (t - bb * uxq) * uint32(4))
         store16(sm, uint32(XO) + bb * uint32(xrow) + (t - bb * uxq) * uint32(4), v0, v1, v2, v3)
 
 
@@ -1267,6 +1277,14 @@ def stage_x_pairs(sm, x32, XO, xrow, j0, jend, B, tid, nt):
         store16(sm, o + uint32(4), a2, b2, a3, b3)
 
 
+@cuda.jit(device=True, **INLINE)
+def fetch_row_words(dst, o, tiled, base, jj):
+    """Chunk jj of a row-block as four 4-byte loads (``base``: the row-block's first word + lane):
+    load q gives lane (g, t) word t (columns 8t..8t+7) of row 8q + g, one 128-byte line a load."""
+    for q in range(4):
+        dst[o + q] = load_stream(tiled, base + jj * 128 + q * 32)
+
+
 def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
     """4-bit (K = 16) fused kernel for batches of up to 64 rows, on the tensor cores with x as the
     mma's A operand (batch rows as M) and the looked-up weights as B (weight rows as N).
@@ -1308,11 +1326,6 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
     finish = pair_block_finisher(B, W2, nt)
 
     @cuda.jit(device=True, **INLINE)
-    def fetch(dst, o, tiled, base, jj):
-        for q in range(4):  # word t of row 8q + g: the warp reads the chunk's 128-byte line q
-            dst[o + q] = load_stream(tiled, base + jj * 128 + q * 32)
-
-    @cuda.jit(device=True, **INLINE)
     def use_chunk(c, o, sm, lb, xr, rel, xa, xb, acc):
         for mt in range(MT):  # A fragments of x rows 16 mt + g, + 8, columns 8t..8t+3 (xa) and 8t+4..8t+7 (xb)
             k = 4 * mt
@@ -1338,7 +1351,7 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
                         acc[i], acc[i + 1], acc[i + 2], acc[i + 3] = mma_m16n8k16(
                             xb[k], xb[k + 1], xb[k + 2], xb[k + 3], b0, b1, acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
 
-    stream = pair_block_stream(fetch, use_chunk, U, W2)
+    stream = pair_block_stream(fetch_row_words, use_chunk, U, W2)
 
     # batch 33..64 spilled at 128 registers; its x slice allows one block an SM anyway (wide_min_blocks)
     @cuda.jit(**({} if SIM else {"launch_bounds": (nt, wide_min_blocks(B, warps))}))
@@ -1384,7 +1397,7 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
             jlast = j1 - 1
             if nk > 0:
                 for u in range(U):
-                    fetch(c, 4 * u, tiled, base, min(j0 + wg + u * W2, jlast))
+                    fetch_row_words(c, 4 * u, tiled, base, min(j0 + wg + u * W2, jlast))
             stage_codebooks(sm, cbt32, CO, p, rbs, tid, nt)
             if p == cuda.blockIdx.x:
                 stage_x_pairs(sm, x32, XO, xrow, j0, jend, B, tid, nt)
@@ -1405,6 +1418,175 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
                             red[(warp * B + b) * 32 + 8 * q + 2 * t + (i & 1)] = acc[4 * (4 * mt + q) + i]
             cuda.syncthreads()
             finish(red, y, ws, counters, last, p, split, nsplit, n_out, tid)
+
+    _kernel_cache[key] = kernel
+    return kernel
+
+
+TILE_UNROLL = 2
+TILE_UNROLLS = (2, 4)  # the unrolls the tuner tries
+TILE_TABLE_WORDS = 32 * 8  # a warp's table: its row-block's 32 rows x 16 fp16 codebook entries
+
+
+def tile_xrow(cps: int) -> int:
+    """Words of one batch row of :func:`tile_kernel`'s x slice: 16 a chunk, padded so rows r and
+    r + 1 start 64 bytes apart modulo 128: the 16-byte reads of a quarter-warp (rows g, g + 1, four
+    lanes each) then fall in disjoint banks."""
+    return cps * 16 + (16 if cps % 2 == 0 else 0)
+
+
+def tile_shared_bytes(B: int, warps: int, cps: int) -> int:
+    """Dynamic shared memory of :func:`tile_kernel`: the x slice (batch rows padded to a multiple
+    of 8, the mma's n-tile) and each warp's 32-row table."""
+    return 4 * (8 * ((B + 7) // 8) * tile_xrow(cps) + warps * TILE_TABLE_WORDS)
+
+
+def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
+    """4-bit (K = 16) fused kernel for batches of 2..64 rows on the tensor cores, with the weights as
+    the mma's A operand (weight rows as M) and x as B (batch rows as N, 8 an n-tile), the way a GEMM
+    tiles them.
+
+    The wide kernel holds x as A, so its warps split a row-block's chunks, and the partials of
+    every warp (B x 32 floats each) meet in shared memory a row pair: at batch 64 that costs more
+    than the row pair's codes (NOTES "Wide v2"), and its 64 KiB pair table is rebuilt for every 64
+    rows. Here each warp owns one row-block over the block's whole K-slice, so nothing meets in
+    shared memory, and its table is the row-block's 32 codebooks as they are (16 fp16 a row,
+    1 KiB a warp, copied, not built). A lookup is one code, not a pair: per chunk and warp 4 loads
+    (:func:`fetch_row_words`: lane (g, t) gets word t of rows g, g + 8, g + 16, g + 24), 32 lookups
+    (two a register of A: 16 rows x 16 k-slots an m-tile, two m-tiles a row-block), then per
+    n-tile of 8 batch rows one 16-byte read of x and 4 mmas. Bytes 2h, 2h + 1 of word t feed k-step
+    h: k-slots 2t, 2t + 1 (2t + 8, 2t + 9) are the chunk's columns 8t + 4h, + 1 (+ 2, + 3), so a
+    lane's 16-byte read of x (columns 8t..8t+7 of batch row 8n + g) is B of both k-steps.
+
+    Grid (ceil(rbs / warps / walk), ksplit): block bx walks groups of ``warps`` row-blocks bx,
+    bx + gridDim.x, ... keeping its K-slice of x; K-slices meet in ``ws``, summed by the last block
+    of a group (:func:`last_to_finish`). Arguments as :func:`wide_kernel`'s, except ``cb32``: the
+    natural (out, 16) fp16 codebooks as int32 words. :func:`tile_shared_bytes` of shared memory.
+    ``unroll``: chunks a warp uses in one turn while as many more are in flight.
+    """
+    key = ("tile", B, warps, unroll)
+    if key in _kernel_cache:
+        return _kernel_cache[key]
+    if not 1 <= B <= MAX_WIDE_BATCH or warps not in (4, 8, 16) or unroll not in (1, 2, 4):
+        raise ValueError(f"the tile kernel takes batch 1..{MAX_WIDE_BATCH}, 4, 8 or 16 warps and unroll 1, 2 or 4, "
+                         f"got {B}, {warps} and {unroll}")
+    NB = (B + 7) // 8  # n-tiles
+    BP = 8 * NB
+    U = unroll
+    nt = warps * 32
+    NU, NC = 4 * U, 8 * NB  # local array sizes: numba needs them as constants
+
+    @cuda.jit(device=True, **INLINE)
+    def look(tab, rowb, cw, i):
+        """The fp16 pair (C[nibble i], C[nibble i + 1]) of code word ``cw``, its row's table at byte ``rowb``."""
+        lo = load_byte_offset(tab, rowb + ((cw >> uint32(4 * i)) & uint32(15)) * uint32(2))
+        hi = load_byte_offset(tab, rowb + ((cw >> uint32(4 * i + 4)) & uint32(15)) * uint32(2))
+        return prmt(lo, hi, 0x5410)
+
+    @cuda.jit(device=True, **INLINE)
+    def use_chunk(c, o, sm, lb, xo, rel, a, tab, acc):
+        # rel: the chunk's index in the K-slice; xo[n]: this lane's x words of n-tile n; lb: the
+        # byte of row g in this warp's table. a[8 mt + 4 h + r]: A register r of m-tile mt, k-step h.
+        for q in range(4):  # row 8q + g: m-tile q >> 1, A row g (q even: a0, a2) or g + 8 (a1, a3)
+            cw = uint32(c[o + q])
+            rowb = lb + uint32(256 * q)
+            for h in range(2):
+                a[8 * (q >> 1) + 4 * h + (q & 1)] = look(tab, rowb, cw, 4 * h)
+                a[8 * (q >> 1) + 4 * h + 2 + (q & 1)] = look(tab, rowb, cw, 4 * h + 2)
+        for n in range(NB):
+            b0, b1, b2, b3 = sload4(sm, xo[n] + rel * 16)  # B of k-step 0 (b0, b1) and 1 (b2, b3)
+            for mt in range(2):
+                i = 4 * (NB * mt + n)
+                k = 8 * mt
+                acc[i], acc[i + 1], acc[i + 2], acc[i + 3] = mma_m16n8k16(
+                    a[k], a[k + 1], a[k + 2], a[k + 3], b0, b1, acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
+                acc[i], acc[i + 1], acc[i + 2], acc[i + 3] = mma_m16n8k16(
+                    a[k + 4], a[k + 5], a[k + 6], a[k + 7], b2, b3, acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
+
+    stream = pair_block_stream(fetch_row_words, use_chunk, U, 1)
+
+    @cuda.jit(device=True, **INLINE)
+    def put_d(y, ws, split, nsplit, n_out, r, b, d0, d1, d2, d3):
+        """One D fragment's four sums (rows r, r + 8 x batch rows b, b + 1) to y, or with a K-split to ws."""
+        for i in range(4):
+            ri = r + uint32(8 * (i >> 1))
+            bi = b + uint32(i & 1)
+            v = d0 if i == 0 else d1 if i == 1 else d2 if i == 2 else d3
+            if (BP == B or bi < uint32(B)) and ri < uint32(n_out):
+                if nsplit == 1:
+                    y[bi, ri] = v
+                else:
+                    ws[split, bi, ri] = v
+
+    # Every fragment, written out as straight-line calls: NVVM leaves a loop over 16 fragments rolled
+    # (batch 64), and acc, indexed by its counter, then lives in local memory (a 256-byte stack frame).
+    src = "def put_all(y, ws, split, nsplit, n_out, r, b, acc):\n" + "".join(
+        f"    put_d(y, ws, split, nsplit, n_out, r + uint32({16 * mt}), b + uint32({8 * n}), "
+        f"acc[{i}], acc[{i + 1}], acc[{i + 2}], acc[{i + 3}])\n"
+        for mt in range(2) for n in range(NB) for i in [4 * (NB * mt + n)])
+    env = {"put_d": put_d, "uint32": uint32}
+    exec(src, env)
+    put_all = cuda.jit(device=True, **INLINE)(env["put_all"])
+
+    @cuda.jit(**({} if SIM else {"launch_bounds": (nt, wide_min_blocks(B, warps))}))
+    def kernel(x32, tiled, cb32, y, ws, counters, n_out, rbs, nchunks, cps):
+        sm = cuda.shared.array(0, uint32)  # x slice | the warps' tables
+        tab = cuda.shared.array(0, uint16)  # the same memory, for 2-byte lookups
+        last = cuda.shared.array(1, int32)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = cuda.laneid
+        gq = lane >> 2
+        t = lane & 3
+        split = cuda.blockIdx.y
+        nsplit = cuda.gridDim.y
+        j0 = split * cps
+        jend = min(j0 + cps, nchunks)
+        xrow = cps * 16 + (16 if cps % 2 == 0 else 0)  # tile_xrow
+        TO = BP * xrow + warp * TILE_TABLE_WORDS  # this warp's table
+        lb = uint32(TO * 4 + gq * 32)
+        xo = cuda.local.array(NB, int32)
+        for n in range(NB):
+            xo[n] = (8 * n + gq) * xrow + 4 * t
+        a = cuda.local.array(16, uint32)
+        acc = cuda.local.array(NC, float32)
+        c = cuda.local.array(NU, int32)
+        d = cuda.local.array(NU, int32)  # the second register set (pair_block_stream)
+        zero = int32(0)
+
+        for p in range(cuda.blockIdx.x, (rbs + warps - 1) // warps, cuda.gridDim.x):
+            rb = p * warps + warp
+            j1 = jend if rb < rbs else j0  # a last group of fewer row-blocks leaves warps idle
+            base = rb * nchunks * 128 + lane
+            nk = j1 - j0
+            jlast = j1 - 1
+            if nk > 0:  # start streaming before anything waits (chunks past the slice: clamped, unused)
+                for u in range(U):
+                    fetch_row_words(c, 4 * u, tiled, base, min(j0 + u, jlast))
+            if p == cuda.blockIdx.x:
+                stage_x_rows(sm, x32, 0, xrow, j0, jend, B, BP, tid, nt)
+            cuda.syncthreads()  # the last group's tables are read
+            row = rb * 32 + lane  # lane l copies row l's 16 entries
+            v0, v1, v2, v3, v4, v5, v6, v7 = zero, zero, zero, zero, zero, zero, zero, zero
+            if rb < rbs and row < n_out:
+                v0, v1, v2, v3 = load16(cb32[row], 0)
+                v4, v5, v6, v7 = load16(cb32[row], 4)
+            store16(sm, TO + lane * 8, v0, v1, v2, v3)
+            store16(sm, TO + lane * 8 + 4, v4, v5, v6, v7)
+            cuda.syncthreads()  # the x slice and the tables are in place
+            for i in range(NC):
+                acc[i] = float32(0.0)
+            stream(c, d, tiled, base, j0, jlast, 0, nk, sm, lb, xo, a, tab, acc)
+
+            # D fragment (mt, n): lane (g, t) holds rows 16 mt + g, + 8 and batch rows 8n + 2t, + 1.
+            if rb < rbs:
+                put_all(y, ws, split, nsplit, n_out, uint32(rb * 32 + gq), uint32(2 * t), acc)
+            if nsplit > 1 and last_to_finish(counters, p, nsplit, last, tid):
+                for it in range(tid, nt * B, nt):
+                    r = p * nt + it % nt
+                    b = it // nt
+                    if r < n_out:
+                        y[b, r] = sum_splits(ws, nsplit, b, r)
 
     _kernel_cache[key] = kernel
     return kernel
@@ -1779,6 +1961,48 @@ def plan_wide(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SI
     return p
 
 
+def plan_tile(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SIM, warps: int | None = None,
+              ksplit: int | None = None, stages: int = TILE_UNROLL, walk: int | str = 1) -> LaunchPlan:
+    """Grid of :func:`tile_kernel` for one 4-bit layer: groups of ``warps`` row-blocks (default 8,
+    or 4 where 8 leave SMs without a group) x K-slices. Without a ``ksplit``: the smallest that the
+    x slice allows and that fills every SM's blocks, as long as every warp keeps two full pipeline
+    turns. ``walk`` as :func:`plan_wide`'s (groups a block walks, or ``"wave"``). ValueError where
+    the plan cannot launch."""
+    rbs = -(-n_out // ROW_BLOCK)
+    if warps is None:
+        warps = 8 if -(-rbs // 8) >= sms // 2 else 4
+    if warps not in (4, 8, 16):
+        raise ValueError(f"the tile kernel takes 4, 8 or 16 warps, got {warps}")
+    if not 1 <= B <= MAX_WIDE_BATCH:
+        raise ValueError(f"the tile kernel takes batch 1..{MAX_WIDE_BATCH}, got {B}")
+    if stages not in (1, 2, 4):
+        raise ValueError(f"the tile kernel unrolls 1, 2 or 4 chunks a turn, got {stages}")
+    if tile_shared_bytes(B, warps, 1) > budget:
+        raise ValueError(f"the tile kernel's x slice at batch {B} does not fit {budget} bytes of shared memory")
+    cps_max = 1
+    while cps_max < nchunks and tile_shared_bytes(B, warps, cps_max + 1) <= budget:
+        cps_max += 1
+    min_split = -(-nchunks // cps_max)
+    groups = -(-rbs // warps)
+    if ksplit is None:
+        ksplit = min_split
+        while ksplit < max(min_split, nchunks // (2 * stages)):
+            cps = -(-nchunks // ksplit)
+            if groups * -(-nchunks // cps) >= wide_blocks_per_sm(B, warps, tile_shared_bytes(B, warps, cps)) * sms:
+                break
+            ksplit += 1
+    elif ksplit < min_split:
+        raise ValueError(f"ksplit={ksplit} leaves more of x than shared memory holds; at least {min_split}")
+    cps = -(-nchunks // min(ksplit, nchunks))
+    ksplit = -(-nchunks // cps)
+    smem = tile_shared_bytes(B, warps, cps)
+    if walk == "wave":
+        walk = -(-groups * ksplit // (wide_blocks_per_sm(B, warps, smem) * sms))
+    if not isinstance(walk, int) or walk < 1:
+        raise ValueError(f"walk is a positive number of row-block groups a block, or 'wave'; got {walk!r}")
+    return LaunchPlan(warps, ksplit, cps, smem, RB=warps, stages=stages, kernel="tile", walk=min(walk, groups))
+
+
 def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budget: int = 0) -> list[LaunchPlan]:
     """The plans the tuner times: every allowed RB x a ladder of K-splits, 8 warps where they fit;
     for 4-bit codes also the tensor-core kernels' warps x K-splits, where ``mma_budget`` bytes of
@@ -1829,12 +2053,23 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
             if key not in seen and p.cps >= (p.warps // 2) * p.stages:
                 seen.add(key)
                 out.append(p)
+        # tile: from batch 2, 4 or 8 warps, each as a block a group and as one wave of walking blocks
+        for w, ks, st, walk in itertools.product((4, 8), (1, 2, 3, 4, 6, 8, 12, 16, None), TILE_UNROLLS if B >= 2 else (), (1, "wave")):
+            try:
+                p = plan_tile(n_out, nchunks, B, sms, mma_budget, warps=w, ksplit=ks, stages=st, walk=walk)
+            except ValueError:
+                continue
+            key = ("tile", p.warps, p.ksplit, p.stages, p.walk)
+            if key not in seen and p.cps >= 2 * p.stages:
+                seen.add(key)
+                out.append(p)
     if not out:
-        out.append(plan_launch(n_out, nchunks, K, B, sms) if B <= MAX_FUSED_BATCH else plan_wide(n_out, nchunks, B, sms, mma_budget))
+        out.append(plan_launch(n_out, nchunks, K, B, sms) if B <= MAX_FUSED_BATCH else plan_tile(n_out, nchunks, B, sms, mma_budget))
     return out
 
 
 _TUNED: dict = {}
+TC_KERNELS = ("mma", "wide", "tile")  # the 4-bit tensor-core kernels: own shared-memory layouts, opt-in limits
 
 
 class LutGemv:
@@ -1843,18 +2078,19 @@ class LutGemv:
     ``variant``: "lut" (16-byte loads, the product), "lut32" (same kernel, 4-byte loads: the
     ablation), "naive" (one thread a row, natural layout: the negative result).
     ``plan``: optional overrides for :func:`plan_launch` (keys RB, ksplit, warps, stages), or with
-    ``kernel="mma"`` / ``"wide"`` for :func:`plan_mma` / :func:`plan_wide` (keys warps, ksplit, stages;
-    4-bit only); otherwise the plan is tuned on a GPU (``tune=True``: the tensor-core kernels are
+    ``kernel="mma"`` / ``"wide"`` / ``"tile"`` for :func:`plan_mma` / :func:`plan_wide` / :func:`plan_tile`
+    (keys warps, ksplit, stages, and walk for the last two; 4-bit only); otherwise the plan is tuned on a GPU (``tune=True``: the tensor-core kernels are
     among the 4-bit candidates) or taken from the heuristic.
     ``keep_natural=False``: hold the codes only in the kernel's tiled layout (half the memory of
     keeping both); :attr:`ct` then rebuilds the natural layout on demand (a copy).
     ``kernels``: the kernel families the "lut" variant may plan with: "lut" (fp32 table, FMA) and,
-    for 4-bit codes, "mma" (pair table, tensor cores, batch 1..16) and "wide" (the same table with x
-    as the mma's A operand, batch 4..64); the default tunes over all. :attr:`max_batch` is 64 where
-    "wide" may run, else 16.
+    for 4-bit codes, "mma" (pair table, tensor cores, batch 1..16), "wide" (the same table with x
+    as the mma's A operand, batch 4..64) and "tile" (the weights as the mma's A operand, batch
+    2..64); the default tunes over all. :attr:`max_batch` is 64 where "wide" or "tile" may run,
+    else 16.
     """
 
-    FAMILIES = ("lut", "mma", "wide")
+    FAMILIES = ("lut", "mma", "wide", "tile")
 
     VARIANTS = ("lut", "lut32", "naive")
 
@@ -1890,6 +2126,8 @@ class LutGemv:
             self._tiled_t, self._cbt_t = tiled, cbt32  # keep torch owners alive under the views
             self._tiled = _as_kernel_array(tiled)
             self._cbt = _as_kernel_array(cbt32)
+            # the tile kernel copies each row's 16 entries as they are: the natural (out, 16) codebook
+            self._cbn = _as_kernel_array(ct.codebook.view(torch.int32)) if ct.K == 16 else None
         self._plans: dict[int, tuple] = {}
         self._fused_plans: dict[tuple, tuple] = {}
 
@@ -1909,14 +2147,14 @@ class LutGemv:
     @property
     def max_batch(self) -> int:
         """The largest batch a fused kernel takes for this weight (larger ones: QLinear dequantizes)."""
-        return MAX_WIDE_BATCH if self.K == 16 and self.variant == "lut" and "wide" in self.kernels else MAX_FUSED_BATCH
+        return MAX_WIDE_BATCH if self.K == 16 and self.variant == "lut" and {"wide", "tile"} & set(self.kernels) else MAX_FUSED_BATCH
 
     def check_input(self, x: torch.Tensor) -> torch.Tensor:
         return check_activation(x, self.n_in, self.device, self.max_batch)
 
     def _mma_budget(self) -> int:
         """Shared memory the tensor-core kernels may plan with (0: not candidates for this weight)."""
-        if self.K != 16 or self.variant != "lut" or not {"mma", "wide"} & set(self.kernels):
+        if self.K != 16 or self.variant != "lut" or not set(TC_KERNELS) & set(self.kernels):
             return 0
         return OPTIN_SIM if SIM else max_shared_bytes(self.device)
 
@@ -1924,13 +2162,13 @@ class LutGemv:
         opts = dict(self.fixed_plan)
         sms = sm_count(self.device)
         kind = opts.pop("kernel", "lut")
-        if kind in ("mma", "wide"):
+        if kind in TC_KERNELS:
             if self.K != 16 or self.variant != "lut":
                 raise ValueError(f"the {kind} kernel takes 4-bit codes in the 'lut' variant, not K={self.K} / {self.variant!r}")
             budget = OPTIN_SIM if SIM else max_shared_bytes(self.device)
             if kind == "mma" and "walk" in opts:
-                raise ValueError("walk (row pairs a block walks) is an option of the wide kernel only")
-            return (plan_mma if kind == "mma" else plan_wide)(self.n_out, self.nchunks, B, sms, budget, **opts)
+                raise ValueError("walk (row groups a block walks) is an option of the wide and tile kernels only")
+            return {"mma": plan_mma, "wide": plan_wide, "tile": plan_tile}[kind](self.n_out, self.nchunks, B, sms, budget, **opts)
         return plan_launch(self.n_out, self.nchunks, self.K, B, sms, **opts)
 
     def _launch_parts(self, B: int, plan: LaunchPlan, pre: str = "", post: str = ""):
@@ -1940,6 +2178,8 @@ class LutGemv:
             kern = mma_kernel(B, plan.warps, plan.stages)
         elif plan.kernel == "wide":
             kern = wide_kernel(B, plan.warps, plan.stages)
+        elif plan.kernel == "tile":
+            kern = tile_kernel(B, plan.warps, plan.stages)
         else:
             kern = lut_kernel(self.K, B, plan.warps, wide=self.variant == "lut", RB=plan.RB, stages=plan.stages, pre=pre, post=post)
         ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
@@ -1956,8 +2196,9 @@ class LutGemv:
                 plan = self._plan_fixed(B)
             elif self.tune_on_gpu:
                 plan = self.tune(B)
-            elif B > MAX_FUSED_BATCH or self.kernels == ("wide",):
-                plan = plan_wide(self.n_out, self.nchunks, B, sm_count(self.device), self._mma_budget())
+            elif B > MAX_FUSED_BATCH or not {"lut", "mma"} & set(self.kernels):  # only a wide-batch kernel may run
+                plan_wb = plan_tile if "tile" in self.kernels else plan_wide
+                plan = plan_wb(self.n_out, self.nchunks, B, sm_count(self.device), self._mma_budget())
             elif "lut" not in self.kernels:
                 plan = plan_mma(self.n_out, self.nchunks, B, sm_count(self.device), self._mma_budget())
             else:
@@ -2001,7 +2242,7 @@ class LutGemv:
         def launchers(plan):
             kern, _, owners, (wsa, cnta) = self._launch_parts(B, plan, pre, post)
             kern = with_shared_limit(kern, self._args(plan, xa, views[0], ya, wsa, cnta, extra),
-                                     plan.shared_bytes if plan.kernel in ("mma", "wide") else 0)
+                                     plan.shared_bytes if plan.kernel in TC_KERNELS else 0)
             grid, block = plan.grid(self.rbs), plan.warps * 32
 
             def launcher(ta):
@@ -2036,7 +2277,7 @@ class LutGemv:
     def _args(self, plan: LaunchPlan, xa, tiled, ya, wsa, cnta, fused: tuple = ()) -> tuple:
         """A tiled kernel's arguments; the lut kernel also takes its fused operands (g32, res, eps),
         which default to arrays it never reads when it fuses nothing."""
-        args = (xa, tiled, self._cbt, ya, wsa, cnta, self.n_out, self.rbs, self.nchunks, plan.cps)
+        args = (xa, tiled, self._cbn if plan.kernel == "tile" else self._cbt, ya, wsa, cnta, self.n_out, self.rbs, self.nchunks, plan.cps)
         # Not ya as the unread res: the simulator copies each array argument back after a launch, and
         # an unchanged copy of y would overwrite the kernel's output.
         return args + (fused or (xa, xa, 0.0)) if plan.kernel == "lut" else args
@@ -2089,7 +2330,7 @@ class LutGemv:
             if fused:
                 extra, res, res_src = fused_operands(xa, pre, post, norm_weight, res, eps)
             args = self._args(plan, xa, self._tiled, ya, views[0], views[1], extra)
-            if plan.kernel in ("mma", "wide"):  # above the 48 KiB default: raise this kernel's limit (compiles it, once)
+            if plan.kernel in TC_KERNELS:  # above the 48 KiB default: raise this kernel's limit (compiles it, once)
                 kern = with_shared_limit(kern, args, plan.shared_bytes)
         smem = 0 if plan is None else plan.shared_bytes
         dev = self.device
