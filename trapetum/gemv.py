@@ -1477,10 +1477,17 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
     NU, NC = 4 * U, 8 * NB  # local array sizes: numba needs them as constants
 
     @cuda.jit(device=True, **INLINE)
-    def look(tab, rowb, cw, i):
-        """The fp16 pair (C[nibble i], C[nibble i + 1]) of code word ``cw``, its row's table at byte ``rowb``."""
-        lo = load_byte_offset(tab, rowb + ((cw >> uint32(4 * i)) & uint32(15)) * uint32(2))
-        hi = load_byte_offset(tab, rowb + ((cw >> uint32(4 * i + 4)) & uint32(15)) * uint32(2))
+    def nibble_at(cw, i):
+        """Byte offset 2 x nibble i of ``cw`` (bits 1-4), for an entry's address in a 32-byte table row."""
+        return ((cw << uint32(1)) if i == 0 else (cw >> uint32(4 * i - 1))) & uint32(0x1E)
+
+    @cuda.jit(device=True, **INLINE)
+    def look(tab, lb, q, cw, i):
+        """The fp16 pair (C[nibble i], C[nibble i + 1]) of code word ``cw`` of row 8q + g (``lb``: row
+        g's byte, 32-byte aligned, so the offset is or'd in: one LOP3 an address, and 256 q folds
+        into the load's immediate)."""
+        lo = load_byte_offset(tab, (nibble_at(cw, i) | lb) + uint32(256 * q))
+        hi = load_byte_offset(tab, (nibble_at(cw, i + 1) | lb) + uint32(256 * q))
         return prmt(lo, hi, 0x5410)
 
     @cuda.jit(device=True, **INLINE)
@@ -1489,10 +1496,9 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
         # byte of row g in this warp's table. a[8 mt + 4 h + r]: A register r of m-tile mt, k-step h.
         for q in range(4):  # row 8q + g: m-tile q >> 1, A row g (q even: a0, a2) or g + 8 (a1, a3)
             cw = uint32(c[o + q])
-            rowb = lb + uint32(256 * q)
             for h in range(2):
-                a[8 * (q >> 1) + 4 * h + (q & 1)] = look(tab, rowb, cw, 4 * h)
-                a[8 * (q >> 1) + 4 * h + 2 + (q & 1)] = look(tab, rowb, cw, 4 * h + 2)
+                a[8 * (q >> 1) + 4 * h + (q & 1)] = look(tab, lb, q, cw, 4 * h)
+                a[8 * (q >> 1) + 4 * h + 2 + (q & 1)] = look(tab, lb, q, cw, 4 * h + 2)
         for n in range(NB):
             b0, b1, b2, b3 = sload4(sm, xo[n] + rel * 16)  # B of k-step 0 (b0, b1) and 1 (b2, b3)
             for mt in range(2):
