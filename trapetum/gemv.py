@@ -1247,10 +1247,15 @@ def wide_min_blocks(B: int, warps: int) -> int:
     return max(1, (512 if B <= 32 else 256) // (warps * 32))
 
 
+def blocks_per_sm(min_blocks: int, warps: int, shared_bytes: int) -> int:
+    """Blocks of a kernel an H100-class SM holds: by threads, by shared memory (228 KiB, 1 KiB of it
+    reserved a block) and by the registers its launch bounds (``min_blocks``) allow."""
+    return max(1, min(2048 // (warps * 32), (228 * 1024) // (shared_bytes + 1024), min_blocks))
+
+
 def wide_blocks_per_sm(B: int, warps: int, shared_bytes: int) -> int:
-    """Blocks of :func:`wide_kernel` an H100-class SM holds: by threads, by shared memory (228 KiB,
-    1 KiB of it reserved a block) and by the registers its launch bounds allow."""
-    return max(1, min(2048 // (warps * 32), (228 * 1024) // (shared_bytes + 1024), wide_min_blocks(B, warps)))
+    """Blocks of :func:`wide_kernel` an H100-class SM holds (:func:`blocks_per_sm`)."""
+    return blocks_per_sm(wide_min_blocks(B, warps), warps, shared_bytes)
 
 
 @cuda.jit(device=True, **INLINE)
@@ -1435,6 +1440,17 @@ def tile_xrow(cps: int) -> int:
     return cps * 16 + (16 if cps % 2 == 0 else 0)
 
 
+# Threads an SM the tile kernel's launch bounds size its registers for, by batch: 64 registers a
+# thread up to batch 8, 80 up to 16, 128 up to 32 (no spills, ptxas on the CPU); batch 33..64 holds 64
+# accumulators a lane and takes ~245.
+TILE_THREADS_PER_SM = ((8, 1024), (16, 768), (32, 512), (64, 256))
+
+
+def tile_min_blocks(B: int, warps: int) -> int:
+    """The tile kernel's launch bounds: blocks an SM must hold (see TILE_THREADS_PER_SM)."""
+    return max(1, next(t for b, t in TILE_THREADS_PER_SM if B <= b) // (warps * 32))
+
+
 def tile_shared_bytes(B: int, warps: int, cps: int) -> int:
     """Dynamic shared memory of :func:`tile_kernel`: the x slice (batch rows padded to a multiple
     of 8, the mma's n-tile) and each warp's 32-row table."""
@@ -1464,7 +1480,7 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
     natural (out, 16) fp16 codebooks as int32 words. :func:`tile_shared_bytes` of shared memory.
     ``unroll``: chunks a warp uses in one turn while as many more are in flight.
     """
-    key = ("tile", B, warps, unroll)
+    key = ("tile", B, warps, unroll, tile_min_blocks(B, warps))
     if key in _kernel_cache:
         return _kernel_cache[key]
     if not 1 <= B <= MAX_WIDE_BATCH or warps not in (4, 8, 16) or unroll not in (1, 2, 4):
@@ -1534,7 +1550,7 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
     exec(src, env)
     put_all = cuda.jit(device=True, **INLINE)(env["put_all"])
 
-    @cuda.jit(**({} if SIM else {"launch_bounds": (nt, wide_min_blocks(B, warps))}))
+    @cuda.jit(**({} if SIM else {"launch_bounds": (nt, tile_min_blocks(B, warps))}))
     def kernel(x32, tiled, cb32, y, ws, counters, n_out, rbs, nchunks, cps):
         sm = cuda.shared.array(0, uint32)  # x slice | the warps' tables
         tab = cuda.shared.array(0, uint16)  # the same memory, for 2-byte lookups
@@ -1994,7 +2010,7 @@ def plan_tile(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SI
         ksplit = min_split
         while ksplit < max(min_split, nchunks // (2 * stages)):
             cps = -(-nchunks // ksplit)
-            if groups * -(-nchunks // cps) >= wide_blocks_per_sm(B, warps, tile_shared_bytes(B, warps, cps)) * sms:
+            if groups * -(-nchunks // cps) >= blocks_per_sm(tile_min_blocks(B, warps), warps, tile_shared_bytes(B, warps, cps)) * sms:
                 break
             ksplit += 1
     elif ksplit < min_split:
@@ -2003,7 +2019,7 @@ def plan_tile(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SI
     ksplit = -(-nchunks // cps)
     smem = tile_shared_bytes(B, warps, cps)
     if walk == "wave":
-        walk = -(-groups * ksplit // (wide_blocks_per_sm(B, warps, smem) * sms))
+        walk = -(-groups * ksplit // (blocks_per_sm(tile_min_blocks(B, warps), warps, smem) * sms))
     if not isinstance(walk, int) or walk < 1:
         raise ValueError(f"walk is a positive number of row-block groups a block, or 'wave'; got {walk!r}")
     return LaunchPlan(warps, ksplit, cps, smem, RB=warps, stages=stages, kernel="tile", walk=min(walk, groups))
