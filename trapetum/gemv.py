@@ -164,10 +164,6 @@ if SIM:
         return a[i]
 
     @cuda.jit(device=True)
-    def prefetch_l2(a, i):
-        pass
-
-    @cuda.jit(device=True)
     def prmt(a, b, sel):
         x = (int(a) & 0xFFFFFFFF) | ((int(b) & 0xFFFFFFFF) << 32)
         r = 0
@@ -355,23 +351,6 @@ else:
             if ety != i32:
                 vals = [builder.bitcast(x, ety) for x in vals]
             return context.make_tuple(builder, sig.return_type, vals)
-
-        return sig, codegen
-
-    @intrinsic
-    def prefetch_l2(typingctx, arr, idx):
-        """A hint to bring the line holding ``arr[idx]`` into L2 (``prefetch.global.L2``): no register
-        waits on it, so a warp can ask for chunks far ahead of the ones its registers hold."""
-        sig = types.none(arr, idx)
-
-        def codegen(context, builder, sig, args):
-            aty, _ = sig.args
-            ary = context.make_array(aty)(context, builder, value=args[0])
-            ptr = cgutils.get_item_pointer(context, builder, aty, ary, [args[1]], wraparound=False)
-            i64 = ir.IntType(64)
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i64]), "prefetch.global.L2 [$0];", "l", side_effect=True)
-            builder.call(asm, [builder.ptrtoint(ptr, i64)])
-            return context.get_dummy_value()
 
         return sig, codegen
 
@@ -1451,7 +1430,6 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
 
 TILE_UNROLL = 2
 TILE_UNROLLS = (2, 4)  # the unrolls the tuner tries
-TILE_PREFETCH = 0  # chunks ahead a warp asks L2 for (0: none)
 TILE_TABLE_WORDS = 32 * 8  # a warp's table: its row-block's 32 rows x 16 fp16 codebook entries
 
 
@@ -1479,7 +1457,7 @@ def tile_shared_bytes(B: int, warps: int, cps: int) -> int:
     return 4 * (8 * ((B + 7) // 8) * tile_xrow(cps) + warps * TILE_TABLE_WORDS)
 
 
-def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL, prefetch: int = 0):
+def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
     """4-bit (K = 16) fused kernel for batches of 2..64 rows on the tensor cores, with the weights as
     the mma's A operand (weight rows as M) and x as B (batch rows as N, 8 an n-tile), the way a GEMM
     tiles them.
@@ -1502,7 +1480,7 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL, prefetch: int = 0
     natural (out, 16) fp16 codebooks as int32 words. :func:`tile_shared_bytes` of shared memory.
     ``unroll``: chunks a warp uses in one turn while as many more are in flight.
     """
-    key = ("tile", B, warps, unroll, tile_min_blocks(B, warps), prefetch)
+    key = ("tile", B, warps, unroll, tile_min_blocks(B, warps))
     if key in _kernel_cache:
         return _kernel_cache[key]
     if not 1 <= B <= MAX_WIDE_BATCH or warps not in (4, 8, 16) or unroll not in (1, 2, 4):
@@ -1547,17 +1525,7 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL, prefetch: int = 0
                 acc[i], acc[i + 1], acc[i + 2], acc[i + 3] = mma_m16n8k16(
                     a[k + 4], a[k + 5], a[k + 6], a[k + 7], b2, b3, acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
 
-    PF = prefetch
-
-    @cuda.jit(device=True, **INLINE)
-    def fetch(dst, o, tiled, base, jj):
-        fetch_row_words(dst, o, tiled, base, jj)
-        if PF:  # lane l asks L2 for words 4l..4l+3 of chunk jj + PF: the whole 512-byte chunk
-            w = base + (jj + PF) * 128 + 3 * cuda.laneid
-            if w < tiled.size:
-                prefetch_l2(tiled, w)
-
-    stream = pair_block_stream(fetch, use_chunk, U, 1)
+    stream = pair_block_stream(fetch_row_words, use_chunk, U, 1)
 
     @cuda.jit(device=True, **INLINE)
     def put_d(y, ws, split, nsplit, n_out, r, b, d0, d1, d2, d3):
@@ -2233,7 +2201,7 @@ class LutGemv:
         elif plan.kernel == "wide":
             kern = wide_kernel(B, plan.warps, plan.stages)
         elif plan.kernel == "tile":
-            kern = tile_kernel(B, plan.warps, plan.stages, TILE_PREFETCH)
+            kern = tile_kernel(B, plan.warps, plan.stages)
         else:
             kern = lut_kernel(self.K, B, plan.warps, wide=self.variant == "lut", RB=plan.RB, stages=plan.stages, pre=pre, post=post)
         ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
