@@ -191,15 +191,17 @@ report.fig_speedup_by_shape(df)
 # ## Beyond batch one
 #
 # Decoding several sequences at once turns the GEMV into a small matrix product. For 4-bit
-# codes the tuner picks among three fused kernels at each batch: the FMA table kernel and the
+# codes the tuner picks among four fused kernels at each batch: the FMA table kernel and the
 # diagonal tensor-core kernel (`mma`, batches up to 16, whose mma work grows by one per four
-# batch rows), and from batch 4 the `wide` tensor-core kernel, which feeds x to the mma as its A
-# operand (16 batch rows an mma) and takes batches up to 64. Dequantize-then-cuBLAS, the
-# large-batch path before the wide kernel (and still the one for uint8 codes above 16), is timed
-# beside it where it applies. A block of the wide kernel may walk several groups of 64 rows,
-# staging its slice of x once; the tuner times both. The table names the kernel family and the
-# plan the tuner picked at each batch; in the figure the shaded region is where torch fp16 is
-# faster than the path a `QLinear` takes.
+# batch rows); from batch 4 to 16 the `wide` tensor-core kernel, which feeds x to the mma as its
+# A operand (16 batch rows an mma); and above 16 the `tile` kernel, which feeds the looked-up
+# weights to the mma as A the way a GEMM tiles them (each warp owns 32 rows over its K-slice,
+# with their 16-entry codebooks as they are; 8 batch rows an mma), so no warps' partial sums meet
+# in shared memory. Dequantize-then-cuBLAS, the large-batch path before the tensor-core kernels
+# (and still the one for uint8 codes above 16), is timed beside them where it applies. A block
+# of the wide kernel may walk several groups of 64 rows, staging its slice of x once; the tuner
+# times both. The table names the kernel family and the plan the tuner picked at each batch; in
+# the figure the shaded region is where torch fp16 is faster than the path a `QLinear` takes.
 
 # %%
 report.styled(report.batch_table(df))

@@ -281,7 +281,8 @@ def test_a_pipeline_needs_two_stages():
         lut_kernel(16, 1, 2, stages=1)
 
 
-# -- the tensor-core kernels: 4-bit codes, pair table; mma (diagonal A, batch 1..16) and wide (x as A, up to 64)
+# -- the tensor-core kernels, 4-bit codes: mma (pair table, diagonal A, batch 1..16), wide (pair table, x as A,
+# up to 64) and tile (per-row tables, the weights as A, up to 64)
 @pytest.mark.parametrize(
     "kernel, n_out, n_in, batch, plan",
     [
@@ -296,13 +297,19 @@ def test_a_pipeline_needs_two_stages():
         ("wide", 64, 256, 64, {"warps": 8, "ksplit": 2}),  # four full m-tiles, two K-slices
         ("wide", 160, 128, 12, {"warps": 4, "ksplit": 2, "walk": 2}),  # block 0 walks pairs 0 and 2 (half idle)
         ("wide", 256, 64, 20, {"warps": 4, "ksplit": 2, "walk": 4}),  # one block a K-slice walks all four pairs
+        ("tile", 64, 64, 8, {"warps": 4}),  # one n-tile; two of the block's four warps past the rows
+        ("tile", 96, 128, 3, {"warps": 4, "ksplit": 2}),  # a partial n-tile (x rows 3..7 staged as zeros), two K-slices
+        ("tile", 33, 64, 17, {"warps": 4, "stages": 1}),  # three n-tiles, a row-block of one row
+        ("tile", 160, 128, 64, {"warps": 4, "ksplit": 2, "walk": 2}),  # eight n-tiles; block 0 walks both groups
+        ("tile", 64, 320, 2, {"warps": 4, "ksplit": 10, "stages": 4}),  # the last block sums 8 partials, then 2
     ],
 )
 def test_tensor_core_kernels_match_float64_reference(kernel, n_out, n_in, batch, plan):
     ct = random_codebook_tensor(n_out, n_in, 16, seed=n_out + batch)
     g = LutGemv(ct, plan={"kernel": kernel, **plan})
     p = g.plan(batch)
-    assert (p.kernel, p.RB, p.warps, p.walk) == (kernel, 2, plan["warps"], plan.get("walk", 1))
+    RB = plan["warps"] if kernel == "tile" else 2  # a tile block owns a row-block a warp
+    assert (p.kernel, p.RB, p.warps, p.walk) == (kernel, RB, plan["warps"], plan.get("walk", 1))
     check(g, x_for(n_in, batch, seed=batch))
     if p.walk > 1 and batch <= 16:  # the kept K-split counters of every walked pair were reset
         assert not g._plans[batch][2][1].any()
@@ -356,11 +363,12 @@ def test_wide_kernel_batches_and_plans():
     assert LutGemv(random_codebook_tensor(32, 64, 64, seed=2)).max_batch == 16
     with pytest.raises(ValueError, match="batch 1..64"):
         LutGemv(ct)(torch.zeros(65, 64, dtype=torch.float16))
-    # tuner candidates: the wide kernel from batch 4, alone above 16
+    # tuner candidates: the wide kernel from batch 4 to 16, the tile kernel alone above 16
     assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 1, 132, mma_budget=227 * 1024)} == {"lut", "mma"}
     assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 8, 132, mma_budget=227 * 1024)} == {"lut", "mma", "wide"}
-    wide = gemv.candidate_plans(4096, 128, 16, 64, 132, mma_budget=227 * 1024)
-    assert {p.kernel for p in wide} == {"wide"} and all(p.shared_bytes <= 227 * 1024 for p in wide)
+    tile = gemv.candidate_plans(4096, 128, 16, 64, 132, mma_budget=227 * 1024)
+    assert {p.kernel for p in tile} == {"tile"} and all(p.shared_bytes <= 227 * 1024 for p in tile)
+    assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 17, 132, mma_budget=227 * 1024)} == {"tile"}
     p = gemv.plan_wide(14336, 128, 64, 132)
     assert p.ksplit * p.cps >= 128 and p.shared_bytes == gemv.wide_shared_bytes(64, p.warps, p.cps)
     assert gemv.wide_xrow(3) % 8 == 4 and gemv.wide_xrow(4) % 8 == 4  # the quads of a quarter-warp in other banks
@@ -377,14 +385,43 @@ def test_wide_kernel_batches_and_plans():
         gemv.wide_kernel(33, 16)
     with pytest.raises(ValueError, match="walk"):
         gemv.plan_wide(14336, 128, 32, 132, walk=0)
-    with pytest.raises(ValueError, match="wide kernel only"):
+    with pytest.raises(ValueError, match="wide and tile kernels only"):
         LutGemv(ct, plan={"kernel": "mma", "walk": 2}).plan(1)
     wave = gemv.plan_wide(14336, 128, 32, 132, warps=8, ksplit=4, walk="wave")
     blocks = wave.grid(448)[0] * wave.ksplit
     assert wave.walk > 1 and blocks <= gemv.wide_blocks_per_sm(32, 8, wave.shared_bytes) * 132 < blocks + wave.ksplit * wave.walk
     assert gemv.plan_wide(64, 128, 32, 132, walk=9).walk == 1  # never more than the layer's pairs
-    walks = {p.walk for p in gemv.candidate_plans(14336, 128, 16, 32, 132, mma_budget=227 * 1024) if p.kernel == "wide"}
-    assert 1 in walks and max(walks) > 1 and {p.walk for p in wide} == {1}  # walking plans up to batch 32
+    walks = {p.walk for p in gemv.candidate_plans(14336, 128, 16, 16, 132, mma_budget=227 * 1024) if p.kernel == "wide"}
+    assert 1 in walks and max(walks) > 1  # each wide plan also as one wave of walking blocks
+
+
+def test_tile_kernel_plans_and_errors():
+    p = gemv.plan_tile(14336, 128, 64, 132)
+    assert p.kernel == "tile" and p.RB == p.warps and p.ksplit * p.cps >= 128
+    assert p.shared_bytes == gemv.tile_shared_bytes(64, p.warps, p.cps) <= 227 * 1024
+    assert gemv.tile_xrow(3) % 32 == 16 and gemv.tile_xrow(4) % 32 == 16  # batch rows r, r + 1: other banks
+    assert gemv.plan_tile(768, 96, 32, 132).warps == 4  # 24 row-blocks: 4 warps, more blocks
+    assert p.grid(448) == (-(-448 // p.warps), p.ksplit)
+    # registers sized for more warps an SM at small batches (ptxas on the CPU: no spills)
+    assert [gemv.tile_min_blocks(b, 8) for b in (2, 16, 32, 64)] == [4, 3, 2, 1]
+    with pytest.raises(ValueError, match="batch 1..64"):
+        gemv.plan_tile(4096, 128, 65, 132)
+    with pytest.raises(ValueError, match="4, 8 or 16 warps"):
+        gemv.plan_tile(4096, 128, 8, 132, warps=2)
+    with pytest.raises(ValueError, match="unrolls 1, 2 or 4"):
+        gemv.plan_tile(4096, 128, 8, 132, stages=3)
+    with pytest.raises(ValueError, match="does not fit"):
+        gemv.plan_tile(4096, 128, 64, 132, budget=4 * 1024)
+    with pytest.raises(ValueError, match="at least"):
+        gemv.plan_tile(4096, 128, 64, 132, ksplit=1)
+    with pytest.raises(ValueError, match="walk"):
+        gemv.plan_tile(4096, 128, 8, 132, walk=0)
+    with pytest.raises(ValueError, match="unroll 1, 2 or 4"):
+        gemv.tile_kernel(8, 4, unroll=3)
+    # the heuristic plan above batch 16 is the tile kernel's; a weight limited to it plans it at any batch
+    ct = random_codebook_tensor(64, 64, 16, seed=3)
+    assert LutGemv(ct).plan(17).kernel == "tile" and LutGemv(ct, kernels=("tile",)).plan(1).kernel == "tile"
+    assert LutGemv(ct, kernels=("lut", "tile")).max_batch == 64
 
 
 def test_large_batches_keep_no_workspace():

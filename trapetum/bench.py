@@ -207,11 +207,15 @@ def correctness_sweep(shapes, Ks=(16, 64, 256), batches=(1, 2, 3, 8, 16), varian
     if 16 in Ks:
         jobs += [(s, 16, b, "lut", dict(kernel="mma", warps=w, ksplit=ks)) for s in shapes[:2] for b in (1, 3, 5, 16)
                  for w in (4, 8, 16) for ks in (1, 3)]
-        # the wide kernel (batch 4..64): partial and full m-tiles, the unrolls, blocks walking row pairs
+        # the wide kernel (batch 4..16 in the tuner, up to 64 forced): partial and full m-tiles, the unrolls, blocks walking row pairs
         # (several each, and one wave), and the heuristic plan above batch 16
         jobs += [(s, 16, b, "lut", dict(kernel="wide", warps=w, ksplit=ks, stages=st, walk=wk)) for s in shapes[:2]
                  for b in (5, 17, 64) for w, st, wk in ((4, 2, 1), (8, 4, "wave"), (8, 1, 2), (16, 1, 3)) for ks in (1, 3)
                  if w * b <= 512]
+        # the tile kernel (batch 17..64 in the tuner, any batch forced): partial and full n-tiles, K-splits,
+        # a block walking two groups, 4-16 warps; and the heuristic plan above batch 16
+        jobs += [(s, 16, b, "lut", dict(kernel="tile", warps=w, ksplit=ks, stages=st, walk=wk)) for s in shapes[:2]
+                 for b in (5, 17, 64) for w, st, wk in ((4, 2, 1), (8, 4, 2), (16, 1, 1)) for ks in (1, 3)]
         jobs += [(s, 16, b, "lut", None) for s in shapes for b in (32, 64)]
     recs, failures = [], []
     for i, ((n_in, n_out), K, b, v, plan) in enumerate(tqdm(jobs, desc="correctness", disable=not progress)):

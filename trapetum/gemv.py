@@ -2028,7 +2028,8 @@ def plan_tile(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SI
 def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budget: int = 0) -> list[LaunchPlan]:
     """The plans the tuner times: every allowed RB x a ladder of K-splits, 8 warps where they fit;
     for 4-bit codes also the tensor-core kernels' warps x K-splits, where ``mma_budget`` bytes of
-    shared memory hold their table: mma_kernel up to batch 16, wide_kernel from batch 4 to 64."""
+    shared memory hold their tables: mma_kernel up to batch 16, wide_kernel from batch 4 to 16 and
+    tile_kernel from 17 to 64."""
     seen, out = set(), []
     rb_max = row_blocks_per_block(K, B) if B <= MAX_FUSED_BATCH else 0
     for RB in (1, 2, 4):
@@ -2060,13 +2061,11 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
             if key not in seen and p.cps >= (p.warps // 2) * p.stages:  # every warp uses its pipeline
                 seen.add(key)
                 out.append(p)
-        # wide: up to batch 32, 8 or 16 warps and chunks in flight up to 4 (a warp holding one or two
-        # waited on every fetch: probe at 4096 x 14336, NOTES "wide v1"); above, 64 accumulators a lane
-        # leave room for 4 or 8 warps and unroll 1 or 2 only (16 warps, or unroll 4, spill). Up to batch
-        # 32 each also as one wave of blocks walking the row pairs (the same compiled kernel); above,
-        # walking never won on the H100 (NOTES "Wide v2").
-        wide = ((8, 16), (1, 2, 4), (1, "wave")) if B <= 32 else ((4, 8), (1, 2), (1,))
-        for w, ks, st, walk in itertools.product(wide[0], (1, 2, 3, 4, 6, 8, 12, 16, None), wide[1] if B >= 4 else (), wide[2]):
+        # wide: batch 4..16, 8 or 16 warps and chunks in flight up to 4 (a warp holding one or two
+        # waited on every fetch: probe at 4096 x 14336, NOTES "wide v1"), each also as one wave of blocks
+        # walking the row pairs (the same compiled kernel). Above batch 16 the tile kernel takes over:
+        # 1.3-1.5x faster at 32 and 64 (NOTES "Session 23").
+        for w, ks, st, walk in itertools.product((8, 16), (1, 2, 3, 4, 6, 8, 12, 16, None), (1, 2, 4) if 4 <= B <= MAX_FUSED_BATCH else (), (1, "wave")):
             try:
                 p = plan_wide(n_out, nchunks, B, sms, mma_budget, warps=w, ksplit=ks, stages=st, walk=walk)
             except ValueError:
@@ -2075,10 +2074,11 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
             if key not in seen and p.cps >= (p.warps // 2) * p.stages:
                 seen.add(key)
                 out.append(p)
-        # tile: from batch 2, 4 or 8 warps, each as a block a group and as one wave of walking blocks
-        for w, ks, st, walk in itertools.product((4, 8), (1, 2, 3, 4, 6, 8, 12, 16, None), TILE_UNROLLS if B >= 2 else (), (1, "wave")):
+        # tile: above batch 16 (below it the wide and mma kernels were faster on the H100: 31 against
+        # 29 us at batch 8), 4 or 8 warps; walking blocks never won (a wave of 1-block SMs left SMs idle)
+        for w, ks, st in itertools.product((4, 8), (1, 2, 3, 4, 6, 8, None), (TILE_UNROLLS if B <= 32 else (1, 2)) if B > MAX_FUSED_BATCH else ()):
             try:
-                p = plan_tile(n_out, nchunks, B, sms, mma_budget, warps=w, ksplit=ks, stages=st, walk=walk)
+                p = plan_tile(n_out, nchunks, B, sms, mma_budget, warps=w, ksplit=ks, stages=st)
             except ValueError:
                 continue
             key = ("tile", p.warps, p.ksplit, p.stages, p.walk)

@@ -664,12 +664,13 @@ def slower_intervals(g: pd.DataFrame) -> list[tuple[float, float | None]]:
     return out
 
 
-FAMILY_LABELS = {"lut": "FMA table (lut-fma)", "mma": "tensor cores, diagonal (mma)", "wide": "tensor cores, x as A (wide)"}
+FAMILY_LABELS = {"lut": "FMA table (lut-fma)", "mma": "tensor cores, diagonal (mma)", "wide": "tensor cores, x as A (wide)",
+                 "tile": "tensor cores, weights as A (tile)"}
 
 
 def plan_label(r) -> str:
     """A fused record's launch plan in a few words: warps a block, K-slices and, where blocks walk
-    several groups of rows (the wide kernel), how many each; '' for records without a plan."""
+    several groups of rows (the wide and tile kernels), how many each; '' for records without a plan."""
     def num(k):
         v = r.get(k)
         return None if v is None or (isinstance(v, float) and math.isnan(v)) else int(v)
