@@ -134,3 +134,30 @@ def test_vq_resume_refuses_a_file_that_is_not_a_partial_run(fake_gpu_run, tmp_pa
     bad.write_text('{"records": []}\n')
     with pytest.raises(ValueError, match="provenance line"):
         cli.main(["vq", "--parts", "residual", "--quiet", "--out", str(tmp_path), "--resume", str(bad)])
+
+
+def test_gemv_checks_only_then_resume_times_on_top_of_the_sweep(fake_gpu_run, monkeypatch, tmp_path):
+    from trapetum import bench, cli
+
+    calls, commit = fake_gpu_run
+    sweeps = []
+    monkeypatch.setattr(bench, "correctness_sweep", lambda *a, **k: sweeps.append(1) or [{"kernel": "lut", "max_rel_err": 1e-4, "passed": True}])
+    monkeypatch.setattr(bench, "gemv_suite", lambda **k: [{"grid": "batch", "kernel": "lut", "time_ms": 0.05}])
+    out = tmp_path / "out"
+    assert cli.main(["gemv", "--checks-only", "--no-cuda-cpp", "--quiet", "--out", str(out), "--command", "first"]) == 0
+    partial = out / "fake-gpu" / "gemv.partial.jsonl"
+    assert partial.exists() and not (out / "fake-gpu" / "gemv.json").exists() and sweeps == [1] and calls["copy"] == 1
+    commit["sha"] = "def5678"
+    with pytest.raises(ValueError, match="git_commit"):
+        cli.main(["gemv", "--no-cuda-cpp", "--quiet", "--out", str(out), "--resume", str(partial)])
+    commit["sha"] = "abc1234"
+    assert cli.main(["gemv", "--no-cuda-cpp", "--quiet", "--out", str(out), "--resume", str(partial)]) == 0
+    assert sweeps == [1] and calls["copy"] == 1  # neither ran again
+    d = json.loads((out / "fake-gpu" / "gemv.json").read_text())
+    assert [r["grid"] for r in d["records"]] == ["batch", "correctness"] and all(r["copy_gbps"] == 3000.0 for r in d["records"][:1])
+    assert d["provenance"]["command"] == "first" and "two processes" in d["provenance"]["resumed"]
+    # a partial with no sweep in it is refused
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"provenance": {"gpu": "Fake GPU", "git_commit": "abc1234"}}) + "\n")
+    with pytest.raises(ValueError, match="checks-only"):
+        cli.main(["gemv", "--no-cuda-cpp", "--quiet", "--out", str(out), "--resume", str(empty)])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
@@ -17,11 +18,29 @@ def _gemv(args) -> int:
     if not torch.cuda.is_available():
         raise NoGPUError("`trapetum gemv` measures on a CUDA GPU and none is visible; the book renders recorded data without one")
     t0 = time.time()
-    shapes = [(256, 96), (1024, 1000), (4096, 4096), (3072, 768), (2048, 14336)]
-    checks = bench.correctness_sweep(shapes, progress=not args.quiet)
-    print(f"correctness: {len(checks)} checks passed in {time.time() - t0:.0f} s", flush=True)
-    copy = bench.copy_bandwidth()
-    print("copy bandwidth: " + ", ".join(f"{k} {v:.0f} GB/s" for k, v in copy.items()), flush=True)
+    resumed = _resumed(args.resume)
+    if resumed:  # the first process's sweep and copy bandwidth; the timings are all this one's
+        checks = [r for r in resumed["records"] if r.get("grid") == "correctness"]
+        copy = resumed["copy"]
+        if not checks or not copy:
+            raise ValueError(f"--resume {args.resume}: it holds no correctness sweep and copy bandwidth (run --checks-only first)")
+    else:
+        shapes = [(256, 96), (1024, 1000), (4096, 4096), (3072, 768), (2048, 14336)]
+        checks = bench.correctness_sweep(shapes, progress=not args.quiet)
+        for c in checks:
+            c["grid"] = "correctness"
+        print(f"correctness: {len(checks)} checks passed in {time.time() - t0:.0f} s", flush=True)
+        copy = bench.copy_bandwidth()
+        print("copy bandwidth: " + ", ".join(f"{k} {v:.0f} GB/s" for k, v in copy.items()), flush=True)
+    if args.checks_only:
+        # The sweep alone, kept for a second process of the same commit (--resume): the sweep and the
+        # timings together outgrow a 10-minute window on a fresh machine (every plan compiles).
+        partial = Path(args.out or results.DATA_DIR) / results.slug(torch.cuda.get_device_name()) / "gemv.partial.jsonl"
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        head = results.provenance(command=args.command or " ".join(sys.argv))
+        partial.write_text("".join(json.dumps(d, default=str) + "\n" for d in [{"provenance": head}, {"copy": copy}, *checks]))
+        print(f"wrote {partial}")
+        return 0
     recs = bench.gemv_suite(progress=not args.quiet)
     extra = {}
     if args.cuda_cpp:
@@ -37,12 +56,39 @@ def _gemv(args) -> int:
             extra["cuda_cpp_error"] = str(e)[-2000:]
     for r in recs:
         r.update(copy)
-    for c in checks:
-        c["grid"] = "correctness"
-    prov = results.provenance(command=args.command or " ".join(sys.argv), **copy, **extra, seconds=round(time.time() - t0, 1))
+    prov = _provenance(args, resumed, {**copy, **extra}, t0)
     path = results.save("gemv", recs + checks, prov, folder=args.out)
     print(f"wrote {path}")
     return 0
+
+
+def _resumed(path) -> dict | None:
+    """The first process's part of a run continued by a second (``--resume``): its provenance, copy
+    bandwidth and records. One commit on one GPU: the first process's records are kept as they are,
+    and everything the second measures is timed beside its own fp16 run."""
+    if path is None:
+        return None
+    from . import results
+
+    prov0, copy0, done = results.read_partial(path)
+    now = results.provenance()
+    for k in ("gpu", "git_commit"):
+        if prov0.get(k) != now.get(k):
+            raise ValueError(f"--resume {path}: that run has {k} {prov0.get(k)!r}, this one {now.get(k)!r}; "
+                             "a resumed run must continue one commit on one GPU")
+    return {"prov": prov0, "copy": copy0, "records": done}
+
+
+def _provenance(args, resumed: dict | None, extra: dict, t0: float) -> dict:
+    """A results file's provenance: this process's, or with ``resumed`` the first process's, saying so."""
+    from . import results
+
+    if not resumed:
+        return results.provenance(command=args.command or " ".join(sys.argv), **extra, seconds=round(time.time() - t0, 1))
+    p0 = resumed["prov"]
+    note = (f"measured by two processes of one commit: the first kept {len(resumed['records'])} records "
+            f"(started {p0.get('date')}), the second ({' '.join(sys.argv)}) the rest")
+    return {**p0, **extra, "resumed": note, "seconds_second_process": round(time.time() - t0, 1)}
 
 
 VQ_PARTS = ("additive", "residual")
@@ -68,17 +114,8 @@ def _vq(args) -> int:
     from . import additive, bench, residual, results
 
     t0 = time.time()
-    done, resumed = [], None
-    if args.resume:
-        # One commit on one GPU, two processes: the records of the first are kept as they are, and
-        # each configuration the second measures is timed beside its own fp16 run.
-        prov0, copy0, done = results.read_partial(args.resume)
-        now = results.provenance()
-        for k in ("gpu", "git_commit"):
-            if prov0.get(k) != now.get(k):
-                raise ValueError(f"--resume {args.resume}: that run has {k} {prov0.get(k)!r}, this one {now.get(k)!r}; "
-                                 "a resumed run must continue one commit on one GPU")
-        resumed = {"prov": prov0, "copy": copy0, "records": len(done)}
+    resumed = _resumed(args.resume)
+    done = resumed["records"] if resumed else []
     have = {(r.get("grid"), r.get("kernel")) for r in done}
     # Every timed record below is also checked on fresh inputs with its output poisoned; this sweep
     # adds batches, K-splits and the other plans the tuner may pick. Each plan and batch compiles.
@@ -145,13 +182,7 @@ def _vq(args) -> int:
     extra.update(suite_extra)
     for r in recs:
         r.update(copy)
-    if resumed:
-        p0 = resumed["prov"]
-        extra["resumed"] = (f"measured by two processes of one commit: the first kept {resumed['records']} records "
-                            f"(started {p0.get('date')}), the second ({' '.join(sys.argv)}) the rest")
-        prov = {**p0, **copy, **extra, "seconds_second_process": round(time.time() - t0, 1)}
-    else:
-        prov = results.provenance(command=args.command or " ".join(sys.argv), **copy, **extra, seconds=round(time.time() - t0, 1))
+    prov = _provenance(args, resumed, {**copy, **extra}, t0)
     path = results.save("vq_gemv", recs + checks, prov, folder=args.out)
     print(f"wrote {path}")
     return 0
@@ -175,6 +206,10 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("gemv", help="correctness sweep, then the GEMV timings; writes <out>/<gpu>/gemv.json")
     _measure_options(g)
+    g.add_argument("--checks-only", dest="checks_only", action="store_true",
+                   help="the correctness sweep and copy bandwidth only, to <out>/<gpu>/gemv.partial.jsonl, for --resume")
+    g.add_argument("--resume", type=Path, default=None, metavar="PARTIAL",
+                   help="time on top of a --checks-only run's gemv.partial.jsonl (same commit and GPU)")
     g.set_defaults(func=_gemv)
     v = sub.add_parser("vq", help="vector codebooks: correctness, the 120-config residual grid, the additive table; "
                                   "writes <out>/<gpu>/vq_gemv.json")
