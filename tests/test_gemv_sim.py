@@ -342,7 +342,7 @@ def test_plan_mma_heuristic_and_its_errors():
     assert gemv.plan_mma(768, 96, 1, 132).warps == 4  # 12 blocks of 64 rows: fewer warps, more K-slices
     with pytest.raises(ValueError, match="4, 8 or 16 warps"):
         gemv.plan_mma(4096, 128, 1, 132, warps=2)
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(ValueError, match="do not fit"):
         gemv.plan_mma(4096, 128, 1, 132, budget=48 * 1024)
     with pytest.raises(ValueError, match="batch 1..16"):
         gemv.plan_mma(4096, 128, 17, 132)
@@ -374,7 +374,7 @@ def test_wide_kernel_batches_and_plans():
     assert gemv.wide_xrow(3) % 8 == 4 and gemv.wide_xrow(4) % 8 == 4  # the quads of a quarter-warp in other banks
     with pytest.raises(ValueError, match="batch 1..64"):
         gemv.plan_wide(4096, 128, 65, 132)
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(ValueError, match="do not fit"):
         gemv.plan_wide(4096, 128, 64, 132, budget=48 * 1024)
     with pytest.raises(ValueError, match="unroll"):
         gemv.wide_kernel(8, 4, unroll=3)
@@ -408,9 +408,9 @@ def test_tile_kernel_plans_and_errors():
         gemv.plan_tile(4096, 128, 65, 132)
     with pytest.raises(ValueError, match="4, 8 or 16 warps"):
         gemv.plan_tile(4096, 128, 8, 132, warps=2)
-    with pytest.raises(ValueError, match="unrolls 1, 2 or 4"):
+    with pytest.raises(ValueError, match="unrolls 1, 2, 4 chunks"):
         gemv.plan_tile(4096, 128, 8, 132, stages=3)
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(ValueError, match="do not fit"):
         gemv.plan_tile(4096, 128, 64, 132, budget=4 * 1024)
     with pytest.raises(ValueError, match="at least"):
         gemv.plan_tile(4096, 128, 64, 132, ksplit=1)

@@ -1917,6 +1917,23 @@ def plan_launch(n_out: int, nchunks: int, K: int, B: int, sms: int, warps: int |
 OPTIN_SIM = 227 * 1024  # the simulator plans as if it had an H100's opt-in shared memory
 
 
+def _min_split(kind, smem, max_batch, unrolls, nchunks, B, budget, warps, stages) -> int:
+    """A tensor-core plan's checks (warps, batch, unroll, shared memory ``smem(B, warps, cps)`` within
+    ``budget``), then the fewest K-slices whose slice of x fits."""
+    if warps not in (4, 8, 16):
+        raise ValueError(f"the {kind} kernel takes 4, 8 or 16 warps, got {warps}")
+    if not 1 <= B <= max_batch:
+        raise ValueError(f"the {kind} kernel takes batch 1..{max_batch}, got {B}")
+    if stages not in unrolls:
+        raise ValueError(f"the {kind} kernel unrolls {', '.join(map(str, unrolls))} chunks a turn, got {stages}")
+    if smem(B, warps, 1) > budget:
+        raise ValueError(f"the {kind} kernel's tables and batch {B} do not fit {budget} bytes of shared memory")
+    cps_max = 1
+    while cps_max < nchunks and smem(B, warps, cps_max + 1) <= budget:
+        cps_max += 1
+    return -(-nchunks // cps_max)
+
+
 def _plan_pair_blocks(kind, smem, max_batch, unrolls, heuristic_unroll, n_out, nchunks, B, sms, budget, warps, ksplit, stages):
     """The grid of a two-row-block tensor-core kernel (``kind``, shared memory ``smem(B, warps, cps)``).
 
@@ -1927,18 +1944,7 @@ def _plan_pair_blocks(kind, smem, max_batch, unrolls, heuristic_unroll, n_out, n
     nbx = -(-rbs // 2)
     if warps is None:
         warps = 8 if nbx * max(1, nchunks // (4 * 2 * heuristic_unroll)) >= sms else 4
-    if warps not in (4, 8, 16):
-        raise ValueError(f"the {kind} kernel takes 4, 8 or 16 warps, got {warps}")
-    if not 1 <= B <= max_batch:
-        raise ValueError(f"the {kind} kernel takes batch 1..{max_batch}, got {B}")
-    if stages not in unrolls:
-        raise ValueError(f"the {kind} kernel unrolls {', '.join(map(str, unrolls))} chunks a turn, got {stages}")
-    if smem(B, warps, 1) > budget:
-        raise ValueError(f"the {kind} kernel's table and batch {B} does not fit {budget} bytes of shared memory")
-    cps_max = 1
-    while cps_max < nchunks and smem(B, warps, cps_max + 1) <= budget:
-        cps_max += 1
-    min_split = -(-nchunks // cps_max)
+    min_split = _min_split(kind, smem, max_batch, unrolls, nchunks, B, budget, warps, stages)
     if ksplit is None:
         max_split = max(min_split, nchunks // (warps // 2 * 2 * stages))
         ksplit = min_split
@@ -1993,18 +1999,7 @@ def plan_tile(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SI
     rbs = -(-n_out // ROW_BLOCK)
     if warps is None:
         warps = 8 if -(-rbs // 8) >= sms // 2 else 4
-    if warps not in (4, 8, 16):
-        raise ValueError(f"the tile kernel takes 4, 8 or 16 warps, got {warps}")
-    if not 1 <= B <= MAX_WIDE_BATCH:
-        raise ValueError(f"the tile kernel takes batch 1..{MAX_WIDE_BATCH}, got {B}")
-    if stages not in (1, 2, 4):
-        raise ValueError(f"the tile kernel unrolls 1, 2 or 4 chunks a turn, got {stages}")
-    if tile_shared_bytes(B, warps, 1) > budget:
-        raise ValueError(f"the tile kernel's x slice at batch {B} does not fit {budget} bytes of shared memory")
-    cps_max = 1
-    while cps_max < nchunks and tile_shared_bytes(B, warps, cps_max + 1) <= budget:
-        cps_max += 1
-    min_split = -(-nchunks // cps_max)
+    min_split = _min_split("tile", tile_shared_bytes, MAX_WIDE_BATCH, (1, 2, 4), nchunks, B, budget, warps, stages)
     groups = -(-rbs // warps)
     if ksplit is None:
         ksplit = min_split
