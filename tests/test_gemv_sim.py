@@ -402,8 +402,8 @@ def test_tile_kernel_plans_and_errors():
     assert gemv.tile_xrow(3) % 32 == 16 and gemv.tile_xrow(4) % 32 == 16  # batch rows r, r + 1: other banks
     assert gemv.plan_tile(768, 96, 32, 132).warps == 4  # 24 row-blocks: 4 warps, more blocks
     assert p.grid(448) == (-(-448 // p.warps), p.ksplit)
-    # registers sized for more warps an SM at small batches (ptxas on the CPU: no spills)
-    assert [gemv.tile_min_blocks(b, 8) for b in (2, 16, 32, 64)] == [4, 3, 2, 1]
+    # registers: 128 a thread up to batch 32, 245 or so above (ptxas on the CPU)
+    assert [gemv.tile_min_blocks(b, 8) for b in (2, 16, 32, 64)] == [2, 2, 2, 1]
     with pytest.raises(ValueError, match="batch 1..64"):
         gemv.plan_tile(4096, 128, 65, 132)
     with pytest.raises(ValueError, match="4, 8 or 16 warps"):

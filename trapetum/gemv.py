@@ -535,10 +535,33 @@ def sum_splits(ws, nsplit, b, row):
         v7 = load_cg(ws, sp + 7, b, row)
         v += ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))
         sp += 8
+    if sp + 4 <= nsplit:  # K-splits of 4..7 (the common ones) were a serial load each
+        v0 = load_cg(ws, sp, b, row)
+        v1 = load_cg(ws, sp + 1, b, row)
+        v2 = load_cg(ws, sp + 2, b, row)
+        v3 = load_cg(ws, sp + 3, b, row)
+        v += (v0 + v1) + (v2 + v3)
+        sp += 4
     while sp < nsplit:
         v += load_cg(ws, sp, b, row)
         sp += 1
     return v
+
+
+@cuda.jit(device=True, **INLINE)
+def sum_splits8(ws, nsplit, b, blast, row):
+    """ws[:, b..b+7, row] summed over the ``nsplit`` K-slices, eight outputs' loads in flight a slice
+    (batch rows past ``blast`` read it again, their sums unused): a last block summing B outputs a
+    thread with :func:`sum_splits` waited for B x nsplit / 8 serial L2 round trips."""
+    b1, b2, b3 = min(b + 1, blast), min(b + 2, blast), min(b + 3, blast)
+    b4, b5, b6, b7 = min(b + 4, blast), min(b + 5, blast), min(b + 6, blast), min(b + 7, blast)
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = float32(0.0)
+    for sp in range(nsplit):
+        v0, v1, v2, v3 = load_cg(ws, sp, b, row), load_cg(ws, sp, b1, row), load_cg(ws, sp, b2, row), load_cg(ws, sp, b3, row)
+        v4, v5, v6, v7 = load_cg(ws, sp, b4, row), load_cg(ws, sp, b5, row), load_cg(ws, sp, b6, row), load_cg(ws, sp, b7, row)
+        s0, s1, s2, s3 = s0 + v0, s1 + v1, s2 + v2, s3 + v3
+        s4, s5, s6, s7 = s4 + v4, s5 + v5, s6 + v6, s7 + v7
+    return s0, s1, s2, s3, s4, s5, s6, s7
 
 
 @cuda.jit(device=True)
@@ -1440,10 +1463,11 @@ def tile_xrow(cps: int) -> int:
     return cps * 16 + (16 if cps % 2 == 0 else 0)
 
 
-# Threads an SM the tile kernel's launch bounds size its registers for, by batch: 64 registers a
-# thread up to batch 8, 80 up to 16, 128 up to 32 (no spills, ptxas on the CPU); batch 33..64 holds 64
-# accumulators a lane and takes ~245.
-TILE_THREADS_PER_SM = ((8, 1024), (16, 768), (32, 512), (64, 256))
+# Threads an SM the tile kernel's launch bounds size its registers for, by batch: 128 registers a thread
+# up to batch 32 (ptxas on the CPU: no spills at unroll 2); batch 33..64 holds 64 accumulators a lane
+# and takes ~245. (64 registers up to batch 8 and 80 up to 16 bought nothing on the H100 and spilled
+# once the finish summed 8 outputs at a time: NOTES "Session 23".)
+TILE_THREADS_PER_SM = ((32, 512), (64, 256))
 
 
 def tile_min_blocks(B: int, warps: int) -> int:
@@ -1604,11 +1628,13 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
             if rb < rbs:
                 put_all(y, ws, split, nsplit, n_out, uint32(rb * 32 + gq), uint32(2 * t), acc)
             if nsplit > 1 and last_to_finish(counters, p, nsplit, last, tid):
-                for it in range(tid, nt * B, nt):
-                    r = p * nt + it % nt
-                    b = it // nt
-                    if r < n_out:
-                        y[b, r] = sum_splits(ws, nsplit, b, r)
+                r = p * nt + tid  # the group's nt rows, a thread each, 8 batch rows at a time
+                if r < n_out:
+                    for b in range(0, BP, 8):
+                        v = sum_splits8(ws, nsplit, b, B - 1, r)
+                        for k in range(8):
+                            if BP == B or b + k < B:
+                                y[b + k, r] = v[k]
 
     _kernel_cache[key] = kernel
     return kernel
