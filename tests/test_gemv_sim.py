@@ -363,9 +363,10 @@ def test_wide_kernel_batches_and_plans():
     assert LutGemv(random_codebook_tensor(32, 64, 64, seed=2)).max_batch == 16
     with pytest.raises(ValueError, match="batch 1..64"):
         LutGemv(ct)(torch.zeros(65, 64, dtype=torch.float16))
-    # tuner candidates: the wide kernel from batch 4 to 16, the tile kernel alone above 16
+    # tuner candidates: the wide kernel from batch 4 to 16, the tile kernel from 8, alone above 16
     assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 1, 132, mma_budget=227 * 1024)} == {"lut", "mma"}
-    assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 8, 132, mma_budget=227 * 1024)} == {"lut", "mma", "wide"}
+    assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 4, 132, mma_budget=227 * 1024)} == {"lut", "mma", "wide"}
+    assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 8, 132, mma_budget=227 * 1024)} == {"lut", "mma", "wide", "tile"}
     tile = gemv.candidate_plans(4096, 128, 16, 64, 132, mma_budget=227 * 1024)
     assert {p.kernel for p in tile} == {"tile"} and all(p.shared_bytes <= 227 * 1024 for p in tile)
     assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 17, 132, mma_budget=227 * 1024)} == {"tile"}

@@ -2050,7 +2050,7 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
     """The plans the tuner times: every allowed RB x a ladder of K-splits, 8 warps where they fit;
     for 4-bit codes also the tensor-core kernels' warps x K-splits, where ``mma_budget`` bytes of
     shared memory hold their tables: mma_kernel up to batch 16, wide_kernel from batch 4 to 16 and
-    tile_kernel from 17 to 64."""
+    tile_kernel from 8 to 64."""
     seen, out = set(), []
     rb_max = row_blocks_per_block(K, B) if B <= MAX_FUSED_BATCH else 0
     for RB in (1, 2, 4):
@@ -2085,7 +2085,7 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
         # wide: batch 4..16, 8 or 16 warps and chunks in flight up to 4 (a warp holding one or two
         # waited on every fetch: probe at 4096 x 14336, NOTES "wide v1"), each also as one wave of blocks
         # walking the row pairs (the same compiled kernel). Above batch 16 the tile kernel takes over:
-        # 1.3-1.5x faster at 32 and 64 (NOTES "Session 23").
+        # 1.7-2.1x faster at 32 and 64 (NOTES "Session 23").
         for w, ks, st, walk in itertools.product((8, 16), (1, 2, 3, 4, 6, 8, 12, 16, None), (1, 2, 4) if 4 <= B <= MAX_FUSED_BATCH else (), (1, "wave")):
             try:
                 p = plan_wide(n_out, nchunks, B, sms, mma_budget, warps=w, ksplit=ks, stages=st, walk=walk)
@@ -2095,11 +2095,13 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
             if key not in seen and p.cps >= (p.warps // 2) * p.stages:
                 seen.add(key)
                 out.append(p)
-        # tile: above batch 16 (below it the wide and mma kernels were faster on the H100: 31 against
-        # 29 us at batch 8), 4 or 8 warps; walking blocks never won (a wave of 1-block SMs left SMs idle)
-        for w, ks, st in itertools.product((4, 8), (1, 2, 3, 4, 6, 8, None), (TILE_UNROLLS if B <= 32 else (1, 2)) if B > MAX_FUSED_BATCH else ()):
+        # tile: from batch 8 (27.3 us against wide's 28.7 at 4096 x 14336 on the H100, once its finish
+        # summed 8 outputs at a time; NOTES "Session 23"), alone above 16; 8 or 16 warps up to batch 32,
+        # 4 or 8 above; each also as one wave of walking blocks (batch 64's fastest plan walks 2 groups)
+        tile = ((8, 16), TILE_UNROLLS) if B <= 32 else ((4, 8), (1, 2))
+        for w, ks, st, walk in itertools.product(tile[0], (2, 4, 8, None), tile[1] if B >= 8 else (), (1, "wave")):
             try:
-                p = plan_tile(n_out, nchunks, B, sms, mma_budget, warps=w, ksplit=ks, stages=st)
+                p = plan_tile(n_out, nchunks, B, sms, mma_budget, warps=w, ksplit=ks, stages=st, walk=walk)
             except ValueError:
                 continue
             key = ("tile", p.warps, p.ksplit, p.stages, p.walk)
@@ -2129,7 +2131,7 @@ class LutGemv:
     ``kernels``: the kernel families the "lut" variant may plan with: "lut" (fp32 table, FMA) and,
     for 4-bit codes, "mma" (pair table, tensor cores, batch 1..16), "wide" (the same table with x
     as the mma's A operand, batch 4..64) and "tile" (the weights as the mma's A operand, batch
-    2..64); the default tunes over all. :attr:`max_batch` is 64 where "wide" or "tile" may run,
+    1..64; tuned from batch 8); the default tunes over all. :attr:`max_batch` is 64 where "wide" or "tile" may run,
     else 16.
     """
 
