@@ -102,6 +102,8 @@ def test_plan_launch_refuses_a_ksplit_that_overflows_shared_memory():
         (64, 192, {"ksplit": 3, "warps": 1, "RB": 1}),
         (256, 256, {"ksplit": 4, "warps": 2}),
         (64, 160, {"ksplit": 10, "warps": 1, "RB": 1}),  # the last block sums 8 partials at a time, then 2
+        (64, 112, {"ksplit": 7, "warps": 1, "RB": 1}),  # 4 at a time, then 3 one by one
+        (64, 208, {"ksplit": 13, "warps": 1, "RB": 1}),  # 8, then 4, then 1
     ],
 )
 def test_k_split_reduces_in_the_last_block_and_resets_its_counters(K, n_in, plan):
