@@ -1270,15 +1270,21 @@ def wide_min_blocks(B: int, warps: int) -> int:
     return max(1, (512 if B <= 32 else 256) // (warps * 32))
 
 
-def blocks_per_sm(min_blocks: int, warps: int, shared_bytes: int) -> int:
-    """Blocks of a kernel an H100-class SM holds: by threads, by shared memory (228 KiB, 1 KiB of it
-    reserved a block) and by the registers its launch bounds (``min_blocks``) allow."""
-    return max(1, min(2048 // (warps * 32), (228 * 1024) // (shared_bytes + 1024), min_blocks))
-
-
 def wide_blocks_per_sm(B: int, warps: int, shared_bytes: int) -> int:
-    """Blocks of :func:`wide_kernel` an H100-class SM holds (:func:`blocks_per_sm`)."""
-    return blocks_per_sm(wide_min_blocks(B, warps), warps, shared_bytes)
+    """Blocks of :func:`wide_kernel` (or :func:`tile_kernel`: the same launch bounds) an H100-class SM
+    holds: by threads, by shared memory (228 KiB, 1 KiB of it reserved a block) and by the registers
+    its launch bounds allow."""
+    return max(1, min(2048 // (warps * 32), (228 * 1024) // (shared_bytes + 1024), wide_min_blocks(B, warps)))
+
+
+def resolve_walk(walk, groups: int, ksplit: int, per_sm: int, sms: int) -> int:
+    """Row groups a walking block takes (:attr:`LaunchPlan.walk`): ``walk``, or for ``"wave"`` as many
+    as make the grid one wave of ``per_sm`` blocks an SM; never more than the layer's ``groups``."""
+    if walk == "wave":
+        walk = -(-groups * ksplit // (per_sm * sms))
+    if not isinstance(walk, int) or walk < 1:
+        raise ValueError(f"walk is a positive number of row groups a block, or 'wave'; got {walk!r}")
+    return min(walk, groups)
 
 
 @cuda.jit(device=True, **INLINE)
@@ -1303,6 +1309,13 @@ def stage_x_pairs(sm, x32, XO, xrow, j0, jend, B, tid, nt):
         o = uint32(XO) + p * uint32(xrow) + q * uint32(8)
         store16(sm, o, a0, b0, a1, b1)
         store16(sm, o + uint32(4), a2, b2, a3, b3)
+
+
+def check_wide_batch_kernel(kind: str, B: int, warps: int, unroll: int) -> None:
+    """The wide and tile kernels' compile-time arguments: batch 1..64, 4, 8 or 16 warps, unroll 1, 2 or 4."""
+    if not 1 <= B <= MAX_WIDE_BATCH or warps not in (4, 8, 16) or unroll not in (1, 2, 4):
+        raise ValueError(f"the {kind} kernel takes batch 1..{MAX_WIDE_BATCH}, 4, 8 or 16 warps and unroll 1, 2 or 4, "
+                         f"got {B}, {warps} and {unroll}")
 
 
 @cuda.jit(device=True, **INLINE)
@@ -1338,9 +1351,7 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
     key = ("wide", B, warps, unroll)
     if key in _kernel_cache:
         return _kernel_cache[key]
-    if not 1 <= B <= MAX_WIDE_BATCH or warps not in (4, 8, 16) or unroll not in (1, 2, 4):
-        raise ValueError(f"the wide kernel takes batch 1..{MAX_WIDE_BATCH}, 4, 8 or 16 warps and unroll 1, 2 or 4, "
-                         f"got {B}, {warps} and {unroll}")
+    check_wide_batch_kernel("wide", B, warps, unroll)
     if warps * B * 32 > MMA_TABLE_WORDS:
         raise ValueError(f"the wide kernel's partials ({warps} warps x batch {B}) must fit its 64 KiB table: "
                          f"at most {MMA_TABLE_WORDS // (32 * B)} warps at batch {B}")
@@ -1463,16 +1474,10 @@ def tile_xrow(cps: int) -> int:
     return cps * 16 + (16 if cps % 2 == 0 else 0)
 
 
-# Threads an SM the tile kernel's launch bounds size its registers for, by batch: 128 registers a thread
-# up to batch 32 (ptxas on the CPU: no spills at unroll 2); batch 33..64 holds 64 accumulators a lane
-# and takes ~245. (64 registers up to batch 8 and 80 up to 16 bought nothing on the H100 and spilled
-# once the finish summed 8 outputs at a time: NOTES "Session 23".)
-TILE_THREADS_PER_SM = ((32, 512), (64, 256))
-
-
-def tile_min_blocks(B: int, warps: int) -> int:
-    """The tile kernel's launch bounds: blocks an SM must hold (see TILE_THREADS_PER_SM)."""
-    return max(1, next(t for b, t in TILE_THREADS_PER_SM if B <= b) // (warps * 32))
+# The tile kernel's launch bounds are the wide kernel's: 128 registers a thread up to batch 32 (ptxas on
+# the CPU: no spills at unroll 2), ~245 above (64 accumulators a lane). (64 registers up to batch 8 and
+# 80 up to 16 bought nothing on the H100 and spilled once the finish summed 8 outputs at a time.)
+tile_min_blocks = wide_min_blocks
 
 
 def tile_shared_bytes(B: int, warps: int, cps: int) -> int:
@@ -1482,7 +1487,7 @@ def tile_shared_bytes(B: int, warps: int, cps: int) -> int:
 
 
 def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
-    """4-bit (K = 16) fused kernel for batches of 2..64 rows on the tensor cores, with the weights as
+    """4-bit (K = 16) fused kernel for batches of up to 64 rows (tuned from 8) on the tensor cores, with the weights as
     the mma's A operand (weight rows as M) and x as B (batch rows as N, 8 an n-tile), the way a GEMM
     tiles them.
 
@@ -1504,12 +1509,10 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
     natural (out, 16) fp16 codebooks as int32 words. :func:`tile_shared_bytes` of shared memory.
     ``unroll``: chunks a warp uses in one turn while as many more are in flight.
     """
-    key = ("tile", B, warps, unroll, tile_min_blocks(B, warps))
+    key = ("tile", B, warps, unroll)
     if key in _kernel_cache:
         return _kernel_cache[key]
-    if not 1 <= B <= MAX_WIDE_BATCH or warps not in (4, 8, 16) or unroll not in (1, 2, 4):
-        raise ValueError(f"the tile kernel takes batch 1..{MAX_WIDE_BATCH}, 4, 8 or 16 warps and unroll 1, 2 or 4, "
-                         f"got {B}, {warps} and {unroll}")
+    check_wide_batch_kernel("tile", B, warps, unroll)
     NB = (B + 7) // 8  # n-tiles
     BP = 8 * NB
     U = unroll
@@ -1897,7 +1900,7 @@ class LaunchPlan:
     kernel: str = "lut"  # "lut" (lut_kernel), "mma" (mma_kernel) or "wide" (wide_kernel): the last two
     # 4-bit, RB 2, their own shared-memory layouts; their ``stages`` is the chunks a warp uses in one
     # turn, with as many more in flight
-    walk: int = 1  # groups of RB row-blocks a block walks (wide_kernel only)
+    walk: int = 1  # groups of RB row-blocks a block walks (wide_kernel and tile_kernel only)
 
     def label(self) -> str:
         """The plan in a few words (the fused step's and the bench's record of it)."""
@@ -2007,11 +2010,7 @@ def plan_wide(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SI
     if p.warps * B * 32 > MMA_TABLE_WORDS:
         raise ValueError(f"the wide kernel's partials ({p.warps} warps x batch {B}) must fit its 64 KiB table")
     npairs = -(-(-(-n_out // ROW_BLOCK)) // 2)
-    if walk == "wave":
-        walk = -(-npairs * p.ksplit // (wide_blocks_per_sm(B, p.warps, p.shared_bytes) * sms))
-    if not isinstance(walk, int) or walk < 1:
-        raise ValueError(f"walk is a positive number of row pairs a block, or 'wave'; got {walk!r}")
-    p.walk = min(walk, npairs)
+    p.walk = resolve_walk(walk, npairs, p.ksplit, wide_blocks_per_sm(B, p.warps, p.shared_bytes), sms)
     return p
 
 
@@ -2031,7 +2030,7 @@ def plan_tile(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SI
         ksplit = min_split
         while ksplit < max(min_split, nchunks // (2 * stages)):
             cps = -(-nchunks // ksplit)
-            if groups * -(-nchunks // cps) >= blocks_per_sm(tile_min_blocks(B, warps), warps, tile_shared_bytes(B, warps, cps)) * sms:
+            if groups * -(-nchunks // cps) >= wide_blocks_per_sm(B, warps, tile_shared_bytes(B, warps, cps)) * sms:
                 break
             ksplit += 1
     elif ksplit < min_split:
@@ -2039,11 +2038,8 @@ def plan_tile(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SI
     cps = -(-nchunks // min(ksplit, nchunks))
     ksplit = -(-nchunks // cps)
     smem = tile_shared_bytes(B, warps, cps)
-    if walk == "wave":
-        walk = -(-groups * ksplit // (blocks_per_sm(tile_min_blocks(B, warps), warps, smem) * sms))
-    if not isinstance(walk, int) or walk < 1:
-        raise ValueError(f"walk is a positive number of row-block groups a block, or 'wave'; got {walk!r}")
-    return LaunchPlan(warps, ksplit, cps, smem, RB=warps, stages=stages, kernel="tile", walk=min(walk, groups))
+    walk = resolve_walk(walk, groups, ksplit, wide_blocks_per_sm(B, warps, smem), sms)
+    return LaunchPlan(warps, ksplit, cps, smem, RB=warps, stages=stages, kernel="tile", walk=walk)
 
 
 def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budget: int = 0) -> list[LaunchPlan]:
