@@ -35,10 +35,8 @@ def _gemv(args) -> int:
     if args.checks_only:
         # The sweep alone, kept for a second process of the same commit (--resume): the sweep and the
         # timings together outgrow a 10-minute window on a fresh machine (every plan compiles).
-        partial = Path(args.out or results.DATA_DIR) / results.slug(torch.cuda.get_device_name()) / "gemv.partial.jsonl"
-        partial.parent.mkdir(parents=True, exist_ok=True)
         head = results.provenance(command=args.command or " ".join(sys.argv))
-        partial.write_text("".join(json.dumps(d, default=str) + "\n" for d in [{"provenance": head}, {"copy": copy}, *checks]))
+        partial = results.write_partial("gemv", torch.cuda.get_device_name(), head, copy, checks, folder=args.out)
         print(f"wrote {partial}")
         return 0
     recs = bench.gemv_suite(progress=not args.quiet)
@@ -109,7 +107,6 @@ def _vq(args) -> int:
 
     if not torch.cuda.is_available():
         raise NoGPUError("`trapetum vq` measures on a CUDA GPU and none is visible; the book renders recorded data without one")
-    import json
 
     from . import additive, bench, residual, results
 
@@ -123,11 +120,9 @@ def _vq(args) -> int:
     if args.out:
         # The provenance, then each record as it is made, so a run stopped part way still leaves
         # its measurements (results.adopt_partial turns the file into a results file).
-        partial = Path(args.out) / results.slug(torch.cuda.get_device_name()) / "vq_gemv.partial.jsonl"
-        partial.parent.mkdir(parents=True, exist_ok=True)
         head = resumed["prov"] if resumed else results.provenance(command=args.command or " ".join(sys.argv))
-        lines = [{"provenance": head}] + ([{"copy": resumed["copy"]}] if resumed and resumed["copy"] else []) + done
-        partial.write_text("".join(json.dumps(d, default=str) + "\n" for d in lines))
+        partial = results.write_partial("vq_gemv", torch.cuda.get_device_name(), head, resumed["copy"] if resumed else {}, done,
+                                        folder=args.out)
 
     def keep(r):
         if partial is not None:

@@ -161,6 +161,17 @@ def adopt(path: Path | str, folder: Path | str | None = None) -> Path:
     return save(path.name.split(".")[0], records, prov, folder=folder)
 
 
+def write_partial(name: str, gpu: str, prov: dict, copy: dict, records: list[dict], folder: Path | str | None = None) -> Path:
+    """Start ``<folder>/<gpu>/<name>.partial.jsonl`` (the format :func:`read_partial` reads): the
+    provenance, the copy bandwidth where there is one, then ``records``; a run appends its later
+    records a line each."""
+    path = Path(folder if folder is not None else DATA_DIR) / slug(gpu) / f"{name}.partial.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [{"provenance": prov}] + ([{"copy": copy}] if copy else []) + list(records)
+    path.write_text("".join(json.dumps(d, default=str) + "\n" for d in lines))
+    return path
+
+
 def read_partial(path: Path | str) -> tuple[dict, dict, list[dict]]:
     """A run's ``<name>.partial.jsonl`` (its provenance, the copy bandwidth, then one record a line)
     as (provenance, copy bandwidth or {}, records)."""
