@@ -129,6 +129,18 @@ if SIM:
         return np.float32(sum(float(u) for u in _sim_exchange(key, lane, float(v))))
 
     @cuda.jit(device=True)
+    def warp_first_i32(v):
+        lane = cuda.threadIdx.x % 32
+        key = (cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x // 32)
+        return np.int32(_sim_exchange(key, lane, int(v))[0])
+
+    @cuda.jit(device=True)
+    def warp_sync():
+        lane = cuda.threadIdx.x % 32
+        key = (cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x // 32)
+        _sim_exchange(key, lane, 0)
+
+    @cuda.jit(device=True)
     def warp_max_f32(v):
         lane = cuda.threadIdx.x % 32
         key = (cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x // 32)
@@ -441,6 +453,16 @@ else:
             v += cuda.shfl_xor_sync(0xFFFFFFFF, v, k)
             k >>= 1
         return v
+
+    @cuda.jit(device=True)
+    def warp_first_i32(v):
+        """Lane 0's ``v`` on every lane (all lanes call it)."""
+        return cuda.shfl_sync(0xFFFFFFFF, int32(v), 0)
+
+    @cuda.jit(device=True)
+    def warp_sync():
+        """The warp's lanes meet (``__syncwarp``): what each wrote before is seen by all after."""
+        cuda.syncwarp()
 
     @cuda.jit(device=True)
     def warp_max_f32(v):
