@@ -83,6 +83,8 @@ def test_kernel_matches_float64(M, n_in, batch):
         (2, 200, 192, 1, {"cps": 1, "warps": 2, "build": "mma", "table": "fp16", "queue": 2}),
         # two batch tiles, each with its own queues and row-block counters
         (4, 70, 96, 3, {"cps": 2, "warps": 2, "bt": 2, "build": "mma", "table": "fp16", "queue": 1}),
+        # one warp takes all 20 row-blocks: it counts their partials in 8, 8, then 4 at a time
+        (2, 640, 128, 1, {"cps": 1, "warps": 1, "build": "mma", "table": "fp16", "queue": 1}),
         # one K-slice (no finish), more warps than row-blocks: two warps find nothing to do
         (2, 100, 64, 2, {"warps": 2, "build": "mma", "queue": 3}),
     ],

@@ -129,10 +129,10 @@ if SIM:
         return np.float32(sum(float(u) for u in _sim_exchange(key, lane, float(v))))
 
     @cuda.jit(device=True)
-    def warp_first_i32(v):
+    def warp_lane_i32(v, src):
         lane = cuda.threadIdx.x % 32
         key = (cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x // 32)
-        return np.int32(_sim_exchange(key, lane, int(v))[0])
+        return np.int32(_sim_exchange(key, lane, int(v))[int(src)])
 
     @cuda.jit(device=True)
     def warp_sync():
@@ -455,9 +455,9 @@ else:
         return v
 
     @cuda.jit(device=True)
-    def warp_first_i32(v):
-        """Lane 0's ``v`` on every lane (all lanes call it)."""
-        return cuda.shfl_sync(0xFFFFFFFF, int32(v), 0)
+    def warp_lane_i32(v, src):
+        """Lane ``src``'s ``v`` on every lane (all lanes call it, with the same ``src``)."""
+        return cuda.shfl_sync(0xFFFFFFFF, int32(v), src)
 
     @cuda.jit(device=True)
     def warp_sync():
