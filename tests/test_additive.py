@@ -79,14 +79,6 @@ def test_kernel_matches_float64(M, n_in, batch):
         # K-split 10: the last block sums eight partials at a time, then a remainder of two
         (4, 33, 320, 1, {"cps": 1, "warps": 2, "build": "mma", "table": "fp16"}),
         (4, 37, 96, 3, {"cps": 2, "warps": 2, "bt": 2, "build": "mma", "table": "fp16"}),
-        # queue plans: 7 row-blocks, 4 handed out at the start and 3 by the queues of 3 K-slices
-        (2, 200, 192, 1, {"cps": 1, "warps": 2, "build": "mma", "table": "fp16", "queue": 2}),
-        # two batch tiles, each with its own queues and row-block counters
-        (4, 70, 96, 3, {"cps": 2, "warps": 2, "bt": 2, "build": "mma", "table": "fp16", "queue": 1}),
-        # one warp takes all 20 row-blocks: it counts their partials in 8, 8, then 4 at a time
-        (2, 640, 128, 1, {"cps": 1, "warps": 1, "build": "mma", "table": "fp16", "queue": 1}),
-        # one K-slice (no finish), more warps than row-blocks: two warps find nothing to do
-        (2, 100, 64, 2, {"warps": 2, "build": "mma", "queue": 3}),
     ],
 )
 def test_kernel_plans(M, n_out, n_in, batch, plan):
@@ -123,11 +115,9 @@ def test_codebook_exponent_bounds_every_entrys_l1_norm():
     assert A.codebook_exponent(cb) == 3
 
 
-@pytest.mark.parametrize("plan", [{"cps": 1, "warps": 2}, {"cps": 1, "warps": 1, "build": "mma", "queue": 1}])
-def test_k_split_resets_its_counters_and_replays(plan):
-    # queue plan: 2 row-blocks, one handed out at the start, one by each K-slice's queue
+def test_k_split_resets_its_counters_and_replays():
     t = random_additive_tensor(40, 192, 2, seed=5)
-    g = AdditiveGemv(t, plan=plan)
+    g = AdditiveGemv(t, plan={"cps": 1, "warps": 2})
     assert g.plan(2).ksplit == 3
     y1 = check(g, x_for(192, 2, seed=1), t)
     counters = g._plans[2][3][1]
@@ -252,28 +242,6 @@ def test_plans_fit_shared_memory_and_cover_every_chunk():
         A.plan_additive(64, 8, 2, 1, 4, 48 * 1024, cps=4)
     with pytest.raises(ValueError, match="at most 8"):
         A.plan_additive(64, 64, 2, 1, 4, 227 * 1024, ksplit=4)
-
-
-def test_queue_plans_fill_the_sms_within_their_register_and_table_bounds():
-    smem = 227 * 1024
-    for n_out, nchunks, M, B in [(14336, 64, 2, 1), (4096, 256, 2, 1), (28672, 128, 2, 1), (4096, 64, 4, 3), (40, 3, 2, 1)]:
-        qs = A.queue_plans(n_out, nchunks, M, B, 132, smem)
-        assert qs and all(p.queue >= 1 and p.build == "mma" for p in qs)
-        for p in qs:
-            per_sm = p.queue * p.ksplit * -(-B // p.bt) / 132
-            # resident at once: no block waits for a second wave to take its fixed row-block
-            assert per_sm <= A.queue_min_blocks(p.cps, p.bt) and per_sm * p.shared_bytes <= smem
-            rbs = -(-n_out // 32)
-            assert p.RB == -(-rbs // p.queue)  # the mean share, for the records
-        cands = A.candidate_plans(n_out, nchunks, M, B, 132, smem)
-        assert all(p in cands for p in qs)
-    p = A.plan_additive(14336, 64, 2, 1, 132, smem, cps=4, build="mma", table="fp16", queue=33)
-    assert "queue over 33 blocks" in p.label() and p.ksplit == 16
-    with pytest.raises(ValueError, match="tensor-core table build"):
-        A.plan_additive(64, 8, 2, 1, 4, smem, queue=2)
-    for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="queue must be a count"):
-            A.plan_additive(64, 8, 2, 1, 4, smem, build="mma", queue=bad)
 
 
 # -- the format -------------------------------------------------------------------------------
@@ -616,8 +584,6 @@ def test_check_additive_large_inputs_reach_beyond_fp16_and_pass():
     (2, 1, {"cps": 1, "warps": 2, "build": "mma", "table": "fp16"}),  # K-split 2: the last block adds res
     (4, 2, {"cps": 2, "warps": 2, "bt": 1, "build": "mma"}),  # one K-slice, two batch tiles (irms a row each)
     (2, 1, None),  # no plan: the fused call builds its table on the tensor cores, the plain call need not
-    # a queue (the second row-block from it) and K-split 2: the warp that lands the last partial adds res
-    (2, 1, {"cps": 1, "warps": 1, "build": "mma", "table": "fp16", "queue": 1}),
 ])
 def test_fused_operations_match_the_float64_reference(pre, post, M, batch, plan):
     n_in, n_out, eps = 128, 40, 1e-5

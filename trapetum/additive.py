@@ -62,9 +62,7 @@ from .gemv import (
     sum_splits,
     tuning_enabled,
     tuning_inputs,
-    warp_lane_i32,
     warp_max_u32,
-    warp_sync,
     with_shared_limit,
 )
 from .bench import TOLERANCE, poisoned_check  # TOLERANCE: max |y - ref| / max |ref| a kernel may be off by
@@ -698,7 +696,7 @@ def codebook_exponent(codebooks: torch.Tensor) -> int:
 
 
 def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma: bool = False, table: str = "fp32",
-                    pre: str = "", post: str = "", queue: bool = False):
+                    pre: str = "", post: str = ""):
     """The fused additive GEMV for M codebooks and batch B (compiled on first use, per plan).
 
     Grid (row-groups of RB row-blocks, K-slices, batch tiles of bt). A block:
@@ -722,15 +720,6 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
     s the least that keeps every entry below 2**15 whatever the codes (from max |x| over the slice,
     one warp-wide max, and ``cbexp``: every codebook entry's L1 norm is below 2**cbexp), and
     multiplies its sums by 2**s. s is 0 for ordinary activations; the sums stay fp32.
-    With ``queue``, blocks are not tied to RB row-blocks: grid x is the number of blocks that share
-    each K-slice's table, and their warps take row-blocks from the slice's queue (an atomic counter,
-    the next one asked for while the current one is summed), so a slow SM or a late block takes fewer
-    and all SMs finish together. The static grid runs one wave of blocks that each load, build,
-    look up and finish in turn: its SMs' loads and lookups hardly overlap, and blocks a K-slice rarely
-    divide evenly over the SMs. The first row-block of each warp is fixed (block q, warp w: q x warps
-    + w), the queue hands out the rest. With a K-split, the warp whose partial of a row-block is the
-    last to land sums it (a counter a row-block, counted in QUEUE_PENDING row-blocks at a time); the
-    last warp of a slice to find the queue empty resets its counters, so the launch replays in a CUDA graph.
     The decode step's operations fuse as into :func:`trapetum.gemv.lut_kernel` (mma build only: they
     act on x where the build reads it, as fp16 B fragments, rounded as transformers' fp16 Llama rounds them):
     ``pre="rms"``: x is RMS-normalised by g (the block's warps sum the rows' squares between them
@@ -748,9 +737,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
         raise ValueError("fused operations need the tensor-core table build (build='mma')")
     RMS, SILU, ADD = pre == "rms", pre == "silu", post == "add"
     half = table == "fp16"
-    QUEUE = bool(queue)
-    RB = 0 if QUEUE else RB  # a queue block has no fixed row-blocks
-    key = (M, B, bt, warps, RB, cps, mma, table, pre, post, QUEUE)
+    key = (M, B, bt, warps, RB, cps, mma, table, pre, post)
     if key in _kernel_cache:
         return _kernel_cache[key]
     row_sumsq, _, irms_of = rms_sums(B, warps)
@@ -819,13 +806,15 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
         return v
 
     @cuda.jit(device=True, **INLINE)
-    def row_block(ring, cur, nxt, lut, acc, tiled, scales, bias, y, ws, rb, nrb, rbs, nchunks, j0, j1, b0, split, nsplit, n_out, up, res):
-        # Prefetch the warp's next row-block (nrb; rbs: none) into slot nxt, sum row-block rb's
-        # (slot cur), then 4. scale and write y, or this K-slice's partial.
-        fetch(ring, nxt, tiled, nrb, rbs, nchunks, j0, j1)
+    def row_block(ring, cur, nxt, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out, up, res):
+        # Prefetch the warp's next row-block into slot nxt, sum this one's (slot cur), then
+        # 4. scale and write y, or this K-slice's partial.
+        nr = r + warps
+        fetch(ring, nxt, tiled, rb0 + nr if nr < RB else rbs, rbs, nchunks, j0, j1)
         for bb in range(bt):
             acc[bb] = float32(0.0)
         sum_chunks(ring, cur, lut, acc, j0, j1)
+        rb = rb0 + r
         row = rb * 32 + cuda.laneid
         if rb < rbs and row < n_out:
             sc = float32(scales[row]) * up
@@ -835,37 +824,6 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
                         y[b0 + bb, row] = with_res(acc[bb] * sc + float32(bias[row]), res, b0 + bb, row)
                     else:
                         ws[split, b0 + bb, row] = acc[bb] * sc
-
-    @cuda.jit(device=True, **INLINE)
-    def grab(counters, qi, first, lane):
-        # The next row-block of this warp's K-slice queue (warp-uniform; at or past rbs: none left).
-        v = int32(0)
-        if lane == 0:
-            v = cuda.atomic.add(counters, qi, 1)
-        return warp_lane_i32(v, 0) + first
-
-    @cuda.jit(device=True, **INLINE)
-    def finish_rbs(counters, ws, y, bias, res, pend, npend, zb, nsplit, b0, n_out, lane):
-        # Queue plans with a K-split: the warp's last npend row-blocks (pend) count their partials in,
-        # one lane a row-block, and the warp sums each one whose count is complete. A fence waits for
-        # every load the warp has in flight, the next row-block's prefetch included, so it is paid
-        # once for QUEUE_PENDING row-blocks, not once each (measured: a fence a row-block made queue
-        # plans 1.2-2.5x slower than the static grid).
-        cuda.threadfence()
-        warp_sync()
-        last = int32(0)
-        if lane < npend:
-            fi = zb + pend[lane]
-            if cuda.atomic.add(counters, fi, 1) == nsplit - 1:
-                counters[fi] = 0
-                last = int32(1)
-        for i in range(npend):
-            if warp_lane_i32(last, i) == 1:
-                row = pend[i] * 32 + lane
-                if row < n_out:
-                    for bb in range(bt):
-                        if b0 + bb < B:
-                            y[b0 + bb, row] = with_res(sum_splits(ws, nsplit, b0 + bb, row) + float32(bias[row]), res, b0 + bb, row)
 
     @cuda.jit(device=True, **INLINE)
     def load_a(afr, cb32, tid):
@@ -922,7 +880,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
             e += uint32(16 * warps)
         return up
 
-    @cuda.jit(**({"launch_bounds": (nt, queue_min_blocks(cps, bt))} if QUEUE and not SIM else {}))
+    @cuda.jit
     def kernel(x32, tiled, cb32, scales, bias, y, ws, counters, n_out, rbs, nchunks, cbexp, g32, res, eps):
         lut = cuda.shared.array(0, uint16 if half else float32)  # [b][g][m][k]
         last = cuda.shared.array(1, int32)
@@ -936,21 +894,10 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
         j0 = split * cps
         j1 = min(j0 + cps, nchunks)
 
-        # 1. The first row-block's codes are in flight while the table is built (and, with a queue,
-        #    the asking for the second).
+        # 1. The first row-block's codes are in flight while the table is built.
         ring = cuda.local.array(ring_size, int32)
-        lane = cuda.laneid
         r = warp
-        nq = rbs * cuda.gridDim.z + split + nsplit * cuda.blockIdx.z  # queue plans: this slice's queue, then its done count
-        nd = nq + nsplit * cuda.gridDim.z
-        first = cuda.gridDim.x * warps  # row-blocks handed out before the queue's
-        rb = cuda.blockIdx.x * warps + warp
-        nrb = rbs
-        if QUEUE:
-            fetch(ring, 0, tiled, min(rb, rbs), rbs, nchunks, j0, j1)
-            nrb = grab(counters, nq, first, lane)
-        else:
-            fetch(ring, 0, tiled, rb0 + r if r < RB else rbs, rbs, nchunks, j0, j1)
+        fetch(ring, 0, tiled, rb0 + r if r < RB else rbs, rbs, nchunks, j0, j1)
         afr = cuda.local.array(afr_size, int32)
         if mma:
             load_a(afr, cb32, tid)
@@ -1006,47 +953,15 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
         #    the current row-block's chunks and the next one's, loading. The loop body is written
         #    out twice so that every ring index is a constant and the ring stays in registers.
         acc = cuda.local.array(bt, float32)
-        zb = rbs * cuda.blockIdx.z  # queue plans: this batch tile's row-block counters
-        pend = cuda.local.array(QUEUE_PENDING, int32)  # row-blocks whose partials are not yet counted in
-        npend = 0
-        while QUEUE and rb < rbs:
-            # the row-block after next is asked for before this one is summed, so its answer is back
-            # by the time its codes must be fetched
-            nn = grab(counters, nq, first, lane) if nrb < rbs else rbs
-            row_block(ring, 0, regs, lut, acc, tiled, scales, bias, y, ws, rb, min(nrb, rbs), rbs, nchunks, j0, j1, b0, split, nsplit, n_out, up, res)
-            pend[npend] = rb
-            npend += 1
-            rb, nrb = nrb, nn
-            if rb < rbs:
-                nn = grab(counters, nq, first, lane) if nrb < rbs else rbs
-                row_block(ring, regs, 0, lut, acc, tiled, scales, bias, y, ws, rb, min(nrb, rbs), rbs, nchunks, j0, j1, b0, split, nsplit, n_out, up, res)
-                pend[npend] = rb
-                npend += 1
-                rb, nrb = nrb, nn
-            if npend == QUEUE_PENDING:  # two a pass, from 0: full only here
-                if nsplit > 1:
-                    finish_rbs(counters, ws, y, bias, res, pend, npend, zb, nsplit, b0, n_out, lane)
-                npend = 0
-        if QUEUE and nsplit > 1 and npend > 0:
-            finish_rbs(counters, ws, y, bias, res, pend, npend, zb, nsplit, b0, n_out, lane)
-        if QUEUE and lane == 0:
-            # every warp's last answer was past the end, so once all have counted none asks again
-            if cuda.atomic.add(counters, nd, 1) == first - 1:
-                counters[nq] = 0
-                counters[nd] = 0
-        while not QUEUE and r < RB:
-            nr = r + warps
-            row_block(ring, 0, regs, lut, acc, tiled, scales, bias, y, ws, rb0 + r, rb0 + nr if nr < RB else rbs, rbs, nchunks, j0, j1,
-                      b0, split, nsplit, n_out, up, res)
-            r = nr
+        while r < RB:
+            row_block(ring, 0, regs, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out, up, res)
+            r += warps
             if r < RB:
-                nr = r + warps
-                row_block(ring, regs, 0, lut, acc, tiled, scales, bias, y, ws, rb0 + r, rb0 + nr if nr < RB else rbs, rbs, nchunks, j0, j1,
-                          b0, split, nsplit, n_out, up, res)
-                r = nr
+                row_block(ring, regs, 0, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out, up, res)
+                r += warps
 
         cidx = cuda.blockIdx.x + cuda.gridDim.x * cuda.blockIdx.z
-        if not QUEUE and nsplit > 1 and last_to_finish(counters, cidx, nsplit, last, tid):
+        if nsplit > 1 and last_to_finish(counters, cidx, nsplit, last, tid):
             for i in range(tid, RB * 32 * bt, nt):
                 bb = i // (RB * 32)
                 row = rb0 * 32 + (i - bb * RB * 32)
@@ -1067,22 +982,18 @@ class AdditivePlan:
     shared_bytes: int  # dynamic: the table, bt * cps * 16 KiB in fp32 (plus padding under the mma build)
     build: str = "fma"  # the table: "fma" (scalar multiply-adds) or "mma" (tensor cores)
     table: str = "fp32"  # its entries: "fp32" or "fp16" (mma build only; half the bytes)
-    queue: int = 0  # blocks a K-slice whose warps take row-blocks from a queue (RB: their mean share); 0: RB each
 
     def label(self) -> str:
         """The plan in a few words (the fused step's and the bench's record of it)."""
-        rows = f"a queue over {self.queue} blocks a K-slice" if self.queue else f"RB {self.RB}"
-        return f"additive: {self.warps} warps, {rows}, K-split {self.ksplit}, {self.table} table"
+        return f"additive: {self.warps} warps, RB {self.RB}, K-split {self.ksplit}, {self.table} table"
 
 
 def plan_additive(n_out: int, nchunks: int, M: int, B: int, sms: int, smem: int, warps: int | None = None, RB: int | None = None,
                   cps: int | None = None, ksplit: int | None = None, bt: int | None = None, build: str = "fma",
-                  table: str = "fp32", queue: int = 0) -> AdditivePlan:
+                  table: str = "fp32") -> AdditivePlan:
     """Launch plan for one layer. Without overrides: blocks of up to 16 row-blocks (512 rows, so the
     table is amortized over many rows), bt = the batch where it fits, and K-slices sized so about
-    two blocks share an SM. ``smem`` is what a block may opt in to (227 KiB on an H100).
-    ``queue``: that many blocks a K-slice take its row-blocks from a queue (see :func:`additive_kernel`;
-    tensor-core build only), RB is then their mean share."""
+    two blocks share an SM. ``smem`` is what a block may opt in to (227 KiB on an H100)."""
     check_table(table, build == "mma")
     chunk_lut = CHUNK_BYTES * K * TABLES[table]  # table bytes of one chunk column and batch row
     rbs = -(-n_out // ROW_BLOCK)
@@ -1112,13 +1023,7 @@ def plan_additive(n_out: int, nchunks: int, M: int, B: int, sms: int, smem: int,
     nbytes = lut_bytes(M, bt, cps, build == "mma", table)
     if nbytes > usable:
         raise ValueError(f"bt={bt} x cps={cps} chunk columns need {nbytes} bytes of table; a block may use {usable}")
-    if not isinstance(queue, int) or isinstance(queue, bool) or queue < 0:
-        raise ValueError(f"queue must be a count of blocks a K-slice (0: none), got {queue!r}")
-    if queue:
-        if build != "mma":
-            raise ValueError("a queue plan needs the tensor-core table build (build='mma')")
-        RB = -(-rbs // queue)
-    return AdditivePlan(warps, RB, cps, ksplit, bt, nbytes, build, table, queue)
+    return AdditivePlan(warps, RB, cps, ksplit, bt, nbytes, build, table)
 
 
 
@@ -1155,37 +1060,6 @@ def candidate_plans(n_out: int, nchunks: int, M: int, B: int, sms: int, smem: in
     h = plan_additive(n_out, nchunks, M, B, sms, smem)
     if (h.RB, h.cps, h.bt, h.warps, h.build, h.table) not in {(p.RB, p.cps, p.bt, p.warps, p.build, p.table) for p in out}:
         out.append(h)
-    return out + queue_plans(n_out, nchunks, M, B, sms, smem)
-
-
-QUEUE_PENDING = 8  # row-blocks a queue warp sums before it counts their partials in (even, at most 32)
-
-
-def queue_min_blocks(cps: int, bt: int) -> int:
-    """Blocks an SM a queue kernel's registers are sized for (its launch bounds). Unbounded, ptxas
-    (sm_90) gave the 8-warp kernel 128 registers at cps 4 (the finish and the two ring slots' loads
-    written out twice): 2 blocks an SM. Bounded: cps 4 at batch tiles of 1 fits 3 blocks in 80
-    without spills (4 spill, and so do tiles of 3 at 3), cps 8 only 2."""
-    return 3 if cps <= 4 and bt == 1 else 2
-
-
-def queue_plans(n_out: int, nchunks: int, M: int, B: int, sms: int, smem: int) -> list[AdditivePlan]:
-    """The tuner's queue plans: fp16 tables of 4 or 8 chunk columns (fp32 of 4), the batch in one
-    tile where it fits, and enough blocks a K-slice for 2 to :func:`queue_min_blocks` blocks an SM in all."""
-    out, seen = [], set()
-    for cps, table in ((4, "fp16"), (8, "fp16"), (4, "fp32")):
-        try:
-            p = plan_additive(n_out, nchunks, M, B, sms, smem, cps=min(cps, nchunks), build="mma", table=table, queue=1)
-        except ValueError:
-            continue
-        for per_sm in range(2, queue_min_blocks(p.cps, p.bt) + 1):
-            if per_sm * p.shared_bytes > smem:
-                continue
-            q = max(1, sms * per_sm // (p.ksplit * -(-B // p.bt)))
-            k = (p.cps, p.bt, table, q)
-            if k not in seen:
-                seen.add(k)
-                out.append(plan_additive(n_out, nchunks, M, B, sms, smem, cps=p.cps, bt=p.bt, build="mma", table=table, queue=q))
     return out
 
 
@@ -1259,15 +1133,11 @@ class AdditiveGemv:
     def _launch_parts(self, B: int, plan: AdditivePlan, pre: str = "", post: str = ""):
         if pre == "rms" and plan.shared_bytes + 4 * (1 + plan.warps * B) > self._smem():
             raise ValueError(f"{plan}: its table leaves no room for pre='rms' sums of squares ({4 * plan.warps * B} bytes)")
-        kern = additive_kernel(self.M, B, plan.bt, plan.warps, plan.RB, plan.cps, plan.build == "mma", plan.table, pre, post,
-                               queue=plan.queue > 0)
+        kern = additive_kernel(self.M, B, plan.bt, plan.warps, plan.RB, plan.cps, plan.build == "mma", plan.table, pre, post)
         ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
-        tiles = -(-B // plan.bt)
-        groups = plan.queue or -(-self.rbs // plan.RB)
-        # queue plans: a finish counter a row-block, then each K-slice's queue and done counts (a batch tile each)
-        n = (self.rbs + 2 * plan.ksplit) * tiles if plan.queue else groups * tiles
-        counters = torch.zeros(n, dtype=torch.int32, device=self.device)
-        grid = (groups, plan.ksplit, tiles)
+        groups = -(-self.rbs // plan.RB)
+        counters = torch.zeros(groups * -(-B // plan.bt), dtype=torch.int32, device=self.device)
+        grid = (groups, plan.ksplit, -(-B // plan.bt))
         return kern, plan, grid, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters))
 
     def _prepare(self, B: int):
@@ -1508,4 +1378,4 @@ def time_additive(n_in: int, n_out: int, M: int, batch: int, fp16_ms: float, see
     torch.cuda.empty_cache()
     return gemv_record("additive", K, batch, n_in, n_out, ms, fp16_ms, nbytes, err, scheme=SCHEMES[M], M=M, bits_per_weight=bits,
                        passed=err <= TOLERANCE, ksplit=plan.ksplit, warps=plan.warps, rb=plan.RB, cps=plan.cps, bt=plan.bt,
-                       shared_bytes=plan.shared_bytes, build=plan.build, table=plan.table, queue=plan.queue)
+                       shared_bytes=plan.shared_bytes, build=plan.build, table=plan.table)

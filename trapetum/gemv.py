@@ -129,18 +129,6 @@ if SIM:
         return np.float32(sum(float(u) for u in _sim_exchange(key, lane, float(v))))
 
     @cuda.jit(device=True)
-    def warp_lane_i32(v, src):
-        lane = cuda.threadIdx.x % 32
-        key = (cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x // 32)
-        return np.int32(_sim_exchange(key, lane, int(v))[int(src)])
-
-    @cuda.jit(device=True)
-    def warp_sync():
-        lane = cuda.threadIdx.x % 32
-        key = (cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x // 32)
-        _sim_exchange(key, lane, 0)
-
-    @cuda.jit(device=True)
     def warp_max_f32(v):
         lane = cuda.threadIdx.x % 32
         key = (cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x // 32)
@@ -453,16 +441,6 @@ else:
             v += cuda.shfl_xor_sync(0xFFFFFFFF, v, k)
             k >>= 1
         return v
-
-    @cuda.jit(device=True)
-    def warp_lane_i32(v, src):
-        """Lane ``src``'s ``v`` on every lane (all lanes call it, with the same ``src``)."""
-        return cuda.shfl_sync(0xFFFFFFFF, int32(v), src)
-
-    @cuda.jit(device=True)
-    def warp_sync():
-        """The warp's lanes meet (``__syncwarp``): what each wrote before is seen by all after."""
-        cuda.syncwarp()
 
     @cuda.jit(device=True)
     def warp_max_f32(v):
