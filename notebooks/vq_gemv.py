@@ -179,3 +179,25 @@ report.fig_additive(df)
 
 # %%
 report.styled(report.additive_side_by_side(df))
+
+# %% [markdown]
+# ### Tried and dropped: a queue of row-blocks
+#
+# At the mid shapes the numba kernel reads its codes at a fraction of the copy bandwidth. One
+# explanation was the grid: each block loads its codes, builds its table, looks up and finishes in
+# turn, every block on the GPU at about the same time, so the SMs' loads and lookups overlap little,
+# and the blocks of a K-slice rarely divide evenly over the SMs. *Queue plans* tested it: a fixed
+# number of blocks share each K-slice's table, and their warps take row-blocks from the slice's
+# queue (an atomic counter, the next row-block asked for while the current one is summed), so every
+# SM stays busy to the end. Two versions were probed on the H100, each timing the static grid's tuned
+# plan and every queue plan in one process, after checking every queue plan against float64 with
+# outputs poisoned: the first counted each row-block's partial sums in as it finished one (a memory
+# fence each time, which also waits for the next row-block's codes in flight); the second counted them
+# in eight row-blocks at a time. The table gives the fastest queue plan's time over the static plan's
+# (above 1: slower). Neither version beat the static grid at any shape, so the queue plans were taken
+# out of the kernel again (their code is in the git history at the commits named). Balancing the SMs
+# did not help because each warp's own chain of waits (its codes, then the lookups, then the partial
+# sums) bounds the time, not how the row-blocks are spread; NOTES.md has the measurements.
+
+# %%
+report.styled(report.additive_queue_trial(folder))

@@ -179,3 +179,29 @@ def test_each_part_comes_from_its_newest_run(tmp_path):
                                                                   "table, built on tensor cores, codebook in shared"}
     notes = report.vq_run_notes(tmp_path).set_index("what")["note"]  # both runs the chapter shows speak
     assert "INVALID_VALUE" in notes["additive_correctness_failures"] and "stopped" in notes["partial"]
+
+
+def test_additive_queue_trial_puts_each_probe_beside_the_static_plan(tmp_path):
+    import json
+
+    def probe(commit, date, q_us, failed=0):
+        recs = [{"kind": "check", "passed": i >= failed} for i in range(4)]
+        for n_in, n_out, static_us in ((4096, 4096, 8.0), (4096, 14336, 16.0)):
+            recs.append({"kind": "time", "n_in": n_in, "n_out": n_out, "M": 2, "us": static_us,
+                         "plan": "{'cps': 4, 'queue': 0, 'RB': 8}"})
+            for q, f in ((16, 1.5), (24, q_us)):  # two queue plans: the faster one counts
+                recs.append({"kind": "time", "n_in": n_in, "n_out": n_out, "M": 2, "us": static_us * f,
+                             "plan": f"{{'cps': 4, 'queue': {q}}}"})
+        return {"provenance": {"gpu": "NVIDIA H100 80GB HBM3", "git_commit": commit, "date": date}, "records": recs}
+
+    (tmp_path / "_runs").mkdir()
+    # written newest first: the columns still come oldest first, by the provenance's date
+    for name, d in (("additive-queue-b-h100.json", probe("bbb", "2026-11-25T10:00", 1.1)),
+                    ("additive-queue-a-h100.json", probe("aaa", "2026-11-25T09:00", 1.25, failed=1))):
+        (tmp_path / "_runs" / name).write_text(json.dumps(d))
+    t = report.additive_queue_trial(tmp_path)
+    assert list(t.columns) == ["GPU", "in x out", "M", "static grid, tuned (us)",
+                               "aaa (3/4 checks): fastest queue plan / static", "bbb (4/4 checks): fastest queue plan / static"]
+    assert list(t["in x out"]) == ["4096 x 4096", "4096 x 14336"] and list(t["static grid, tuned (us)"]) == [8.0, 16.0]
+    assert np.allclose(t.iloc[:, 4], 1.25) and np.allclose(t.iloc[:, 5], 1.1)
+    assert report.additive_queue_trial(tmp_path / "nothing").empty

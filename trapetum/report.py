@@ -11,6 +11,7 @@ registered with pyplot): a notebook shows the returned figure exactly once, and 
 """
 from __future__ import annotations
 
+import json
 import math
 from contextlib import contextmanager
 from pathlib import Path
@@ -1260,6 +1261,39 @@ def additive_side_by_side(df: pd.DataFrame, scheme: str = "2-bit additive (M=2)"
     if "ours (CUDA C++)" in t and "ours (numba)" in t:
         out["numba time / CUDA C++ time"] = (t["ours (numba)"] / t["ours (CUDA C++)"]).to_numpy()
     return out
+
+
+ADDITIVE_QUEUE_PROBES = "_runs/additive-queue-*.json"  # the queue plans' probes (their code is in git history)
+
+
+def additive_queue_trial(folder=None) -> pd.DataFrame:
+    """The additive kernel's queue plans, tried and reverted: one row a shape and M, one column a
+    probe (its commit and how many correctness checks passed before it timed anything): the fastest
+    queue plan's time over the tuned static-grid plan's, both timed in that probe's process."""
+    rows = []
+    probes = [json.loads(f.read_text()) for f in _root(folder).glob(ADDITIVE_QUEUE_PROBES)]
+    for data in sorted(probes, key=lambda d: str(d["provenance"].get("date"))):  # oldest first
+        prov, recs = data["provenance"], data["records"]
+        checks = [r for r in recs if r.get("kind") == "check"]
+        probe = f"{prov.get('git_commit')} ({sum(bool(c['passed']) for c in checks)}/{len(checks)} checks)"
+        t = pd.DataFrame([r for r in recs if r.get("kind") == "time"])
+        if t.empty:
+            continue
+        t["queued"] = ~t["plan"].str.contains("'queue': 0")
+        for (n_in, n_out, M), g in t.groupby(["n_in", "n_out", "M"], sort=False):
+            static, queue = g[~g["queued"]], g[g["queued"]]
+            if len(static) and len(queue):
+                rows.append({"GPU": gpu_label(prov.get("gpu", "")), "in x out": shape_label((int(n_in), int(n_out))), "M": int(M),
+                             "static grid, tuned (us)": float(static["us"].iloc[0]), "probe": probe,
+                             "ratio": float(queue["us"].min() / static["us"].iloc[0])})
+    if not rows:
+        return pd.DataFrame()
+    d = pd.DataFrame(rows)
+    out = d.pivot_table(index=["GPU", "in x out", "M"], columns="probe", values="ratio", sort=False)
+    out.columns = [f"{c}: fastest queue plan / static" for c in out.columns]
+    last = d.drop_duplicates(["GPU", "in x out", "M"], keep="last").set_index(["GPU", "in x out", "M"])
+    out.insert(0, "static grid, tuned (us)", last["static grid, tuned (us)"])
+    return out.reset_index()
 
 
 def vq_run_notes(folder=None) -> pd.DataFrame:
