@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
@@ -126,8 +125,7 @@ def _vq(args) -> int:
 
     def keep(r):
         if partial is not None:
-            with partial.open("a") as f:
-                f.write(json.dumps(r, default=str) + "\n")
+            results.append_partial(partial, r)
 
     checks = [r for r in done if r.get("grid") == "correctness"]
     recs = [r for r in done if r.get("grid") != "correctness"]

@@ -168,8 +168,18 @@ def write_partial(name: str, gpu: str, prov: dict, copy: dict, records: list[dic
     path = Path(folder if folder is not None else DATA_DIR) / slug(gpu) / f"{name}.partial.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = [{"provenance": prov}] + ([{"copy": copy}] if copy else []) + list(records)
-    path.write_text("".join(json.dumps(d, default=str) + "\n" for d in lines))
+    path.write_text("".join(_partial_line(d) for d in lines))
     return path
+
+
+def append_partial(path: Path | str, record: dict) -> None:
+    """Add one record to a partial results file started by :func:`write_partial`."""
+    with Path(path).open("a") as f:
+        f.write(_partial_line(record))
+
+
+def _partial_line(d: dict) -> str:
+    return json.dumps(d, default=str) + "\n"
 
 
 def read_partial(path: Path | str) -> tuple[dict, dict, list[dict]]:
