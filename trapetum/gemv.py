@@ -1464,7 +1464,9 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
 
 TILE_UNROLL = 2
 TILE_UNROLLS = (2, 4)  # the unrolls the tuner tries
-TILE_TABLE_WORDS = 32 * 8  # a warp's table: its row-block's 32 rows x 16 fp16 codebook entries
+# A warp's table: its row-block's 32 rows x 16 fp16 codebook entries, once for each of the 4 lanes
+# that read a row, so that lane l's entries all lie in bank l (:func:`tile_kernel`).
+TILE_TABLE_WORDS = 32 * 32
 
 
 def tile_xrow(cps: int) -> int:
@@ -1481,8 +1483,8 @@ tile_min_blocks = wide_min_blocks
 
 
 def tile_shared_bytes(B: int, warps: int, cps: int) -> int:
-    """Dynamic shared memory of :func:`tile_kernel`: the x slice (batch rows padded to a multiple
-    of 8, the mma's n-tile) and each warp's 32-row table."""
+    """Dynamic shared memory of :func:`tile_kernel`: each warp's table and the x slice (batch rows
+    padded to a multiple of 8, the mma's n-tile)."""
     return 4 * (8 * ((B + 7) // 8) * tile_xrow(cps) + warps * TILE_TABLE_WORDS)
 
 
@@ -1495,8 +1497,12 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
     every warp (B x 32 floats each) meet in shared memory a row pair: at batch 64 that costs more
     than the row pair's codes (NOTES "Wide v2"), and its 64 KiB pair table is rebuilt for every 64
     rows. Here each warp owns one row-block over the block's whole K-slice, so nothing meets in
-    shared memory, and its table is the row-block's 32 codebooks as they are (16 fp16 a row,
-    1 KiB a warp, copied, not built). A lookup is one code, not a pair: per chunk and warp 4 loads
+    shared memory, and its table is the row-block's 32 codebooks (16 fp16 a row), copied, not
+    built. A copy a lane: lane l = (g, t) reads only rows 8q + g, so word ((q >> 1) 16 + e) 32 + l
+    holds entry e of rows 8q + g for q even (low half) and odd (high half), 4 KiB a warp. Every
+    lookup of a warp then hits 32 distinct banks, one wavefront, where one copy of each row put
+    rows g and g + 4 in the same 8 banks (two wavefronts; NOTES "Session 25"). A lookup is one
+    code, not a pair: per chunk and warp 4 loads
     (:func:`fetch_row_words`: lane (g, t) gets word t of rows g, g + 8, g + 16, g + 24), 32 lookups
     (two a register of A: 16 rows x 16 k-slots an m-tile, two m-tiles a row-block), then per
     n-tile of 8 batch rows one 16-byte read of x and 4 mmas. Bytes 2h, 2h + 1 of word t feed k-step
@@ -1521,16 +1527,17 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
 
     @cuda.jit(device=True, **INLINE)
     def nibble_at(cw, i):
-        """Byte offset 2 x nibble i of ``cw`` (bits 1-4), for an entry's address in a 32-byte table row."""
-        return ((cw << uint32(1)) if i == 0 else (cw >> uint32(4 * i - 1))) & uint32(0x1E)
+        """Byte offset 128 x nibble i of ``cw`` (bits 7-10): entry e's word row in the lane's table column."""
+        return ((cw << uint32(7 - 4 * i)) if i < 2 else (cw >> uint32(4 * i - 7))) & uint32(0x780)
 
     @cuda.jit(device=True, **INLINE)
     def look(tab, lb, q, cw, i):
-        """The fp16 pair (C[nibble i], C[nibble i + 1]) of code word ``cw`` of row 8q + g (``lb``: row
-        g's byte, 32-byte aligned, so the offset is or'd in: one LOP3 an address, and 256 q folds
-        into the load's immediate)."""
-        lo = load_byte_offset(tab, (nibble_at(cw, i) | lb) + uint32(256 * q))
-        hi = load_byte_offset(tab, (nibble_at(cw, i + 1) | lb) + uint32(256 * q))
+        """The fp16 pair (C[nibble i], C[nibble i + 1]) of code word ``cw`` of row 8q + g (``lb``: the
+        lane's column, a byte below 128 of a 4 KiB-aligned table, so the offset is or'd in: one LOP3
+        an address; q's word half and 16-row block fold into the load's immediate)."""
+        qo = uint32(2 * (q & 1) + 2048 * (q >> 1))
+        lo = load_byte_offset(tab, (nibble_at(cw, i) | lb) + qo)
+        hi = load_byte_offset(tab, (nibble_at(cw, i + 1) | lb) + qo)
         return prmt(lo, hi, 0x5410)
 
     @cuda.jit(device=True, **INLINE)
@@ -1553,6 +1560,22 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
                     a[k + 4], a[k + 5], a[k + 6], a[k + 7], b2, b3, acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
 
     stream = pair_block_stream(fetch_row_words, use_chunk, U, 1)
+
+    @cuda.jit(device=True, **INLINE)
+    def put_rows(sm, cb32, o, row, live, n_out):
+        """Entries 0..15 of rows ``row`` and ``row`` + 8 as the low and high halves of words o, o + 32, ..."""
+        zero = int32(0)
+        for w in range(0, 8, 4):  # 4 words of each row at a time: 8 registers, not 16 (no spills at batch 32)
+            l0, l1, l2, l3, h0, h1, h2, h3 = zero, zero, zero, zero, zero, zero, zero, zero
+            if live and row < n_out:
+                l0, l1, l2, l3 = load16(cb32[row], w)
+            if live and row + 8 < n_out:
+                h0, h1, h2, h3 = load16(cb32[row + 8], w)
+            for i in range(4):  # word w + i holds entries 2(w + i) (low half) and 2(w + i) + 1
+                lo = l0 if i == 0 else l1 if i == 1 else l2 if i == 2 else l3
+                hi = h0 if i == 0 else h1 if i == 1 else h2 if i == 2 else h3
+                sm[o + 64 * (w + i)] = prmt(lo, hi, 0x5410)
+                sm[o + 64 * (w + i) + 32] = prmt(lo, hi, 0x7632)
 
     @cuda.jit(device=True, **INLINE)
     def put_d(y, ws, split, nsplit, n_out, r, b, d0, d1, d2, d3):
@@ -1592,16 +1615,16 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
         j0 = split * cps
         jend = min(j0 + cps, nchunks)
         xrow = cps * 16 + (16 if cps % 2 == 0 else 0)  # tile_xrow
-        TO = BP * xrow + warp * TILE_TABLE_WORDS  # this warp's table
-        lb = uint32(TO * 4 + gq * 32)
+        TO = warp * TILE_TABLE_WORDS  # this warp's table (first: its byte offset is 4 KiB-aligned)
+        XO = warps * TILE_TABLE_WORDS  # the x slice
+        lb = uint32(TO * 4 + lane * 4)
         xo = cuda.local.array(NB, int32)
         for n in range(NB):
-            xo[n] = (8 * n + gq) * xrow + 4 * t
+            xo[n] = XO + (8 * n + gq) * xrow + 4 * t
         a = cuda.local.array(16, uint32)
         acc = cuda.local.array(NC, float32)
         c = cuda.local.array(NU, int32)
         d = cuda.local.array(NU, int32)  # the second register set (pair_block_stream)
-        zero = int32(0)
 
         for p in range(cuda.blockIdx.x, (rbs + warps - 1) // warps, cuda.gridDim.x):
             rb = p * warps + warp
@@ -1613,15 +1636,10 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
                 for u in range(U):
                     fetch_row_words(c, 4 * u, tiled, base, min(j0 + u, jlast))
             if p == cuda.blockIdx.x:
-                stage_x_rows(sm, x32, 0, xrow, j0, jend, B, BP, tid, nt)
+                stage_x_rows(sm, x32, XO, xrow, j0, jend, B, BP, tid, nt)
             cuda.syncthreads()  # the last group's tables are read
-            row = rb * 32 + lane  # lane l copies row l's 16 entries
-            v0, v1, v2, v3, v4, v5, v6, v7 = zero, zero, zero, zero, zero, zero, zero, zero
-            if rb < rbs and row < n_out:
-                v0, v1, v2, v3 = load16(cb32[row], 0)
-                v4, v5, v6, v7 = load16(cb32[row], 4)
-            store16(sm, TO + lane * 8, v0, v1, v2, v3)
-            store16(sm, TO + lane * 8 + 4, v4, v5, v6, v7)
+            for h in range(2):  # rows 16h + g (q = 2h, low halves) and 16h + 8 + g (high halves)
+                put_rows(sm, cb32, TO + 512 * h + lane, rb * 32 + 16 * h + gq, rb < rbs, n_out)
             cuda.syncthreads()  # the x slice and the tables are in place
             for i in range(NC):
                 acc[i] = float32(0.0)
