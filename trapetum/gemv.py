@@ -109,6 +109,14 @@ if SIM:
         return a[off // a.itemsize]
 
     @cuda.jit(device=True)
+    def shared_address(a):
+        return np.uint32(0)  # the simulator's addresses are byte offsets into the array itself
+
+    @cuda.jit(device=True)
+    def load_shared_u16(a, addr):
+        return a[addr // 2]
+
+    @cuda.jit(device=True)
     def load_half_byte_offset(a, off):
         return np.float32(np.array([a[off // 2]], dtype=np.uint16).view(np.float16)[0])
 
@@ -239,6 +247,32 @@ else:
         def codegen(context, builder, sig, args):
             ety = context.get_data_type(sig.args[0].dtype)
             return builder.load(_byte_pointer(context, builder, sig.args[0], *args, ety), align=context.get_abi_sizeof(ety))
+
+        return sig, codegen
+
+    @intrinsic
+    def shared_address(typingctx, arr):
+        """The 32-bit shared-window address of a shared array's first element (cvta.to.shared)."""
+        sig = types.uint32(arr)
+
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, value=args[0])
+            i8 = ir.IntType(8)
+            sp = builder.addrspacecast(builder.bitcast(ary.data, i8.as_pointer()), i8.as_pointer(3))
+            return builder.ptrtoint(sp, ir.IntType(32))
+
+        return sig, codegen
+
+    @intrinsic
+    def load_shared_u16(typingctx, arr, addr):
+        """The uint16 at shared address ``addr`` (from :func:`shared_address`; ``arr``, the array it
+        points into, types the simulator's version). A 32-bit address is what LDS takes: an offset
+        or'd into an aligned one then needs no add (a generic pointer costs an IMAD a load)."""
+        sig = types.uint16(arr, addr)
+
+        def codegen(context, builder, sig, args):
+            ptr = builder.inttoptr(args[1], ir.IntType(16).as_pointer(3))
+            return builder.load(ptr, align=2)
 
         return sig, codegen
 
@@ -1467,6 +1501,7 @@ TILE_UNROLLS = (2, 4)  # the unrolls the tuner tries
 # A warp's table: its row-block's 32 rows x 16 fp16 codebook entries, once for each of the 4 lanes
 # that read a row, so that lane l's entries all lie in bank l (:func:`tile_kernel`).
 TILE_TABLE_WORDS = 32 * 32
+TILE_ALIGN = 2048  # the tables' shared-address alignment: a lookup's entry offset (bits 7-10) is or'd in
 
 
 def tile_xrow(cps: int) -> int:
@@ -1484,8 +1519,9 @@ tile_min_blocks = wide_min_blocks
 
 def tile_shared_bytes(B: int, warps: int, cps: int) -> int:
     """Dynamic shared memory of :func:`tile_kernel`: each warp's table and the x slice (batch rows
-    padded to a multiple of 8, the mma's n-tile)."""
-    return 4 * (8 * ((B + 7) // 8) * tile_xrow(cps) + warps * TILE_TABLE_WORDS)
+    padded to a multiple of 8, the mma's n-tile), after up to 2 KiB less 16 bytes of padding (the
+    dynamic array starts 16-byte aligned)."""
+    return 4 * (8 * ((B + 7) // 8) * tile_xrow(cps) + warps * TILE_TABLE_WORDS) + TILE_ALIGN - 16  # the pad that aligns them
 
 
 def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
@@ -1533,11 +1569,12 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
     @cuda.jit(device=True, **INLINE)
     def look(tab, lb, q, cw, i):
         """The fp16 pair (C[nibble i], C[nibble i + 1]) of code word ``cw`` of row 8q + g (``lb``: the
-        lane's column, a byte below 128 of a 4 KiB-aligned table, so the offset is or'd in: one LOP3
-        an address; q's word half and 16-row block fold into the load's immediate)."""
+        shared address of the lane's column, a word below 128 bytes past a 2 KiB-aligned table, so
+        the offset is or'd in: one LOP3 an address; q's word half and 16-row block fold into the
+        load's immediate)."""
         qo = uint32(2 * (q & 1) + 2048 * (q >> 1))
-        lo = load_byte_offset(tab, (nibble_at(cw, i) | lb) + qo)
-        hi = load_byte_offset(tab, (nibble_at(cw, i + 1) | lb) + qo)
+        lo = load_shared_u16(tab, (nibble_at(cw, i) | lb) + qo)
+        hi = load_shared_u16(tab, (nibble_at(cw, i + 1) | lb) + qo)
         return prmt(lo, hi, 0x5410)
 
     @cuda.jit(device=True, **INLINE)
@@ -1615,9 +1652,11 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
         j0 = split * cps
         jend = min(j0 + cps, nchunks)
         xrow = cps * 16 + (16 if cps % 2 == 0 else 0)  # tile_xrow
-        TO = warp * TILE_TABLE_WORDS  # this warp's table (first: its byte offset is 4 KiB-aligned)
-        XO = warps * TILE_TABLE_WORDS  # the x slice
-        lb = uint32(TO * 4 + lane * 4)
+        sbase = shared_address(sm)
+        pad = ((uint32(TILE_ALIGN) - (sbase & uint32(TILE_ALIGN - 1))) & uint32(TILE_ALIGN - 1)) >> uint32(2)
+        TO = pad + warp * TILE_TABLE_WORDS  # this warp's table, at a 2 KiB-aligned shared address
+        XO = pad + warps * TILE_TABLE_WORDS  # the x slice
+        lb = sbase + uint32(TO * 4 + lane * 4)
         xo = cuda.local.array(NB, int32)
         for n in range(NB):
             xo[n] = XO + (8 * n + gq) * xrow + 4 * t
