@@ -109,14 +109,6 @@ if SIM:
         return a[off // a.itemsize]
 
     @cuda.jit(device=True)
-    def shr_u32(x, s):
-        return np.uint32((int(x) & 0xFFFFFFFF) >> int(s))
-
-    @cuda.jit(device=True)
-    def imad_u32(a, b, c):
-        return np.uint32((int(a) * int(b) + int(c)) & 0xFFFFFFFF)
-
-    @cuda.jit(device=True)
     def shared_address(a):
         return np.uint32(0)  # the simulator's addresses are byte offsets into the array itself
 
@@ -257,26 +249,6 @@ else:
             return builder.load(_byte_pointer(context, builder, sig.args[0], *args, ety), align=context.get_abi_sizeof(ety))
 
         return sig, codegen
-
-    # Which pipe an integer op runs on is ptxas's choice, made from the PTX it is given: a shift
-    # written as shr stays an ALU op, a multiply-add (also a shift left by a constant) goes to the FMA
-    # pipe as IMAD. LLVM would merge a shr with a later shl (and a mul by 2^k into a shl): asm keeps them.
-    def _asm_u32(builder, text: str, args):
-        """Inline PTX of uint32 operands and result, which the optimizer cannot fold away."""
-        i32 = ir.IntType(32)
-        ins = [builder.trunc(v, i32) if v.type.width > 32 else builder.zext(v, i32) if v.type.width < 32 else v for v in args]
-        asm = ir.InlineAsm(ir.FunctionType(i32, [i32] * len(ins)), text, "=r" + ",r" * len(ins), side_effect=False)
-        return builder.call(asm, ins)
-
-    @intrinsic
-    def shr_u32(typingctx, x, s):
-        """x >> s (PTX shr.b32)."""
-        return types.uint32(x, s), lambda context, builder, sig, args: _asm_u32(builder, "shr.b32 $0, $1, $2;", args)
-
-    @intrinsic
-    def imad_u32(typingctx, a, b, c):
-        """a * b + c (PTX mad.lo.u32)."""
-        return types.uint32(a, b, c), lambda context, builder, sig, args: _asm_u32(builder, "mad.lo.u32 $0, $1, $2, $3;", args)
 
     @intrinsic
     def shared_address(typingctx, arr):
@@ -1590,16 +1562,20 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
     NU, NC = 4 * U, 8 * NB  # local array sizes: numba needs them as constants
 
     @cuda.jit(device=True, **INLINE)
-    def look(tab, lb, q, s):
-        """The fp16 pair (C[s & 15], C[(s >> 4) & 15]) of row 8q + g (``lb``: the shared address of
-        the lane's column, a word below 128 bytes past a 2 KiB-aligned table, so an entry's offset
-        e << 7 is or'd in; q's word half and 16-row block fold into the load's immediate). The
-        shifts left and the pair's assembly are IMADs, on the FMA pipe: the ALU pipe, which takes the
-        masks, was the bound (ncu: math pipe throttle; NOTES "Session 25")."""
+    def nibble_at(cw, i):
+        """Byte offset 128 x nibble i of ``cw`` (bits 7-10): entry e's word row in the lane's table column."""
+        return ((cw << uint32(7 - 4 * i)) if i < 2 else (cw >> uint32(4 * i - 7))) & uint32(0x780)
+
+    @cuda.jit(device=True, **INLINE)
+    def look(tab, lb, q, cw, i):
+        """The fp16 pair (C[nibble i], C[nibble i + 1]) of code word ``cw`` of row 8q + g (``lb``: the
+        shared address of the lane's column, a word below 128 bytes past a 2 KiB-aligned table, so
+        the offset is or'd in: one LOP3 an address; q's word half and 16-row block fold into the
+        load's immediate)."""
         qo = uint32(2 * (q & 1) + 2048 * (q >> 1))
-        lo = load_shared_u16(tab, (imad_u32(s, 128, 0) & uint32(0x780) | lb) + qo)
-        hi = load_shared_u16(tab, (imad_u32(s, 8, 0) & uint32(0x780) | lb) + qo)
-        return imad_u32(hi, 65536, lo)
+        lo = load_shared_u16(tab, (nibble_at(cw, i) | lb) + qo)
+        hi = load_shared_u16(tab, (nibble_at(cw, i + 1) | lb) + qo)
+        return prmt(lo, hi, 0x5410)
 
     @cuda.jit(device=True, **INLINE)
     def use_chunk(c, o, sm, lb, xo, rel, a, tab, acc):
@@ -1607,9 +1583,9 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
         # byte of row g in this warp's table. a[8 mt + 4 h + r]: A register r of m-tile mt, k-step h.
         for q in range(4):  # row 8q + g: m-tile q >> 1, A row g (q even: a0, a2) or g + 8 (a1, a3)
             cw = uint32(c[o + q])
-            for h in range(2):  # nibbles 4h, 4h + 1 and 4h + 2, 4h + 3, brought to bits 0-7
-                a[8 * (q >> 1) + 4 * h + (q & 1)] = look(tab, lb, q, shr_u32(cw, 16 * h) if h else cw)
-                a[8 * (q >> 1) + 4 * h + 2 + (q & 1)] = look(tab, lb, q, shr_u32(cw, 16 * h + 8))
+            for h in range(2):
+                a[8 * (q >> 1) + 4 * h + (q & 1)] = look(tab, lb, q, cw, 4 * h)
+                a[8 * (q >> 1) + 4 * h + 2 + (q & 1)] = look(tab, lb, q, cw, 4 * h + 2)
         for n in range(NB):
             b0, b1, b2, b3 = sload4(sm, xo[n] + rel * 16)  # B of k-step 0 (b0, b1) and 1 (b2, b3)
             for mt in range(2):
