@@ -195,9 +195,10 @@ report.fig_speedup_by_shape(df)
 # diagonal tensor-core kernel (`mma`, batches up to 16, whose mma work grows by one per four
 # batch rows); from batch 4 to 16 the `wide` tensor-core kernel, which feeds x to the mma as its
 # A operand (16 batch rows an mma); and from batch 8 (alone above 16) the `tile` kernel, which feeds the looked-up
-# weights to the mma as A the way a GEMM tiles them (each warp owns 32 rows over its K-slice,
-# with their 16-entry codebooks as they are; 8 batch rows an mma), so no warps' partial sums meet
-# in shared memory. Dequantize-then-cuBLAS, the large-batch path before the tensor-core kernels
+# weights to the mma as A the way a GEMM tiles them (each warp owns 32 rows over its K-slice;
+# 8 batch rows an mma), so no warps' partial sums meet in shared memory. Each of the four lanes
+# that read a row keeps its own copy of the row's 16-entry codebook in its own shared-memory bank,
+# so a warp's 32 lookups are served in one pass instead of two. Dequantize-then-cuBLAS, the large-batch path before the tensor-core kernels
 # (and still the one for uint8 codes above 16), is timed beside them where it applies. A block
 # of the wide kernel may walk several groups of 64 rows, staging its slice of x once; the tuner
 # times both. The table names the kernel family and the plan the tuner picked at each batch; in
