@@ -198,8 +198,9 @@ report.fig_speedup_by_shape(df)
 # weights to the mma as A the way a GEMM tiles them (each warp owns 32 rows over its K-slice;
 # 8 batch rows an mma), so no warps' partial sums meet in shared memory. Each of the four lanes
 # that read a row keeps its own copy of the row's 16-entry codebook in its own shared-memory bank,
-# so a warp's 32 lookups are served in one pass instead of two. Dequantize-then-cuBLAS, the large-batch path before the tensor-core kernels
-# (and still the one for uint8 codes above 16), is timed beside them where it applies. A block
+# so a warp's 32 lookups are served in one pass instead of two. Dequantize-then-cuBLAS, the
+# large-batch path before the tensor-core kernels (and still the one for uint8 codes above 16), is
+# timed beside them where it applies. A block
 # of the wide kernel may walk several groups of 64 rows, staging its slice of x once; the tuner
 # times both. The table names the kernel family and the plan the tuner picked at each batch; in
 # the figure the shaded region is where torch fp16 is faster than the path a `QLinear` takes.

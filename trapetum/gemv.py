@@ -1954,9 +1954,9 @@ class LaunchPlan:
     shared_bytes: int  # dynamic shared memory
     RB: int = 1  # row-blocks a thread block
     stages: int = 2  # chunks of each row-block a warp holds: one in use, stages - 1 in flight
-    kernel: str = "lut"  # "lut" (lut_kernel), "mma" (mma_kernel) or "wide" (wide_kernel): the last two
-    # 4-bit, RB 2, their own shared-memory layouts; their ``stages`` is the chunks a warp uses in one
-    # turn, with as many more in flight
+    kernel: str = "lut"  # "lut" (lut_kernel), "mma" (mma_kernel), "wide" (wide_kernel) or "tile" (tile_kernel):
+    # the last three 4-bit, with their own shared-memory layouts (RB 2, or a row-block a warp for tile);
+    # their ``stages`` is the chunks a warp uses in one turn, with as many more in flight
     walk: int = 1  # groups of RB row-blocks a block walks (wide_kernel and tile_kernel only)
 
     def label(self) -> str:
