@@ -172,6 +172,14 @@ if SIM:
         return a[i]
 
     @cuda.jit(device=True)
+    def copy16_async(dst, di, src, si):
+        dst[di], dst[di + 1], dst[di + 2], dst[di + 3] = src[si], src[si + 1], src[si + 2], src[si + 3]
+
+    @cuda.jit(device=True)
+    def async_wait_all():
+        pass
+
+    @cuda.jit(device=True)
     def prmt(a, b, sel):
         x = (int(a) & 0xFFFFFFFF) | ((int(b) & 0xFFFFFFFF) << 32)
         r = 0
@@ -406,6 +414,41 @@ else:
         return sig, codegen
 
     @intrinsic
+    def copy16_async(typingctx, dst, di, src, si):
+        """dst[di:di + 4] (shared) = src[si:si + 4] (global), 16 aligned bytes, as one ``cp.async.cg``:
+        the copy holds no register while it flies, so a thread can have all of its copies in flight
+        at once. Visible to this thread after :func:`async_wait_all`, to the block after a barrier."""
+        sig = types.none(dst, di, src, si)
+
+        def codegen(context, builder, sig, args):
+            dty, _, sty, _ = sig.args
+            dp = cgutils.get_item_pointer(context, builder, dty, context.make_array(dty)(context, builder, value=args[0]),
+                                          [args[1]], wraparound=False)
+            sp = cgutils.get_item_pointer(context, builder, sty, context.make_array(sty)(context, builder, value=args[2]),
+                                          [args[3]], wraparound=False)
+            i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+            dsh = builder.ptrtoint(builder.addrspacecast(builder.bitcast(dp, i8.as_pointer()), i8.as_pointer(3)), i32)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i32, i64]),
+                               "{ .reg .u64 g; cvta.to.global.u64 g, $1; cp.async.cg.shared.global [$0], [g], 16; }",
+                               "r,l,~{memory}", side_effect=True)
+            builder.call(asm, [dsh, builder.ptrtoint(sp, i64)])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def async_wait_all(typingctx):
+        """Wait for this thread's :func:`copy16_async` copies (``cp.async.wait_all``)."""
+        sig = types.none()
+
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "cp.async.wait_all;", "~{memory}", side_effect=True)
+            builder.call(asm, [])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
     def store16(typingctx, arr, idx, v0, v1, v2, v3):
         """arr[idx:idx + 4] = v0..v3 as one aligned 128-bit store (st.v4)."""
         sig = types.none(arr, idx, v0, v1, v2, v3)
@@ -584,17 +627,26 @@ def sum_splits(ws, nsplit, b, row):
 
 @cuda.jit(device=True, **INLINE)
 def sum_splits8(ws, nsplit, b, blast, row):
-    """ws[:, b..b+7, row] summed over the ``nsplit`` K-slices, eight outputs' loads in flight a slice
-    (batch rows past ``blast`` read it again, their sums unused): a last block summing B outputs a
-    thread with :func:`sum_splits` waited for B x nsplit / 8 serial L2 round trips."""
-    b1, b2, b3 = min(b + 1, blast), min(b + 2, blast), min(b + 3, blast)
-    b4, b5, b6, b7 = min(b + 4, blast), min(b + 5, blast), min(b + 6, blast), min(b + 7, blast)
+    """ws[:, b..b+7, row] summed over the ``nsplit`` K-slices, the loads of four slices x eight
+    outputs in flight at once (batch rows past ``blast`` and slices past the last read one again,
+    their values unused): a last block summing B outputs a thread with :func:`sum_splits` waited
+    for B x nsplit / 8 serial L2 round trips, and with one slice at a time for B x nsplit / 8 too,
+    since every add waited for its slice's loads (the tile kernel's finish at batch 64: 32 round
+    trips, NOTES "Session 26"); now B / 8 x nsplit / 4."""
+    bs = (b, min(b + 1, blast), min(b + 2, blast), min(b + 3, blast),
+          min(b + 4, blast), min(b + 5, blast), min(b + 6, blast), min(b + 7, blast))
     s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = float32(0.0)
-    for sp in range(nsplit):
-        v0, v1, v2, v3 = load_cg(ws, sp, b, row), load_cg(ws, sp, b1, row), load_cg(ws, sp, b2, row), load_cg(ws, sp, b3, row)
-        v4, v5, v6, v7 = load_cg(ws, sp, b4, row), load_cg(ws, sp, b5, row), load_cg(ws, sp, b6, row), load_cg(ws, sp, b7, row)
-        s0, s1, s2, s3 = s0 + v0, s1 + v1, s2 + v2, s3 + v3
-        s4, s5, s6, s7 = s4 + v4, s5 + v5, s6 + v6, s7 + v7
+    last = nsplit - 1
+    for sp in range(0, nsplit, 4):
+        v = cuda.local.array(32, float32)
+        for k in range(4):
+            spk = min(sp + k, last)
+            for i in range(8):
+                v[8 * k + i] = load_cg(ws, spk, bs[i], row)
+        for k in range(4):
+            if sp + k <= last:
+                s0, s1, s2, s3 = s0 + v[8 * k], s1 + v[8 * k + 1], s2 + v[8 * k + 2], s3 + v[8 * k + 3]
+                s4, s5, s6, s7 = s4 + v[8 * k + 4], s5 + v[8 * k + 5], s6 + v[8 * k + 6], s7 + v[8 * k + 7]
     return s0, s1, s2, s3, s4, s5, s6, s7
 
 
@@ -1022,17 +1074,21 @@ def stage_x_rows(sm, x32, XO, xrow, j0, jend, B, BP, tid, nt):
     """Rows 0..BP-1 of this K-slice (chunks j0..jend-1) of x at word XO, ``xrow`` words a row, fp16
     as staged: the B rows of x, then zeros (rows a kernel's n-tile reads past the batch)."""
     xq = (jend - j0) * 4  # 16-byte pieces of a batch row
-    # 32-bit division: numba's int64 one is a long emulated sequence. (Eight pieces in flight a
-    # thread instead of one gave no gain at batch 16-64 and cost the batch-1 kernel 10 registers.)
+    # 32-bit division: numba's int64 one is a long emulated sequence. The pieces are asynchronous
+    # copies, all of a thread's in flight at once and holding no registers: a load and a store a
+    # piece waited one L2 round trip a piece, 32 of them a thread at batch 64 (a fifth of the tile
+    # kernel's stall samples there; NOTES "Session 26").
     n = uint32(BP * xq)
     uxq = uint32(xq)
     zero = int32(0)
     for t in range(uint32(tid), n, uint32(nt)):
         bb = t // uxq
-        v0, v1, v2, v3 = zero, zero, zero, zero
+        o = uint32(XO) + bb * uint32(xrow) + (t - bb * uxq) * uint32(4)
         if BP == B or bb < uint32(B):  # the first folds away where every staged row is x's
-            v0, v1, v2, v3 = load16(x32[bb], uint32(j0 * 16) + (t - bb * uxq) * uint32(4))
-        store16(sm, uint32(XO) + bb * uint32(xrow) + (t - bb * uxq) * uint32(4), v0, v1, v2, v3)
+            copy16_async(sm, o, x32[bb], uint32(j0 * 16) + (t - bb * uxq) * uint32(4))
+        else:
+            store16(sm, o, zero, zero, zero, zero)
+    async_wait_all()
 
 
 def pair_table_builder(swizzle: bool):
@@ -1599,20 +1655,28 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
     stream = pair_block_stream(fetch_row_words, use_chunk, U, 1)
 
     @cuda.jit(device=True, **INLINE)
-    def put_rows(sm, cb32, o, row, live, n_out):
-        """Entries 0..15 of rows ``row`` and ``row`` + 8 as the low and high halves of words o, o + 32, ..."""
+    def get_rows(cbw, cb32, row, live, n_out):
+        """The codebooks of rows ``row`` + 8k (k = 0..3) as cbw[8k..8k + 7], every load issued before
+        any is used: put one row pair at a time, they waited four L2 round trips in the prologue."""
         zero = int32(0)
-        for w in range(0, 8, 4):  # 4 words of each row at a time: 8 registers, not 16 (no spills at batch 32)
-            l0, l1, l2, l3, h0, h1, h2, h3 = zero, zero, zero, zero, zero, zero, zero, zero
-            if live and row < n_out:
-                l0, l1, l2, l3 = load16(cb32[row], w)
-            if live and row + 8 < n_out:
-                h0, h1, h2, h3 = load16(cb32[row + 8], w)
-            for i in range(4):  # word w + i holds entries 2(w + i) (low half) and 2(w + i) + 1
-                lo = l0 if i == 0 else l1 if i == 1 else l2 if i == 2 else l3
-                hi = h0 if i == 0 else h1 if i == 1 else h2 if i == 2 else h3
-                sm[o + 64 * (w + i)] = prmt(lo, hi, 0x5410)
-                sm[o + 64 * (w + i) + 32] = prmt(lo, hi, 0x7632)
+        for k in range(4):
+            for w in range(0, 8, 4):
+                i = 8 * k + w
+                if live and row + 8 * k < n_out:
+                    cbw[i], cbw[i + 1], cbw[i + 2], cbw[i + 3] = load16(cb32[row + 8 * k], w)
+                else:
+                    cbw[i], cbw[i + 1], cbw[i + 2], cbw[i + 3] = zero, zero, zero, zero
+
+    @cuda.jit(device=True, **INLINE)
+    def put_rows(sm, cbw, o):
+        """Entries 0..15 of rows 16h + g and 16h + 8 + g (cbw's rows 2h, 2h + 1) as the low and high
+        halves of words o + 512h, o + 512h + 32, ..."""
+        for h in range(2):
+            for w in range(8):  # word w holds entries 2w (low half) and 2w + 1
+                lo = cbw[16 * h + w]
+                hi = cbw[16 * h + 8 + w]
+                sm[o + 512 * h + 64 * w] = prmt(lo, hi, 0x5410)
+                sm[o + 512 * h + 64 * w + 32] = prmt(lo, hi, 0x7632)
 
     @cuda.jit(device=True, **INLINE)
     def put_d(y, ws, split, nsplit, n_out, r, b, d0, d1, d2, d3):
@@ -1664,6 +1728,7 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
         acc = cuda.local.array(NC, float32)
         c = cuda.local.array(NU, int32)
         d = cuda.local.array(NU, int32)  # the second register set (pair_block_stream)
+        cbw = cuda.local.array(32, int32)  # the row-block's codebook words, on their way to the table
 
         for p in range(cuda.blockIdx.x, (rbs + warps - 1) // warps, cuda.gridDim.x):
             rb = p * warps + warp
@@ -1674,11 +1739,11 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
             if nk > 0:  # start streaming before anything waits (chunks past the slice: clamped, unused)
                 for u in range(U):
                     fetch_row_words(c, 4 * u, tiled, base, min(j0 + u, jlast))
+            get_rows(cbw, cb32, rb * 32 + gq, rb < rbs, n_out)  # in flight with the codes and x
             if p == cuda.blockIdx.x:
                 stage_x_rows(sm, x32, XO, xrow, j0, jend, B, BP, tid, nt)
             cuda.syncthreads()  # the last group's tables are read
-            for h in range(2):  # rows 16h + g (q = 2h, low halves) and 16h + 8 + g (high halves)
-                put_rows(sm, cb32, TO + 512 * h + lane, rb * 32 + 16 * h + gq, rb < rbs, n_out)
+            put_rows(sm, cbw, TO + lane)
             cuda.syncthreads()  # the x slice and the tables are in place
             for i in range(NC):
                 acc[i] = float32(0.0)
