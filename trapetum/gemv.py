@@ -415,7 +415,8 @@ else:
 
     @intrinsic
     def copy16_async(typingctx, dst, di, src, si):
-        """dst[di:di + 4] (shared) = src[si:si + 4] (global), 16 aligned bytes, as one ``cp.async.cg``:
+        """dst[di:di + 4] (shared) = src[si:si + 4] (global), 16 aligned bytes, as one ``cp.async.ca``
+        (through L1: the blocks on an SM read the same x; .cg, past L1, cost the mma kernel ~1 us at batch 2):
         the copy holds no register while it flies, so a thread can have all of its copies in flight
         at once. Visible to this thread after :func:`async_wait_all`, to the block after a barrier."""
         sig = types.none(dst, di, src, si)
@@ -429,7 +430,7 @@ else:
             i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
             dsh = builder.ptrtoint(builder.addrspacecast(builder.bitcast(dp, i8.as_pointer()), i8.as_pointer(3)), i32)
             asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i32, i64]),
-                               "{ .reg .u64 g; cvta.to.global.u64 g, $1; cp.async.cg.shared.global [$0], [g], 16; }",
+                               "{ .reg .u64 g; cvta.to.global.u64 g, $1; cp.async.ca.shared.global [$0], [g], 16; }",
                                "r,l,~{memory}", side_effect=True)
             builder.call(asm, [dsh, builder.ptrtoint(sp, i64)])
             return context.get_dummy_value()
