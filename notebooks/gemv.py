@@ -198,7 +198,10 @@ report.fig_speedup_by_shape(df)
 # weights to the mma as A the way a GEMM tiles them (each warp owns 32 rows over its K-slice;
 # 8 batch rows an mma), so no warps' partial sums meet in shared memory. Each of the four lanes
 # that read a row keeps its own copy of the row's 16-entry codebook in its own shared-memory bank,
-# so a warp's 32 lookups are served in one pass instead of two. Dequantize-then-cuBLAS, the
+# so a warp's 32 lookups are served in one pass instead of two. A block stages its slice of x
+# with asynchronous copies (`cp.async`), every piece of a thread in flight at once: staged one
+# load and one store at a time, it was the largest single stall of the batch-64 kernel under the
+# profiler. Dequantize-then-cuBLAS, the
 # large-batch path before the tensor-core kernels (and still the one for uint8 codes above 16), is
 # timed beside them where it applies. A block
 # of the wide kernel may walk several groups of 64 rows, staging its slice of x once; the tuner
