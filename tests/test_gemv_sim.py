@@ -141,13 +141,26 @@ def test_1d_input_gives_1d_output(variant):
 
 @pytest.mark.parametrize("variant", ["lut", "naive"])
 @pytest.mark.parametrize("K", [16, 64, 256])
-def test_device_dequantize_equals_codebook_dequantize(K, variant):
-    ct = random_codebook_tensor(37, 32, K, seed=K)
+@pytest.mark.parametrize("n_in", [32, 160])  # one 16-byte piece of codes a row (4-bit), or several
+def test_device_dequantize_equals_codebook_dequantize(K, variant, n_in):
+    ct = random_codebook_tensor(37, n_in, K, seed=K)
     g = LutGemv(ct, variant=variant)
-    W = torch.full((37, 32), float("nan"), dtype=torch.float16)
+    W = torch.full((37, n_in), float("nan"), dtype=torch.float16)
     assert g.dequantize(out=W) is W
     assert torch.equal(W, ct.dequantize())
     assert torch.equal(g.dequantize(), ct.dequantize())
+
+
+def test_device_dequantize_refuses_a_wrong_output():
+    # The kernel writes whole 16-byte pieces of each row: an output of another shape, type or layout
+    # would be written past or across, so it is refused before the launch.
+    g = LutGemv(random_codebook_tensor(37, 64, 16, seed=1))
+    for bad in (torch.empty(37, 32, dtype=torch.float16), torch.empty(37, 64, dtype=torch.float32),
+                torch.empty(64, 37, dtype=torch.float16).t(), torch.empty(36, 64, dtype=torch.float16)):
+        with pytest.raises(ValueError, match="out must be a contiguous float16 tensor of shape"):
+            g.dequantize(out=bad)
+    with pytest.raises(ValueError, match="not contiguous"):
+        g.dequantize(out=torch.empty(64, 37, dtype=torch.float16).t())
 
 
 @pytest.mark.parametrize("keep_natural", [True, False])
