@@ -1831,8 +1831,8 @@ def dequant_kernel(K: int):
     Arguments: the codes as int32 words (rows, bytes / 4), the codebooks' fp16 bits as int16 (rows,
     K), the output's int32 words (rows, in / 2), the unit count (rows x in / 8) and units a row.
     One byte a thread, with 2-byte stores and a 64-bit division a byte, took 1.7-1.9x as long at
-    4096 x 14336; 16 code bytes a thread, whose four 16-byte stores a warp spread over 2 KiB, 1.5x
-    (NOTES "Session 26").
+    4096 x 14336; 16 code bytes a thread, whose four 16-byte stores a warp spread over 2 KiB,
+    1.1-1.5x (NOTES "Session 26").
     """
     key = ("dequant", K)
     if key in _kernel_cache:
