@@ -630,10 +630,9 @@ def sum_splits(ws, nsplit, b, row):
 def sum_splits8(ws, nsplit, b, blast, row):
     """ws[:, b..b+7, row] summed over the ``nsplit`` K-slices, the loads of four slices x eight
     outputs in flight at once (batch rows past ``blast`` and slices past the last read one again,
-    their values unused): a last block summing B outputs a thread with :func:`sum_splits` waited
-    for B x nsplit / 8 serial L2 round trips, and with one slice at a time for B x nsplit / 8 too,
-    since every add waited for its slice's loads (the tile kernel's finish at batch 64: 32 round
-    trips, NOTES "Session 26"); now B / 8 x nsplit / 4."""
+    their values unused): B outputs a thread wait for B / 8 x nsplit / 4 serial L2 round trips,
+    where a slice at a time waited for B / 8 x nsplit (32 in the tile kernel's finish at batch 64,
+    NOTES "Session 26")."""
     bs = (b, min(b + 1, blast), min(b + 2, blast), min(b + 3, blast),
           min(b + 4, blast), min(b + 5, blast), min(b + 6, blast), min(b + 7, blast))
     s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = float32(0.0)
@@ -1912,9 +1911,11 @@ def check_activation(x: torch.Tensor, n_in: int, device: torch.device, max_batch
 
 def check_output(out: torch.Tensor, batch: int, n_out: int, device) -> None:
     if not isinstance(out, torch.Tensor) or out.shape != (batch, n_out) or out.dtype != torch.float16 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous float16 tensor of shape {(batch, n_out)}")
+        got = f"{str(out.dtype).removeprefix('torch.')} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        hint = " (not contiguous)" if isinstance(out, torch.Tensor) and not out.is_contiguous() else ""
+        raise ValueError(f"out must be a contiguous float16 tensor of shape {(batch, n_out)}, got {got}{hint}")
     if out.device != device:
-        raise ValueError(f"out is on {out.device}, x on {device}")
+        raise ValueError(f"out is on {out.device}, the kernel runs on {device}")
 
 
 def max_shared_bytes(device) -> int:
@@ -2547,11 +2548,8 @@ class LutGemv:
         if out is None:
             W = torch.empty(r1 - r0, self.n_in, dtype=torch.float16, device=self.device)
         else:
+            check_output(out, r1 - r0, self.n_in, self.device)
             W = out
-            if W.dtype != torch.float16 or tuple(W.shape) != (r1 - r0, self.n_in) or W.device != self.device or not W.is_contiguous():
-                raise ValueError(f"out must be a contiguous float16 tensor of shape {(r1 - r0, self.n_in)} on {self.device}, "
-                                 f"got {str(W.dtype).removeprefix('torch.')} {tuple(W.shape)} on {W.device}"
-                                 + ("" if W.is_contiguous() else " (not contiguous)"))
         if self._ct is not None:
             codes = self._ct.codes[r0:r1]
         else:  # a transient copy of the slab's codes when only the tiled codes are kept
