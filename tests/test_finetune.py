@@ -114,6 +114,29 @@ def test_finetune_leaves_grad_flags_and_training_mode_as_it_found_them():
         F.finetune(model, teacher, forms, calib, epochs=0, progress=False)
 
 
+def test_norms_train_only_when_asked_and_are_stored_as_fp16():
+    calib = calib_ids()
+    for norms in (False, True):
+        model, teacher = tiny_llama(), tiny_llama()
+        before = {n: p.detach().clone() for n, p in F.norm_weights(model).items()}
+        assert len(before) == 2 * len(P.decoder_layers(model)) + 1  # two a layer and the final norm
+        qfn = P.get_scheme("rtn", group_size=32, bits=3)[2]
+        forms = {}
+        for n, m in P.decoder_linears(model).items():
+            q = qfn(m.weight.data.float())
+            m.weight.data.copy_(q.W_hat)
+            forms[n] = q.form
+        rep = F.finetune(model, teacher, forms, calib, epochs=2, lr=3e-3, batch=2, norms=norms, progress=False)
+        after = F.norm_weights(model)
+        moved = [n for n, p in after.items() if not torch.equal(p, before[n])]
+        assert rep.norms is norms and bool(moved) is norms and rep.kl_after < rep.kl_before
+        n_norm = sum(p.numel() for p in after.values())
+        n_form = sum(v.numel() for f in forms.values() for v in f.params.values())
+        assert rep.trained_parameters == n_form + (n_norm if norms else 0)
+        assert all(torch.equal(p, p.half().to(p.dtype)) for p in after.values()) or not norms
+        assert all(p.requires_grad for p in model.parameters())
+
+
 def test_kl_is_zero_for_the_teacher_itself_and_positive_otherwise():
     a = torch.randn(2, 5, 11)
     assert float(F.kl_to_teacher(a, a)) == pytest.approx(0, abs=1e-6)
@@ -131,6 +154,7 @@ def test_kl_is_zero_for_the_teacher_itself_and_positive_otherwise():
     ("rtn:ft_epochs=two", "bad fine-tuning option value"),
     ("rtn:ft_epochs=1,ft_lr=fast", "bad fine-tuning option value"),
     ("rtn:ft_epochs=1,ft_steps=3", "no option"),
+    ("rtn:ft_epochs=1,ft_norms=yes", "ft_norms must be true or false"),
 ])
 def test_bad_finetuning_options_fail_before_the_model_loads(spec, match, monkeypatch):
     from trapetum import ppl
@@ -160,6 +184,26 @@ def test_compare_records_the_finetuning_under_the_specs_label(tmp_path, monkeypa
     assert tuned["finetune"]["ft_epochs"] == 2 and tuned["finetune"]["kl_after"] < tuned["finetune"]["kl_before"]
     assert tuned["calibration"] == P.GENERATED_DESC and tuned["calibration_tokens"] == 128
     assert tuned["quantize_seconds"] >= tuned["finetune"]["seconds"]
+
+
+def test_compare_restores_trained_norms_before_the_next_scheme(tmp_path, monkeypatch):
+    from trapetum import ppl
+
+    f = tmp_path / "wiki.raw"
+    f.write_text(TEXT)
+    models = []
+
+    def load(name, device=None):
+        models.append(tiny_llama())
+        return models[-1], ByteTokenizer()
+
+    monkeypatch.setattr(ppl, "load_model", load)
+    plain = "rtn:group_size=32,bits=3"
+    recs = P.compare("tiny", [plain, plain + ",ft_epochs=2,ft_lr=3e-2,ft_batch=2,ft_norms=true", plain], text_file=f,
+                     token_budget=256, ctx=128, calibration_source="generated", n_calib=4, calib_len=32, progress=False)
+    assert recs[2]["finetune"]["norms"] is True
+    assert recs[3]["ppl"] == recs[1]["ppl"]  # the norms the fine-tuning moved were put back
+    assert all(torch.equal(p, q) for p, q in zip(F.norm_weights(models[0]).values(), F.norm_weights(tiny_llama()).values()))
 
 
 def test_finetune_table_reads_a_runs_records():

@@ -12,8 +12,10 @@ and LLM-QAT's data-free distillation (the calibration text can be the model's ow
 :func:`trapetum.pipelines.generated_calibration_ids`).
 
 Each decoder nn.Linear's weight is computed from its :class:`~trapetum.pipelines.Form` during
-training (``torch.nn.utils.parametrize``); everything else (embeddings, norms, the head) stays
-frozen. At the end every trained parameter is rounded to fp16, as the format stores it, and the
+training (``torch.nn.utils.parametrize``). With ``norms=True`` the RMSNorm weights (each decoder
+layer's two and the final one) train too, as in AQLM's and PV-tuning's global fine-tuning: they are
+not quantized and are a few thousand values, so the bytes stored do not change. Embeddings and the
+head stay frozen. At the end every trained parameter is rounded to fp16, as the format stores it, and the
 weights are left as the decoded fp16 parameters, so the storage and the bits per weight do not
 change. Entry points: :func:`finetune`; :func:`trapetum.pipelines.quantize` runs it when a scheme
 spec carries ``ft_epochs`` (see :data:`trapetum.pipelines.FINETUNE_OPTIONS`).
@@ -40,6 +42,7 @@ class FinetuneReport:
     kl_before: float = math.nan  # mean KL to the teacher on the first eval_samples calibration samples, before
     kl_after: float = math.nan  # the same, after, with the parameters rounded to fp16 as stored
     eval_samples: int = 0
+    norms: bool = False  # the RMSNorm weights trained as well
     trained_parameters: int = 0  # continuous values trained (codes are not parameters)
     seconds: float = 0.0
 
@@ -84,8 +87,17 @@ def _mean_kl(model, teacher, calib: torch.Tensor, batch: int) -> float:
     return total / calib.shape[0]
 
 
+def norm_weights(model) -> dict[str, nn.Parameter]:
+    """The RMSNorm (or LayerNorm) weights of the decoder layers and the final norm, by name."""
+    from .pipelines import decoder_layers
+
+    decoder_layers(model)  # SchemeError for a model that is not a Llama-architecture decoder
+    return {n: p for n, p in model.model.named_parameters()
+            if n.endswith("norm.weight") and p.dim() == 1 and not n.startswith("embed")}
+
+
 def finetune(model, teacher, forms: dict, calib: torch.Tensor, *, epochs: int = 1, lr: float = 1e-3, batch: int = 4,
-             eval_samples: int = 8, seed: int = 0, progress: bool = True) -> FinetuneReport:
+             norms: bool = False, eval_samples: int = 8, seed: int = 0, progress: bool = True) -> FinetuneReport:
     """Train the continuous parameters of ``forms`` (decoder linear name -> Form, codes fixed) so that
     ``model``'s next-token distribution matches ``teacher``'s on ``calib`` (LongTensor [n, seq_len]).
 
@@ -98,6 +110,7 @@ def finetune(model, teacher, forms: dict, calib: torch.Tensor, *, epochs: int = 
     to fp16, the forms' params are replaced by the rounded values (codes untouched), and each
     linear's weight is the decoded weight again, as a plain parameter. kl_before/kl_after: the mean
     KL on the first ``eval_samples`` calibration samples, before training and after the rounding.
+    norms: train the norm weights as well (:func:`norm_weights`), rounded to fp16 at the end too.
     """
     from .pipelines import decoder_linears
 
@@ -126,12 +139,14 @@ def finetune(model, teacher, forms: dict, calib: torch.Tensor, *, epochs: int = 
         for name, lin in linears.items():
             mods[name] = _FormWeight(forms[name]).to(dev)
             parametrize.register_parametrization(lin, "weight", mods[name], unsafe=True)
-        report = FinetuneReport(epochs=epochs, steps=0, lr=lr, batch=batch, eval_samples=n_eval,
-                                trained_parameters=sum(v.numel() for m in mods.values() for v in m.values.values()))
+        trained = [v for m in mods.values() for v in m.values.values()]
+        if norms:
+            trained += [p.requires_grad_(True) for p in norm_weights(model).values()]
+        report = FinetuneReport(epochs=epochs, steps=0, lr=lr, batch=batch, eval_samples=n_eval, norms=norms,
+                                trained_parameters=sum(v.numel() for v in trained))
         if n_eval:
             report.kl_before = _mean_kl(model, teacher, calib[:n_eval], batch)
-        groups = [{"params": [v], "lr": lr * float(v.detach().abs().mean().clamp_min(1e-12))}
-                  for m in mods.values() for v in m.values.values()]
+        groups = [{"params": [v], "lr": lr * float(v.detach().abs().mean().clamp_min(1e-12))} for v in trained]
         opt = torch.optim.Adam(groups)
         per_epoch = math.ceil(calib.shape[0] / batch)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5 * (1 + math.cos(math.pi * k / (epochs * per_epoch))))
@@ -157,9 +172,8 @@ def finetune(model, teacher, forms: dict, calib: torch.Tensor, *, epochs: int = 
             report.loss_curve.append(total / calib.shape[0])
         bar.close()
         with torch.no_grad():  # the format stores fp16: round, so the PPL measured is the stored model's
-            for m in mods.values():
-                for v in m.values.values():
-                    v.copy_(v.half().float())
+            for v in trained:
+                v.copy_(v.half().to(v.dtype))
         if n_eval:
             report.kl_after = _mean_kl(model, teacher, calib[:n_eval], batch)
     finally:

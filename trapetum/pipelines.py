@@ -885,7 +885,7 @@ def parse_spec(spec: str) -> tuple[str, dict]:
 # after the scheme has chosen every matrix's codes, its stored continuous parameters are trained end to end
 # by distillation from the unquantized model (trapetum.finetune). They are stripped before the matrix
 # quantizer gets its options. ft_lr is relative to each tensor's magnitude (see finetune.finetune).
-FINETUNE_OPTIONS = dict(ft_epochs=None, ft_lr=1e-3, ft_batch=4)
+FINETUNE_OPTIONS = dict(ft_epochs=None, ft_lr=1e-3, ft_batch=4, ft_norms=False)
 
 
 def finetune_options(name: str, options: dict) -> tuple[dict | None, dict]:
@@ -904,6 +904,9 @@ def finetune_options(name: str, options: dict) -> tuple[dict | None, dict]:
     full = {**FINETUNE_OPTIONS, **ft}
     try:
         out = dict(ft_epochs=int(str(full["ft_epochs"])), ft_lr=float(full["ft_lr"]), ft_batch=int(str(full["ft_batch"])))
+        if not isinstance(full["ft_norms"], bool):
+            raise ValueError(f"ft_norms must be true or false, got {full['ft_norms']!r}")
+        out["ft_norms"] = full["ft_norms"]
     except ValueError as e:
         raise SchemeError(f"bad fine-tuning option value in {ft}: {e}") from None
     if out["ft_epochs"] < 1 or out["ft_batch"] < 1 or not (0 < out["ft_lr"] < 1):
@@ -1189,7 +1192,8 @@ def quantize(
     if ft:
         from .finetune import finetune
 
-        rep = finetune(model, teacher, forms, calib, epochs=ft["ft_epochs"], lr=ft["ft_lr"], batch=ft["ft_batch"], progress=progress)
+        rep = finetune(model, teacher, forms, calib, epochs=ft["ft_epochs"], lr=ft["ft_lr"], batch=ft["ft_batch"],
+                       norms=ft["ft_norms"], progress=progress)
         ft_report = {**ft, **rep.as_dict()}
         del teacher, forms
     return QuantReport(
@@ -1268,7 +1272,11 @@ def compare(
         else:
             text, calib_desc = calibration_text(calibration_source)
             calib = calibration_ids(tok, text, n_calib, calib_len)
-    saved = {n: m.weight.data.clone() for n, m in decoder_linears(model).items()}
+    # Everything a scheme may change (the linears; the norms when it fine-tunes them), restored before each scheme.
+    from .finetune import norm_weights
+
+    changed = {**{n: m.weight for n, m in decoder_linears(model).items()}, **norm_weights(model)}
+    saved = {n: p.data.clone() for n, p in changed.items()}
     for spec in schemes:
         name, opts, _, full = parsed[spec]  # quantize takes the fine-tuning options with the scheme's own
         s = SCHEMES[name]
@@ -1281,8 +1289,8 @@ def compare(
             if progress:
                 print(f"{spec:40s} skipped (time limit)")
             continue
-        for n, m in decoder_linears(model).items():
-            m.weight.data.copy_(saved[n])
+        for n, p in changed.items():
+            p.data.copy_(saved[n])
         rep = quantize(model, name, calib, calibration=calib_desc, progress=progress, threads=quantize_threads, **opts)
         r = _ppl.perplexity(model, input_ids=ids, ctx=ctx, stride=stride, progress=progress)
         records.append(dict(
@@ -1299,8 +1307,8 @@ def compare(
             callback(records)
         if progress:
             print(f"{spec:40s} bpw {rep.bits_per_weight:.3f}  ppl {r.ppl:8.3f}  (ref {ref.ppl:.3f})  quantize {rep.quantize_seconds:.0f} s")
-    for n, m in decoder_linears(model).items():
-        m.weight.data.copy_(saved[n])
+    for n, p in changed.items():
+        p.data.copy_(saved[n])
     return records
 
 
