@@ -1268,7 +1268,11 @@ def compare(
     calib = calib_desc = None
     if any(SCHEMES[name].calibrated or ft for name, _, ft, _ in parsed.values()):
         if calibration_source == GENERATED:  # from the unquantized model, before any scheme touches it
-            calib, calib_desc = generated_calibration_ids(model, tok, n_calib, calib_len, progress=progress), GENERATED_DESC
+            # Generation is sequential in tokens: on a GPU a wide batch costs little more than a narrow one.
+            # The samples depend on the batch (the sampler's random stream is drawn batch by batch).
+            gen_batch = 128 if next(model.parameters()).device.type == "cuda" else 16
+            calib = generated_calibration_ids(model, tok, n_calib, calib_len, batch=gen_batch, progress=progress)
+            calib_desc = GENERATED_DESC
         else:
             text, calib_desc = calibration_text(calibration_source)
             calib = calibration_ids(tok, text, n_calib, calib_len)
