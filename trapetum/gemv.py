@@ -1820,24 +1820,35 @@ def empty_kernel(out):
         out[0] = 0
 
 
-def dequant_kernel(K: int):
+def dequant_kernel(K: int, tiled: bool = True):
     """Codes + codebooks -> fp16 weight (natural layout), for batches where cuBLAS beats the fused kernel
     (prefill, and uint8 codes above the fused kernels' batches).
 
     A thread 8 weights, 16 bytes of output: a code word (K = 16) or two (uint8), a lookup a weight in
     the row's codebook (the lanes of a warp share a row, so its few lines stay in L1), the weights
     paired into words and written as one 16-byte store, so a warp's stores are 512 contiguous bytes.
-    Arguments: the codes as int32 words (rows, bytes / 4), the codebooks' fp16 bits as int16 (rows,
-    K), the output's int32 words (rows, in / 2), the unit count (rows x in / 8) and units a row.
+    Arguments: the tiled codes' int32 words (:func:`trapetum.codebook.tile`), or with ``tiled=False``
+    the slab's natural codes as int32 words (rows, bytes / 4); the slab's codebooks' fp16 bits as int16 (rows, K), the output's int32 words (rows, in / 2), the unit count (rows x
+    in / 8), units a row, the slab's first row and the chunks a row.
     One byte a thread, with 2-byte stores and a 64-bit division a byte, took 1.7-1.9x as long at
     4096 x 14336; 16 code bytes a thread, whose four 16-byte stores a warp spread over 2 KiB,
     1.1-1.5x (NOTES "Session 26").
     """
-    key = ("dequant", K)
+    key = ("dequant", K, tiled)
     if key in _kernel_cache:
         return _kernel_cache[key]
     FOUR = K == 16
+    TILED = tiled
     mask = uint32(0xFFFF)
+
+    @cuda.jit(device=True, **INLINE)
+    def code_word(codes, row, r, nchunks, k):
+        """Code word k of the slab's row ``row`` (absolute row r): in the tiled layout word k % 4 of
+        chunk k / 4 at ((rb * nchunks + j) * 32 + lane) * 4 + q; else codes[row, k]."""
+        if TILED:
+            return uint32(codes[((r >> uint32(5)) * uint32(nchunks) * uint32(32) + (r & uint32(31))) * uint32(4)
+                                + (k >> uint32(2)) * uint32(128) + (k & uint32(3))])
+        return uint32(codes[row, k])
 
     @cuda.jit(device=True, **INLINE)
     def pair(cbr, lo, hi):
@@ -1845,22 +1856,23 @@ def dequant_kernel(K: int):
         return int32((uint32(cbr[lo]) & mask) | ((uint32(cbr[hi]) & mask) << uint32(16)))
 
     @cuda.jit
-    def kernel(codes32, cb16, W32, n_units, upr):
+    def kernel(codes, cb16, W32, n_units, upr, r0, nchunks):
         start, stride = cuda.grid(1), cuda.gridsize(1)
         for i in range(uint32(start), uint32(n_units), uint32(stride)):
             row = i // uint32(upr)  # 32-bit division: numba's int64 one is a long emulated sequence
             u = i - row * uint32(upr)
             cbr = cb16[row]
-            if FOUR:  # byte b of the word: weights 2b (low nibble) and 2b + 1
-                w = uint32(codes32[row, u])
+            r = row + uint32(r0)
+            if FOUR:  # code word u; byte b: weights 2b (low nibble) and 2b + 1
+                w = code_word(codes, row, r, nchunks, u)
                 store16(W32[row], u * uint32(4),
                         pair(cbr, w & uint32(15), (w >> uint32(4)) & uint32(15)),
                         pair(cbr, (w >> uint32(8)) & uint32(15), (w >> uint32(12)) & uint32(15)),
                         pair(cbr, (w >> uint32(16)) & uint32(15), (w >> uint32(20)) & uint32(15)),
                         pair(cbr, (w >> uint32(24)) & uint32(15), w >> uint32(28)))
-            else:  # a byte a weight
-                a = uint32(codes32[row, 2 * u])
-                b = uint32(codes32[row, 2 * u + uint32(1)])
+            else:  # a byte a weight: code words 2u, 2u + 1
+                a = code_word(codes, row, r, nchunks, u * uint32(2))
+                b = code_word(codes, row, r, nchunks, u * uint32(2) + uint32(1))
                 store16(W32[row], u * uint32(4),
                         pair(cbr, a & uint32(255), (a >> uint32(8)) & uint32(255)),
                         pair(cbr, (a >> uint32(16)) & uint32(255), a >> uint32(24)),
@@ -2550,18 +2562,17 @@ class LutGemv:
         else:
             check_output(out, r1 - r0, self.n_in, self.device)
             W = out
-        if self._ct is not None:
-            codes = self._ct.codes[r0:r1]
-        else:  # a transient copy of the slab's codes when only the tiled codes are kept
-            codes = untile(self._tiled_t, self.n_out, self._ncode_bytes, rows=(r0, r1))
         Wa = _as_kernel_array(W.view(torch.int32))
         stream = 0 if SIM else cuda.external_stream(torch.cuda.current_stream(self.device).cuda_stream)
         upr = self.n_in // 8  # 8 weights a thread
         units = (r1 - r0) * upr
         blocks = 4 if SIM else max(1, min(-(-units // 256), 16 * sm_count(self.device)))
-        dequant_kernel(self.K)[blocks, 256, stream](_as_kernel_array(codes.contiguous().view(torch.int32)),
-                                                    _as_kernel_array(self._codebook[r0:r1].contiguous().view(torch.int16)),
-                                                    Wa, units, upr)
+        # The tiled codes, read in place: untiling a slab with torch first took as long as the kernel.
+        # (The naive variant keeps only the natural codes.)
+        tiled = self.variant != "naive"
+        codes = self._tiled if tiled else _as_kernel_array(self._ct.codes[r0:r1].view(torch.int32))
+        dequant_kernel(self.K, tiled)[blocks, 256, stream](codes, _as_kernel_array(self._codebook[r0:r1].contiguous().view(torch.int16)),
+                                                           Wa, units, upr, r0, self._ncode_bytes // CHUNK_BYTES)
         if SIM:
             W.view(torch.int32).copy_(torch.from_numpy(Wa))
         return W
