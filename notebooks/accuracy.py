@@ -301,14 +301,15 @@ if not ft_runs:
 # text. The GPU samples its own calibration tokens (same seed, other device), so these rows are
 # compared with their own run's reference and peer rows only. The line under the tables compares
 # the 2-bit additive codebooks' quantize time here and on the CPU: the GPU is what made fine-tuning
-# them affordable. Each run below stopped part way, and its line says where and why.
+# them affordable. A run that stopped part way says where and why in its line.
 
 # %%
 gpu_runs = pipelines.recorded_runs(folder, model, "-gpu-")
 for gpu_path, g_prov, g_run, g_ref in gpu_runs:
     display(Markdown(
         f"*{setting(g_ref)} Recorded on {g_prov.get('gpu')} {g_prov.get('date')} at commit "
-        f"`{str(g_prov.get('git_commit'))[:10]}`; calibration: {g_run.calibration.dropna().iloc[0]}. "
+        f"`{str(g_prov.get('git_commit'))[:10]}`; calibration: {g_run.calibration.dropna().iloc[0]}, "
+        f"{int(g_run.calibration_tokens.fillna(0).max()):,} tokens. "
         f"Run {g_prov.get('partial', 'complete')}.*"))
     display(styled_finetune_table(g_run))
 if not gpu_runs:

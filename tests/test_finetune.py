@@ -222,3 +222,6 @@ def test_finetune_table_reads_a_runs_records():
     assert t["vs reference (%)"].tolist() == pytest.approx([10.0, 7.5]) and t["within +8%"].tolist() == ["no", "yes"]
     assert pd.isna(t.loc[0, "KL after (nats/token)"]) and t.loc[1, "KL after (nats/token)"] == 0.05
     assert t.loc[1, "of which fine-tuning (s)"] == 600.0
+    assert t["norms trained"].tolist() == ["", "no"]  # a run from before ft_norms: linears only
+    run.at[2, "finetune"] = {**run.at[2, "finetune"], "ft_norms": True}
+    assert P.finetune_table(run)["norms trained"].tolist() == ["", "yes"]

@@ -1463,7 +1463,8 @@ def finetune_table(run: "pd.DataFrame") -> "pd.DataFrame":
     """One row per scheme of a run (its records, reference row included): perplexity and % over the
     run's own reference, whether it is within +8 %, quantize seconds (fine-tuning included), and
     for the fine-tuned rows the fine-tuning's seconds, epochs, steps and the KL to the reference on
-    the calibration samples before and after (empty for rows without fine-tuning)."""
+    the calibration samples before and after, and whether the norm weights trained too (empty for
+    rows without fine-tuning)."""
     import pandas as pd
 
     ref = run[run.scheme == "reference"].iloc[-1]
@@ -1475,6 +1476,8 @@ def finetune_table(run: "pd.DataFrame") -> "pd.DataFrame":
                      "vs reference (%)": 100 * (r.ppl / ref.ppl - 1), "within +8%": "yes" if r.ppl <= 1.08 * ref.ppl else "no",
                      "quantize (s)": r.quantize_seconds, "of which fine-tuning (s)": ft.get("seconds", float("nan")),
                      "epochs": ft.get("epochs", float("nan")), "steps": ft.get("steps", float("nan")),
+                     # runs from before ft_norms existed trained the linears' parameters only
+                     "norms trained": ("yes" if ft.get("ft_norms") else "no") if ft else "",
                      "KL before (nats/token)": ft.get("kl_before", float("nan")),
                      "KL after (nats/token)": ft.get("kl_after", float("nan"))})
     return pd.DataFrame(rows)
