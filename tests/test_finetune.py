@@ -225,3 +225,66 @@ def test_finetune_table_reads_a_runs_records():
     assert t["norms trained"].tolist() == ["", "no"]  # a run from before ft_norms: linears only
     run.at[2, "finetune"] = {**run.at[2, "finetune"], "ft_norms": True}
     assert P.finetune_table(run)["norms trained"].tolist() == ["", "yes"]
+
+
+def test_recode_moves_only_the_chosen_groups_and_never_away_from_the_target():
+    from trapetum import additive as A
+
+    t = A.random_additive_tensor(16, 64, 2, seed=1)
+    other = A.random_additive_tensor(16, 64, 2, seed=2)
+    target = A._decode(other.codes, t.codebooks.float(), t.scales.float())  # reachable with t's codebooks
+    kw = dict(codebooks=t.codebooks.float(), scales=t.scales.float(), beam=4)
+    assert torch.equal(A.recode(t.codes, t.dequantize(torch.float32), **kw), t.codes)  # at the target already
+    groups = torch.zeros(16, 8, dtype=torch.bool)
+    groups[::3, 1::2] = True
+    new = A.recode(t.codes, target, groups, **kw)
+    assert torch.equal(new[~groups], t.codes[~groups]) and not torch.equal(new[groups], t.codes[groups])
+    err = lambda c: (A._decode(c, t.codebooks.float(), t.scales.float()) - target).reshape(16, 8, 8).pow(2).sum(-1)
+    assert bool((err(new) <= err(t.codes) + 1e-6).all()) and float(err(new)[groups].sum()) < float(err(t.codes)[groups].sum())
+    with pytest.raises(ValueError, match="target must be"):
+        A.recode(t.codes, target[:, :8], **kw)
+    with pytest.raises(ValueError, match="groups must be"):
+        A.recode(t.codes, target, groups[:, :4], **kw)
+
+
+def test_code_step_recodes_the_largest_gradient_groups_toward_a_descent_step():
+    W = torch.randn(32, 64)
+    q = P.additive(W, None, M=2, iters=1, beam=2)
+    m = F._FormWeight(q.form)
+    g = torch.zeros(32, 64)
+    g[3, 8:16] = 5.0  # one group with all the gradient: with frac small only it may change
+    g[7, :] = 1e-3
+    m.grad = g
+    old = m.codes.clone()
+    changed, n = m.code_step(frac=1 / (32 * 8), lr=2.0)
+    assert n == old.numel() and changed > 0
+    diff = (m.codes != old).any(-1)
+    assert diff.sum() == 1 and bool(diff[3, 1])
+    with torch.no_grad():  # moved against the gradient
+        assert float((m.decode(m.codes, **m.values) - m.decode(old, **m.values))[3, 8:16].sum()) < 0
+
+
+def test_code_rounds_keep_only_rounds_that_lower_the_kl_and_the_forms_hold_the_codes_the_model_runs(monkeypatch):
+    calib = calib_ids()
+    spec = "additive:iters=1,beam=2,ft_epochs=3,ft_lr=3e-3,ft_batch=2,ft_code_rounds=2,ft_code_frac=0.2,ft_code_lr=1.0"
+    model, rep, seen = quantize_and_capture(spec, calib, monkeypatch)
+    ft = rep.finetune
+    assert ft["code_rounds"] == 2 and len(ft["code_changes"]) == 2 and len(ft["code_kl"]) == 2
+    for frac, (before, after) in zip(ft["code_changes"], ft["code_kl"]):
+        assert 0 <= frac <= 0.2 and (frac == 0 or after < before)
+    for n, m in P.decoder_linears(model).items():
+        f = seen["forms"][n]
+        assert torch.equal(m.weight.data, f.W_hat().to(m.weight.dtype))
+    assert ft["kl_after"] < ft["kl_before"]
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("rtn:ft_epochs=1,ft_code_rounds=1", "cannot update its codes"),
+    ("additive:ft_epochs=1,ft_code_rounds=1,ft_code_frac=0", "ft_code_frac <= 1"),
+    ("additive:ft_epochs=1,ft_code_rounds=-1", "ft_code_rounds >= 0"),
+    ("additive:ft_epochs=1,ft_code_rounds=1,ft_code_lr=0", "ft_code_lr"),
+])
+def test_bad_code_round_options_are_refused(spec, match):
+    name, opts = P.parse_spec(spec)
+    with pytest.raises(P.SchemeError, match=match):
+        P.finetune_options(name, opts)

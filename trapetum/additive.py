@@ -449,6 +449,34 @@ def _beam_codes(b: torch.Tensor, s: torch.Tensor, Hg: torch.Tensor, cb: torch.Te
     return codes[torch.arange(N, device=cb.device), loss.argmin(1)]
 
 
+def recode(codes: torch.Tensor, target: torch.Tensor, groups: torch.Tensor | None = None, *, codebooks: torch.Tensor,
+           scales: torch.Tensor, beam: int = 4, chunk: int = 2**14) -> torch.Tensor:
+    """New codes (out, G, M) for a target weight (out, in), codebooks and scales fixed: each group's
+    codes by beam search for the least squared error to the target's 8 weights.
+
+    This is PV-tuning's discrete step (Malinovskii et al., 2024): fine-tuning moves a dense copy of
+    the weight along the model loss's gradient, and the codes follow it. Only the (row, group)
+    pairs where ``groups`` (bool, (out, G)) is True may change, so one step updates a chosen
+    fraction of the codes. A group's current codes stay among the beam's candidates, so no group's
+    error to the target grows."""
+    n_out, G, M = codes.shape
+    if tuple(target.shape) != (n_out, G * D):
+        raise ValueError(f"target must be ({n_out}, {G * D}) for codes {tuple(codes.shape)}, got {tuple(target.shape)}")
+    if groups is not None and tuple(groups.shape) != (n_out, G):
+        raise ValueError(f"groups must be ({n_out}, {G}), got {tuple(groups.shape)}")
+    cb, s = codebooks.detach().float(), scales.detach().float()
+    b = target.detach().float().reshape(n_out * G, D)
+    sv = s.repeat_interleave(G)
+    flat = codes.reshape(n_out * G, M)
+    sel = torch.arange(n_out * G, device=codes.device) if groups is None else groups.reshape(-1).nonzero().squeeze(1)
+    out = flat.clone()
+    eye = torch.eye(D, device=cb.device)
+    for i in range(0, sel.numel(), chunk):
+        idx = sel[i:i + chunk]
+        out[idx] = _beam_codes(b[idx], sv[idx], eye, cb, flat[idx], beam).to(out.dtype)
+    return out.reshape(n_out, G, M)
+
+
 class _Objective:
     """||(W - W_hat) X^T||^2 = tr(E H E^T) with H = X^T X, or plain ||E||^2 when H is None."""
 
@@ -600,18 +628,11 @@ def quantize_additive(W: torch.Tensor, M: int = 2, X: torch.Tensor | None = None
 
     from tqdm.auto import tqdm
 
-    eye = torch.eye(D, device=dev)
     bar = tqdm(range(iters), desc=f"additive M={M}", disable=not progress, leave=False)
     for _ in bar:
         # (a) codes
         if H is None:
-            Nv = n_out * G
-            b = Wf.reshape(Nv, D)
-            sv = s.repeat_interleave(G)
-            flat = codes.reshape(Nv, M)
-            step = max(1, 2**22 // (beam * K))
-            codes = torch.cat([_beam_codes(b[i:i + step], sv[i:i + step], eye, cb, flat[i:i + step], beam)
-                               for i in range(0, Nv, step)]).reshape(n_out, G, M)
+            codes = recode(codes, Wf, codebooks=cb, scales=s, beam=beam, chunk=max(1, 2**22 // (beam * K)))
         else:
             W_hat = _decode(codes, cb, s)
             R = (Wf - W_hat) @ H  # (out, in): H-weighted error, kept current group by group

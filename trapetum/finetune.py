@@ -43,6 +43,9 @@ class FinetuneReport:
     kl_after: float = math.nan  # the same, after, with the parameters rounded to fp16 as stored
     eval_samples: int = 0
     norms: bool = False  # the RMSNorm weights trained as well
+    code_rounds: int = 0  # discrete steps (codes moved toward the gradient step) between phases of training
+    code_changes: list = field(default_factory=list)  # per round: the fraction of all codes that changed, 0 where reverted
+    code_kl: list = field(default_factory=list)  # per round: [KL before, KL after] on the eval samples (kept only if lower)
     trained_parameters: int = 0  # continuous values trained (codes are not parameters)
     seconds: float = 0.0
 
@@ -59,8 +62,35 @@ class _FormWeight(nn.Module):
         self.values = nn.ParameterDict({k: nn.Parameter(v.detach().float().clone()) for k, v in form.params.items()})
         self.decode = form.decode
 
+        self.recode = form.recode
+        self.grad = None  # when a tensor: each backward adds the loss's gradient with respect to the weight
+
     def forward(self, original: torch.Tensor) -> torch.Tensor:  # the stored weight is ignored: the form is the weight
-        return self.decode(self.codes, **self.values).to(original.dtype)
+        w = self.decode(self.codes, **self.values)
+        if self.grad is not None and w.requires_grad:
+            w.register_hook(self._add_grad)
+        return w.to(original.dtype)
+
+    def _add_grad(self, g: torch.Tensor) -> None:  # returns None: the gradient flows on unchanged
+        self.grad.add_(g)
+
+    @torch.no_grad()
+    def code_step(self, frac: float, lr: float) -> tuple[int, int]:
+        """PV-tuning's discrete step: a dense step from the decoded weight along -grad (normalized to
+        the layer's RMS gradient, size lr x the weight's mean |value|), then the codes of the fraction
+        ``frac`` of groups with the largest gradient are re-chosen toward it. (codes changed, codes)."""
+        W = self.decode(self.codes, **self.values)
+        g = self.grad
+        target = W - lr * W.abs().mean() * g / g.pow(2).mean().sqrt().clamp_min(1e-30)
+        n_out, G = self.codes.shape[:2]
+        score = g.reshape(n_out, G, -1).pow(2).sum(-1)
+        k = max(1, round(frac * score.numel()))
+        groups = torch.zeros(score.numel(), dtype=torch.bool, device=score.device)
+        groups[score.reshape(-1).topk(k).indices] = True
+        new = self.recode(self.codes, target, groups.reshape(n_out, G), **self.values)
+        changed = int((new != self.codes).sum())
+        self.codes = new.to(self.codes.dtype)
+        return changed, self.codes.numel()
 
 
 def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
@@ -96,8 +126,37 @@ def norm_weights(model) -> dict[str, nn.Parameter]:
             if n.endswith("norm.weight") and p.dim() == 1 and not n.startswith("embed")}
 
 
+def _code_round(model, teacher, calib, batch, mods, frac, lr, grad_batches, eval_x, gen, report) -> None:
+    """One discrete step (see finetune): gradients with respect to the weights, codes moved, kept if the KL fell."""
+    dev = calib.device
+    for m in mods:
+        m.grad = torch.zeros_like(m.decode(m.codes, **m.values).detach())
+    pick = torch.randperm(calib.shape[0], generator=gen)[:grad_batches * batch].to(dev)
+    with torch.enable_grad():
+        for b in range(0, pick.numel(), batch):
+            x = calib[pick[b:b + batch]]
+            with torch.no_grad():
+                t_logits = _logits(teacher, x)
+            kl_to_teacher(_logits(model, x), t_logits).backward()
+    before = _mean_kl(model, teacher, eval_x, batch)
+    old = [m.codes for m in mods]
+    changed = total = 0
+    for m in mods:
+        c, n = m.code_step(frac, lr)
+        changed, total = changed + c, total + n
+        m.grad = None
+    after = _mean_kl(model, teacher, eval_x, batch)
+    if not after < before:
+        for m, c in zip(mods, old):
+            m.codes = c
+        changed = 0
+    report.code_changes.append(changed / max(total, 1))
+    report.code_kl.append([before, after])
+
+
 def finetune(model, teacher, forms: dict, calib: torch.Tensor, *, epochs: int = 1, lr: float = 1e-3, batch: int = 4,
-             norms: bool = False, eval_samples: int = 8, seed: int = 0, progress: bool = True) -> FinetuneReport:
+             norms: bool = False, code_rounds: int = 0, code_frac: float = 0.02, code_lr: float = 0.1,
+             grad_batches: int = 8, eval_samples: int = 8, seed: int = 0, progress: bool = True) -> FinetuneReport:
     """Train the continuous parameters of ``forms`` (decoder linear name -> Form, codes fixed) so that
     ``model``'s next-token distribution matches ``teacher``'s on ``calib`` (LongTensor [n, seq_len]).
 
@@ -111,11 +170,24 @@ def finetune(model, teacher, forms: dict, calib: torch.Tensor, *, epochs: int = 
     linear's weight is the decoded weight again, as a plain parameter. kl_before/kl_after: the mean
     KL on the first ``eval_samples`` calibration samples, before training and after the rounding.
     norms: train the norm weights as well (:func:`norm_weights`), rounded to fp16 at the end too.
+
+    code_rounds > 0 adds PV-tuning's discrete step for forms that can recode: the training steps are
+    split into code_rounds + 1 equal phases, and between two phases the loss's gradient with respect
+    to each weight is summed over ``grad_batches`` batches, and each layer's ``code_frac`` of groups
+    with the largest gradient may change codes toward a step of relative size ``code_lr`` along it
+    (:meth:`_FormWeight.code_step`). A round is kept only if it lowers the KL on the eval samples
+    (it is reverted otherwise), so a step size that is too large costs time, not accuracy. The
+    forms' codes are then the new codes; the format and its bits per weight are unchanged.
     """
     from .pipelines import decoder_linears
 
     if epochs < 1 or batch < 1 or not (lr > 0 and math.isfinite(lr)):
         raise ValueError(f"need epochs >= 1, batch >= 1 and a finite lr > 0, got {epochs}, {batch}, {lr}")
+    if code_rounds < 0 or not (0 < code_frac <= 1) or not (code_lr > 0 and math.isfinite(code_lr)) or grad_batches < 1:
+        raise ValueError(f"need code_rounds >= 0, 0 < code_frac <= 1, a finite code_lr > 0 and grad_batches >= 1, got "
+                         f"{code_rounds}, {code_frac}, {code_lr}, {grad_batches}")
+    if code_rounds and not any(forms[n].recode for n in forms):
+        raise ValueError("code_rounds > 0 needs forms that can recode (the additive codebooks); these cannot")
     if calib is None or calib.dim() != 2 or calib.numel() == 0:
         raise ValueError("fine-tuning needs calibration tokens: a LongTensor [n_samples, seq_len]")
     linears = decoder_linears(model)
@@ -143,7 +215,7 @@ def finetune(model, teacher, forms: dict, calib: torch.Tensor, *, epochs: int = 
         if norms:
             trained += [p.requires_grad_(True) for p in norm_weights(model).values()]
         report = FinetuneReport(epochs=epochs, steps=0, lr=lr, batch=batch, eval_samples=n_eval, norms=norms,
-                                trained_parameters=sum(v.numel() for v in trained))
+                                code_rounds=code_rounds, trained_parameters=sum(v.numel() for v in trained))
         if n_eval:
             report.kl_before = _mean_kl(model, teacher, calib[:n_eval], batch)
         groups = [{"params": [v], "lr": lr * float(v.detach().abs().mean().clamp_min(1e-12))} for v in trained]
@@ -151,11 +223,18 @@ def finetune(model, teacher, forms: dict, calib: torch.Tensor, *, epochs: int = 
         per_epoch = math.ceil(calib.shape[0] / batch)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5 * (1 + math.cos(math.pi * k / (epochs * per_epoch))))
         gen = torch.Generator().manual_seed(seed)
-        bar = tqdm(total=epochs * per_epoch, desc="fine-tuning (KL to the reference)", disable=not progress, leave=False)
+        total_steps = epochs * per_epoch
+        code_at = {round(total_steps * r / (code_rounds + 1)) for r in range(1, code_rounds + 1)}
+        recodable = [m for m in mods.values() if m.recode is not None]
+        eval_x = calib[:max(n_eval, 1)]
+        bar = tqdm(total=total_steps, desc="fine-tuning (KL to the reference)", disable=not progress, leave=False)
         for _ in range(epochs):
             order = torch.randperm(calib.shape[0], generator=gen)
             total = 0.0
             for b in range(0, calib.shape[0], batch):
+                if report.steps in code_at:
+                    _code_round(model, teacher, calib, batch, recodable, code_frac, code_lr, grad_batches, eval_x, gen, report)
+                    opt.zero_grad(set_to_none=True)
                 x = calib[order[b:b + batch].to(dev)]
                 with torch.no_grad():
                     t_logits = _logits(teacher, x)
@@ -186,5 +265,6 @@ def finetune(model, teacher, forms: dict, calib: torch.Tensor, *, epochs: int = 
         teacher.train(teacher_training)
     for name, m in mods.items():
         forms[name].params = {k: v.detach().clone() for k, v in m.values.items()}
+        forms[name].codes = m.codes
     report.seconds = time.perf_counter() - t0
     return report

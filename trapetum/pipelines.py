@@ -74,6 +74,10 @@ class Form:
     codes: torch.Tensor
     params: dict[str, torch.Tensor]
     decode: Callable[..., torch.Tensor]
+    # recode(codes, target, groups, **params) -> codes nearest to a target weight, params fixed, only
+    # where groups (a bool mask of the codes' groups) allows: the discrete step of fine-tuning
+    # (trapetum.finetune, code_rounds). None: the format's codes stay as the quantizer chose them.
+    recode: Callable[..., torch.Tensor] | None = None
 
     def W_hat(self, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         return self.decode(self.codes, **(self.params if params is None else params))
@@ -768,9 +772,12 @@ def additive(W: torch.Tensor, H: torch.Tensor | None = None, *, M: int = 2, iter
 
     if W.shape[1] % (128 // M):
         raise SchemeError(f"additive M={M} needs in_features divisible by {128 // M}, got {W.shape[1]}")
+    from .additive import recode
+
     t, _ = quantize_additive(W.float(), M=M, H=H, iters=iters, beam=beam, seed=seed, progress=False)
     return Quantized(t.dequantize(torch.float32), t.nbytes * 8,
-                     Form(t.codes, {"codebooks": t.codebooks.float(), "scales": t.scales.float()}, _additive_decode))
+                     Form(t.codes, {"codebooks": t.codebooks.float(), "scales": t.scales.float()}, _additive_decode,
+                          recode=functools.partial(recode, beam=beam)))
 
 
 def _additive_decode(codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -791,6 +798,7 @@ class Scheme:
     calibrated: bool
     peer: str | None = None  # the PyPI package, for peers
     form: bool = False  # its quantizer returns a Form (codes + stored parameters), so it can be fine-tuned
+    recode: bool = False  # its Form can update its codes toward a target weight (fine-tuning's ft_code_rounds)
 
 
 def _kmeans_awq(bits, iters, n_grid, clip, seed):
@@ -860,7 +868,7 @@ SCHEMES: dict[str, Scheme] = {
         Scheme("additive", "additive vector codebooks (AQLM-style beam search + least squares, M codebooks of 256 x 8)",
                # bits = M: each codebook spends an 8-bit code on 8 weights
                lambda bits, iters, beam, seed: functools.partial(additive, M=bits, iters=iters, beam=beam, seed=seed),
-               dict(bits=2, iters=2, beam=4, seed=0), calibrated=True, form=True),
+               dict(bits=2, iters=2, beam=4, seed=0), calibrated=True, form=True, recode=True),
         Scheme("hqq", "hqq (peer, half-quadratic quantization per group)",
                lambda bits, group_size: functools.partial(hqq, bits=bits, group_size=group_size),
                dict(bits=4, group_size=128), calibrated=False, peer="hqq"),
@@ -885,7 +893,11 @@ def parse_spec(spec: str) -> tuple[str, dict]:
 # after the scheme has chosen every matrix's codes, its stored continuous parameters are trained end to end
 # by distillation from the unquantized model (trapetum.finetune). They are stripped before the matrix
 # quantizer gets its options. ft_lr is relative to each tensor's magnitude (see finetune.finetune).
-FINETUNE_OPTIONS = dict(ft_epochs=None, ft_lr=1e-3, ft_batch=4, ft_norms=False)
+# ft_code_rounds > 0 adds PV-tuning's discrete step (schemes whose form can recode): the epochs are split
+# into that many + 1 phases, and between phases a fraction ft_code_frac of the codes may move toward
+# the weight one step of size ft_code_lr (relative) along the loss's gradient (see finetune.finetune).
+FINETUNE_OPTIONS = dict(ft_epochs=None, ft_lr=1e-3, ft_batch=4, ft_norms=False, ft_code_rounds=0, ft_code_frac=0.02,
+                        ft_code_lr=0.1)
 
 
 def finetune_options(name: str, options: dict) -> tuple[dict | None, dict]:
@@ -907,10 +919,17 @@ def finetune_options(name: str, options: dict) -> tuple[dict | None, dict]:
         if not isinstance(full["ft_norms"], bool):
             raise ValueError(f"ft_norms must be true or false, got {full['ft_norms']!r}")
         out["ft_norms"] = full["ft_norms"]
+        out.update(ft_code_rounds=int(str(full["ft_code_rounds"])), ft_code_frac=float(full["ft_code_frac"]),
+                   ft_code_lr=float(full["ft_code_lr"]))
     except ValueError as e:
         raise SchemeError(f"bad fine-tuning option value in {ft}: {e}") from None
     if out["ft_epochs"] < 1 or out["ft_batch"] < 1 or not (0 < out["ft_lr"] < 1):
         raise SchemeError(f"need ft_epochs >= 1, ft_batch >= 1 and 0 < ft_lr < 1 (relative step size), got {out}")
+    if out["ft_code_rounds"] < 0 or not (0 < out["ft_code_frac"] <= 1) or not (0 < out["ft_code_lr"] < 10):
+        raise SchemeError(f"need ft_code_rounds >= 0, 0 < ft_code_frac <= 1 and 0 < ft_code_lr < 10, got {out}")
+    if out["ft_code_rounds"] and name in SCHEMES and not SCHEMES[name].recode:
+        able = [s.name for s in SCHEMES.values() if s.recode]
+        raise SchemeError(f"scheme {name!r} cannot update its codes (ft_code_rounds); schemes that can: {', '.join(able)}")
     return out, rest
 
 
@@ -1193,7 +1212,8 @@ def quantize(
         from .finetune import finetune
 
         rep = finetune(model, teacher, forms, calib, epochs=ft["ft_epochs"], lr=ft["ft_lr"], batch=ft["ft_batch"],
-                       norms=ft["ft_norms"], progress=progress)
+                       norms=ft["ft_norms"], code_rounds=ft["ft_code_rounds"], code_frac=ft["ft_code_frac"],
+                       code_lr=ft["ft_code_lr"], progress=progress)
         ft_report = {**ft, **rep.as_dict()}
         del teacher, forms
     return QuantReport(
