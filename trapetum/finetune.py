@@ -76,20 +76,29 @@ class _FormWeight(nn.Module):
 
     @torch.no_grad()
     def code_step(self, frac: float, lr: float) -> tuple[int, int]:
-        """PV-tuning's discrete step: a dense step from the decoded weight along -grad (normalized to
-        the layer's RMS gradient, size lr x the weight's mean |value|), then the codes of the fraction
-        ``frac`` of groups with the largest gradient are re-chosen toward it. (codes changed, codes)."""
+        """PV-tuning's discrete step: the codes of the fraction ``frac`` of groups with the largest
+        gradient are re-chosen toward a step from the decoded weight along -grad, and a group keeps
+        its new codes only if they change the weight in a descent direction. Each group's step has
+        the same length, lr x its row's RMS weight per element: the gradient is heavy-tailed, and a
+        step proportional to it sends a few groups' targets far past every codebook entry (which
+        the first GPU screen showed: KL 0.64 -> 13). (codes changed, codes)."""
         W = self.decode(self.codes, **self.values)
-        g = self.grad
-        target = W - lr * W.abs().mean() * g / g.pow(2).mean().sqrt().clamp_min(1e-30)
         n_out, G = self.codes.shape[:2]
-        score = g.reshape(n_out, G, -1).pow(2).sum(-1)
+        g = self.grad.reshape(n_out, G, -1)
+        Wg = W.reshape(n_out, G, -1)
+        unit = g / g.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+        row_rms = Wg.pow(2).mean((1, 2), keepdim=True).sqrt()
+        target = (Wg - lr * row_rms * g.shape[-1] ** 0.5 * unit).reshape(W.shape)
+        score = g.pow(2).sum(-1)
         k = max(1, round(frac * score.numel()))
         groups = torch.zeros(score.numel(), dtype=torch.bool, device=score.device)
         groups[score.reshape(-1).topk(k).indices] = True
-        new = self.recode(self.codes, target, groups.reshape(n_out, G), **self.values)
+        new = self.recode(self.codes, target, groups.reshape(n_out, G), **self.values).to(self.codes.dtype)
+        delta = (self.decode(new, **self.values) - W).reshape(n_out, G, -1)
+        descent = (g * delta).sum(-1) < 0
+        new = torch.where(descent[..., None], new, self.codes)
         changed = int((new != self.codes).sum())
-        self.codes = new.to(self.codes.dtype)
+        self.codes = new
         return changed, self.codes.numel()
 
 
