@@ -450,31 +450,41 @@ def _beam_codes(b: torch.Tensor, s: torch.Tensor, Hg: torch.Tensor, cb: torch.Te
 
 
 def recode(codes: torch.Tensor, target: torch.Tensor, groups: torch.Tensor | None = None, *, codebooks: torch.Tensor,
-           scales: torch.Tensor, beam: int = 4, chunk: int = 2**14) -> torch.Tensor:
+           scales: torch.Tensor, metric: torch.Tensor | None = None, beam: int = 4, chunk: int = 2**14) -> torch.Tensor:
     """New codes (out, G, M) for a target weight (out, in), codebooks and scales fixed: each group's
-    codes by beam search for the least squared error to the target's 8 weights.
+    codes by beam search for the least error to the target's 8 weights, squared, or in the metric
+    of its 8 x 8 block of ``metric`` (in, in), e.g. the layer input's second moment E[x x^T].
 
-    This is PV-tuning's discrete step (Malinovskii et al., 2024): fine-tuning moves a dense copy of
-    the weight along the model loss's gradient, and the codes follow it. Only the (row, group)
-    pairs where ``groups`` (bool, (out, G)) is True may change, so one step updates a chosen
-    fraction of the codes. A group's current codes stay among the beam's candidates, so no group's
-    error to the target grows."""
+    This is PV-tuning's discrete step (Malinovskii et al., 2024): fine-tuning proposes a better
+    dense weight and the codes follow it. Only the (row, group) pairs where ``groups`` (bool,
+    (out, G)) is True may change, so one step updates a chosen fraction of the codes. A group's
+    current codes stay among the beam's candidates, so no group's error to the target grows."""
     n_out, G, M = codes.shape
     if tuple(target.shape) != (n_out, G * D):
         raise ValueError(f"target must be ({n_out}, {G * D}) for codes {tuple(codes.shape)}, got {tuple(target.shape)}")
     if groups is not None and tuple(groups.shape) != (n_out, G):
         raise ValueError(f"groups must be ({n_out}, {G}), got {tuple(groups.shape)}")
+    if metric is not None and tuple(metric.shape) != (G * D, G * D):
+        raise ValueError(f"metric must be ({G * D}, {G * D}), got {tuple(metric.shape)}")
     cb, s = codebooks.detach().float(), scales.detach().float()
-    b = target.detach().float().reshape(n_out * G, D)
-    sv = s.repeat_interleave(G)
-    flat = codes.reshape(n_out * G, M)
-    sel = torch.arange(n_out * G, device=codes.device) if groups is None else groups.reshape(-1).nonzero().squeeze(1)
-    out = flat.clone()
+    t = target.detach().float().reshape(n_out, G, D)
+    out = codes.clone()
+    mask = torch.ones(n_out, G, dtype=torch.bool, device=codes.device) if groups is None else groups
     eye = torch.eye(D, device=cb.device)
-    for i in range(0, sel.numel(), chunk):
-        idx = sel[i:i + chunk]
-        out[idx] = _beam_codes(b[idx], sv[idx], eye, cb, flat[idx], beam).to(out.dtype)
-    return out.reshape(n_out, G, M)
+    # One metric block per column group, shared by all rows: search the rows of a column group together.
+    # Plain squared error has one block for all: search every chosen (row, group) pair at once.
+    blocks = [(slice(None), eye)] if metric is None else [(g, metric[g * D:(g + 1) * D, g * D:(g + 1) * D].detach().float())
+                                                          for g in range(G)]
+    for g, Hg in blocks:
+        if metric is None:
+            rows, cols = mask.nonzero(as_tuple=True)
+        else:
+            rows = mask[:, g].nonzero().squeeze(1)
+            cols = torch.full_like(rows, g)
+        for i in range(0, rows.numel(), chunk):
+            r, c = rows[i:i + chunk], cols[i:i + chunk]
+            out[r, c] = _beam_codes(t[r, c] @ Hg, s[r], Hg, cb, codes[r, c], beam).to(out.dtype)
+    return out
 
 
 class _Objective:

@@ -895,9 +895,9 @@ def parse_spec(spec: str) -> tuple[str, dict]:
 # quantizer gets its options. ft_lr is relative to each tensor's magnitude (see finetune.finetune).
 # ft_code_rounds > 0 adds PV-tuning's discrete step (schemes whose form can recode): the epochs are split
 # into that many + 1 phases, and between phases a fraction ft_code_frac of the codes may move toward
-# the weight one step of size ft_code_lr (relative) along the loss's gradient (see finetune.finetune).
+# ft_code_lr x a Newton step of the loss, or a quarter of it, kept if the KL falls (see finetune.finetune).
 FINETUNE_OPTIONS = dict(ft_epochs=None, ft_lr=1e-3, ft_batch=4, ft_norms=False, ft_code_rounds=0, ft_code_frac=0.02,
-                        ft_code_lr=0.1)
+                        ft_code_lr=0.25)
 
 
 def finetune_options(name: str, options: dict) -> tuple[dict | None, dict]:
