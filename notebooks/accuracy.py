@@ -270,7 +270,11 @@ else:
 # and PV-tuning, EfficientQAT's end-to-end step-size training and LLM-QAT's data-free distillation.
 # At the end the trained parameters are rounded to fp16 as the format stores them, so the storage
 # and the bits per weight do not change. A scheme spec asks for it with `ft_epochs` (`ft_lr`,
-# `ft_batch`); its quantize seconds include the fine-tuning. Each run below is a run of its own, with
+# `ft_batch`); `ft_norms=true` trains the RMSNorm weights too (not quantized, a few thousand values),
+# as AQLM's and PV-tuning's global step does; the additive codebooks also take `ft_code_rounds`,
+# PV-tuning's discrete step, which moves a fraction of the codes toward a Newton step of each
+# layer's loss and keeps a round only if the KL falls (not yet measured on this model: NOTES.md,
+# session 27). Its quantize seconds include the fine-tuning. Each run below is a run of its own, with
 # its own reference pass, and the line above its table says which text it scored; the KL columns
 # are the mean over the first calibration samples' tokens, before fine-tuning and after the rounding.
 #

@@ -43,7 +43,7 @@ class FinetuneReport:
     kl_after: float = math.nan  # the same, after, with the parameters rounded to fp16 as stored
     eval_samples: int = 0
     norms: bool = False  # the RMSNorm weights trained as well
-    code_rounds: int = 0  # discrete steps (codes moved toward the gradient step) between phases of training
+    code_rounds: int = 0  # discrete steps (codes moved toward a Newton step) between phases of training
     code_changes: list = field(default_factory=list)  # per round: the fraction of all codes that changed, 0 where reverted
     code_tries: list = field(default_factory=list)  # per round: [step size, fraction of codes it changed, its KL] for each proposal
     code_kl: list = field(default_factory=list)  # per round: [KL before, the best proposal's KL, its step size or None] on the eval samples
@@ -81,10 +81,10 @@ class _FormWeight(nn.Module):
 
         The loss near the current weight W is modelled per layer as <G, E> + (j/2) tr(E H E^T):
         G the gradient (self.grad), H = E[x x^T] of the layer's inputs, j the mean curvature of the
-        loss per output (``curvature``, the mean squared per-token output gradient, the true
-        Fisher from sampled labels). Its minimum over each 8-weight group, the other groups held, is E = -G_g H_gg^-1 / j;
-        the groups whose step promises the most, G_g H_gg^-1 G_g^T, are the fraction ``frac``
-        chosen. The metric for the codes' search is H, so that a code change is measured as the
+        loss per output (``curvature``: the mean squared per-token output gradient of labels
+        sampled from the model, a true Fisher). Its minimum over each 8-weight group, the other
+        groups held, is E = -G_g H_gg^-1 / j; the fraction ``frac`` of groups whose step promises
+        the most, G_g H_gg^-1 G_g^T, are chosen. The metric for the codes' search is H, so that a code change is measured as the
         change it makes to the layer's outputs (a step along the raw gradient moved weights that
         multiply the largest activations and sent the KL from 0.6 to 13-80 in the screens)."""
         n_out, G, _ = self.codes.shape
