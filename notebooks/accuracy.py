@@ -273,8 +273,8 @@ else:
 # `ft_batch`); `ft_norms=true` trains the RMSNorm weights too (not quantized, a few thousand values),
 # as AQLM's and PV-tuning's global step does; the additive codebooks also take `ft_code_rounds`,
 # PV-tuning's discrete step, which moves a fraction of the codes toward a Newton step of each
-# layer's loss and keeps a round only if the KL falls (not yet measured on this model: NOTES.md,
-# session 27). Its quantize seconds include the fine-tuning. Each run below is a run of its own, with
+# layer's loss and keeps a round only if the KL falls (on this model every round so far raised the
+# KL and was undone: NOTES.md, session 27). Its quantize seconds include the fine-tuning. Each run below is a run of its own, with
 # its own reference pass, and the line above its table says which text it scored; the KL columns
 # are the mean over the first calibration samples' tokens, before fine-tuning and after the rounding.
 #

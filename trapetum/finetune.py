@@ -250,6 +250,8 @@ def finetune(model, teacher, forms: dict, calib: torch.Tensor, *, epochs: int = 
     that step (and, tried too, a quarter of it) (:meth:`_FormWeight.newton_target`). A round is
     kept only if it lowers the KL on the eval samples, so a step that is too large costs time, not
     accuracy. The forms' codes are then the new codes; the format and its bits per weight are unchanged.
+    Measured so far (NOTES.md, session 27): on SmolLM2-135M at 2 bits every proposal raised the KL
+    and was undone, so this option has not yet improved a real model; it helped only the tiny test one.
     """
     from .pipelines import decoder_linears
 
