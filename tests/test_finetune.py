@@ -118,7 +118,7 @@ def test_norms_train_only_when_asked_and_are_stored_as_fp16():
     calib = calib_ids()
     for norms in (False, True):
         model, teacher = tiny_llama(), tiny_llama()
-        before = {n: p.detach().clone() for n, p in F.norm_weights(model).items()}
+        before = {n: p.detach().clone() for n, p in P.norm_weights(model).items()}
         assert len(before) == 2 * len(P.decoder_layers(model)) + 1  # two a layer and the final norm
         qfn = P.get_scheme("rtn", group_size=32, bits=3)[2]
         forms = {}
@@ -127,7 +127,7 @@ def test_norms_train_only_when_asked_and_are_stored_as_fp16():
             m.weight.data.copy_(q.W_hat)
             forms[n] = q.form
         rep = F.finetune(model, teacher, forms, calib, epochs=2, lr=3e-3, batch=2, norms=norms, progress=False)
-        after = F.norm_weights(model)
+        after = P.norm_weights(model)
         moved = [n for n, p in after.items() if not torch.equal(p, before[n])]
         assert rep.norms is norms and bool(moved) is norms and rep.kl_after < rep.kl_before
         n_norm = sum(p.numel() for p in after.values())
@@ -203,7 +203,7 @@ def test_compare_restores_trained_norms_before_the_next_scheme(tmp_path, monkeyp
                      token_budget=256, ctx=128, calibration_source="generated", n_calib=4, calib_len=32, progress=False)
     assert recs[2]["finetune"]["norms"] is True
     assert recs[3]["ppl"] == recs[1]["ppl"]  # the norms the fine-tuning moved were put back
-    assert all(torch.equal(p, q) for p, q in zip(F.norm_weights(models[0]).values(), F.norm_weights(tiny_llama()).values()))
+    assert all(torch.equal(p, q) for p, q in zip(P.norm_weights(models[0]).values(), P.norm_weights(tiny_llama()).values()))
 
 
 def test_finetune_table_reads_a_runs_records():

@@ -470,20 +470,18 @@ def recode(codes: torch.Tensor, target: torch.Tensor, groups: torch.Tensor | Non
     t = target.detach().float().reshape(n_out, G, D)
     out = codes.clone()
     mask = torch.ones(n_out, G, dtype=torch.bool, device=codes.device) if groups is None else groups
-    eye = torch.eye(D, device=cb.device)
-    # One metric block per column group, shared by all rows: search the rows of a column group together.
-    # Plain squared error has one block for all: search every chosen (row, group) pair at once.
-    blocks = [(slice(None), eye)] if metric is None else [(g, metric[g * D:(g + 1) * D, g * D:(g + 1) * D].detach().float())
-                                                          for g in range(G)]
-    for g, Hg in blocks:
-        if metric is None:
-            rows, cols = mask.nonzero(as_tuple=True)
-        else:
-            rows = mask[:, g].nonzero().squeeze(1)
-            cols = torch.full_like(rows, g)
+
+    def search(rows, cols, Hg):
         for i in range(0, rows.numel(), chunk):
             r, c = rows[i:i + chunk], cols[i:i + chunk]
             out[r, c] = _beam_codes(t[r, c] @ Hg, s[r], Hg, cb, codes[r, c], beam).to(out.dtype)
+
+    if metric is None:  # one metric for every group: search every chosen (row, group) pair at once
+        search(*mask.nonzero(as_tuple=True), torch.eye(D, device=cb.device))
+    else:  # a column group's metric block is shared by its rows: search them together
+        for g in range(G):
+            rows = mask[:, g].nonzero().squeeze(1)
+            search(rows, torch.full_like(rows, g), metric[g * D:(g + 1) * D, g * D:(g + 1) * D].detach().float())
     return out
 
 

@@ -130,15 +130,6 @@ def _mean_kl(model, teacher, calib: torch.Tensor, batch: int) -> float:
     return total / calib.shape[0]
 
 
-def norm_weights(model) -> dict[str, nn.Parameter]:
-    """The RMSNorm (or LayerNorm) weights of the decoder layers and the final norm, by name."""
-    from .pipelines import decoder_layers
-
-    decoder_layers(model)  # SchemeError for a model that is not a Llama-architecture decoder
-    return {n: p for n, p in model.model.named_parameters()
-            if n.endswith("norm.weight") and p.dim() == 1 and not n.startswith("embed")}
-
-
 def _add_square(acc: torch.Tensor, g: torch.Tensor, n_b: int) -> None:
     # The batch loss is a mean over its n_b tokens: a token's own output gradient is n_b x g. None: g flows on.
     acc.add_(g.detach().float().pow(2).sum() * n_b * n_b)
@@ -150,14 +141,13 @@ def _code_round(model, teacher, calib, batch, pairs, frac, lr, grad_batches, eva
     with the lower KL on the eval samples is kept if it is below the KL before, else the codes stay."""
     dev = calib.device
     stats = {}
-
-    fisher = [False]  # which pass runs: the KL's gradient (inputs' moments too), or the sampled-label one (curvature)
+    fisher = False  # which passes run: the KL's (its gradient, the inputs' moments) or the sampled labels' (curvature)
 
     def hook(m):
         def f(mod, inp, out):
             st = stats[m]
             x = inp[0].detach().reshape(-1, inp[0].shape[-1]).float()
-            if not fisher[0]:
+            if not fisher:
                 st["H"].addmm_(x.T, x)
                 st["n"] += x.shape[0]
             elif out.requires_grad:
@@ -170,36 +160,33 @@ def _code_round(model, teacher, calib, batch, pairs, frac, lr, grad_batches, eva
         m.grad = torch.zeros(lin.out_features, lin.in_features, device=dev)
         handles.append(lin.register_forward_hook(hook(m)))
     pick = torch.randperm(calib.shape[0], generator=gen)[:grad_batches * batch].to(dev)
-    n_batches = 0
+    batches = [calib[pick[b:b + batch]] for b in range(0, pick.numel(), batch)]
     try:
         with torch.enable_grad():
-            for b in range(0, pick.numel(), batch):
-                x = calib[pick[b:b + batch]]
+            for x in batches:
                 with torch.no_grad():
                     t_logits = _logits(teacher, x)
                 kl_to_teacher(_logits(model, x), t_logits).backward()
-                n_batches += 1
-                # The curvature: the true Fisher, from labels sampled from the model itself (its
-                # mean squared output gradient is the Gauss-Newton curvature of the log-loss). The
-                # KL's own squared gradients would be an empirical Fisher, which vanishes as the
-                # student nears the teacher and sends the Newton step to infinity.
-                grads = [m.grad for _, m in pairs]
-                for _, m in pairs:
-                    m.grad = None
-                fisher[0] = True
+            # The curvature: the true Fisher, from labels sampled from the model itself (its mean
+            # squared output gradient is the Gauss-Newton curvature of the log-loss). The KL's own
+            # squared gradients would be an empirical Fisher, which vanishes as the student nears
+            # the teacher and sends the Newton step to infinity. These passes add to no gradient.
+            grads = [m.grad for _, m in pairs]
+            for _, m in pairs:
+                m.grad = None
+            fisher = True
+            for x in batches:
                 logits = _logits(model, x).float()
                 y = torch.distributions.Categorical(logits=logits.detach()).sample()
                 torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
-                fisher[0] = False
-                for (_, m), g in zip(pairs, grads):
-                    m.grad = g
     finally:
         for h in handles:
             h.remove()
+    for (_, m), g in zip(pairs, grads):
+        m.grad = g / len(batches)
     plans = []
     for lin, m in pairs:
         st = stats[m]
-        m.grad /= n_batches
         plans.append(m.newton_target(st["H"] / st["n"], st["j"] / (st["n"] * lin.out_features), frac))  # n: tokens of both passes alike
         m.grad = None
     before = _mean_kl(model, teacher, eval_x, batch)
@@ -241,7 +228,7 @@ def finetune(model, teacher, forms: dict, calib: torch.Tensor, *, epochs: int = 
     to fp16, the forms' params are replaced by the rounded values (codes untouched), and each
     linear's weight is the decoded weight again, as a plain parameter. kl_before/kl_after: the mean
     KL on the first ``eval_samples`` calibration samples, before training and after the rounding.
-    norms: train the norm weights as well (:func:`norm_weights`), rounded to fp16 at the end too.
+    norms: train the norm weights as well (:func:`trapetum.pipelines.norm_weights`), rounded to fp16 at the end too.
 
     code_rounds > 0 adds PV-tuning's discrete step for forms that can recode: the training steps are
     split into code_rounds + 1 equal phases, and between two phases each layer's gradient, input
@@ -253,7 +240,7 @@ def finetune(model, teacher, forms: dict, calib: torch.Tensor, *, epochs: int = 
     Measured so far (NOTES.md, session 27): on SmolLM2-135M at 2 bits every proposal raised the KL
     and was undone, so this option has not yet improved a real model; it helped only the tiny test one.
     """
-    from .pipelines import decoder_linears
+    from .pipelines import decoder_linears, norm_weights
 
     if epochs < 1 or batch < 1 or not (lr > 0 and math.isfinite(lr)):
         raise ValueError(f"need epochs >= 1, batch >= 1 and a finite lr > 0, got {epochs}, {batch}, {lr}")

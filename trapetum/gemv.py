@@ -1828,8 +1828,9 @@ def dequant_kernel(K: int, tiled: bool = True):
     the row's codebook (the lanes of a warp share a row, so its few lines stay in L1), the weights
     paired into words and written as one 16-byte store, so a warp's stores are 512 contiguous bytes.
     Arguments: the tiled codes' int32 words (:func:`trapetum.codebook.tile`), or with ``tiled=False``
-    the slab's natural codes as int32 words (rows, bytes / 4); the slab's codebooks' fp16 bits as int16 (rows, K), the output's int32 words (rows, in / 2), the unit count (rows x
-    in / 8), units a row, the slab's first row and the chunks a row.
+    the slab's natural codes as int32 words (rows, bytes / 4); the slab's codebooks' fp16 bits as
+    int16 (rows, K); the output's int32 words (rows, in / 2); the unit count (rows x in / 8), units
+    a row, the slab's first row and the chunks a row.
     One byte a thread, with 2-byte stores and a 64-bit division a byte, took 1.7-1.9x as long at
     4096 x 14336; 16 code bytes a thread, whose four 16-byte stores a warp spread over 2 KiB,
     1.1-1.5x (NOTES "Session 26").

@@ -1042,6 +1042,13 @@ def decoder_linears(model) -> dict[str, nn.Linear]:
     }
 
 
+def norm_weights(model) -> dict[str, nn.Parameter]:
+    """The RMSNorm (or LayerNorm) weights of the decoder layers and the final norm, by name."""
+    decoder_layers(model)  # SchemeError for a model that is not a Llama-architecture decoder
+    return {n: p for n, p in model.model.named_parameters()
+            if n.endswith("norm.weight") and p.dim() == 1 and not n.startswith("embed")}
+
+
 @dataclass
 class QuantReport:
     scheme: str
@@ -1297,8 +1304,6 @@ def compare(
             text, calib_desc = calibration_text(calibration_source)
             calib = calibration_ids(tok, text, n_calib, calib_len)
     # Everything a scheme may change (the linears; the norms when it fine-tunes them), restored before each scheme.
-    from .finetune import norm_weights
-
     changed = {**{n: m.weight for n, m in decoder_linears(model).items()}, **norm_weights(model)}
     saved = {n: p.data.clone() for n, p in changed.items()}
     for spec in schemes:
