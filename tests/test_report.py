@@ -147,6 +147,12 @@ def test_kernel_table(df2):
     assert "2.50x" in html and "–" in html
 
 
+def test_styled_microseconds_get_one_decimal():
+    t = pd.DataFrame({"Time (µs)": [18.5072], "torch fp16 (us)": [42.076001]})
+    html = report.styled(t).to_html()
+    assert "18.5<" in html and "42.1<" in html and "18.507" not in html and "42.076" not in html
+
+
 def test_layer_table_quotes_the_seed_beside_ours(df2):
     t = report.layer_table(df2)
     assert list(t["Layer (in x out)"]) == ["3072 x 768", "4096 x 4096", "11008 x 4096", "4096 x 11008"]

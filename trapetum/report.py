@@ -384,7 +384,7 @@ def styled(table: pd.DataFrame, caption: str | None = None):
             fmt[c] = "{:.1e}"
         elif "(ms)" in lc:
             fmt[c] = "{:.4f}"
-        elif "(us)" in lc:
+        elif "(us)" in lc or "(µs)" in lc:
             fmt[c] = "{:.1f}"
         elif " / floor" in lc:
             fmt[c] = "{:.2f}x"
