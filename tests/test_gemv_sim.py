@@ -350,6 +350,15 @@ def test_mma_plans_are_tuner_candidates_only_for_4_bit_codes():
     assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 1, 132, mma_budget=0)} == {"lut"}
 
 
+def test_batch_1_large_blocks_are_candidates_for_every_K():
+    # 16 or 32 warps over whole rows: 4-bit since session 18, uint8 since session 28 (NOTES)
+    for K, nchunks in ((16, 128), (64, 256), (256, 256)):
+        large = {p.warps for p in gemv.candidate_plans(14336, nchunks, K, 1, 132) if p.warps >= 16}
+        assert large, K
+        assert all(p.ksplit <= 2 for p in gemv.candidate_plans(14336, nchunks, K, 1, 132) if p.warps >= 16)
+        assert not any(p.warps >= 16 for p in gemv.candidate_plans(14336, nchunks, K, 2, 132) if p.kernel == "lut")
+
+
 def test_plan_mma_heuristic_and_its_errors():
     p = gemv.plan_mma(14336, 128, 1, 132)
     assert p.kernel == "mma" and p.warps == 8 and p.ksplit * p.cps >= 128

@@ -2047,7 +2047,7 @@ def sm_count(device) -> int:
 
 
 STAGES = (2, 3, 4)  # pipeline depths the tuner tries
-LARGE_BLOCK_WARPS = (16, 32)  # the larger blocks the tuner tries for batch-1 4-bit layers
+LARGE_BLOCK_WARPS = (16, 32)  # the larger blocks the tuner tries for batch-1 layers (4-bit since session 18, uint8 since 28)
 
 
 @dataclass
@@ -2213,10 +2213,10 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
     for RB in (1, 2, 4):
         if RB > rb_max:
             continue
-        # (warps, K-split, stages); warps None: 8 where they fit. Batch-1 4-bit layers also as 16 or 32
+        # (warps, K-split, stages); warps None: 8 where they fit. Batch-1 layers also as 16 or 32
         # warps a block over whole rows (K-split 1 or 2): at 4096 x 4096 and 4096 x 14336 they beat the
-        # 8-warp plans by 5-8 % (NOTES, session 18).
-        options = list(itertools.product(LARGE_BLOCK_WARPS, (1, 2), (2, 3))) if K == 16 and B == 1 and RB <= 2 else []
+        # 8-warp 4-bit plans by 5-8 % (NOTES, session 18); uint8: NOTES, session 28.
+        options = list(itertools.product(LARGE_BLOCK_WARPS, (1, 2), (2, 3))) if B == 1 and RB <= 2 else []
         options += list(itertools.product((None,), (1, 2, 3, 4, 6, 8, 12, 16, None), STAGES))
         for w, ks, st in options:
             try:
