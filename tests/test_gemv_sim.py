@@ -487,7 +487,8 @@ def test_stream_floor_kernel_reads_every_word_once():
 
 # -- operations fused into the lut kernel (the decode step's norms, SiLU and residual adds) -------
 @pytest.mark.parametrize("pre,post", [("rms", ""), ("silu", ""), ("", "add"), ("rms", "add"), ("silu", "add")])
-@pytest.mark.parametrize("K,batch,plan", [(16, 1, {"ksplit": 1}), (16, 2, {"ksplit": 2}), (64, 1, {"ksplit": 2, "RB": 1})])
+@pytest.mark.parametrize("K,batch,plan", [(16, 1, {"ksplit": 1}), (16, 2, {"ksplit": 2}), (64, 1, {"ksplit": 2, "RB": 1}),
+                                          (256, 1, {"ksplit": 1, "RB": 1, "warps": 16})])
 def test_fused_operations_match_the_float64_reference(pre, post, K, batch, plan):
     n_in, n_out, eps = 64, 96, 1e-5
     ct = random_codebook_tensor(n_out, n_in, K, seed=7)
