@@ -306,6 +306,14 @@ if not ft_runs:
 # compared with their own run's reference and peer rows only. The line under the tables compares
 # the 2-bit additive codebooks' quantize time here and on the CPU: the GPU is what made fine-tuning
 # them affordable. A run that stopped part way says where and why in its line.
+#
+# What the later runs changed, in the order they were recorded: run d measured the layer Hessians on
+# many more generated samples, fine-tuned the 2-bit codebooks on all of them and trained the norms as
+# well; run f gave the 4-bit pipeline the same calibration and the same norm training; run g gave the
+# 2-bit codebooks more epochs of it than run d. Compare g with d: the KL on the calibration samples fell
+# further, while the perplexity on the evaluation text stayed where it was, so more passes over the
+# same generated samples do not carry over to real text at 2 bits. That points at the frozen codes,
+# not at how long the continuous parameters train, as what holds the 2-bit row back.
 
 # %%
 gpu_runs = pipelines.recorded_runs(folder, model, "-gpu-")
