@@ -402,6 +402,18 @@ def test_bad_inputs(tmp_path):
         P.quantize(torch.nn.Linear(4, 4), "rtn")
 
 
+def test_quantize_takes_a_whole_spec_as_the_chapter_writes_it():
+    a, b, c = tiny_llama(), tiny_llama(), tiny_llama()
+    ra = P.quantize(a, "rtn:bits=3,group_size=32", progress=False)
+    rb = P.quantize(b, "rtn", bits=3, group_size=32, progress=False)
+    rc = P.quantize(c, "rtn:bits=3,group_size=32", group_size=64, progress=False)  # a keyword overrides the spec
+    assert ra.scheme == "rtn" and ra.options == rb.options and ra.bits_per_weight == rb.bits_per_weight
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert rc.options["group_size"] == 64 and rc.options["bits"] == 3
+    with pytest.raises(P.SchemeError, match="no option"):
+        P.quantize(tiny_llama(), "kmeans:group_size=64")
+
+
 def test_calibration_text_is_not_the_evaluation_text():
     text, desc = P.calibration_text("pydoc")
     assert "pydoc" in desc and len(text) > 100_000 and "Robert Boulter" not in text

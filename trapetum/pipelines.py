@@ -1161,6 +1161,9 @@ def quantize(
 ) -> QuantReport:
     """Quantize every decoder nn.Linear of ``model`` in place with ``scheme`` (fake quantization).
 
+    scheme: a name (options as keywords) or a whole spec as the chapter writes them,
+    ``"awq-lsq-refit:group_size=96,ft_epochs=4"`` (:func:`parse_spec`); keywords override the spec's.
+
     calib: LongTensor [n_samples, seq_len] of calibration tokens (see calibration_ids); needed by
     calibrated schemes and by fine-tuning, ignored by the others. calibration: a description of it
     for the report. threads: torch intra-op threads for the matrix quantizers (None: as set); the
@@ -1172,7 +1175,8 @@ def quantize(
     the stored continuous parameters are trained against it (:func:`trapetum.finetune.finetune`);
     quantize_seconds includes it.
     """
-    ft, options = finetune_options(scheme, options)
+    scheme, spec_options = parse_spec(scheme)
+    ft, options = finetune_options(scheme, {**spec_options, **options})
     spec, opts, qfn = get_scheme(scheme, **options)
     linears = decoder_linears(model)
     check_options(linears, opts)
