@@ -461,6 +461,11 @@ def test_compare_rejects_bad_schemes_before_loading(monkeypatch):
         P.compare("smollm2-135m", ["rtn", "kmeans-acts"])
     with pytest.raises(P.SchemeError, match="no option"):
         P.compare("smollm2-135m", ["kmeans:group_size=64"])
+    # a peer whose package (or one of its own imports) is missing: the run e of NOTES session 28 only
+    # failed at its hqq row, after five minutes of device time
+    monkeypatch.setitem(P.PEERS, "hqq", ("trapetum_no_such_module", "hqq==0.2.8.post1"))
+    with pytest.raises(P.SchemeError, match="needs the hqq package .*pip install hqq==0.2.8.post1"):
+        P.compare("smollm2-135m", ["rtn", "hqq:group_size=96"])
 
 
 def test_compare_rejects_misfit_group_before_first_pass(tiny_compare, monkeypatch):

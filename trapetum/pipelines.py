@@ -719,15 +719,28 @@ def _gptq_blocks(W, Q, Hinv, dinv, perm, quantizer, blocksize, group_size, bits,
 # --------------------------------------------------------------------------- the peer
 
 
+# A peer's module as its scheme imports it, and the pin to install: checked before a run loads anything
+# (importing the module, not only finding it, catches a missing dependency of the peer's as well).
+PEERS = {"hqq": ("hqq.core.quantize", "hqq==0.2.8.post1")}
+
+
+def require_peer(peer: str) -> None:
+    """SchemeError, with the pip line, when the peer package cannot be imported here."""
+    module, pin = PEERS[peer]
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise SchemeError(f"the {peer} peer needs the {peer} package ({type(e).__name__}: {e}): pip install {pin}") from e
+
+
 def hqq(W: torch.Tensor, H: torch.Tensor | None = None, *, bits: int = 4, group_size: int = 128) -> Quantized:
     """The `hqq` package's half-quadratic quantizer (its defaults: optimize, zero rounded at 4 bits).
 
     HQQLinear keeps scale and zero in the compute dtype: 16 + 16 bits per group, as RTN.
     """
-    try:
-        from hqq.core.quantize import Quantizer as HQQQuantizer
-    except ImportError as e:
-        raise SchemeError("the hqq peer needs the hqq package: pip install hqq==0.2.8.post1") from e
+    require_peer("hqq")
+    from hqq.core.quantize import Quantizer as HQQQuantizer
+
     _check_group(W.shape[1], group_size)
     Wq, meta = HQQQuantizer.quantize(
         W.float(), nbits=bits, group_size=group_size, optimize=True, round_zero=bits == 4, axis=1,
@@ -1285,6 +1298,8 @@ def compare(
         name, given = parse_spec(spec)
         ft, opts = finetune_options(name, given)
         parsed[spec] = (name, given, ft, get_scheme(name, **opts)[1])
+        if SCHEMES[name].peer:  # a peer that is not installed, before the model loads, not at its row
+            require_peer(SCHEMES[name].peer)
     model, tok = _ppl.load_model(model_name, device=device)
     for spec in schemes:  # options that do not fit this model fail before the first perplexity pass
         check_options(decoder_linears(model), parsed[spec][3])
