@@ -959,6 +959,8 @@ def get_scheme(name: str, **options) -> tuple[Scheme, dict, Callable[..., Quanti
         raise SchemeError(f"bits must be in [1, 8], got {opts['bits']}")
     if "group_size" in opts and int(opts["group_size"]) <= 0:
         raise SchemeError(f"group_size must be positive, got {opts['group_size']}")
+    if scheme.peer:  # a peer that is not installed fails here, before a run loads anything, not at its row
+        require_peer(scheme.peer)
     return scheme, opts, scheme.build(**opts)
 
 
@@ -1298,8 +1300,6 @@ def compare(
         name, given = parse_spec(spec)
         ft, opts = finetune_options(name, given)
         parsed[spec] = (name, given, ft, get_scheme(name, **opts)[1])
-        if SCHEMES[name].peer:  # a peer that is not installed, before the model loads, not at its row
-            require_peer(SCHEMES[name].peer)
     model, tok = _ppl.load_model(model_name, device=device)
     for spec in schemes:  # options that do not fit this model fail before the first perplexity pass
         check_options(decoder_linears(model), parsed[spec][3])
