@@ -92,6 +92,46 @@ def test_tensor_core_table_matches_float64_reference(Nm, Nr, norm, batch, n_out,
     check(g, t, x_for(n_in, batch, seed=batch))
 
 
+@pytest.mark.parametrize(
+    "Nm, Nr, norm, batch, n_out, n_in, plan",
+    [
+        # the warps of a block split the chunks of the same rows: two warps, one chunk each
+        (4096, 256, False, 1, 32, 512, dict(kind="split", warps=2, RB=1, ksplit=1)),
+        # one block walks both row-groups (RB = 2: 3 row-blocks, the last padded), under a norm
+        (4096, 512, True, 2, 70, 512, dict(kind="split", warps=1, RB=2, ksplit=1, blocks=1)),
+        # a K-split across blocks as well (3 chunks in slices of 2 and 1, so a warp idles), walking
+        (8192, 256, False, 1, 96, 768, dict(kind="split", warps=2, RB=1, ksplit=2, blocks=2)),
+    ],
+)
+def test_split_kernel_matches_float64_reference(Nm, Nr, norm, batch, n_out, n_in, plan):
+    t = random_residual_tensor(n_out, n_in, Nm, Nr, seed=n_out + batch, with_norm=norm)
+    g = ResidualGemv(t, plan=plan)
+    p = g.plan(batch)
+    assert (p.kind, p.warps, p.RB, p.ksplit, p.main) == ("split", plan["warps"], plan["RB"], plan["ksplit"], "shared")
+    assert p.blocks == plan.get("blocks", p.blocks)
+    check(g, t, x_for(n_in, batch, seed=batch))
+    if p.ksplit > 1:
+        assert not g._plans[batch][2][1].any(), "atomic counters not reset"
+
+
+def test_split_plans():
+    kw = dict(sms=132, budget=227 * 1024)
+    p = plan_residual(1024, 4, 4096, 256, 1, kind="split", **kw)  # 32 row-groups: a K-split of 4 fills the SMs
+    assert (p.RB, p.ksplit, p.cps, p.warps, p.blocks) == (1, 4, 1, 1, 32)
+    assert p.shared_bytes == 16 * (4096 + 256) + 4 * 256 + 4 * 32
+    p = plan_residual(14336, 16, 4096, 256, 1, kind="split", **kw)  # 448 row-groups walked by 132 blocks
+    assert (p.ksplit, p.warps, p.blocks, p.grid(448)) == (1, 16, 132, (132, 1))
+    assert p.groups(448) == 448 and plan_residual(14336, 16, 4096, 256, 1, kind="split", RB=2, **kw).groups(448) == 224
+    for bad, match in ((dict(main="global"), "shared"), (dict(RB=4), "RB"), (dict(warps=3), "warps"), (dict(blocks=999), "blocks"),
+                       (dict(G=2), "table-kernel")):
+        with pytest.raises(ValueError, match=match):
+            plan_residual(14336, 16, 4096, 256, 1, kind="split", **bad, **kw)
+    with pytest.raises(ValueError, match="blocks is a split"):
+        plan_residual(14336, 16, 4096, 256, 1, kind="gather", blocks=4, **kw)
+    with pytest.raises(ValueError, match="raise ksplit"):  # 128 KiB of codebooks and 16384 columns of x at batch 4
+        plan_residual(4096, 64, 8192, 512, 4, kind="split", ksplit=1, **kw)
+
+
 def test_the_planner_picks_the_table_kernel_where_its_table_fits():
     kw = dict(sms=132, budget=227 * 1024)
     p = plan_residual(28672, 16, 4096, 256, 1, **kw)

@@ -43,9 +43,9 @@ import warnings
 import torch
 
 from .codebook import ROW_BLOCK, CodebookFormatError, read_layer_file
-from .gemv import (INLINE, SIM, _as_kernel_array, check_activation, check_output, float2_to_half2, half2_to_float2, kernel_device,
-                   load16, load_byte_offset, max_shared_bytes, mma_table_tile, sload4, sm_count, tuning_enabled, tuning_inputs,
-                   with_shared_limit)
+from .gemv import (INLINE, SIM, _as_kernel_array, async_wait_all, check_activation, check_output, copy16_async, float2_to_half2,
+                   half2_to_float2, kernel_device, load16, load_byte_offset, max_shared_bytes, mma_table_tile, sload4, sm_count,
+                   tuning_enabled, tuning_inputs, with_shared_limit)
 from .kmeans import check_finite
 
 from numba import cuda, float32, int32, uint32  # noqa: E402  (gemv set numba's environment first)
@@ -566,9 +566,10 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool):
             xs[o + 4], xs[o + 5], xs[o + 6], xs[o + 7] = v4, v5, v6, v7
 
     @cuda.jit(device=True, **INLINE)
-    def finish(acc, pb, bpart, bred, last, y, ws, counters, rb0, rbs, n_out, tid):
+    def finish(acc, pb, bpart, bred, last, y, ws, counters, grp, own, rb0, rbs, n_out, tid):
+        # grp: the row-group's counter; own: whether this thread's acc is the block's sum for its rows
+        # (every thread of the block calls finish: the norm's sums and the counter hold barriers).
         lane = cuda.laneid
-        blk = cuda.blockIdx.x
         split = cuda.blockIdx.y
         nsplit = cuda.gridDim.y
         if norm:  # dot(bias, x) over this K-slice, the same for every row: warp 0 folds nt partials to 32
@@ -592,12 +593,14 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool):
             rb = rb0 + r
             row = rb * 32 + lane
             for bb in range(B):
-                if nsplit == 1:
+                if not own:
+                    pass
+                elif nsplit == 1:
                     if row < n_out:
                         y[bb, row] = acc[r * B + bb]
                 elif rb < rbs:
                     ws[split, bb, row] = acc[r * B + bb]
-        if nsplit > 1 and last_to_finish(counters, blk, nsplit, last, tid):
+        if nsplit > 1 and last_to_finish(counters, grp, nsplit, last, tid) and own:
             # K-slices outer, rows inner: the RB x B loads of a slice are independent, so they are in
             # flight together. (Rows outer made a chain of nsplit dependent L2 round trips a row, RB
             # rows one after another: ~16 x 8 round trips at RB = 8, nsplit = 16, while the other SMs
@@ -625,17 +628,26 @@ def _chunk_source(b: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: bool, norm: bool):
+def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: bool, norm: bool, split: bool = False):
     """The "gather" residual-VQ GEMV (v1): every vector's weights rebuilt from two 16-byte codebook reads.
 
     Grid (row-groups, K-slices); a block has ``warps`` warps, warp w owning row-blocks
     (blk * warps + w) * RB ... + RB - 1 over the block's K-slice of ``cps`` chunks.
+
+    ``split`` (plan kind "split"): every warp of a block works on the same RB row-blocks, warp w
+    taking chunks j0 + w, j0 + w + warps, ... of the K-slice, and the warps' partials meet in
+    shared memory. The block stages the codebooks and its slice of x once, then walks row-groups
+    blockIdx.x, blockIdx.x + gridDim.x, ... Why: at small and mid layers the gather grid gave each
+    block a handful of chunks, so every block paid a 64-128 KiB codebook staging (or L1 misses to
+    L2 a lookup) and the K-slices met through global memory and a counter, for a few microseconds
+    of work (1024 x 1024: 8.3 us against fp16's 4.4; NOTES "Residual run 5").
+
     Arguments: x32 (B, in/2) int32 view of fp16 x; tiled int32 words; mainq (Nm*4,) and resq
     (Nr*4,) int32 views of the fp16 codebooks; sc32, bi32 int32 views of scale and bias (any
     4 words without a norm); y (B, out) fp16; ws (ksplit, B, rbs*32) fp32; counters (row-groups,)
     int32; n_out; rbs; nchunks; cps.
     """
-    key = ("residual", Nm, Nr, B, warps, RB, main_shared, norm)
+    key = ("residual", Nm, Nr, B, warps, RB, main_shared, norm, split)
     if key in _kernel_cache:
         return _kernel_cache[key]
 
@@ -648,13 +660,13 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     res_words, main_words = Nr * 4, Nm * 4
     # Dynamic shared memory (4-byte units): [main codebook if staged][residual codebook][B x slice of x].
     # Everything read 16 bytes at a time lives there: its base is 16-byte aligned, a static array's need not be.
+    # With ``split``, the warps' partials follow x: (warps x RB x B) x 32 fp32 at XOFF + B x the slice's columns.
     ROFF = main_words if main_shared else 0
     XOFF = ROFF + res_words
-    MQ = -(-main_words // (4 * nt))  # 16-byte pieces of the main codebook a thread stages
-    RQ = -(-res_words // (4 * nt))
+    STEP = warps if split else 1  # chunks between a warp's consecutive chunks
     bpart_size = B * nt if norm else 1
     bred_size = B * 32 if norm else 1
-    ring_size, rbuf_size, wv_size = 2 * nreg, RQ * 4, 8 * RB  # local array sizes must be literals
+    ring_size, wv_size = 2 * nreg, 8 * RB  # local array sizes must be literals
     stage_x, finish = _common_device_functions(B, nt, RB, norm)
 
     @cuda.jit(device=True)
@@ -705,7 +717,9 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     def fetch(dst, off, tiled, rb0, rbs, nchunks, j, j1):
         load_words(dst, off, WPC, tiled, rb0, rbs, nchunks, j, 0, WPC, j < j1)
 
-    @cuda.jit
+    # A split block is one an SM by design (it stages both codebooks): launch bounds let ptxas size its
+    # registers for the whole block (unbounded, 32 warps at RB = 1 took 100 registers and could not launch).
+    @cuda.jit(**({"launch_bounds": (nt, 1)} if split and not SIM else {}))
     def kernel(x32, tiled, mainq, resq_g, sc32, bi32, y, ws, counters, n_out, rbs, nchunks, cps):
         bpart = cuda.shared.array(bpart_size, float32)
         bred = cuda.shared.array(bred_size, float32)
@@ -714,58 +728,67 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
         xs = cuda.shared.array(0, float32)  # the same memory (dynamic shared arrays alias)
         tid = cuda.threadIdx.x
         warp = tid // 32
+        lane = cuda.laneid
         blk = cuda.blockIdx.x
-        rb0 = (blk * warps + warp) * RB
         j0 = cuda.blockIdx.y * cps
         j1 = min(j0 + cps, nchunks)
         ncols = (j1 - j0) * CHUNK
+        jfirst = j0 + warp if split else j0
+        RED = XOFF + B * ncols
 
         # Start streaming this warp's first chunk before anything waits.
         ring = cuda.local.array(ring_size, int32)
-        fetch(ring, 0, tiled, rb0, rbs, nchunks, j0, j1)
+        rb0 = blk * RB if split else (blk * warps + warp) * RB
+        fetch(ring, 0, tiled, rb0, rbs, nchunks, jfirst, j1)
 
-        # Codebooks -> shared: every 16-byte load issued before the first store waits on one.
-        rbuf = cuda.local.array(rbuf_size, int32)
-        for i in range(RQ):
-            q = tid + i * nt
-            if q * 4 < res_words:
-                rbuf[4 * i], rbuf[4 * i + 1], rbuf[4 * i + 2], rbuf[4 * i + 3] = load16(resq_g, q * 4)
+        # Codebooks -> shared as asynchronous copies: all of a thread's in flight at once, holding no
+        # registers (staged through registers, 8 at a time, a 4-warp block waited 4 L2 round trips).
+        for q in range(tid, res_words // 4, nt):
+            copy16_async(dyn_i, ROFF + q * 4, resq_g, q * 4)
         if main_shared:
-            mbuf = cuda.local.array(32, int32)
-            for i0 in range(0, MQ, 8):
-                for i in range(8):
-                    q = tid + (i0 + i) * nt
-                    if i0 + i < MQ and q * 4 < main_words:
-                        mbuf[4 * i], mbuf[4 * i + 1], mbuf[4 * i + 2], mbuf[4 * i + 3] = load16(mainq, q * 4)
-                for i in range(8):
-                    q = tid + (i0 + i) * nt
-                    if i0 + i < MQ and q * 4 < main_words:
-                        dyn_i[q * 4], dyn_i[q * 4 + 1], dyn_i[q * 4 + 2], dyn_i[q * 4 + 3] = (
-                            mbuf[4 * i], mbuf[4 * i + 1], mbuf[4 * i + 2], mbuf[4 * i + 3])
-        for i in range(RQ):
-            q = tid + i * nt
-            if q * 4 < res_words:
-                o = ROFF + q * 4
-                dyn_i[o], dyn_i[o + 1], dyn_i[o + 2], dyn_i[o + 3] = rbuf[4 * i], rbuf[4 * i + 1], rbuf[4 * i + 2], rbuf[4 * i + 3]
-
+            for q in range(tid, main_words // 4, nt):
+                copy16_async(dyn_i, q * 4, mainq, q * 4)
         pb = cuda.local.array(B, float32)
         stage_x(x32, sc32, bi32, xs, XOFF, j0 * CHUNK, ncols, pb, tid)
+        async_wait_all()
         cuda.syncthreads()
 
         acc = cuda.local.array(nacc, float32)
-        for i in range(nacc):
-            acc[i] = 0.0
         wv = cuda.local.array(wv_size, float32)
-        # Two ring slots, unrolled so each slot index is a constant: refill the other slot with the
-        # next chunk, then use this one.
-        j = j0
-        while j < j1:
-            for s in range(2):
-                fetch(ring, ((s + 1) % 2) * nreg, tiled, rb0, rbs, nchunks, j + 1, j1)
+        grp = blk
+        ngroups = -(-rbs // RB) if split else blk + 1  # split blocks walk row-groups; gather blocks own one
+        while grp < ngroups:
+            if split and grp != blk:
+                rb0 = grp * RB
+                fetch(ring, 0, tiled, rb0, rbs, nchunks, jfirst, j1)
+            for i in range(nacc):
+                acc[i] = 0.0
+            # Two ring slots, written out so each slot's offset is a literal: refill the other slot
+            # with the warp's next chunk, then use this one. (A loop over the slots left the ring's
+            # index unknown to ptxas, and the ring in local memory: a 160-320 byte stack frame.)
+            j = jfirst
+            while j < j1:
+                fetch(ring, nreg, tiled, rb0, rbs, nchunks, j + STEP, j1)
+                chunk_dot(ring, 0, mainq, dyn_i, xs, XOFF + (j - j0) * CHUNK, ncols, acc, wv)
+                j += STEP
+                fetch(ring, 0, tiled, rb0, rbs, nchunks, j + STEP, j1)
                 if j < j1:
-                    chunk_dot(ring, s * nreg, mainq, dyn_i, xs, XOFF + (j - j0) * CHUNK, ncols, acc, wv)
-                j += 1
-        finish(acc, pb, bpart, bred, last, y, ws, counters, rb0, rbs, n_out, tid)
+                    chunk_dot(ring, nreg, mainq, dyn_i, xs, XOFF + (j - j0) * CHUNK, ncols, acc, wv)
+                j += STEP
+            if split:  # the warps' partials of these rows, summed by warp 0
+                for i in range(nacc):
+                    xs[RED + (warp * nacc + i) * 32 + lane] = acc[i]
+                cuda.syncthreads()
+                if warp == 0:
+                    for i in range(nacc):
+                        v = float32(0.0)
+                        for w in range(1, warps):
+                            v += xs[RED + (w * nacc + i) * 32 + lane]
+                        acc[i] += v
+            finish(acc, pb, bpart, bred, last, y, ws, counters, grp, warp == 0 or not split, rb0, rbs, n_out, tid)
+            if split:
+                cuda.syncthreads()  # the partials' space is reused by the next row-group
+            grp += cuda.gridDim.x
 
     _kernel_cache[key] = kernel
     return kernel
@@ -995,7 +1018,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         while j * spc < q1:
             chunk_steps(j, q0, q1, ncols, wreg, tiled, rb0, rbs, nchunks, tab, tabi, cbm, cbr, xv, acc, tid, mainq, resq)
             j += 1
-        finish(acc, pb, bpart, bred, last, y, ws, counters, rb0, rbs, n_out, tid)
+        finish(acc, pb, bpart, bred, last, y, ws, counters, cuda.blockIdx.x, True, rb0, rbs, n_out, tid)
 
     _kernel_cache[key] = kernel
     return kernel
@@ -1005,7 +1028,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
 MAIN_PLACEMENTS = ("shared", "global")
 
 
-KINDS = ("table", "gather")
+KINDS = ("table", "gather", "split")
 
 
 @dataclass
@@ -1020,11 +1043,20 @@ class ResidualPlan:
     kind: str = "gather"
     G: int = 0  # table: groups a step
     build: str = ""  # table: "fma" (scalar multiply-adds) or "mma" (tensor cores, v3)
+    blocks: int = 0  # split: blocks along the rows, each walking row-groups (0: one a row-group)
 
     def overrides(self) -> dict:
         """The keyword arguments of :func:`plan_residual` that rebuild this plan (for ``ResidualGemv(plan=...)``)."""
         d = dict(kind=self.kind, warps=self.warps, RB=self.RB, ksplit=self.ksplit, main=self.main)
-        return d | ({"G": self.G, "build": self.build} if self.kind == "table" else {})
+        return d | ({"G": self.G, "build": self.build} if self.kind == "table" else {}) | (
+            {"blocks": self.blocks} if self.kind == "split" else {})
+
+    def groups(self, rbs: int) -> int:
+        """Row-groups (one K-split counter each): RB row-blocks a group for split blocks, warps x RB otherwise."""
+        return -(-rbs // (self.RB * (1 if self.kind == "split" else self.warps)))
+
+    def grid(self, rbs: int) -> tuple[int, int]:
+        return (self.blocks if self.kind == "split" else self.groups(rbs)), self.ksplit
 
 
 def _static_bytes(Nr: int, B: int, warps: int, norm: bool) -> int:
@@ -1037,7 +1069,8 @@ def shared_budget(device) -> int:
 
 def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool = False, budget: int = OPTIN_SIM,
                   warps: int | None = None, RB: int | None = None, ksplit: int | None = None, main: str | None = None,
-                  kind: str | None = None, G: int | None = None, build: str | None = None) -> ResidualPlan:
+                  kind: str | None = None, G: int | None = None, build: str | None = None,
+                  blocks: int | None = None) -> ResidualPlan:
     """Grid shape for one layer. ``kind`` picks the kernel: "table" (:func:`residual_table_kernel`,
     the default up to batch :data:`TABLE_MAX_BATCH`) or "gather" (:func:`residual_kernel`).
 
@@ -1055,10 +1088,17 @@ def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if kind == "table":
+        if blocks is not None:
+            raise ValueError("blocks is a split-kernel option")
         return plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ksplit, G=G, main=main,
                           build=build)
     if G is not None or build is not None:
         raise ValueError("G (groups a table step) and build are table-kernel options")
+    if kind == "split":
+        return plan_split(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ksplit, blocks=blocks,
+                          main=main)
+    if blocks is not None:
+        raise ValueError("blocks is a split-kernel option")
     warps = warps or 4
     RB = RB or (2 if B <= 4 else 1)
     if warps not in (1, 2, 4, 8) or RB not in (1, 2):
@@ -1084,6 +1124,50 @@ def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, 
         raise ValueError(f"plan needs {static + dyn} bytes of shared memory (main {main}, {cps} chunks of x a block, "
                          f"batch {B}); the block may use {budget}: raise ksplit or place main in global memory")
     return ResidualPlan(warps, ksplit, cps, RB, main, dyn, static)
+
+
+def split_bytes(Nm: int, Nr: int, B: int, warps: int, RB: int, cps: int) -> int:
+    """Dynamic shared memory of a split block: both codebooks, B rows of its K-slice of x (fp32),
+    and the warps' partials (warps x RB x B x 32 fp32)."""
+    return 16 * (Nm + Nr) + 4 * B * cps * CHUNK + 4 * warps * RB * B * 32
+
+
+def plan_split(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool = False, budget: int = OPTIN_SIM,
+               warps: int | None = None, RB: int | None = None, ksplit: int | None = None, blocks: int | None = None,
+               main: str | None = None) -> ResidualPlan:
+    """Split-kernel plan (:func:`residual_kernel` with ``split``). Without overrides: RB = 1, as many
+    warps (up to 32) as the K-slice has chunks, a K-split only where the row-groups cannot give
+    every SM a block, and one block an SM walking the row-groups."""
+    if main not in (None, "shared"):
+        raise ValueError(f"the split kernel stages both codebooks in shared memory: main must be 'shared', got {main!r}")
+    RB = RB or 1
+    if RB not in (1, 2):
+        raise ValueError(f"RB must be 1 or 2, got {RB}")
+    rbs = -(-n_out // ROW_BLOCK)
+    groups = -(-rbs // RB)
+    if ksplit is None:
+        ksplit = max(1, min(nchunks, sms // groups))
+    if not 1 <= ksplit:
+        raise ValueError(f"ksplit must be positive, got {ksplit}")
+    cps = math.ceil(nchunks / min(ksplit, nchunks))
+    ksplit = math.ceil(nchunks / cps)
+    # Registers (ptxas, sm_90): 100 a thread at RB = 1 and 148 at RB = 2 unbounded; capped for 32 (16)
+    # warps they spill 0.3-0.6 KB a thread. So at most 16 warps at RB = 1 and 8 at RB = 2.
+    wmax = 16 if RB == 1 else 8
+    warps = warps or min(wmax, 1 << (cps - 1).bit_length())
+    if warps not in (1, 2, 4, 8, 16) or warps > wmax:
+        raise ValueError(f"warps must be a power of two from 1 to {wmax} at RB = {RB}, got {warps}")
+    blocks = blocks or min(groups, max(1, sms // ksplit))
+    if not 1 <= blocks <= groups:
+        raise ValueError(f"blocks must be 1..{groups} (the row-groups), got {blocks}")
+    static = _static_bytes(Nr, B, warps, norm)
+    if static > STATIC_LIMIT:
+        raise ValueError(f"batch {B} with {warps} warps needs {static} bytes of static shared memory (> {STATIC_LIMIT})")
+    dyn = split_bytes(Nm, Nr, B, warps, RB, cps)
+    if static + dyn > budget:
+        raise ValueError(f"plan needs {static + dyn} bytes of shared memory (both codebooks, {cps} chunks of x, batch {B}); "
+                         f"the block may use {budget}: raise ksplit")
+    return ResidualPlan(warps, ksplit, cps, RB, "shared", dyn, static, kind="split", blocks=blocks)
 
 
 TABLE_RB = (1, 2, 4, 8)  # row-blocks a warp in the table kernel (RB = 8 at 16 warps: 128 registers, no spills)
@@ -1182,8 +1266,9 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
             p = plan_residual(n_out, nchunks, Nm, Nr, B, sms, norm, budget, **kw)
         except ValueError:
             return
-        blocks = -(-rbs // (p.warps * p.RB)) * p.ksplit
-        k = (p.kind, p.warps, p.RB, p.main, p.ksplit, p.G, p.build)
+        gx, gy = p.grid(rbs)
+        blocks = gx * gy
+        k = (p.kind, p.warps, p.RB, p.main, p.ksplit, p.G, p.build, p.blocks)
         if k not in seen and blocks <= 16 * sms:
             seen.add(k)
             out.append(p)
@@ -1290,12 +1375,12 @@ class ResidualGemv:
             kern = residual_table_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.G, self.norm, plan.main == "shared",
                                          plan.build == "mma")
         else:
-            kern = residual_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.main == "shared", self.norm)
-        groups = -(-self.rbs // (plan.warps * plan.RB))
+            kern = residual_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.main == "shared", self.norm,
+                                   split=plan.kind == "split")
         ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
-        counters = torch.zeros(groups, dtype=torch.int32, device=self.device)
+        counters = torch.zeros(plan.groups(self.rbs), dtype=torch.int32, device=self.device)
         # [kernel, plan, torch owners, views, grid, specialized kernel (made at first bind)]
-        return [kern, plan, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters)), (groups, plan.ksplit), None]
+        return [kern, plan, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters)), plan.grid(self.rbs), None]
 
     def _prepare(self, B: int) -> list:
         if B not in self._plans:
