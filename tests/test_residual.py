@@ -114,6 +114,14 @@ def test_split_kernel_matches_float64_reference(Nm, Nr, norm, batch, n_out, n_in
         assert not g._plans[batch][2][1].any(), "atomic counters not reset"
 
 
+def test_the_tuner_times_the_split_kernel_at_small_batches():
+    kw = dict(sms=132, budget=227 * 1024)
+    for n_out, nchunks in ((1024, 16), (4096, 4), (4096, 16)):
+        kinds = {p.kind for p in candidate_plans(n_out, nchunks, 4096, 256, 1, norm=False, **kw)}
+        assert kinds == {"table", "gather", "split"}, kinds
+    assert "split" not in {p.kind for p in candidate_plans(4096, 16, 4096, 256, 8, norm=False, **kw)}
+
+
 def test_split_plans():
     kw = dict(sms=132, budget=227 * 1024)
     p = plan_residual(1024, 4, 4096, 256, 1, kind="split", **kw)  # 32 row-groups: a K-split of 4 fills the SMs
@@ -146,7 +154,8 @@ def test_the_planner_picks_the_table_kernel_where_its_table_fits():
         with pytest.raises(ValueError, match=match):
             plan_residual(4096, 16, 4096, 256, 1, **bad, **kw)
     kinds = {(c.kind, c.main, c.build) for c in candidate_plans(4096, 16, 4096, 256, 1, 132, False, 227 * 1024)}
-    assert kinds == {("table", "shared", "fma"), ("table", "registers", "fma"), ("table", "shared", "mma"), ("gather", "global", "")}
+    assert kinds == {("table", "shared", "fma"), ("table", "registers", "fma"), ("table", "shared", "mma"), ("gather", "global", ""),
+                     ("split", "shared", "")}
     m = plan_residual(28672, 16, 4096, 256, 1, build="mma", **kw)  # the tensor-core build takes 8 groups a step here...
     assert (m.kind, m.G, m.RB) == ("table", 8, 8)
     assert plan_residual(28672, 64, 8192, 512, 1, build="mma", **kw).G == 2  # ...but only 2 beside 136 KiB of codebooks

@@ -1256,7 +1256,8 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
     with one, two and four waves of K-slices, its register-codebook variant at RB <= 2, its
     tensor-core build (v3) with one and two waves, and the
     gather kernel's heuristic plan (three kernels: each takes seconds to compile), and where that
-    plan leaves SMs idle, gather blocks of 2 and 1 warps over every chunk. Gather kernel (larger
+    plan leaves SMs idle, gather blocks of 2 and 1 warps over every chunk, and the split kernel's
+    heuristic plan. Gather kernel (larger
     batches): warps 4/8, RB 1/2, both main placements, a K-split ladder. Grids of at most 16 blocks an SM."""
     seen, out = set(), []
     rbs = -(-n_out // ROW_BLOCK)
@@ -1302,6 +1303,10 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
             # leaves SMs idle (1024 x 1024: 16 blocks). Narrower blocks over every chunk fill more.
             for warps, RB in ((2, 1), (1, 1)):
                 add(kind="gather", warps=warps, RB=RB, ksplit=nchunks)
+        # The split kernel's heuristic plan (one kernel more to compile). Probe on the H200 (9f97981,
+        # data/_runs/residual-split-9f97981-h200.json): 4096 x 1024 6.7 us against the old tuner's 9.8,
+        # 1024 x 4096 5.1 against 7.0; 1024 x 1024 7.2 against 6.0. The tuner keeps whichever is faster.
+        add(kind="split")
     else:
         for warps in (4, 8):
             for RB in ((1, 2) if B <= 8 else (1,)):
