@@ -589,16 +589,14 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool):
                     s += bred[bb * 32 + t]
                 for r in range(RB):
                     acc[r * B + bb] += s
-        for r in range(RB):
+        for r in range(RB):  # a literal bound: acc stays in registers
             rb = rb0 + r
             row = rb * 32 + lane
             for bb in range(B):
-                if not own:
-                    pass
-                elif nsplit == 1:
+                if own and nsplit == 1:
                     if row < n_out:
                         y[bb, row] = acc[r * B + bb]
-                elif rb < rbs:
+                elif own and rb < rbs:
                     ws[split, bb, row] = acc[r * B + bb]
         if nsplit > 1 and last_to_finish(counters, grp, nsplit, last, tid) and own:
             # K-slices outer, rows inner: the RB x B loads of a slice are independent, so they are in
@@ -1136,7 +1134,7 @@ def plan_split(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
                warps: int | None = None, RB: int | None = None, ksplit: int | None = None, blocks: int | None = None,
                main: str | None = None) -> ResidualPlan:
     """Split-kernel plan (:func:`residual_kernel` with ``split``). Without overrides: RB = 1, as many
-    warps (up to 32) as the K-slice has chunks, a K-split only where the row-groups cannot give
+    warps (up to 16, 8 at RB = 2) as the K-slice has chunks, a K-split only where the row-groups cannot give
     every SM a block, and one block an SM walking the row-groups."""
     if main not in (None, "shared"):
         raise ValueError(f"the split kernel stages both codebooks in shared memory: main must be 'shared', got {main!r}")
