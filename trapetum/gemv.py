@@ -162,6 +162,11 @@ if SIM:
         return np.array([lo, hi], dtype=np.float32).astype(np.float16).view(np.int32)[0]
 
     @cuda.jit(device=True)
+    def hadd2_to_float2(a, b):
+        h = np.array([a]).astype(np.int32).view(np.float16) + np.array([b]).astype(np.int32).view(np.float16)
+        return np.float32(h[0]), np.float32(h[1])
+
+    @cuda.jit(device=True)
     def store16(a, i, v0, v1, v2, v3):
         a[i], a[i + 1], a[i + 2], a[i + 3] = v0, v1, v2, v3
 
@@ -335,6 +340,25 @@ else:
             if v.type.width != 32:
                 v = builder.trunc(v, ir.IntType(32))
             h2 = builder.bitcast(v, ir.VectorType(ir.HalfType(), 2))
+            f = [builder.fpext(builder.extract_element(h2, ir.Constant(ir.IntType(32), k)), ir.FloatType()) for k in range(2)]
+            return context.make_tuple(builder, sig.return_type, f)
+
+        return sig, codegen
+
+    @intrinsic
+    def hadd2_to_float2(typingctx, a, b):
+        """fp16(a + b) of two words of packed fp16 pairs, as fp32: one ``add.f16x2`` and two conversions,
+        where converting both first and adding in fp32 costs four conversions and two adds. The sum is
+        rounded to fp16 once, as a dequantized fp16 weight is."""
+        sig = types.UniTuple(types.float32, 2)(a, b)
+
+        def codegen(context, builder, sig, args):
+            hv = []
+            for v in args:
+                if v.type.width != 32:
+                    v = builder.trunc(v, ir.IntType(32))
+                hv.append(builder.bitcast(v, ir.VectorType(ir.HalfType(), 2)))
+            h2 = builder.fadd(hv[0], hv[1])
             f = [builder.fpext(builder.extract_element(h2, ir.Constant(ir.IntType(32), k)), ir.FloatType()) for k in range(2)]
             return context.make_tuple(builder, sig.return_type, f)
 

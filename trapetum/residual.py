@@ -44,8 +44,8 @@ import torch
 
 from .codebook import ROW_BLOCK, CodebookFormatError, read_layer_file
 from .gemv import (INLINE, SIM, _as_kernel_array, async_wait_all, check_activation, check_output, copy16_async, float2_to_half2,
-                   half2_to_float2, kernel_device, load16, load_byte_offset, max_shared_bytes, mma_table_tile, sload4, sm_count,
-                   tuning_enabled, tuning_inputs, with_shared_limit)
+                   hadd2_to_float2, half2_to_float2, kernel_device, load16, load_byte_offset, max_shared_bytes, mma_table_tile,
+                   sload4, sm_count, tuning_enabled, tuning_inputs, with_shared_limit)
 from .kmeans import check_finite
 
 from numba import cuda, float32, int32, uint32  # noqa: E402  (gemv set numba's environment first)
@@ -685,17 +685,14 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
             else:
                 m0, m1, m2, m3 = load16(mainq, im)
             q0, q1, q2, q3 = sload4(dyn_i, ROFF + ir)
-            a0, a1 = half2_to_float2(m0)
-            c0, c1 = half2_to_float2(q0)
-            a2, a3 = half2_to_float2(m1)
-            c2, c3 = half2_to_float2(q1)
-            a4, a5 = half2_to_float2(m2)
-            c4, c5 = half2_to_float2(q2)
-            a6, a7 = half2_to_float2(m3)
-            c6, c7 = half2_to_float2(q3)
+            # Summed as fp16 pairs, rounded once as a dequantized fp16 weight is: 18 % fewer instructions
+            # than converting both and adding in fp32, 1-9 % faster (H100; the kernel is bound by the
+            # gathers' shared-memory wavefronts, NOTES session 30).
             k = 8 * r
-            wv[k], wv[k + 1], wv[k + 2], wv[k + 3] = a0 + c0, a1 + c1, a2 + c2, a3 + c3
-            wv[k + 4], wv[k + 5], wv[k + 6], wv[k + 7] = a4 + c4, a5 + c5, a6 + c6, a7 + c7
+            wv[k], wv[k + 1] = hadd2_to_float2(m0, q0)
+            wv[k + 2], wv[k + 3] = hadd2_to_float2(m1, q1)
+            wv[k + 4], wv[k + 5] = hadd2_to_float2(m2, q2)
+            wv[k + 6], wv[k + 7] = hadd2_to_float2(m3, q3)
         xi = xo + 8 * i
         for bb in range(B):
             x0, x1, x2, x3 = sload4(xs, xi + bb * ncols)
