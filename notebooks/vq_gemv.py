@@ -114,24 +114,35 @@ report.fig_residual_heatmap(df)
 # slice of x (8 x groups), so one `mma.m16n8k8` instruction makes 16 entries for 8 groups, where the
 # scalar build spent eight multiply-adds, conversions and a store per entry and group. Steps of 8
 # groups (an mma's full width) then cost little to build, and each table serves 8 vectors of every
-# row a block owns. The recorded runs, oldest first
+# row a block owns. The fourth kernel (*split*) goes back to gathering, for the small and mid layers
+# where a table never pays: there the gather grid had given each block a handful of chunks, so every
+# block staged a whole codebook for little work, and its K-slices met through global memory. In a
+# split block all warps work on the same rows and divide the K-slice between them; the block stages
+# both codebooks and its slice of x once, by asynchronous copies, and walks row-groups until the layer
+# is done, and the warps' partial sums meet in shared memory. It also adds the main and residual
+# vectors as fp16 pairs, rounded once as a dequantized fp16 weight is. It is still bound by the random
+# 16-byte reads of shared memory, but a block's staging now serves every row it walks.
+# The recorded runs, oldest first
 # (each row its own run and fp16 times; from the third on, the tuner picks per shape among the gather
 # kernel, the table with the codebook in registers (1024 rows a table) and the table with the codebook
 # in shared memory (4096 rows); the fourth adds gather blocks of one and two warps where the default
-# grid leaves SMs idle, the newest the table built on the tensor cores; the third and fourth stopped
-# at their time limit before the grid's end):
+# grid leaves SMs idle, the fifth the table built on the tensor cores, the newest (one on each GPU) the
+# split kernel; the third and fourth stopped at their time limit before the grid's end):
 #
 
 # %%
 report.styled(report.residual_versions(folder))
 
 # %% [markdown]
-# Which kernel the tuner chose, by output size (the configurations of the grid above). The
+# Which kernel the tuner chose, by GPU and output size (the configurations of the grid above; each
+# GPU's tuner times the candidates on that GPU). The
 # tensor-core build wins at the large layers, and only with 4096 main centroids: beside 8192 centroids
 # in shared memory there is room for tables of 2 groups only, and an mma then fills 2 of its 8
 # columns. At small layers every table kernel loses to the format's real cost: a table is as large
 # as the rows it serves unless a block owns thousands of them, and the lookups are random 4-byte
-# reads of shared memory, a few passes a warp. NOTES.md has each version's prediction and why it missed.
+# reads of shared memory, a few passes a warp. Runs that had the split kernel pick it at most small
+# and mid layers, and at nearly every size with 8192 main centroids.
+# NOTES.md has each version's prediction and why it missed.
 #
 
 # %%

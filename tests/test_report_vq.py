@@ -175,8 +175,10 @@ def test_each_part_comes_from_its_newest_run(tmp_path):
     assert v["kernel"].str.startswith("gather").tolist() == [True, False] and "tensor-core" in v.loc[1, "kernel"]
     assert np.isclose(v.loc[1, "4096 x 4096 (4096+256)"], 2 * v.loc[0, "4096 x 4096 (4096+256)"])
     assert np.isnan(v.loc[1, "16384 x 53248 (4096+256)"])  # not reached by the new run
-    assert set(report.residual_choices(df)["kernel chosen"]) == {"table, codebook in shared", "gather, codebook in (not recorded)",
-                                                                  "table, built on tensor cores, codebook in shared"}
+    choices = report.residual_choices(df)
+    assert set(choices["kernel chosen"]) == {"table, codebook in shared", "gather, codebook in (not recorded)",
+                                             "table, built on tensor cores, codebook in shared"}
+    assert set(choices["GPU"]) == {report.gpu_label("NVIDIA H100 Test")}  # picks are per GPU: each tunes on its own
     notes = report.vq_run_notes(tmp_path).set_index("what")["note"]  # both runs the chapter shows speak
     assert "INVALID_VALUE" in notes["additive_correctness_failures"] and "stopped" in notes["partial"]
 

@@ -1160,7 +1160,8 @@ def residual_versions(folder=None, Nm: int = 4096, Nr: int = 256) -> pd.DataFram
 
 
 def residual_choices(df: pd.DataFrame) -> pd.DataFrame:
-    """How often the tuner picked each residual kernel and placement, by output size (newest run)."""
+    """How often the tuner picked each residual kernel and placement, by GPU and output size (each
+    GPU's newest run: the tuner times the candidates on the GPU it runs on, so the picks differ)."""
     d = _residual(df)
     if "variant" not in d:
         return pd.DataFrame()
@@ -1168,7 +1169,8 @@ def residual_choices(df: pd.DataFrame) -> pd.DataFrame:
     build = d["build"] if "build" in d else pd.Series(np.nan, index=d.index)
     built = np.where(build.astype(object) == "mma", ", built on tensor cores", "")
     d["kernel chosen"] = d["variant"].fillna("gather") + built + ", codebook in " + placement.fillna("(not recorded)").astype(str)
-    t = d.pivot_table(index="kernel chosen", columns="out_features", values="speedup", aggfunc="size", fill_value=0)
+    d["GPU"] = d["gpu"].map(gpu_label) if "gpu" in d else "(not recorded)"
+    t = d.pivot_table(index=["GPU", "kernel chosen"], columns="out_features", values="speedup", aggfunc="size", fill_value=0)
     t.columns = [f"out {c}" for c in t.columns]
     return t.reset_index()
 
