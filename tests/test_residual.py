@@ -114,6 +114,19 @@ def test_split_kernel_matches_float64_reference(Nm, Nr, norm, batch, n_out, n_in
         assert not g._plans[batch][2][1].any(), "atomic counters not reset"
 
 
+def test_main_and_residual_are_summed_as_fp16_pairs_rounded_once():
+    # The gather and split kernels add a main and a residual codebook word (two fp16 each) as fp16 pairs:
+    # each sum is fp16(main + residual), as ResidualTensor.dequantize(fp16) rounds the weight.
+    g = torch.Generator().manual_seed(0)
+    m = (torch.rand(2048, 2, generator=g) * 4 - 2).half()
+    r = (torch.rand(2048, 2, generator=g) * 2**-9).half()  # below fp16's spacing near 1-2: the rounding shows
+    want = (m.float() + r.float()).half().float()
+    mw, rw = m.view(torch.int32).reshape(-1), r.view(torch.int32).reshape(-1)
+    got = torch.tensor([gemv.hadd2_to_float2(int(a), int(b)) for a, b in zip(mw.tolist(), rw.tolist())])
+    assert torch.equal(got, want)
+    assert not torch.equal(got, m.float() + r.float())  # the inputs do round: fp32 sums would differ
+
+
 def test_the_tuner_times_the_split_kernel_at_small_batches():
     kw = dict(sms=132, budget=227 * 1024)
     for n_out, nchunks in ((1024, 16), (4096, 4), (4096, 16)):
