@@ -366,7 +366,9 @@ def gemv_suite(table_shape=(4096, 4096), layer_shapes=((3072, 768), (4096, 4096)
         r["grid"] = grid
         recs.append(r)
         if progress:
-            print(f"{grid:9s} {v:15s} K={K:<3d} b={b:<2d} {n_in:>5d}x{n_out:<5d} {r['time_ms']*1e3:8.2f} us  fp16 {f*1e3:8.2f} us  {r['speedup']:.2f}x  {r['gbps']:.0f} GB/s  err {r['max_rel_err']:.1e}", flush=True)
+            # tqdm.write, not print: a print lands on the progress bar's line in a captured log
+            tqdm.write(f"{grid:9s} {v:15s} K={K:<3d} b={b:<2d} {n_in:>5d}x{n_out:<5d} {r['time_ms']*1e3:8.2f} us  fp16 {f*1e3:8.2f} us  "
+                       f"{r['speedup']:.2f}x  {r['gbps']:.0f} GB/s  err {r['max_rel_err']:.1e}")
     if 16 in Ks:
         # What bounds the 4-bit kernel: a kernel that only reads the same code bytes, and an empty launch.
         empty = time_empty()
@@ -492,9 +494,9 @@ def vq_suite(grid: dict = RESIDUAL_GRID, additive_shapes=ADDITIVE_SHAPES, Ms=(2,
         if on_record is not None:
             on_record(r)
         if progress and r["kernel"] != "torch fp16":
-            print(f"{r['grid']:9s} {r['kernel']:18s} {r['in_features']:>5d}x{r['out_features']:<5d} {r.get('scheme', ''):26s} "
-                  f"{r['time_ms'] * 1e3:8.2f} us  fp16 {r['fp16_ms'] * 1e3:8.2f} us  {r['speedup']:.2f}x  {r['gbps']:.0f} GB/s  "
-                  f"err {r['max_rel_err']:.1e}", flush=True)
+            tqdm.write(f"{r['grid']:9s} {r['kernel']:18s} {r['in_features']:>5d}x{r['out_features']:<5d} {r.get('scheme', ''):26s} "
+                       f"{r['time_ms'] * 1e3:8.2f} us  fp16 {r['fp16_ms'] * 1e3:8.2f} us  {r['speedup']:.2f}x  {r['gbps']:.0f} GB/s  "
+                       f"err {r['max_rel_err']:.1e}")  # not print: a print lands on the progress bar's line in a log
 
     def base(n_in, n_out):
         if (n_in, n_out) not in fp16:
