@@ -92,11 +92,13 @@ report.styled(report.residual_summary(df))
 
 # %% [markdown]
 # In the heat map, each panel is one pair of codebook sizes; blue is faster than fp16, red slower.
-# The top row is measured here, the bottom row is the seed's VPTQ kernel as seed 000 reports it
-# (its own H100, its own torch baseline). Look at where each row turns red: at which input and output
-# sizes does a kernel stop paying for its codebook traffic?
+# The top rows are measured here, one row for each GPU recorded, each against that GPU's own fp16; the
+# bottom row is the seed's VPTQ kernel as seed 000 reports it (its own H100, its own torch baseline).
+# Look at where each row turns red: at which input and output sizes does a kernel stop paying for its
+# codebook traffic? And between GPUs: a faster memory speeds up fp16, and our kernels only as far
+# as they are bound by it.
 
-# %% mystnb={"figure": {"caption": "Speedup over torch fp16 on the 120-config residual grid: ours (top, measured here; blank cells were not reached by the run) and VPTQ (bottom, reported by seed 000). Random weights.", "name": "fig-vq-heatmap"}}
+# %% mystnb={"figure": {"caption": "Speedup over torch fp16 on the 120-config residual grid: ours (top rows, one for each GPU, measured here; blank cells were not reached by the run) and VPTQ (bottom, reported by seed 000). Random weights.", "name": "fig-vq-heatmap"}}
 report.fig_residual_heatmap(df)
 
 # %% [markdown]

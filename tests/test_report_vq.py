@@ -94,6 +94,22 @@ def test_fig_residual_heatmap(vq):
     fig.canvas.draw()
 
 
+def test_fig_residual_heatmap_has_a_row_for_each_gpu(tmp_path):
+    for gpu, copy in (("NVIDIA H200", 4300.0), ("NVIDIA H100 Test", 3000.0)):
+        prov = {"gpu": gpu, "git_commit": gpu[-4:], "date": "2026-01-01T00:00:00+00:00", "command": "trapetum vq", "copy_gbps": copy}
+        results.save(report.VQ, synthetic_vq(copy), prov, folder=tmp_path)
+    df = report.load_vq(tmp_path)
+    panels = [ax for ax in report.fig_residual_heatmap(df).axes if ax.images]
+    assert len(panels) == 12  # 4 configs x (H100, H200, seed)
+    rows = [ax.get_title().split("\n")[0] for ax in panels[::4]]  # the first config's column, top to bottom
+    assert rows == [f"ours, {report.gpu_label('NVIDIA H100 Test')}", f"ours, {report.gpu_label('NVIDIA H200')}",
+                    "VPTQ, reported by seed 000 (H100)"]
+    h200 = [ax for ax in panels if "H200" in ax.get_title()]
+    assert len(h200) == 4 and all(ax.get_title().endswith("run H200") for ax in h200)  # each row its own run
+    one = [ax for ax in report.fig_residual_heatmap(df, gpu="NVIDIA H200").axes if ax.images]
+    assert len(one) == 8 and not any("H100 Test" in ax.get_title() for ax in one)
+
+
 def test_additive_table_and_figure(vq):
     t = report.additive_table(vq)
     assert set(t["kernel"]) == {"ours (numba)", "aqlm package"}

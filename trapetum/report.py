@@ -1176,19 +1176,21 @@ def residual_choices(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def fig_residual_heatmap(df: pd.DataFrame, gpu: str | None = None) -> Figure:
-    """Speedup over fp16 on the grid: ours (top row) and VPTQ as seed 000 reports it (bottom)."""
+    """Speedup over fp16 on the grid: ours, a row of panels for each GPU recorded (the H100 first; only
+    ``gpu`` if given), and VPTQ as seed 000 reports it (bottom row). One colour scale for all rows."""
     d = _residual(df)
-    gpu = gpu or pick_gpu(d)
-    d = d[d["gpu"] == gpu]
+    gpus = [gpu] if gpu else sorted(d["gpu"].dropna().unique(), key=lambda g: (g != pick_gpu(d), g))
+    d = d[d["gpu"].isin(gpus)]
     seed = seed_vptq("000")
     configs = [(m, r) for m in sorted(d["main_centroids"].unique()) for r in sorted(d["residual_centroids"].unique())]
     ins, outs = sorted(d["in_features"].unique()), sorted(d["out_features"].unique())
     norm = mpl.colors.TwoSlopeNorm(vmin=0.2, vcenter=1.0, vmax=max(2.0, float(d["speedup"].max())))
+    rows = [(d[d["gpu"] == g], f"ours, {gpu_label(g)}") for g in gpus] + [(seed, "VPTQ, reported by seed 000 (H100)")]
     with _style():
-        fig = Figure(figsize=(3.3 * len(configs), 6.6), layout="constrained")
-        axes = np.atleast_2d(fig.subplots(2, len(configs), sharex=True, sharey=True))
+        fig = Figure(figsize=(3.3 * len(configs), 3.3 * len(rows)), layout="constrained")
+        axes = np.atleast_2d(fig.subplots(len(rows), len(configs), sharex=True, sharey=True))
         for j, (m, r) in enumerate(configs):
-            for i, (src, label) in enumerate(((d, f"ours, {gpu_label(gpu)}"), (seed, "VPTQ, reported by seed 000 (H100)"))):
+            for i, (src, label) in enumerate(rows):
                 g = src[(src["main_centroids"] == m) & (src["residual_centroids"] == r)]
                 grid = g.pivot_table(index="in_features", columns="out_features", values="speedup").reindex(index=ins, columns=outs)
                 ax = axes[i, j]
@@ -1198,7 +1200,7 @@ def fig_residual_heatmap(df: pd.DataFrame, gpu: str | None = None) -> Figure:
                         dark = abs(float(norm(v)) - 0.5) > 0.3
                         ax.text(b, a, f"{v:.1f}", ha="center", va="center", fontsize=7.5, color="white" if dark else "black")
                 runs = ""
-                if i == 0 and "git_commit" in g and g["git_commit"].notna().any():  # the grid may join runs (load_vq)
+                if src is not seed and "git_commit" in g and g["git_commit"].notna().any():  # the grid may join runs (load_vq)
                     runs = "\nrun " + ", ".join(sorted(g["git_commit"].dropna().astype(str).str[:7].unique()))
                 ax.set_title(f"{label}\nmain {m}, residual {r}{runs}", fontsize=9)
                 ax.set_xticks(range(len(outs)), [str(o) for o in outs], rotation=45, fontsize=8)
