@@ -619,10 +619,14 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool):
 
 
 def _chunk_source(b: int) -> str:
-    """chunk_dot: one vec() call for each of a chunk's 32 vectors, every bit offset a literal."""
+    """chunk_dot: one vec() call for each of a chunk's 32 vectors, every bit offset a constant.
+
+    The constants go in as int32(...), not as bare literals: numba types a literal argument as its own
+    type and compiled vec once per call site (64 front-end compiles, ~75 % of a kernel's ~40 s compile).
+    vec and chunk_dot are force-inlined, so LLVM still sees every offset as a constant after inlining."""
     lines = ["def chunk_dot(ring, s, mainq, dyn_i, xs, xo, ncols, acc, wv):"]
     for i, w, sh, straddle in _field_positions(b):
-        lines.append(f"    vec(ring, s, {w}, {sh}, {int(straddle)}, {i}, mainq, dyn_i, xs, xo, ncols, acc, wv)")
+        lines.append(f"    vec(ring, s, int32({w}), int32({sh}), int32({int(straddle)}), int32({i}), mainq, dyn_i, xs, xo, ncols, acc, wv)")
     return "\n".join(lines) + "\n"
 
 
@@ -667,7 +671,7 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     ring_size, wv_size = 2 * nreg, 8 * RB  # local array sizes must be literals
     stage_x, finish = _common_device_functions(B, nt, RB, norm)
 
-    @cuda.jit(device=True)
+    @cuda.jit(device=True, **INLINE)
     def vec(ring, s, j, sh, straddle, i, mainq, dyn_i, xs, xo, ncols, acc, wv):
         # Vector i of the chunk in ring slot s: its field starts at bit sh of word j.
         for r in range(RB):
@@ -702,9 +706,9 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
                 t = cuda.fma(wv[k + 3], x3, cuda.fma(wv[k + 2], x2, cuda.fma(wv[k + 1], x1, cuda.fma(wv[k], x0, acc[r * B + bb]))))
                 acc[r * B + bb] = cuda.fma(wv[k + 7], x7, cuda.fma(wv[k + 6], x6, cuda.fma(wv[k + 5], x5, cuda.fma(wv[k + 4], x4, t))))
 
-    ns = {"vec": vec}
+    ns = {"vec": vec, "int32": int32}
     exec(compile(_chunk_source(WPC), f"<residual chunk_dot b={WPC}>", "exec"), ns)
-    chunk_dot = cuda.jit(device=True)(ns["chunk_dot"])
+    chunk_dot = cuda.jit(device=True, **INLINE)(ns["chunk_dot"])
 
     load_words = _word_loader(RB, WPC)
 
@@ -764,11 +768,11 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
             j = jfirst
             while j < j1:
                 fetch(ring, nreg, tiled, rb0, rbs, nchunks, j + STEP, j1)
-                chunk_dot(ring, 0, mainq, dyn_i, xs, XOFF + (j - j0) * CHUNK, ncols, acc, wv)
+                chunk_dot(ring, int32(0), mainq, dyn_i, xs, XOFF + (j - j0) * CHUNK, ncols, acc, wv)
                 j += STEP
                 fetch(ring, 0, tiled, rb0, rbs, nchunks, j + STEP, j1)
                 if j < j1:
-                    chunk_dot(ring, nreg, mainq, dyn_i, xs, XOFF + (j - j0) * CHUNK, ncols, acc, wv)
+                    chunk_dot(ring, int32(nreg), mainq, dyn_i, xs, XOFF + (j - j0) * CHUNK, ncols, acc, wv)
                 j += STEP
             if split:  # the warps' partials of these rows, summed by warp 0
                 for i in range(nacc):
@@ -790,16 +794,18 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
 
 
 def _table_source(b: int, G: int) -> str:
-    """chunk_steps: the table steps of one chunk, every word index and bit offset a literal."""
+    """chunk_steps: the table steps of one chunk, every word index and bit offset a constant (as int32(...):
+    see :func:`_chunk_source`)."""
     lines = ["def chunk_steps(j, q0, q1, ncols, wreg, tiled, rb0, rbs, nchunks, tab, tabi, cbm, cbr, xv, acc, tid, mainq, resq):"]
     for s, (w_lo, nw, fields) in enumerate(_step_layout(b, G)):
         lines += [f"    q = j * {VECS_PER_CHUNK // G} + {s}",
                   "    if q >= q0 and q < q1:",
-                  f"        load_words(wreg, 0, WS, tiled, rb0, rbs, nchunks, j, {w_lo}, {nw}, True)",
+                  f"        load_words(wreg, 0, WS, tiled, rb0, rbs, nchunks, j, int32({w_lo}), int32({nw}), True)",
                   "        cuda.syncthreads()",
                   "        build(tab, tabi, cbm, cbr, xv, (q - q0) * G8, ncols, tid, mainq, resq)",
                   "        cuda.syncthreads()"]
-        lines += [f"        look(wreg, {rel}, {sh}, {int(st)}, {gi}, tab, acc)" for gi, (rel, sh, st) in enumerate(fields)]
+        lines += [f"        look(wreg, int32({rel}), int32({sh}), int32({int(st)}), int32({gi}), tab, acc)"
+                  for gi, (rel, sh, st) in enumerate(fields)]
     return "\n".join(lines) + "\n"
 
 
@@ -956,7 +962,8 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
                 base = uint32((CBW + (bb * G + gi) * TS) * 4)
                 acc[r * B + bb] += load_byte_offset(tab, base + om) + load_byte_offset(tab, base + NMB + orr)
 
-    ns = {"cuda": cuda, "load_words": load_words, "build": build_mma if mma else build, "look": look, "G8": 8 * G, "WS": WS}
+    ns = {"cuda": cuda, "load_words": load_words, "build": build_mma if mma else build, "look": look, "G8": 8 * G, "WS": WS,
+          "int32": int32}
     exec(compile(_table_source(WPC, G), f"<residual chunk_steps b={WPC} G={G}>", "exec"), ns)
     chunk_steps = cuda.jit(device=True, **INLINE)(ns["chunk_steps"])
     spc = VECS_PER_CHUNK // G
