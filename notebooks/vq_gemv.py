@@ -102,6 +102,14 @@ report.styled(report.residual_summary(df))
 report.fig_residual_heatmap(df)
 
 # %% [markdown]
+# A speedup is only as good as its denominator. Where cuBLAS's fp16 GEMV took longer on a shape than on
+# a larger one with the same outputs, in the same recorded runs, that cell's ratio says more about the
+# baseline than about our kernel. The shapes where that happened (none, if the table is empty):
+
+# %%
+report.styled(report.fp16_baseline_inversions(df))
+
+# %% [markdown]
 # **Where our residual kernel loses to fp16, and what we tried.** The first kernel (*gather*)
 # rebuilds each group of 8 weights from two random 16-byte reads of the codebooks, and random
 # 16-byte reads from a 32-bank shared memory collide: a warp's request takes several times the

@@ -110,6 +110,17 @@ def test_fig_residual_heatmap_has_a_row_for_each_gpu(tmp_path):
     assert len(one) == 8 and not any("H100 Test" in ax.get_title() for ax in one)
 
 
+def test_fp16_baseline_inversions_flag_a_baseline_slower_than_a_larger_shape(vq):
+    assert report.fp16_baseline_inversions(vq).empty  # the synthetic baselines grow with the shape
+    d = vq.copy()
+    slow = (d["grid"] == "baseline") & (d["in_features"] == 2048) & (d["out_features"] == 1024)
+    assert slow.sum() >= 1
+    d.loc[slow, "time_ms"] = 10 * d[(d["grid"] == "baseline") & (d["in_features"] == 16384) & (d["out_features"] == 1024)]["time_ms"].max()
+    t = report.fp16_baseline_inversions(d)
+    assert t["shape (in x out)"].tolist() == ["2048 x 1024"] and t.loc[0, "larger shape"] == "4096 x 1024"
+    assert t.loc[0, "fp16 (µs)"] > t.loc[0, "its fp16 (µs)"]
+
+
 def test_additive_table_and_figure(vq):
     t = report.additive_table(vq)
     assert set(t["kernel"]) == {"ours (numba)", "aqlm package"}

@@ -1101,6 +1101,27 @@ def _geomean(x) -> float:
     return float(np.exp(np.log(x).mean())) if len(x) else np.nan
 
 
+def fp16_baseline_inversions(df: pd.DataFrame, margin: float = 1.1) -> pd.DataFrame:
+    """Shapes where a GPU's torch fp16 GEMV (the denominator of every speedup) took longer than on a shape
+    with as many outputs and more inputs in the same recorded runs (by more than ``margin``): cuBLAS picked a
+    slow kernel there, so that shape's speedup says more about the baseline than about our kernel."""
+    b = df[(df["grid"] == "baseline") & df["time_ms"].notna()]
+    if b.empty:
+        return pd.DataFrame()
+    t = b.groupby(["gpu", "out_features", "in_features"])["time_ms"].median().reset_index()
+    rows = []
+    for (gpu, n_out), g in t.groupby(["gpu", "out_features"]):
+        g = g.sort_values("in_features")
+        for _, a in g.iterrows():
+            big = g[(g["in_features"] > a["in_features"]) & (g["time_ms"] * margin < a["time_ms"])]
+            if len(big):
+                c = big.iloc[0]
+                rows.append({"GPU": gpu_label(gpu), "shape (in x out)": f"{int(a['in_features'])} x {int(n_out)}",
+                             "fp16 (µs)": a["time_ms"] * 1e3, "larger shape": f"{int(c['in_features'])} x {int(n_out)}",
+                             "its fp16 (µs)": c["time_ms"] * 1e3})
+    return pd.DataFrame(rows)
+
+
 def residual_summary(df: pd.DataFrame) -> pd.DataFrame:
     """Per GPU, the issue's three measures of the grid, with seed 000's VPTQ kernel as reported."""
     d = _residual(df)
