@@ -152,9 +152,12 @@ if SIM:
                 bv, bi = ov, oi
         return np.float32(bv), bi
 
+    def _sim_half2(w):  # a 32-bit word as its two fp16 values
+        return np.array([w]).astype(np.int32).view(np.float16)
+
     @cuda.jit(device=True)
     def half2_to_float2(w):
-        h = np.array([w]).astype(np.int32).view(np.float16)
+        h = _sim_half2(w)
         return np.float32(h[0]), np.float32(h[1])
 
     @cuda.jit(device=True)
@@ -163,7 +166,7 @@ if SIM:
 
     @cuda.jit(device=True)
     def hadd2_to_float2(a, b):
-        h = np.array([a]).astype(np.int32).view(np.float16) + np.array([b]).astype(np.int32).view(np.float16)
+        h = _sim_half2(a) + _sim_half2(b)
         return np.float32(h[0]), np.float32(h[1])
 
     @cuda.jit(device=True)
@@ -330,18 +333,23 @@ else:
 
         return sig, codegen
 
+    def _as_half2(builder, v):
+        """A 32-bit (or wider, truncated) integer as LLVM <2 x half>."""
+        if v.type.width != 32:
+            v = builder.trunc(v, ir.IntType(32))
+        return builder.bitcast(v, ir.VectorType(ir.HalfType(), 2))
+
+    def _half2_to_floats(context, builder, sig, h2):
+        f = [builder.fpext(builder.extract_element(h2, ir.Constant(ir.IntType(32), k)), ir.FloatType()) for k in range(2)]
+        return context.make_tuple(builder, sig.return_type, f)
+
     @intrinsic
     def half2_to_float2(typingctx, w):
         """The two fp16 values packed in a 32-bit word (low half first), as fp32."""
         sig = types.UniTuple(types.float32, 2)(w)
 
         def codegen(context, builder, sig, args):
-            v = args[0]
-            if v.type.width != 32:
-                v = builder.trunc(v, ir.IntType(32))
-            h2 = builder.bitcast(v, ir.VectorType(ir.HalfType(), 2))
-            f = [builder.fpext(builder.extract_element(h2, ir.Constant(ir.IntType(32), k)), ir.FloatType()) for k in range(2)]
-            return context.make_tuple(builder, sig.return_type, f)
+            return _half2_to_floats(context, builder, sig, _as_half2(builder, args[0]))
 
         return sig, codegen
 
@@ -353,14 +361,7 @@ else:
         sig = types.UniTuple(types.float32, 2)(a, b)
 
         def codegen(context, builder, sig, args):
-            hv = []
-            for v in args:
-                if v.type.width != 32:
-                    v = builder.trunc(v, ir.IntType(32))
-                hv.append(builder.bitcast(v, ir.VectorType(ir.HalfType(), 2)))
-            h2 = builder.fadd(hv[0], hv[1])
-            f = [builder.fpext(builder.extract_element(h2, ir.Constant(ir.IntType(32), k)), ir.FloatType()) for k in range(2)]
-            return context.make_tuple(builder, sig.return_type, f)
+            return _half2_to_floats(context, builder, sig, builder.fadd(*(_as_half2(builder, v) for v in args)))
 
         return sig, codegen
 

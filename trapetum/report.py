@@ -1200,7 +1200,8 @@ def fig_residual_heatmap(df: pd.DataFrame, gpu: str | None = None) -> Figure:
     """Speedup over fp16 on the grid: ours, a row of panels for each GPU recorded (the H100 first; only
     ``gpu`` if given), and VPTQ as seed 000 reports it (bottom row). One colour scale for all rows."""
     d = _residual(df)
-    gpus = [gpu] if gpu else sorted(d["gpu"].dropna().unique(), key=lambda g: (g != pick_gpu(d), g))
+    first = pick_gpu(d)
+    gpus = [gpu] if gpu else sorted(d["gpu"].dropna().unique(), key=lambda g: (g != first, g))
     d = d[d["gpu"].isin(gpus)]
     seed = seed_vptq("000")
     configs = [(m, r) for m in sorted(d["main_centroids"].unique()) for r in sorted(d["residual_centroids"].unique())]
