@@ -101,6 +101,8 @@ def test_tensor_core_table_matches_float64_reference(Nm, Nr, norm, batch, n_out,
         (4096, 512, True, 2, 70, 512, dict(kind="split", warps=1, RB=2, ksplit=1, blocks=1)),
         # a K-split across blocks as well (3 chunks in slices of 2 and 1, so a warp idles), walking
         (8192, 256, False, 1, 96, 768, dict(kind="split", warps=2, RB=1, ksplit=2, blocks=2)),
+        # one warp streams 3 chunks a row-group over 3 row-groups: its ring slot alternates across groups
+        (4096, 256, False, 1, 96, 768, dict(kind="split", warps=1, RB=1, ksplit=1, blocks=1)),
     ],
 )
 def test_split_kernel_matches_float64_reference(Nm, Nr, norm, batch, n_out, n_in, plan):

@@ -756,23 +756,29 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
         wv = cuda.local.array(wv_size, float32)
         grp = blk
         ngroups = -(-rbs // RB) if split else blk + 1  # split blocks walk row-groups; gather blocks own one
+        slot = 0  # the ring slot holding the chunk this warp uses next
         while grp < ngroups:
-            if split and grp != blk:
-                rb0 = grp * RB
-                fetch(ring, 0, tiled, rb0, rbs, nchunks, jfirst, j1)
             for i in range(nacc):
                 acc[i] = 0.0
-            # Two ring slots, written out so each slot's offset is a literal: refill the other slot
-            # with the warp's next chunk, then use this one. (A loop over the slots left the ring's
-            # index unknown to ptxas, and the ring in local memory: a 160-320 byte stack frame.)
+            nxt = grp + cuda.gridDim.x
             j = jfirst
             while j < j1:
-                fetch(ring, nreg, tiled, rb0, rbs, nchunks, j + STEP, j1)
-                chunk_dot(ring, int32(0), mainq, dyn_i, xs, XOFF + (j - j0) * CHUNK, ncols, acc, wv)
-                j += STEP
-                fetch(ring, 0, tiled, rb0, rbs, nchunks, j + STEP, j1)
-                if j < j1:
+                # Refill the other slot with the warp's next chunk, then use this one. The next chunk
+                # after a row-group's last is the first of the block's next row-group: a split warp
+                # owns one or two chunks a row-group, so fetching it only after the group's finish
+                # left every warp of the SM waiting a DRAM round trip a row-group.
+                jn, rbn = j + STEP, rb0
+                if jn >= j1:
+                    jn, rbn = (jfirst if nxt < ngroups else j1), nxt * RB
+                # Each branch names its slots as literals: a slot index ptxas cannot resolve puts the
+                # ring in local memory (a 160-320 byte stack frame, measured).
+                if slot == 0:
+                    fetch(ring, nreg, tiled, rbn, rbs, nchunks, jn, j1)
+                    chunk_dot(ring, int32(0), mainq, dyn_i, xs, XOFF + (j - j0) * CHUNK, ncols, acc, wv)
+                else:
+                    fetch(ring, 0, tiled, rbn, rbs, nchunks, jn, j1)
                     chunk_dot(ring, int32(nreg), mainq, dyn_i, xs, XOFF + (j - j0) * CHUNK, ncols, acc, wv)
+                slot = 1 - slot
                 j += STEP
             if split:  # the warps' partials of these rows, summed by warp 0
                 for i in range(nacc):
@@ -787,7 +793,8 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
             finish(acc, pb, bpart, bred, last, y, ws, counters, grp, warp == 0 or not split, rb0, rbs, n_out, tid)
             if split:
                 cuda.syncthreads()  # the partials' space is reused by the next row-group
-            grp += cuda.gridDim.x
+            grp = nxt
+            rb0 = grp * RB
 
     _kernel_cache[key] = kernel
     return kernel
@@ -1264,6 +1271,13 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
     seen, out = set(), []
     rbs = -(-n_out // ROW_BLOCK)
 
+    def _plannable(**kw) -> bool:
+        try:
+            plan_residual(n_out, nchunks, Nm, Nr, B, sms, norm, budget, **kw)
+            return True
+        except ValueError:
+            return False
+
     def add(**kw):
         try:
             p = plan_residual(n_out, nchunks, Nm, Nr, B, sms, norm, budget, **kw)
@@ -1305,10 +1319,22 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
             # leaves SMs idle (1024 x 1024: 16 blocks). Narrower blocks over every chunk fill more.
             for warps, RB in ((2, 1), (1, 1)):
                 add(kind="gather", warps=warps, RB=RB, ksplit=nchunks)
-        # The split kernel's heuristic plan (one kernel more to compile). Probe on the H200 (9f97981,
-        # data/_runs/residual-split-9f97981-h200.json): 4096 x 1024 6.7 us against the old tuner's 9.8,
-        # 1024 x 4096 5.1 against 7.0; 1024 x 1024 7.2 against 6.0. The tuner keeps whichever is faster.
-        add(kind="split")
+        # The split kernel: its heuristic plan, half its warps (two chunks a warp), RB = 2 at both warp
+        # counts, and K-splits of 1 and half the heuristic's where it splits K. Probe on the H100 (session 31,
+        # data/_runs/residual-xgrp-probe-h100.json): no one of these was fastest everywhere; e.g.
+        # 8192 x 14336 (8192 + 512) 56.8 us at RB = 2 and 8 warps against the heuristic's 61.1,
+        # 1024 x 1024 4.8 us at K-split 1 against 6.5. Up to 5 kernels more to compile (~5 s each).
+        s = plan_residual(n_out, nchunks, Nm, Nr, B, sms, norm, budget, kind="split") if _plannable(kind="split") else None
+        if s is not None:
+            add(kind="split")
+            add(kind="split", warps=max(1, s.warps // 2))
+            if s.ksplit > 1:
+                add(kind="split", ksplit=1)
+                add(kind="split", ksplit=s.ksplit // 2)
+        if _plannable(kind="split", RB=2):
+            s2 = plan_residual(n_out, nchunks, Nm, Nr, B, sms, norm, budget, kind="split", RB=2)
+            add(kind="split", RB=2)
+            add(kind="split", RB=2, warps=max(1, s2.warps // 2))
     else:
         for warps in (4, 8):
             for RB in ((1, 2) if B <= 8 else (1,)):
