@@ -103,6 +103,9 @@ def test_tensor_core_table_matches_float64_reference(Nm, Nr, norm, batch, n_out,
         (8192, 256, False, 1, 96, 768, dict(kind="split", warps=2, RB=1, ksplit=2, blocks=2)),
         # one warp streams 3 chunks a row-group over 3 row-groups: its ring slot alternates across groups
         (4096, 256, False, 1, 96, 768, dict(kind="split", warps=1, RB=1, ksplit=1, blocks=1)),
+        # 2 and 1 copies of the residual codebook (the others above: as many as fit, 8)
+        (8192, 512, True, 3, 64, 512, dict(kind="split", warps=2, RB=2, ksplit=1, rc=2)),
+        (4096, 256, False, 2, 40, 256, dict(kind="split", warps=1, RB=1, ksplit=1, rc=1)),
     ],
 )
 def test_split_kernel_matches_float64_reference(Nm, Nr, norm, batch, n_out, n_in, plan):
@@ -110,7 +113,7 @@ def test_split_kernel_matches_float64_reference(Nm, Nr, norm, batch, n_out, n_in
     g = ResidualGemv(t, plan=plan)
     p = g.plan(batch)
     assert (p.kind, p.warps, p.RB, p.ksplit, p.main) == ("split", plan["warps"], plan["RB"], plan["ksplit"], "shared")
-    assert p.blocks == plan.get("blocks", p.blocks)
+    assert p.blocks == plan.get("blocks", p.blocks) and p.rc == plan.get("rc", 8)
     check(g, t, x_for(n_in, batch, seed=batch))
     if p.ksplit > 1:
         assert not g._plans[batch][2][1].any(), "atomic counters not reset"
@@ -140,17 +143,22 @@ def test_the_tuner_times_the_split_kernel_at_small_batches():
 def test_split_plans():
     kw = dict(sms=132, budget=227 * 1024)
     p = plan_residual(1024, 4, 4096, 256, 1, kind="split", **kw)  # 32 row-groups: a K-split of 4 fills the SMs
-    assert (p.RB, p.ksplit, p.cps, p.warps, p.blocks) == (1, 4, 1, 1, 32)
-    assert p.shared_bytes == 16 * (4096 + 256) + 4 * 256 + 4 * 32
+    assert (p.RB, p.ksplit, p.cps, p.warps, p.blocks, p.rc) == (1, 4, 1, 1, 32, 8)
+    assert p.shared_bytes == 16 * (4096 + 8 * 256) + 4 * 256 + 4 * 32
+    # copies of the residual codebook: as many as fit (8192 + 512 beside 16384 columns of x: 4), or as asked
+    assert plan_residual(14336, 64, 8192, 512, 1, kind="split", **kw).rc == 4
+    assert plan_residual(14336, 16, 4096, 256, 1, kind="split", rc=1, **kw).shared_bytes == 16 * (4096 + 256) + 4 * 4096 + 4 * 16 * 32
     p = plan_residual(14336, 16, 4096, 256, 1, kind="split", **kw)  # 448 row-groups walked by 132 blocks
     assert (p.ksplit, p.warps, p.blocks, p.grid(448)) == (1, 16, 132, (132, 1))
     assert p.groups(448) == 448 and plan_residual(14336, 16, 4096, 256, 1, kind="split", RB=2, **kw).groups(448) == 224
     for bad, match in ((dict(main="global"), "shared"), (dict(RB=4), "RB"), (dict(warps=3), "warps"), (dict(blocks=999), "blocks"),
-                       (dict(G=2), "table-kernel")):
+                       (dict(G=2), "table-kernel"), (dict(rc=3), "rc")):
         with pytest.raises(ValueError, match=match):
             plan_residual(14336, 16, 4096, 256, 1, kind="split", **bad, **kw)
-    with pytest.raises(ValueError, match="blocks is a split"):
+    with pytest.raises(ValueError, match="blocks and rc are split"):
         plan_residual(14336, 16, 4096, 256, 1, kind="gather", blocks=4, **kw)
+    with pytest.raises(ValueError, match="blocks and rc are split"):
+        plan_residual(14336, 16, 4096, 256, 1, kind="table", rc=2, **kw)
     with pytest.raises(ValueError, match="raise ksplit"):  # 128 KiB of codebooks and 16384 columns of x at batch 4
         plan_residual(4096, 64, 8192, 512, 4, kind="split", ksplit=1, **kw)
 

@@ -630,7 +630,8 @@ def _chunk_source(b: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: bool, norm: bool, split: bool = False):
+def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: bool, norm: bool, split: bool = False,
+                    rc: int = 1):
     """The "gather" residual-VQ GEMV (v1): every vector's weights rebuilt from two 16-byte codebook reads.
 
     Grid (row-groups, K-slices); a block has ``warps`` warps, warp w owning row-blocks
@@ -649,7 +650,7 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     4 words without a norm); y (B, out) fp16; ws (ksplit, B, rbs*32) fp32; counters (row-groups,)
     int32; n_out; rbs; nchunks; cps.
     """
-    key = ("residual", Nm, Nr, B, warps, RB, main_shared, norm, split)
+    key = ("residual", Nm, Nr, B, warps, RB, main_shared, norm, split, rc)
     if key in _kernel_cache:
         return _kernel_cache[key]
 
@@ -659,8 +660,14 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     nreg = RB * WPC
     nt = warps * 32
     nacc = RB * B
-    res_words, main_words = Nr * 4, Nm * 4
-    # Dynamic shared memory (4-byte units): [main codebook if staged][residual codebook][B x slice of x].
+    if rc not in RES_COPIES:
+        raise ValueError(f"rc (copies of the residual codebook) must be one of {RES_COPIES}, got {rc}")
+    # ``rc`` copies of the residual codebook, interleaved (entry e's copy c at 16 * (e * rc + c) bytes), lane l
+    # reading copy l % rc: at rc = 8 the 8 lanes of a 16-byte load's phase read 8 distinct bank groups whatever
+    # their entries, 4 wavefronts a warp against ~10 for random entries in one copy.
+    RCM, RSH = uint32(rc - 1), uint32(2 + rc.bit_length() - 1)
+    res_words, main_words = Nr * 4 * rc, Nm * 4
+    # Dynamic shared memory (4-byte units): [main codebook if staged][residual codebook(s)][B x slice of x].
     # Everything read 16 bytes at a time lives there: its base is 16-byte aligned, a static array's need not be.
     # With ``split``, the warps' partials follow x: (warps x RB x B) x 32 fp32 at XOFF + B x the slice's columns.
     ROFF = main_words if main_shared else 0
@@ -683,7 +690,7 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
                 f = lo >> uint32(sh)
             f = f & FMASK
             im = (f & MMASK) << TWO
-            ir = (f >> BM) << TWO
+            ir = ((f >> BM) << RSH) + ((uint32(cuda.laneid) & RCM) << TWO)
             if main_shared:
                 m0, m1, m2, m3 = sload4(dyn_i, im)
             else:
@@ -742,8 +749,8 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
 
         # Codebooks -> shared as asynchronous copies: all of a thread's in flight at once, holding no
         # registers (staged through registers, 8 at a time, a 4-warp block waited 4 L2 round trips).
-        for q in range(tid, res_words // 4, nt):
-            copy16_async(dyn_i, ROFF + q * 4, resq_g, q * 4)
+        for q in range(tid, res_words // 4, nt):  # copies of an entry read the same L1 line (cp.async.ca)
+            copy16_async(dyn_i, ROFF + q * 4, resq_g, (q // rc) * 4)
         if main_shared:
             for q in range(tid, main_words // 4, nt):
                 copy16_async(dyn_i, q * 4, mainq, q * 4)
@@ -1053,12 +1060,13 @@ class ResidualPlan:
     G: int = 0  # table: groups a step
     build: str = ""  # table: "fma" (scalar multiply-adds) or "mma" (tensor cores, v3)
     blocks: int = 0  # split: blocks along the rows, each walking row-groups (0: one a row-group)
+    rc: int = 1  # split: copies of the residual codebook in shared memory (see residual_kernel)
 
     def overrides(self) -> dict:
         """The keyword arguments of :func:`plan_residual` that rebuild this plan (for ``ResidualGemv(plan=...)``)."""
         d = dict(kind=self.kind, warps=self.warps, RB=self.RB, ksplit=self.ksplit, main=self.main)
         return d | ({"G": self.G, "build": self.build} if self.kind == "table" else {}) | (
-            {"blocks": self.blocks} if self.kind == "split" else {})
+            {"blocks": self.blocks, "rc": self.rc} if self.kind == "split" else {})
 
     def groups(self, rbs: int) -> int:
         """Row-groups (one K-split counter each): RB row-blocks a group for split blocks, warps x RB otherwise."""
@@ -1079,7 +1087,7 @@ def shared_budget(device) -> int:
 def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool = False, budget: int = OPTIN_SIM,
                   warps: int | None = None, RB: int | None = None, ksplit: int | None = None, main: str | None = None,
                   kind: str | None = None, G: int | None = None, build: str | None = None,
-                  blocks: int | None = None) -> ResidualPlan:
+                  blocks: int | None = None, rc: int | None = None) -> ResidualPlan:
     """Grid shape for one layer. ``kind`` picks the kernel: "table" (:func:`residual_table_kernel`,
     the default up to batch :data:`TABLE_MAX_BATCH`) or "gather" (:func:`residual_kernel`).
 
@@ -1096,18 +1104,16 @@ def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, 
     kind = kind or "gather"  # main="shared" or "global" alone names the gather kernel's placement
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind != "split" and (blocks is not None or rc is not None):
+        raise ValueError("blocks and rc are split-kernel options")
     if kind == "table":
-        if blocks is not None:
-            raise ValueError("blocks is a split-kernel option")
         return plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ksplit, G=G, main=main,
                           build=build)
     if G is not None or build is not None:
         raise ValueError("G (groups a table step) and build are table-kernel options")
     if kind == "split":
-        return plan_split(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ksplit, blocks=blocks,
+        return plan_split(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ksplit, blocks=blocks, rc=rc,
                           main=main)
-    if blocks is not None:
-        raise ValueError("blocks is a split-kernel option")
     warps = warps or 4
     RB = RB or (2 if B <= 4 else 1)
     if warps not in (1, 2, 4, 8) or RB not in (1, 2):
@@ -1135,18 +1141,22 @@ def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, 
     return ResidualPlan(warps, ksplit, cps, RB, main, dyn, static)
 
 
-def split_bytes(Nm: int, Nr: int, B: int, warps: int, RB: int, cps: int) -> int:
-    """Dynamic shared memory of a split block: both codebooks, B rows of its K-slice of x (fp32),
-    and the warps' partials (warps x RB x B x 32 fp32)."""
-    return 16 * (Nm + Nr) + 4 * B * cps * CHUNK + 4 * warps * RB * B * 32
+RES_COPIES = (1, 2, 4, 8)  # copies of the residual codebook a split block may keep (see residual_kernel)
+
+
+def split_bytes(Nm: int, Nr: int, B: int, warps: int, RB: int, cps: int, rc: int = 1) -> int:
+    """Dynamic shared memory of a split block: the main codebook, rc copies of the residual one, B rows
+    of its K-slice of x (fp32), and the warps' partials (warps x RB x B x 32 fp32)."""
+    return 16 * (Nm + rc * Nr) + 4 * B * cps * CHUNK + 4 * warps * RB * B * 32
 
 
 def plan_split(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool = False, budget: int = OPTIN_SIM,
                warps: int | None = None, RB: int | None = None, ksplit: int | None = None, blocks: int | None = None,
-               main: str | None = None) -> ResidualPlan:
+               main: str | None = None, rc: int | None = None) -> ResidualPlan:
     """Split-kernel plan (:func:`residual_kernel` with ``split``). Without overrides: RB = 1, as many
     warps (up to 16, 8 at RB = 2) as the K-slice has chunks, a K-split only where the row-groups cannot give
-    every SM a block, and one block an SM walking the row-groups."""
+    every SM a block, one block an SM walking the row-groups, and as many copies of the residual
+    codebook (up to 8) as fit."""
     if main not in (None, "shared"):
         raise ValueError(f"the split kernel stages both codebooks in shared memory: main must be 'shared', got {main!r}")
     RB = RB or 1
@@ -1172,11 +1182,16 @@ def plan_split(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
     static = _static_bytes(Nr, B, warps, norm)
     if static > STATIC_LIMIT:
         raise ValueError(f"batch {B} with {warps} warps needs {static} bytes of static shared memory (> {STATIC_LIMIT})")
-    dyn = split_bytes(Nm, Nr, B, warps, RB, cps)
+    if rc is not None and rc not in RES_COPIES:
+        raise ValueError(f"rc (copies of the residual codebook) must be one of {RES_COPIES}, got {rc}")
+    if rc is None:
+        fit = [c for c in RES_COPIES if static + split_bytes(Nm, Nr, B, warps, RB, cps, c) <= budget]
+        rc = fit[-1] if fit else 1
+    dyn = split_bytes(Nm, Nr, B, warps, RB, cps, rc)
     if static + dyn > budget:
         raise ValueError(f"plan needs {static + dyn} bytes of shared memory (both codebooks, {cps} chunks of x, batch {B}); "
                          f"the block may use {budget}: raise ksplit")
-    return ResidualPlan(warps, ksplit, cps, RB, "shared", dyn, static, kind="split", blocks=blocks)
+    return ResidualPlan(warps, ksplit, cps, RB, "shared", dyn, static, kind="split", blocks=blocks, rc=rc)
 
 
 TABLE_RB = (1, 2, 4, 8)  # row-blocks a warp in the table kernel (RB = 8 at 16 warps: 128 registers, no spills)
@@ -1285,7 +1300,7 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
             return
         gx, gy = p.grid(rbs)
         blocks = gx * gy
-        k = (p.kind, p.warps, p.RB, p.main, p.ksplit, p.G, p.build, p.blocks)
+        k = (p.kind, p.warps, p.RB, p.main, p.ksplit, p.G, p.build, p.blocks, p.rc)
         if k not in seen and blocks <= 16 * sms:
             seen.add(k)
             out.append(p)
@@ -1409,7 +1424,7 @@ class ResidualGemv:
                                          plan.build == "mma")
         else:
             kern = residual_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.main == "shared", self.norm,
-                                   split=plan.kind == "split")
+                                   split=plan.kind == "split", rc=plan.rc)
         ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
         counters = torch.zeros(plan.groups(self.rbs), dtype=torch.int32, device=self.device)
         # [kernel, plan, torch owners, views, grid, specialized kernel (made at first bind)]
