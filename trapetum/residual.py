@@ -1339,17 +1339,24 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
         # data/_runs/residual-xgrp-probe-h100.json): no one of these was fastest everywhere; e.g.
         # 8192 x 14336 (8192 + 512) 56.8 us at RB = 2 and 8 warps against the heuristic's 61.1,
         # 1024 x 1024 4.8 us at K-split 1 against 6.5. Up to 5 kernels more to compile (~5 s each).
-        s = plan_residual(n_out, nchunks, Nm, Nr, B, sms, norm, budget, kind="split") if _plannable(kind="split") else None
-        if s is not None:
-            add(kind="split")
-            add(kind="split", warps=max(1, s.warps // 2))
+        # Each with as many copies of the residual codebook as fit (rc, up to 8: 4096 x 28672 53 -> 44 us) and,
+        # where an SM's share of the vectors is under 16 per main entry (the gather planner's staging rule),
+        # with 2 as well: there the block's staging is much of its time (2048 x 1024, 4096 + 256: rc = 8 6.6 us,
+        # 2 5.7; data/_runs/residual-rc-probe-h100.json).
+        small = n_out * nchunks * VECS_PER_CHUNK < 16 * Nm * sms
+        splits = []
+        if _plannable(kind="split"):
+            s = plan_residual(n_out, nchunks, Nm, Nr, B, sms, norm, budget, kind="split")
+            splits += [dict(), dict(warps=max(1, s.warps // 2))]
             if s.ksplit > 1:
-                add(kind="split", ksplit=1)
-                add(kind="split", ksplit=s.ksplit // 2)
+                splits += [dict(ksplit=1), dict(ksplit=s.ksplit // 2)]
         if _plannable(kind="split", RB=2):
             s2 = plan_residual(n_out, nchunks, Nm, Nr, B, sms, norm, budget, kind="split", RB=2)
-            add(kind="split", RB=2)
-            add(kind="split", RB=2, warps=max(1, s2.warps // 2))
+            splits += [dict(RB=2), dict(RB=2, warps=max(1, s2.warps // 2))]
+        for kw in splits:
+            add(kind="split", **kw)
+            if small:
+                add(kind="split", rc=2, **kw)
     else:
         for warps in (4, 8):
             for RB in ((1, 2) if B <= 8 else (1,)):
