@@ -45,7 +45,7 @@ import torch
 from .codebook import ROW_BLOCK, CodebookFormatError, read_layer_file
 from .gemv import (INLINE, SIM, _as_kernel_array, async_wait_all, check_activation, check_output, copy16_async, float2_to_half2,
                    hadd2_to_float2, half2_to_float2, kernel_device, load16, load_byte_offset, max_shared_bytes, mma_table_tile,
-                   sload4, sm_count, store16, tuning_enabled, tuning_inputs, with_shared_limit)
+                   sload4, sm_count, tuning_enabled, tuning_inputs, with_shared_limit)
 from .kmeans import check_finite
 
 from numba import cuda, float32, int32, uint32  # noqa: E402  (gemv set numba's environment first)
@@ -749,8 +749,8 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
 
         # Codebooks -> shared as asynchronous copies: all of a thread's in flight at once, holding no
         # registers (staged through registers, 8 at a time, a 4-warp block waited 4 L2 round trips).
-        for q in range(tid, Nr, nt):  # copy 0 of the residual codebook (the others: below)
-            copy16_async(dyn_i, ROFF + q * 4 * rc, resq_g, q * 4)
+        for q in range(tid, res_words // 4, nt):  # copies of an entry read the same L1 line (cp.async.ca)
+            copy16_async(dyn_i, ROFF + q * 4, resq_g, (q // rc) * 4)
         if main_shared:
             for q in range(tid, main_words // 4, nt):
                 copy16_async(dyn_i, q * 4, mainq, q * 4)
@@ -758,14 +758,6 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
         stage_x(x32, sc32, bi32, xs, XOFF, j0 * CHUNK, ncols, pb, tid)
         async_wait_all()
         cuda.syncthreads()
-        if rc > 1:
-            # Copies 1 .. rc - 1 made from copy 0 in shared memory. (As rc cp.async of an entry from global
-            # memory they queued on one another's L1 line: rc = 8 cost 1024 x 1024 0.9 us, session 31.)
-            for e in range(tid, Nr, nt):
-                v0, v1, v2, v3 = sload4(dyn_i, ROFF + e * 4 * rc)
-                for c in range(1, rc):
-                    store16(dyn_i, ROFF + (e * rc + c) * 4, v0, v1, v2, v3)
-            cuda.syncthreads()
 
         acc = cuda.local.array(nacc, float32)
         wv = cuda.local.array(wv_size, float32)
