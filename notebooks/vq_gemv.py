@@ -131,13 +131,21 @@ report.styled(report.fp16_baseline_inversions(df))
 # both codebooks and its slice of x once, by asynchronous copies, and walks row-groups until the layer
 # is done, and the warps' partial sums meet in shared memory. It also adds the main and residual
 # vectors as fp16 pairs, rounded once as a dequantized fp16 weight is. It is still bound by the random
-# 16-byte reads of shared memory, but a block's staging now serves every row it walks.
+# 16-byte reads of shared memory, but a block's staging now serves every row it walks. Two later
+# changes to it: a warp fetches the first chunk of its next row-group while it sums the current one
+# (it had waited a DRAM round trip each row-group, with every other warp of the SM), and the block
+# keeps up to eight interleaved copies of the small residual codebook, lane *l* reading copy *l* mod 8,
+# so that the eight lanes of each phase of a 16-byte read land in eight different bank groups whatever
+# entries they ask for. The main codebook is too large to copy; its reads still collide. The copies
+# cost staging, which small layers feel, so the tuner also times two copies there.
 # The recorded runs, oldest first
 # (each row its own run and fp16 times; from the third on, the tuner picks per shape among the gather
 # kernel, the table with the codebook in registers (1024 rows a table) and the table with the codebook
 # in shared memory (4096 rows); the fourth adds gather blocks of one and two warps where the default
-# grid leaves SMs idle, the fifth the table built on the tensor cores, the newest (one on each GPU) the
-# split kernel; the third and fourth stopped at their time limit before the grid's end):
+# grid leaves SMs idle, the fifth the table built on the tensor cores, the sixth (one on each GPU) the
+# split kernel, the newest (H100) the split kernel's streaming across row-groups, its copies of the
+# residual codebook and more of its plans; the third and fourth stopped at their time limit before the
+# grid's end):
 #
 
 # %%
@@ -151,7 +159,9 @@ report.styled(report.residual_versions(folder))
 # columns. At small layers every table kernel loses to the format's real cost: a table is as large
 # as the rows it serves unless a block owns thousands of them, and the lookups are random 4-byte
 # reads of shared memory, a few passes a warp. Runs that had the split kernel pick it at most small
-# and mid layers, and at nearly every size with 8192 main centroids.
+# and mid layers, and at nearly every size with 8192 main centroids; with its residual-codebook copies
+# (the newest H100 run) it also takes most of the large layers, leaving the tensor-core table a few of
+# the largest with 4096 main centroids.
 # NOTES.md has each version's prediction and why it missed.
 #
 

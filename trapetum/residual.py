@@ -1619,4 +1619,4 @@ def time_residual(n_in: int, n_out: int, Nm: int, Nr: int, batch: int, fp16_ms: 
                        scheme=f"residual VQ {Nm}+{Nr} (v=8)", main_centroids=Nm, residual_centroids=Nr, vector_len=VECTOR_LEN,
                        bits_per_weight=(nbytes - 2 * batch * (n_in + n_out)) * 8 / (n_in * n_out), norm=with_norm,
                        ksplit=p.ksplit, warps=p.warps, rb=p.RB, main_placement=p.main, variant=p.kind, G=p.G,
-                       build=p.build or None)
+                       build=p.build or None, rc=p.rc if p.kind == "split" else None)
