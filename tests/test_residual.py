@@ -197,6 +197,24 @@ def test_the_planner_picks_the_table_kernel_where_its_table_fits():
     assert all(c.warps == 4 for c in candidate_plans(16384, 64, 4096, 256, 1, 132, False, 227 * 1024) if c.kind == "gather")
 
 
+def test_the_tuner_times_split_plans_around_the_heuristic():
+    kw = dict(sms=132, budget=227 * 1024)
+    # A mid layer: the heuristic, half its warps, RB = 2 at two warp counts; as many residual copies as fit, and 2
+    # as well where an SM's share of the vectors is small (14336 x 1024: ~14 K vectors an SM < 16 x 4096).
+    mid = [c for c in candidate_plans(14336, 4, 4096, 256, 1, **kw, norm=False) if c.kind == "split"]
+    assert sorted({(c.warps, c.RB) for c in mid}) == [(2, 1), (2, 2), (4, 1), (4, 2)]
+    assert {c.rc for c in mid} == {8, 2} and all(c.ksplit == 1 for c in mid)
+    big = [c for c in candidate_plans(28672, 16, 4096, 256, 1, **kw, norm=False) if c.kind == "split"]
+    assert {c.rc for c in big} == {8} and sorted({(c.warps, c.RB) for c in big}) == [(4, 2), (8, 1), (8, 2), (16, 1)]
+    # A small layer whose heuristic splits K (32 row-groups): K-split 1 and half the heuristic's compete
+    small = [c for c in candidate_plans(1024, 8, 4096, 256, 1, **kw, norm=False) if c.kind == "split"]
+    assert {c.ksplit for c in small} >= {1, 2, 4}
+    # every candidate rebuilds from its overrides (how the tuner's pick is recorded and replayed)
+    for n_out, nchunks, plans in ((14336, 4, mid), (28672, 16, big), (1024, 8, small)):
+        for c in plans:
+            assert plan_residual(n_out, nchunks, 4096, 256, 1, **kw, **c.overrides()) == c
+
+
 def test_k_split_counters_reset_so_the_launch_replays():
     t = random_residual_tensor(32, 512, 4096, 256, seed=3, with_norm=True)
     g = ResidualGemv(t, plan=dict(warps=1, RB=1, main="global", ksplit=2))
