@@ -649,6 +649,8 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     (Nr*4,) int32 views of the fp16 codebooks; sc32, bi32 int32 views of scale and bias (any
     4 words without a norm); y (B, out) fp16; ws (ksplit, B, rbs*32) fp32; counters (row-groups,)
     int32; n_out; rbs; nchunks; cps.
+
+    ``rc``: copies of the residual codebook in shared memory (see below; the split plans use 2-8).
     """
     key = ("residual", Nm, Nr, B, warps, RB, main_shared, norm, split, rc)
     if key in _kernel_cache:
@@ -749,7 +751,9 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
 
         # Codebooks -> shared as asynchronous copies: all of a thread's in flight at once, holding no
         # registers (staged through registers, 8 at a time, a 4-warp block waited 4 L2 round trips).
-        for q in range(tid, res_words // 4, nt):  # copies of an entry read the same L1 line (cp.async.ca)
+        # The rc copies of an entry read one L1 line (cp.async.ca). Copying them within shared memory after a
+        # barrier instead measured 1.5 % slower over the grid (db8b5a8, reverted; NOTES session 31).
+        for q in range(tid, res_words // 4, nt):
             copy16_async(dyn_i, ROFF + q * 4, resq_g, (q // rc) * 4)
         if main_shared:
             for q in range(tid, main_words // 4, nt):
@@ -1338,7 +1342,8 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
         # counts, and K-splits of 1 and half the heuristic's where it splits K. Probe on the H100 (session 31,
         # data/_runs/residual-xgrp-probe-h100.json): no one of these was fastest everywhere; e.g.
         # 8192 x 14336 (8192 + 512) 56.8 us at RB = 2 and 8 warps against the heuristic's 61.1,
-        # 1024 x 1024 4.8 us at K-split 1 against 6.5. Up to 5 kernels more to compile (~5 s each).
+        # 1024 x 1024 4.8 us at K-split 1 against 6.5. A kernel to compile (~5 s) for each new warp count,
+        # RB and rc.
         # Each with as many copies of the residual codebook as fit (rc, up to 8: 4096 x 28672 53 -> 44 us) and,
         # where an SM's share of the vectors is under 16 per main entry (the gather planner's staging rule),
         # with 2 as well: there the block's staging is much of its time (2048 x 1024, 4096 + 256: rc = 8 6.6 us,
