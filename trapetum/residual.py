@@ -662,8 +662,7 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     nreg = RB * WPC
     nt = warps * 32
     nacc = RB * B
-    if rc not in RES_COPIES:
-        raise ValueError(f"rc (copies of the residual codebook) must be one of {RES_COPIES}, got {rc}")
+    _check_copies(rc)
     # ``rc`` copies of the residual codebook, interleaved (entry e's copy c at 16 * (e * rc + c) bytes), lane l
     # reading copy l % rc: at rc = 8 the 8 lanes of a 16-byte load's phase read 8 distinct bank groups whatever
     # their entries, 4 wavefronts a warp against ~10 for random entries in one copy.
@@ -1148,6 +1147,11 @@ def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, 
 RES_COPIES = (1, 2, 4, 8)  # copies of the residual codebook a split block may keep (see residual_kernel)
 
 
+def _check_copies(rc: int) -> None:
+    if rc not in RES_COPIES:
+        raise ValueError(f"rc (copies of the residual codebook) must be one of {RES_COPIES}, got {rc}")
+
+
 def split_bytes(Nm: int, Nr: int, B: int, warps: int, RB: int, cps: int, rc: int = 1) -> int:
     """Dynamic shared memory of a split block: the main codebook, rc copies of the residual one, B rows
     of its K-slice of x (fp32), and the warps' partials (warps x RB x B x 32 fp32)."""
@@ -1186,9 +1190,9 @@ def plan_split(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
     static = _static_bytes(Nr, B, warps, norm)
     if static > STATIC_LIMIT:
         raise ValueError(f"batch {B} with {warps} warps needs {static} bytes of static shared memory (> {STATIC_LIMIT})")
-    if rc is not None and rc not in RES_COPIES:
-        raise ValueError(f"rc (copies of the residual codebook) must be one of {RES_COPIES}, got {rc}")
-    if rc is None:
+    if rc is not None:
+        _check_copies(rc)
+    else:
         fit = [c for c in RES_COPIES if static + split_bytes(Nm, Nr, B, warps, RB, cps, c) <= budget]
         rc = fit[-1] if fit else 1
     dyn = split_bytes(Nm, Nr, B, warps, RB, cps, rc)
@@ -1290,17 +1294,15 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
     seen, out = set(), []
     rbs = -(-n_out // ROW_BLOCK)
 
-    def _plannable(**kw) -> bool:
+    def plan_or_none(**kw) -> ResidualPlan | None:
         try:
-            plan_residual(n_out, nchunks, Nm, Nr, B, sms, norm, budget, **kw)
-            return True
+            return plan_residual(n_out, nchunks, Nm, Nr, B, sms, norm, budget, **kw)
         except ValueError:
-            return False
+            return None
 
     def add(**kw):
-        try:
-            p = plan_residual(n_out, nchunks, Nm, Nr, B, sms, norm, budget, **kw)
-        except ValueError:
+        p = plan_or_none(**kw)
+        if p is None:
             return
         gx, gy = p.grid(rbs)
         blocks = gx * gy
@@ -1343,25 +1345,22 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
         # data/_runs/residual-xgrp-probe-h100.json): no one of these was fastest everywhere; e.g.
         # 8192 x 14336 (8192 + 512) 56.8 us at RB = 2 and 8 warps against the heuristic's 61.1,
         # 1024 x 1024 4.8 us at K-split 1 against 6.5. A kernel to compile (~5 s) for each new warp count,
-        # RB and rc.
-        # Each with as many copies of the residual codebook as fit (rc, up to 8: 4096 x 28672 53 -> 44 us) and,
-        # where an SM's share of the vectors is under 16 per main entry (the gather planner's staging rule),
-        # with 2 as well: there the block's staging is much of its time (2048 x 1024, 4096 + 256: rc = 8 6.6 us,
-        # 2 5.7; data/_runs/residual-rc-probe-h100.json).
+        # RB and rc. Each plan with as many copies of the residual codebook as fit (rc, up to 8: 4096 x 28672
+        # 53 -> 44 us) and, where an SM's share of the vectors is under 16 per main entry (the gather planner's
+        # staging rule), with 2 as well: there the block's staging is much of its time (2048 x 1024,
+        # 4096 + 256: rc = 8 6.6 us, 2 5.7; data/_runs/residual-rc-probe-h100.json).
         small = n_out * nchunks * VECS_PER_CHUNK < 16 * Nm * sms
-        splits = []
-        if _plannable(kind="split"):
-            s = plan_residual(n_out, nchunks, Nm, Nr, B, sms, norm, budget, kind="split")
-            splits += [dict(), dict(warps=max(1, s.warps // 2))]
-            if s.ksplit > 1:
+        for RB in (1, 2):
+            s = plan_or_none(kind="split", RB=RB)
+            if s is None:
+                continue
+            splits = [dict(), dict(warps=max(1, s.warps // 2))]
+            if RB == 1 and s.ksplit > 1:
                 splits += [dict(ksplit=1), dict(ksplit=s.ksplit // 2)]
-        if _plannable(kind="split", RB=2):
-            s2 = plan_residual(n_out, nchunks, Nm, Nr, B, sms, norm, budget, kind="split", RB=2)
-            splits += [dict(RB=2), dict(RB=2, warps=max(1, s2.warps // 2))]
-        for kw in splits:
-            add(kind="split", **kw)
-            if small:
-                add(kind="split", rc=2, **kw)
+            for kw in splits:
+                add(kind="split", RB=RB, **kw)
+                if small:
+                    add(kind="split", RB=RB, rc=2, **kw)
     else:
         for warps in (4, 8):
             for RB in ((1, 2) if B <= 8 else (1,)):
