@@ -380,3 +380,25 @@ def test_x_wrong_device(small):
         pytest.skip("needs a second device type to put x on")
     with pytest.raises(ValueError, match="x is on"):
         small(torch.zeros(1, 256, dtype=torch.float16, device="cuda"))
+
+
+@pytest.mark.parametrize("B", [1, 2, 4, 8])
+@pytest.mark.parametrize("Nm, Nr", [(4096, 256), (4096, 512), (8192, 256), (8192, 512)])
+def test_plans_fit_a_99_kib_block(B, Nm, Nr):
+    # sm_86 / sm_89 give a block 99 KiB: the heuristics raise the K-split (and take the main codebook through L1)
+    # until a plan fits, and the tuner leaves out the kernels that cannot fit at all, instead of failing.
+    kw = dict(sms=84, budget=99 * 1024, norm=False)
+    for n_out, nchunks in ((1024, 4), (4096, 16), (28672, 64)):
+        plans = candidate_plans(n_out, nchunks, Nm, Nr, B, **kw)
+        assert plans and all(p.static_bytes + p.shared_bytes <= kw["budget"] for p in plans)
+        assert plan_residual(n_out, nchunks, Nm, Nr, B, **kw) in plans or B > 4
+        for p in plans:
+            assert plan_residual(n_out, nchunks, Nm, Nr, B, **kw, **p.overrides()) == p
+    # the gather heuristic's K-split (2) is kept, with the 128 KiB main codebook read through L1 instead of staged
+    g = plan_residual(28672, 64, 8192, 256, 1, kind="gather", **kw)
+    assert (g.main, g.ksplit) == ("global", 2) and g.shared_bytes == 256 * 16 + 32 * 256 * 4
+    assert plan_residual(28672, 64, 8192, 256, 1, kind="gather", sms=84, budget=227 * 1024).main == "shared"
+    with pytest.raises(ValueError, match="raise ksplit"):  # pinned, it is not moved
+        plan_residual(28672, 64, 8192, 256, 4, kind="gather", ksplit=1, **kw)
+    with pytest.raises(ValueError, match="both codebooks"):  # 128 KiB of main codebook cannot fit at any K-split
+        plan_residual(28672, 64, 8192, 256, 1, kind="split", **kw)

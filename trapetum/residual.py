@@ -1087,6 +1087,19 @@ def shared_budget(device) -> int:
     return OPTIN_SIM if SIM else max_shared_bytes(device)
 
 
+def _grow_ksplit(plan, ksplit: int, nchunks: int) -> "ResidualPlan":
+    """``plan(ksplit)`` at the heuristic's K-split, or where that does not fit the block's shared memory,
+    at the next larger one that does (doubling): a small budget (99 KiB a block on sm_86 / sm_89) cannot
+    hold a long K-slice of x beside the codebooks. The error is the largest K-split's."""
+    while True:
+        try:
+            return plan(ksplit)
+        except ValueError:
+            if ksplit >= nchunks:
+                raise
+            ksplit = min(nchunks, 2 * ksplit)
+
+
 def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool = False, budget: int = OPTIN_SIM,
                   warps: int | None = None, RB: int | None = None, ksplit: int | None = None, main: str | None = None,
                   kind: str | None = None, G: int | None = None, build: str | None = None,
@@ -1127,17 +1140,23 @@ def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, 
     if static > STATIC_LIMIT:
         raise ValueError(f"batch {B} with {warps} warps needs {static} bytes of static shared memory (> {STATIC_LIMIT})")
     if ksplit is None:
-        ksplit = max(1, min(nchunks, math.ceil(2 * sms / groups)))
+        return _grow_ksplit(lambda ks: plan_residual(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB,
+                                                     ksplit=ks, main=main, kind="gather"),
+                            max(1, min(nchunks, math.ceil(2 * sms / groups))), nchunks)
     if not 1 <= ksplit:
         raise ValueError(f"ksplit must be positive, got {ksplit}")
     cps = math.ceil(nchunks / min(ksplit, nchunks))
     ksplit = math.ceil(nchunks / cps)
+
+    def dyn_bytes(main):
+        return (Nm * 16 if main == "shared" else 0) + Nr * 16 + B * cps * CHUNK * 4
+
     if main is None:
         vectors_per_block = warps * RB * ROW_BLOCK * cps * VECS_PER_CHUNK
-        main = "shared" if vectors_per_block >= 16 * Nm else "global"
+        main = "shared" if vectors_per_block >= 16 * Nm and static + dyn_bytes("shared") <= budget else "global"
     if main not in MAIN_PLACEMENTS:
         raise ValueError(f"main must be one of {MAIN_PLACEMENTS}, got {main!r}")
-    dyn = (Nm * 16 if main == "shared" else 0) + Nr * 16 + B * cps * CHUNK * 4
+    dyn = dyn_bytes(main)
     if static + dyn > budget:
         raise ValueError(f"plan needs {static + dyn} bytes of shared memory (main {main}, {cps} chunks of x a block, "
                          f"batch {B}); the block may use {budget}: raise ksplit or place main in global memory")
@@ -1173,7 +1192,9 @@ def plan_split(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
     rbs = -(-n_out // ROW_BLOCK)
     groups = -(-rbs // RB)
     if ksplit is None:
-        ksplit = max(1, min(nchunks, sms // groups))
+        return _grow_ksplit(lambda ks: plan_split(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB,
+                                                  ksplit=ks, blocks=blocks, main=main, rc=rc),
+                            max(1, min(nchunks, sms // groups)), nchunks)
     if not 1 <= ksplit:
         raise ValueError(f"ksplit must be positive, got {ksplit}")
     cps = math.ceil(nchunks / min(ksplit, nchunks))
@@ -1315,27 +1336,26 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
         # Measured (H100): the shared-codebook table with 4096 rows a table wins only at the largest
         # layers; the register-codebook table at RB = 2 (no 64 KiB staging a block) and the gather
         # kernel win at smaller ones. So all three compete: three kernels, K-splits of 1-4 waves.
-        h = plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget)
-        for ks in (h.ksplit, 2 * h.ksplit, 4 * h.ksplit):
-            add(kind="table", RB=h.RB, G=h.G, main=h.main, warps=h.warps, ksplit=ks)
+        # Each kernel's heuristic may not fit a small budget (99 KiB a block on sm_86/sm_89: the table
+        # kernel's fp32 table at 8192 main entries, or at batch 2-4): those kernels are left out, not fatal.
+        h = plan_or_none(kind="table")
+        if h is not None:
+            for ks in (h.ksplit, 2 * h.ksplit, 4 * h.ksplit):
+                add(kind="table", RB=h.RB, G=h.G, main=h.main, warps=h.warps, ksplit=ks)
         if Nm <= 8 * 16 * 32:  # 8 entries a thread of 16 warps: the codebook fits in registers
-            try:
-                r = plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget, main="registers", RB=min(2, h.RB))
+            r = plan_or_none(kind="table", main="registers", RB=min(2, h.RB) if h is not None else None)
+            if r is not None:
                 for ks in (r.ksplit, 2 * r.ksplit):
                     add(kind="table", RB=r.RB, G=r.G, main="registers", warps=r.warps, ksplit=ks)
-            except ValueError:
-                pass
-        try:  # v3: the table built on the tensor cores, as many groups a step as fit
-            m = plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget, build="mma")
+        m = plan_or_none(kind="table", build="mma")  # v3: the table built on the tensor cores, as many groups a step as fit
+        if m is not None:
             for ks in (m.ksplit, 2 * m.ksplit):
                 add(kind="table", RB=m.RB, G=m.G, main="shared", warps=m.warps, ksplit=ks, build="mma")
             # (Not timed: two 8-warp blocks an SM with the codebooks read through L1, main="global".
             # Measured at 64be687 it ran 1.6-2.6x slower than this plan at every shape probed.)
-        except ValueError:
-            pass
         add(kind="gather")
-        g = plan_residual(n_out, nchunks, Nm, Nr, B, sms, norm, budget, kind="gather")
-        if -(-rbs // (g.warps * g.RB)) * g.ksplit < sms:
+        g = plan_or_none(kind="gather")
+        if g is not None and -(-rbs // (g.warps * g.RB)) * g.ksplit < sms:
             # Small layers: the heuristic gather grid (4 warps, RB = 2, at most one K-slice a chunk)
             # leaves SMs idle (1024 x 1024: 16 blocks). Narrower blocks over every chunk fill more.
             for warps, RB in ((2, 1), (1, 1)):
