@@ -53,6 +53,7 @@ def test_vq_parts_parse():
 
     assert cli._parts("residual") == ("residual",)
     assert cli._parts(" additive , residual ") == ("additive", "residual")
+    assert cli._parts("floors") == ("floors",) and "floors" in cli.VQ_PARTS
 
 
 @pytest.fixture
@@ -78,12 +79,14 @@ def fake_gpu_run(monkeypatch):
         calls["copy"] += 1
         return {"copy_gbps": 3000.0}
 
-    def suite(grid, skip_residual=frozenset(), **k):
+    def suite(grid, skip_residual=frozenset(), floors=None, skip_floor=frozenset(), **k):
         calls["skip"] = set(skip_residual)
+        calls["grid"], calls["floors"], calls["skip_floor"], calls["additive_shapes"] = grid, floors, set(skip_floor), k["additive_shapes"]
         todo = [(i, o, m, r) for m in grid["mains"] for r in grid["residuals"] for o in grid["out_features"]
                 for i in grid["in_features"] if (i, o, m, r) not in skip_residual]
         recs = [{"grid": "residual", "kernel": "residual", "in_features": i, "out_features": o, "main_centroids": m,
                  "residual_centroids": r, "time_ms": 1.0} for i, o, m, r in todo]
+        recs += [{"grid": "floor", "kernel": bench.STREAM_FLOOR, "time_ms": 0.5, **j} for j in bench.floor_jobs(**floors)] if floors else []
         for rec in recs:
             k["on_record"](rec)
         return recs, {"failures": []}
@@ -125,6 +128,19 @@ def test_vq_resume_keeps_the_first_process_and_measures_the_rest(fake_gpu_run, t
     prov = d["provenance"]
     assert prov["date"] == "2026-11-22T00:00:00+00:00" and prov["command"] == "first"
     assert "two processes" in prov["resumed"] and "kept 8 records" in prov["resumed"] and "partial" not in prov
+
+
+def test_vq_floors_alone_cover_both_parts_configurations(fake_gpu_run, tmp_path):
+    from trapetum import bench, cli
+
+    calls, _ = fake_gpu_run
+    assert cli.main(["vq", "--parts", "floors", "--no-cuda-cpp", "--quiet", "--out", str(tmp_path)]) == 0
+    assert calls["floors"] == dict(grid=bench.RESIDUAL_GRID, additive_shapes=bench.ADDITIVE_SHAPES)
+    assert calls["grid"]["in_features"] == () and calls["additive_shapes"] == ()  # neither part timed
+    assert cli.main(["vq", "--parts", "residual", "--no-cuda-cpp", "--quiet", "--out", str(tmp_path)]) == 0
+    assert calls["floors"] is None
+    assert cli.main(["vq", "--parts", "residual,floors", "--quick", "--no-cuda-cpp", "--quiet", "--out", str(tmp_path)]) == 0
+    assert calls["floors"]["grid"] == calls["grid"] and calls["floors"]["additive_shapes"] == bench.ADDITIVE_SHAPES[:3]
 
 
 def test_vq_resume_refuses_a_file_that_is_not_a_partial_run(fake_gpu_run, tmp_path):

@@ -475,12 +475,46 @@ def residual_key(rec: dict) -> tuple:
     return rec["in_features"], rec["out_features"], rec["main_centroids"], rec["residual_centroids"]
 
 
+def floor_key(rec: dict) -> tuple:
+    """A streaming-floor record's configuration: (what, in, out, M or main centroids, residual centroids)."""
+    return (rec["floor_of"], rec["in_features"], rec["out_features"], rec.get("M") or rec.get("main_centroids"),
+            rec.get("residual_centroids"))
+
+
+def floor_jobs(grid: dict = RESIDUAL_GRID, additive_shapes=ADDITIVE_SHAPES, Ms=(2, 4)) -> list[dict]:
+    """The configurations whose streaming floor the vq suite measures, each with the bytes its kernel must
+    read from DRAM: the codes (additive) or the index words (residual). The codebooks and scales are a few
+    hundred KiB at most, read from L2 by every block, and left out."""
+    from .additive import SCHEMES as ADDITIVE_SCHEMES
+    from .residual import index_bits
+
+    jobs = [dict(floor_of="additive", in_features=n_in, out_features=n_out, M=M, nbytes=n_out * n_in * M // 8,
+                 scheme=ADDITIVE_SCHEMES[M])
+            for n_in, n_out in additive_shapes for M in Ms]
+    for m in grid["mains"]:
+        for r in grid["residuals"]:
+            bm, br = index_bits(m, r)
+            for n_out in grid["out_features"]:
+                for n_in in grid["in_features"]:
+                    jobs.append(dict(floor_of="residual", in_features=n_in, out_features=n_out, main_centroids=m,
+                                     residual_centroids=r, nbytes=n_out * n_in * (bm + br) // 64,
+                                     scheme=f"residual VQ {m}+{r} (v=8)"))
+    for j in jobs:
+        j["nbytes"] = -(-j["nbytes"] // 16) * 16  # the floor reads whole 16-byte pieces
+        j["code_bits_per_weight"] = 8 * j["nbytes"] / (j["in_features"] * j["out_features"])
+    return jobs
+
+
 def vq_suite(grid: dict = RESIDUAL_GRID, additive_shapes=ADDITIVE_SHAPES, Ms=(2, 4), aqlm: bool = True, progress: bool = True,
-             on_record=None, skip_residual=frozenset()) -> tuple[list[dict], dict]:
+             on_record=None, skip_residual=frozenset(), floors: dict | None = None, skip_floor=frozenset()) -> tuple[list[dict], dict]:
     """The additive table, then the residual grid, fp16 timed beside every shape; returns (records,
     extra provenance). A configuration that fails is recorded in ``extra["failures"]`` and the
     suite goes on; ``on_record(rec)`` sees every record as it is made (for partial saves).
-    ``skip_residual``: :func:`residual_key` s already measured (a resumed run)."""
+    ``skip_residual``: :func:`residual_key` s already measured (a resumed run).
+    ``floors``: keyword arguments of :func:`floor_jobs` (the configurations, whatever the parts timed):
+    for each, a kernel that only reads its code bytes (:func:`time_stream`), fp16 beside it, as
+    records of grid "floor": fp16 over that time is the speedup no kernel of those bytes can pass.
+    ``skip_floor``: :func:`floor_key` s already measured."""
     import traceback
 
     from tqdm.auto import tqdm
@@ -495,8 +529,8 @@ def vq_suite(grid: dict = RESIDUAL_GRID, additive_shapes=ADDITIVE_SHAPES, Ms=(2,
             on_record(r)
         if progress and r["kernel"] != "torch fp16":
             tqdm.write(f"{r['grid']:9s} {r['kernel']:18s} {r['in_features']:>5d}x{r['out_features']:<5d} {r.get('scheme', ''):26s} "
-                       f"{r['time_ms'] * 1e3:8.2f} us  fp16 {r['fp16_ms'] * 1e3:8.2f} us  {r['speedup']:.2f}x  {r['gbps']:.0f} GB/s  "
-                       f"err {r['max_rel_err']:.1e}")  # not print: a print lands on the progress bar's line in a log
+                       f"{r['time_ms'] * 1e3:8.2f} us  fp16 {r['fp16_ms'] * 1e3:8.2f} us  {r['speedup']:.2f}x  {r['gbps']:.0f} GB/s"
+                       + (f"  err {r['max_rel_err']:.1e}" if r["max_rel_err"] is not None else ""))  # not print: a print lands on the progress bar's line in a log
 
     def base(n_in, n_out):
         if (n_in, n_out) not in fp16:
@@ -528,4 +562,13 @@ def vq_suite(grid: dict = RESIDUAL_GRID, additive_shapes=ADDITIVE_SHAPES, Ms=(2,
     for n_in, n_out, m, r in tqdm(jobs, desc="residual grid", disable=not progress):
         f = base(n_in, n_out)
         attempt(f"residual {m}+{r} {n_in}x{n_out}", lambda: residual.time_residual(n_in, n_out, m, r, 1, f), "residual")
+    todo = [j for j in floor_jobs(**floors) if floor_key(j) not in skip_floor] if floors is not None else []
+    if todo:
+        extra["empty_launch_ms"] = time_empty()
+    for j in tqdm(todo, desc="streaming floors", disable=not progress):
+        n_in, n_out = j["in_features"], j["out_features"]
+        f = base(n_in, n_out)
+        keys = {k: v for k, v in j.items() if k not in ("in_features", "out_features", "nbytes")} | {"code_bytes": j["nbytes"]}
+        attempt(f"floor {j['scheme']} {n_in}x{n_out}",
+                lambda: gemv_record(STREAM_FLOOR, None, 1, n_in, n_out, time_stream(j["nbytes"]), f, j["nbytes"], None, **keys), "floor")
     return recs, extra

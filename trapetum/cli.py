@@ -88,7 +88,7 @@ def _provenance(args, resumed: dict | None, extra: dict, t0: float) -> dict:
     return {**p0, **extra, "resumed": note, "seconds_second_process": round(time.time() - t0, 1)}
 
 
-VQ_PARTS = ("additive", "residual")
+VQ_PARTS = ("additive", "residual", "floors")
 
 
 def _parts(text: str) -> tuple[str, ...]:
@@ -163,14 +163,19 @@ def _vq(args) -> int:
             print(f"CUDA C++ counterpart failed: {e}", file=sys.stderr)
             extra["cuda_cpp_error"] = str(e)[-2000:]
     grid = dict(bench.RESIDUAL_GRID)
+    quick_grid = dict(grid, in_features=(1024, 4096), out_features=(1024, 14336), mains=(4096,), residuals=(256,))
     if args.quick:  # a corner of the grid, for a first look on a new GPU
-        grid.update(in_features=(1024, 4096), out_features=(1024, 14336), mains=(4096,), residuals=(256,))
+        grid = dict(quick_grid)
     if "residual" not in args.parts:
         grid.update(in_features=())
-    shapes = (bench.ADDITIVE_SHAPES[:3] if args.quick else bench.ADDITIVE_SHAPES) if "additive" in args.parts else ()
+    all_shapes = bench.ADDITIVE_SHAPES[:3] if args.quick else bench.ADDITIVE_SHAPES
+    shapes = all_shapes if "additive" in args.parts else ()
+    # The floors of every configuration of both parts, whichever parts are timed: a floors-only run is short.
+    floors = dict(grid=quick_grid if args.quick else bench.RESIDUAL_GRID, additive_shapes=all_shapes) if "floors" in args.parts else None
     suite, suite_extra = bench.vq_suite(grid=grid, additive_shapes=() if additive_done else shapes,
                                         aqlm=args.aqlm and "additive" in args.parts and not additive_done, progress=not args.quiet,
-                                        on_record=keep, skip_residual={bench.residual_key(r) for r in done if r.get("grid") == "residual"})
+                                        on_record=keep, skip_residual={bench.residual_key(r) for r in done if r.get("grid") == "residual"},
+                                        floors=floors, skip_floor={bench.floor_key(r) for r in done if r.get("grid") == "floor"})
     recs += suite
     extra.update(suite_extra)
     for r in recs:
@@ -211,7 +216,8 @@ def main(argv=None) -> int:
                    help="skip the `aqlm` package's kernel (by default timed where it builds)")
     v.add_argument("--quick", action="store_true", help="a corner of the grid only")
     v.add_argument("--parts", type=_parts, default=VQ_PARTS,
-                   help="comma-separated parts to measure: additive (table, CUDA C++, aqlm) and/or residual (the grid); "
+                   help="comma-separated parts to measure: additive (table, CUDA C++, aqlm), residual (the grid), "
+                        "floors (a kernel that only reads each configuration's code bytes, fp16 beside it: a minute or two); "
                         "the book shows each part's newest run")
     v.add_argument("--resume", type=Path, default=None, metavar="PARTIAL",
                    help="continue a run that stopped part way, from its <out>/<gpu>/vq_gemv.partial.jsonl "

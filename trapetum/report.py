@@ -1366,6 +1366,91 @@ def fig_additive(df: pd.DataFrame) -> Figure:
     return fig
 
 
+VQ_TARGETS = {"faster than fp16": 114, "geometric mean": 3.0, "min at in x out >= 4096 x 28672": 4.0, "2-bit additive at >= 4096 x 14336": 5.0}
+
+
+def vq_floors(df: pd.DataFrame) -> pd.DataFrame:
+    """Each vector-codebook configuration with a recorded streaming floor: the floor (a kernel that only reads
+    the configuration's code bytes, ``trapetum vq --parts floors``), fp16 of the floor's own run, and our
+    numba kernel of the newest run that timed it. "fp16 / floor" is the speedup no kernel that reads those
+    bytes from DRAM can pass; "ours / floor" how far ours is from it. Empty where no run recorded floors."""
+    fl = df[(df["grid"] == FLOOR_GRID) & df["time_ms"].notna()].copy()
+    if fl.empty:
+        return pd.DataFrame()
+    res = _residual(df)
+    add = df[(df["grid"] == "additive") & (df["kernel"] == "additive") & df["time_ms"].notna()]
+    rows = []
+    for r in fl.to_dict("records"):
+        if r["floor_of"] == "residual":
+            m = res[(res["gpu"] == r["gpu"]) & (res["in_features"] == r["in_features"]) & (res["out_features"] == r["out_features"])
+                    & (res["main_centroids"] == r["main_centroids"]) & (res["residual_centroids"] == r["residual_centroids"])]
+        else:
+            m = add[(add["gpu"] == r["gpu"]) & (add["in_features"] == r["in_features"]) & (add["out_features"] == r["out_features"])
+                    & (add["scheme"] == r["scheme"])]
+        ours = m.iloc[0] if len(m) else None
+        rows.append({"GPU": gpu_label(r["gpu"]), "part": r["floor_of"], "scheme": r["scheme"],
+                     "in_features": int(r["in_features"]), "out_features": int(r["out_features"]),
+                     "code MB": r["code_bytes"] / 1e6,
+                     "floor (us)": r["time_ms"] * 1e3, "fp16 / floor": r["speedup"],
+                     "ours (us)": ours["time_ms"] * 1e3 if ours is not None else np.nan,
+                     "ours: speedup": ours["speedup"] if ours is not None else np.nan,
+                     "ours / floor": ours["time_ms"] / r["time_ms"] if ours is not None else np.nan,
+                     "floor run": r["git_commit"], "ours run": ours["git_commit"] if ours is not None else None})
+    return pd.DataFrame(rows)
+
+
+def vq_floor_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Issue 3's four speed targets beside what a kernel that only reads the code bytes would reach (the
+    ceiling) and what ours reaches, per GPU. Empty where no run recorded floors."""
+    f = vq_floors(df)
+    if f.empty:
+        return f
+    rows = []
+    for gpu, g in f.groupby("GPU"):
+        r = g[g["part"] == "residual"]
+        big = r[r["in_features"] * r["out_features"] >= LARGE_RESIDUAL]
+        a = g[(g["part"] == "additive") & (g["scheme"] == "2-bit additive (M=2)") & (g["in_features"] * g["out_features"] >= 4096 * 14336)]
+        for what, target, ceiling, ours in (
+                ("residual grid: configs faster than fp16", VQ_TARGETS["faster than fp16"], (r["fp16 / floor"] > 1).sum(),
+                 (r["ours: speedup"] > 1).sum()),
+                ("residual grid: geometric-mean speedup", VQ_TARGETS["geometric mean"], _geomean(r["fp16 / floor"]),
+                 _geomean(r["ours: speedup"].dropna())),
+                ("residual grid: min speedup at in x out >= 4096 x 28672", VQ_TARGETS["min at in x out >= 4096 x 28672"],
+                 big["fp16 / floor"].min(), big["ours: speedup"].min()),
+                ("2-bit additive: min speedup at in x out >= 4096 x 14336", VQ_TARGETS["2-bit additive at >= 4096 x 14336"],
+                 a["fp16 / floor"].min(), a["ours: speedup"].min())):
+            rows.append({"GPU": gpu, "measure": what, "target (issue 3)": target, "configs": len(r) if "residual" in what else len(a),
+                         "ceiling: a kernel that only reads the codes": ceiling, "ours": ours})
+    return pd.DataFrame(rows)
+
+
+def fig_vq_floor(df: pd.DataFrame) -> Figure:
+    """Ours against the ceiling, one point a configuration: x the speedup of a kernel that only reads the code
+    bytes, y our kernel's; the diagonal is the ceiling itself. One panel a GPU with recorded floors."""
+    f = vq_floors(df)
+    f = f.dropna(subset=["ours: speedup"]) if not f.empty else f
+    gpus = sorted(f["GPU"].unique()) if not f.empty else []
+    if not gpus:
+        raise ValueError("no recorded run has both vector-codebook floors and timings (`trapetum vq --parts floors`)")
+    with _style():
+        fig = Figure(figsize=(max(6.0, 5.2 * len(gpus)), 4.6), layout="constrained")
+        axes = np.atleast_1d(fig.subplots(1, len(gpus), sharey=True, squeeze=False)[0])
+        hi = float(max(f["fp16 / floor"].max(), f["ours: speedup"].max())) * 1.08
+        for ax, gpu in zip(axes, gpus):
+            g = f[f["GPU"] == gpu]
+            for i, (scheme, s) in enumerate(sorted(g.groupby("scheme"), key=lambda t: t[0])):
+                ax.scatter(s["fp16 / floor"], s["ours: speedup"], s=18, color=f"C{i}", marker=_MARKERS[i % len(_MARKERS)], label=scheme)
+            ax.plot([0, hi], [0, hi], color="0.4", lw=1, ls="--", label="the ceiling (ours = a kernel that only reads)")
+            ax.axhline(1, color="0.3", ls=":", lw=1)
+            ax.set_xlim(0, hi)
+            ax.set_ylim(0, hi)
+            ax.set_title(gpu)
+            ax.set_xlabel("fp16 / streaming floor of the code bytes")
+        axes[0].set_ylabel("ours: speedup over torch fp16")
+        _shared_legend(fig, axes, ncols=3)
+    return fig
+
+
 def fig_decode_pareto(df: pd.DataFrame) -> Figure:
     """Bits per weight against graphed tok/s (left) and peak VRAM (right): one line per GPU and model."""
     d = best_graphed(df).copy()
