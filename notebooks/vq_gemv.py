@@ -143,8 +143,8 @@ report.styled(report.fp16_baseline_inversions(df))
 # kernel, the table with the codebook in registers (1024 rows a table) and the table with the codebook
 # in shared memory (4096 rows); the fourth adds gather blocks of one and two warps where the default
 # grid leaves SMs idle, the fifth the table built on the tensor cores, the sixth (one on each GPU) the
-# split kernel, the newest (H100) the split kernel's streaming across row-groups, its copies of the
-# residual codebook and more of its plans; the third and fourth stopped at their time limit before the
+# split kernel, the newest (one on each GPU) the split kernel's streaming across row-groups, its copies of
+# the residual codebook and more of its plans; the third and fourth stopped at their time limit before the
 # grid's end):
 #
 
@@ -160,7 +160,7 @@ report.styled(report.residual_versions(folder))
 # as the rows it serves unless a block owns thousands of them, and the lookups are random 4-byte
 # reads of shared memory, a few passes a warp. Runs that had the split kernel pick it at most small
 # and mid layers, and at nearly every size with 8192 main centroids; with its residual-codebook copies
-# (the newest H100 run) it also takes most of the large layers, leaving the tensor-core table a few of
+# (the newest runs) it also takes most of the large layers, leaving the tensor-core table a few of
 # the largest with 4096 main centroids.
 # NOTES.md has each version's prediction and why it missed.
 #
@@ -232,3 +232,39 @@ report.styled(report.additive_side_by_side(df))
 
 # %%
 report.styled(report.additive_queue_trial(folder))
+
+# %% [markdown]
+# ## How far from the bytes
+#
+# How fast could any kernel of these formats be? A GEMV at batch 1 must read its code bytes from DRAM
+# at least once, and a graph-replayed launch has a fixed cost however little it reads. So each run with
+# `--parts floors` also times, for every configuration above, a kernel that does nothing but read that
+# configuration's code bytes (the additive codes; the residual index words; 16-byte loads, several in
+# flight a thread, the copies rotated past the L2), with torch fp16 on the same shape in the same process.
+# fp16 over that time is a ceiling: the speedup of a kernel that reads the codes and does no work.
+# The codebooks (a few hundred KiB at most, read from the L2) are left out, so the ceiling is if
+# anything a little high. Beside each of the chapter's speed targets: the ceiling's value on the same
+# configurations, and ours. Our timings come from the newest run of each part, the floors from the
+# newest run that measured them, each with its own fp16.
+
+# %%
+report.styled(report.vq_floor_summary(df))
+
+# %% [markdown]
+# One point a configuration: how close ours comes to the ceiling. On the dashed line a kernel would be
+# as fast as reading its codes; below the dotted line it is slower than fp16. The ceiling rises with
+# the layer's size, as the fixed cost of a launch matters less, and ours rises more slowly: read the
+# *ours / floor* column of the table below. At every size our kernels take several times their floor's
+# time. The residual kernel is furthest from it at the mid and large layers, where its random 16-byte
+# reads of shared memory, not DRAM, set the pace; the additive kernel comes closest at its largest
+# shapes, where each table it builds serves the most rows. So the targets that are missed are missed by
+# the kernels, not by the formats: each is below its ceiling.
+
+# %% mystnb={"figure": {"caption": "Ours against the ceiling: speedup over torch fp16 of our kernel (y) and of a kernel that only reads the same code bytes (x), one point a configuration of the residual grid and the additive table. Random weights; measured here.", "name": "fig-vq-floor"}}
+report.fig_vq_floor(df)
+
+# %% [markdown]
+# Every configuration, with the code bytes a kernel must read, the floor's time, and ours over it:
+
+# %%
+report.styled(report.vq_floors(df))
