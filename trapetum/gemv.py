@@ -188,17 +188,6 @@ if SIM:
         pass
 
     @cuda.jit(device=True)
-    def bulk_copy_start(mbar, dst, di, src, si, nwords, tid):
-        # The simulator copies at once, by warp 0 as on the GPU; the barrier is not used.
-        if tid < 32:
-            for k in range(tid, nwords, 32):
-                dst[di + k] = src[si + k]
-
-    @cuda.jit(device=True)
-    def bulk_copy_wait(mbar):
-        pass
-
-    @cuda.jit(device=True)
     def prmt(a, b, sel):
         x = (int(a) & 0xFFFFFFFF) | ((int(b) & 0xFFFFFFFF) << 32)
         r = 0
@@ -472,90 +461,6 @@ else:
             return context.get_dummy_value()
 
         return sig, codegen
-
-    def _shared_u32(builder, ptr):
-        i8 = ir.IntType(8)
-        return builder.ptrtoint(builder.addrspacecast(builder.bitcast(ptr, i8.as_pointer()), i8.as_pointer(3)), ir.IntType(32))
-
-    def _asm(builder, text, constraints, args, ret=None):
-        fnty = ir.FunctionType(ret or ir.VoidType(), [a.type for a in args])
-        return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True), args)
-
-    @intrinsic
-    def _mbar_init_expect(typingctx, mbar, nbytes):
-        """Initialise the mbarrier ``mbar[0]`` (a shared int64) for one arrival and arrive on it expecting
-        ``nbytes`` of bulk copies (one thread; sm_90+)."""
-        sig = types.none(mbar, nbytes)
-
-        def codegen(context, builder, sig, args):
-            ary = context.make_array(sig.args[0])(context, builder, value=args[0])
-            a = _shared_u32(builder, ary.data)
-            i32 = ir.IntType(32)
-            n = args[1]
-            n = builder.trunc(n, i32) if n.type.width > 32 else builder.zext(n, i32) if n.type.width < 32 else n
-            _asm(builder, "mbarrier.init.shared::cta.b64 [$0], 1;\n\tfence.mbarrier_init.release.cluster;\n\t"
-                          "{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [$0], $1; }", "r,r,~{memory}", [a, n])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @intrinsic
-    def _bulk_copy(typingctx, mbar, dst, di, src, si, nbytes):
-        """dst[di:] (shared) = src[si:] (global), ``nbytes`` (a multiple of 16, both 16-byte aligned) by the
-        tensor memory accelerator (``cp.async.bulk``), completing on the mbarrier ``mbar[0]`` (sm_90+)."""
-        sig = types.none(mbar, dst, di, src, si, nbytes)
-
-        def codegen(context, builder, sig, args):
-            mty, dty, _, sty, _, _ = sig.args
-            m = _shared_u32(builder, context.make_array(mty)(context, builder, value=args[0]).data)
-            dp = cgutils.get_item_pointer(context, builder, dty, context.make_array(dty)(context, builder, value=args[1]),
-                                          [args[2]], wraparound=False)
-            sp = cgutils.get_item_pointer(context, builder, sty, context.make_array(sty)(context, builder, value=args[3]),
-                                          [args[4]], wraparound=False)
-            i32, i64 = ir.IntType(32), ir.IntType(64)
-            n = args[5]
-            n = builder.trunc(n, i32) if n.type.width > 32 else builder.zext(n, i32) if n.type.width < 32 else n
-            _asm(builder, "{ .reg .u64 g; cvta.to.global.u64 g, $1; "
-                          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [g], $2, [$3]; }",
-                 "r,l,r,r,~{memory}", [_shared_u32(builder, dp), builder.ptrtoint(sp, i64), n, m])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @intrinsic
-    def _mbar_ready(typingctx, mbar):
-        """Whether the mbarrier ``mbar[0]`` has completed phase 0 (``mbarrier.try_wait.parity``)."""
-        sig = types.uint32(mbar)
-
-        def codegen(context, builder, sig, args):
-            m = _shared_u32(builder, context.make_array(sig.args[0])(context, builder, value=args[0]).data)
-            return _asm(builder, "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], 0; selp.u32 $0, 1, 0, p; }",
-                        "=r,r,~{memory}", [m], ir.IntType(32))
-
-        return sig, codegen
-
-    BULK_PIECE = 4096  # bytes a lane's bulk copy moves: warp 0's lanes issue the pieces side by side
-
-    @cuda.jit(device=True, forceinline=True)
-    def bulk_copy_start(mbar, dst, di, src, si, nwords, tid):
-        """Start copying ``nwords`` 4-byte words src[si:] (global) -> dst[di:] (shared) by bulk copies from
-        warp 0 (sm_90+; 16-byte aligned, nwords a multiple of 4): the copy engine writes shared memory
-        without the load-store unit. Call from every thread; then a barrier, then :func:`bulk_copy_wait`."""
-        if tid == 0:
-            _mbar_init_expect(mbar, nwords * 4)
-        cuda.syncwarp()
-        if tid < 32:
-            per = BULK_PIECE // 4
-            k = tid * per
-            while k < nwords:
-                _bulk_copy(mbar, dst, di + k, src, si + k, min(per, nwords - k) * 4)
-                k += 32 * per
-
-    @cuda.jit(device=True, forceinline=True)
-    def bulk_copy_wait(mbar):
-        """Wait until every byte of :func:`bulk_copy_start` has landed (after a barrier that follows the start)."""
-        while _mbar_ready(mbar) == 0:
-            pass
 
     @intrinsic
     def async_wait_all(typingctx):
@@ -2158,14 +2063,6 @@ def tuning_inputs(tiled: torch.Tensor, weight_bytes: int, n_in: int, n_out: int,
     x = torch.randn(B, n_in, device=device, dtype=torch.float16)
     y = torch.empty(B, n_out, device=device, dtype=torch.float16)
     return (copies, x, y), [_as_kernel_array(c) for c in copies], _as_kernel_array(x.view(torch.int32)), _as_kernel_array(y)
-
-
-def bulk_copies_work(device) -> bool:
-    """Whether kernels may stage with :func:`bulk_copy_start` on ``device``: compute capability 9.0+
-    (``cp.async.bulk``), or the simulator (whose version is a plain copy, so tests run the same code)."""
-    if SIM:
-        return True
-    return torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def sm_count(device) -> int:

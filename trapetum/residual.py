@@ -43,13 +43,12 @@ import warnings
 import torch
 
 from .codebook import ROW_BLOCK, CodebookFormatError, read_layer_file
-from .gemv import (INLINE, SIM, _as_kernel_array, async_wait_all, bulk_copies_work, bulk_copy_start, bulk_copy_wait, check_activation,
-                   check_output, copy16_async, float2_to_half2,
+from .gemv import (INLINE, SIM, _as_kernel_array, async_wait_all, check_activation, check_output, copy16_async, float2_to_half2,
                    hadd2_to_float2, half2_to_float2, kernel_device, load16, load_byte_offset, max_shared_bytes, mma_table_tile,
                    sload4, sm_count, tuning_enabled, tuning_inputs, with_shared_limit)
 from .kmeans import check_finite
 
-from numba import cuda, float32, int32, int64, uint32  # noqa: E402  (gemv set numba's environment first)
+from numba import cuda, float32, int32, uint32  # noqa: E402  (gemv set numba's environment first)
 
 FORMAT_VERSION = 1
 KIND = "residual-vector-codebook"
@@ -632,7 +631,7 @@ def _chunk_source(b: int) -> str:
 
 
 def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: bool, norm: bool, split: bool = False,
-                    rc: int = 1, bulk: bool = False):
+                    rc: int = 1):
     """The "gather" residual-VQ GEMV (v1): every vector's weights rebuilt from two 16-byte codebook reads.
 
     Grid (row-groups, K-slices); a block has ``warps`` warps, warp w owning row-blocks
@@ -652,13 +651,8 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     int32; n_out; rbs; nchunks; cps.
 
     ``rc``: copies of the residual codebook in shared memory (see below; the split plans use 2-8).
-
-    ``bulk`` (sm_90+; :func:`trapetum.gemv.bulk_copies_work`): the staged main codebook comes in by the
-    tensor memory accelerator's bulk copies (a few 4 KiB pieces from warp 0's lanes, completing on an
-    mbarrier) instead of one 16-byte ``cp.async`` a thread at a time through the load-store unit.
     """
-    bulk = bulk and main_shared
-    key = ("residual", Nm, Nr, B, warps, RB, main_shared, norm, split, rc, bulk)
+    key = ("residual", Nm, Nr, B, warps, RB, main_shared, norm, split, rc)
     if key in _kernel_cache:
         return _kernel_cache[key]
 
@@ -737,7 +731,6 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
         bpart = cuda.shared.array(bpart_size, float32)
         bred = cuda.shared.array(bred_size, float32)
         last = cuda.shared.array(1, int32)
-        mbar = cuda.shared.array(1, int64)  # the bulk copies' barrier
         dyn_i = cuda.shared.array(0, int32)  # [main codebook if staged][residual codebook][B x slice of x, fp32]
         xs = cuda.shared.array(0, float32)  # the same memory (dynamic shared arrays alias)
         tid = cuda.threadIdx.x
@@ -761,17 +754,13 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
         # barrier instead measured 1.5 % slower over the grid (db8b5a8, reverted; NOTES session 31).
         for q in range(tid, res_words // 4, nt):
             copy16_async(dyn_i, ROFF + q * 4, resq_g, (q // rc) * 4)
-        if bulk:
-            bulk_copy_start(mbar, dyn_i, 0, mainq, 0, main_words, tid)
-        elif main_shared:
+        if main_shared:
             for q in range(tid, main_words // 4, nt):
                 copy16_async(dyn_i, q * 4, mainq, q * 4)
         pb = cuda.local.array(B, float32)
         stage_x(x32, sc32, bi32, xs, XOFF, j0 * CHUNK, ncols, pb, tid)
         async_wait_all()
         cuda.syncthreads()
-        if bulk:
-            bulk_copy_wait(mbar)
 
         acc = cuda.local.array(nacc, float32)
         wv = cuda.local.array(wv_size, float32)
@@ -1091,7 +1080,7 @@ class ResidualPlan:
 
 
 def _static_bytes(Nr: int, B: int, warps: int, norm: bool) -> int:
-    return 24 + ((B * warps * 32 + B * 32) * 4 if norm else 0)  # last (4), the bulk copies' mbarrier (8), alignment
+    return 16 + ((B * warps * 32 + B * 32) * 4 if norm else 0)
 
 
 def shared_budget(device) -> int:
@@ -1466,7 +1455,7 @@ class ResidualGemv:
                                          plan.build == "mma")
         else:
             kern = residual_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.main == "shared", self.norm,
-                                   split=plan.kind == "split", rc=plan.rc, bulk=bulk_copies_work(self.device))
+                                   split=plan.kind == "split", rc=plan.rc)
         ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
         counters = torch.zeros(plan.groups(self.rbs), dtype=torch.int32, device=self.device)
         # [kernel, plan, torch owners, views, grid, specialized kernel (made at first bind)]
