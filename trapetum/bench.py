@@ -486,19 +486,14 @@ def floor_jobs(grid: dict = RESIDUAL_GRID, additive_shapes=ADDITIVE_SHAPES, Ms=(
     read from DRAM: the codes (additive) or the index words (residual). The codebooks and scales are a few
     hundred KiB at most, read from L2 by every block, and left out."""
     from .additive import SCHEMES as ADDITIVE_SCHEMES
-    from .residual import index_bits
+    from .residual import index_bytes, scheme_name
 
     jobs = [dict(floor_of="additive", in_features=n_in, out_features=n_out, M=M, nbytes=n_out * n_in * M // 8,
                  scheme=ADDITIVE_SCHEMES[M])
             for n_in, n_out in additive_shapes for M in Ms]
-    for m in grid["mains"]:
-        for r in grid["residuals"]:
-            bm, br = index_bits(m, r)
-            for n_out in grid["out_features"]:
-                for n_in in grid["in_features"]:
-                    jobs.append(dict(floor_of="residual", in_features=n_in, out_features=n_out, main_centroids=m,
-                                     residual_centroids=r, nbytes=n_out * n_in * (bm + br) // 64,
-                                     scheme=f"residual VQ {m}+{r} (v=8)"))
+    jobs += [dict(floor_of="residual", in_features=n_in, out_features=n_out, main_centroids=m, residual_centroids=r,
+                  nbytes=index_bytes(n_in, n_out, m, r), scheme=scheme_name(m, r))
+             for m in grid["mains"] for r in grid["residuals"] for n_out in grid["out_features"] for n_in in grid["in_features"]]
     for j in jobs:
         j["nbytes"] = -(-j["nbytes"] // 16) * 16  # the floor reads whole 16-byte pieces
         j["code_bits_per_weight"] = 8 * j["nbytes"] / (j["in_features"] * j["out_features"])

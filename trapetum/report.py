@@ -1410,16 +1410,16 @@ def vq_floor_summary(df: pd.DataFrame) -> pd.DataFrame:
         r = g[g["part"] == "residual"]
         big = r[r["in_features"] * r["out_features"] >= LARGE_RESIDUAL]
         a = g[(g["part"] == "additive") & (g["scheme"] == "2-bit additive (M=2)") & (g["in_features"] * g["out_features"] >= 4096 * 14336)]
-        for what, target, ceiling, ours in (
-                ("residual grid: configs faster than fp16", VQ_TARGETS["faster than fp16"], (r["fp16 / floor"] > 1).sum(),
+        for what, target, n, ceiling, ours in (
+                ("residual grid: configs faster than fp16", VQ_TARGETS["faster than fp16"], len(r), (r["fp16 / floor"] > 1).sum(),
                  (r["ours: speedup"] > 1).sum()),
-                ("residual grid: geometric-mean speedup", VQ_TARGETS["geometric mean"], _geomean(r["fp16 / floor"]),
+                ("residual grid: geometric-mean speedup", VQ_TARGETS["geometric mean"], len(r), _geomean(r["fp16 / floor"]),
                  _geomean(r["ours: speedup"].dropna())),
-                ("residual grid: min speedup at in x out >= 4096 x 28672", VQ_TARGETS["min at in x out >= 4096 x 28672"],
+                ("residual grid: min speedup at in x out >= 4096 x 28672", VQ_TARGETS["min at in x out >= 4096 x 28672"], len(r),
                  big["fp16 / floor"].min(), big["ours: speedup"].min()),
-                ("2-bit additive: min speedup at in x out >= 4096 x 14336", VQ_TARGETS["2-bit additive at >= 4096 x 14336"],
+                ("2-bit additive: min speedup at in x out >= 4096 x 14336", VQ_TARGETS["2-bit additive at >= 4096 x 14336"], len(a),
                  a["fp16 / floor"].min(), a["ours: speedup"].min())):
-            rows.append({"GPU": gpu, "measure": what, "target (issue 3)": target, "configs": len(r) if "residual" in what else len(a),
+            rows.append({"GPU": gpu, "measure": what, "target (issue 3)": target, "configs": n,
                          "ceiling: a kernel that only reads the codes": ceiling, "ours": ours})
     return pd.DataFrame(rows)
 
@@ -1428,10 +1428,10 @@ def fig_vq_floor(df: pd.DataFrame) -> Figure:
     """Ours against the ceiling, one point a configuration: x the speedup of a kernel that only reads the code
     bytes, y our kernel's; the diagonal is the ceiling itself. One panel a GPU with recorded floors."""
     f = vq_floors(df)
-    f = f.dropna(subset=["ours: speedup"]) if not f.empty else f
-    gpus = sorted(f["GPU"].unique()) if not f.empty else []
-    if not gpus:
+    if f.empty or f["ours: speedup"].isna().all():
         raise ValueError("no recorded run has both vector-codebook floors and timings (`trapetum vq --parts floors`)")
+    f = f.dropna(subset=["ours: speedup"])
+    gpus = sorted(f["GPU"].unique())
     with _style():
         fig = Figure(figsize=(max(6.0, 5.2 * len(gpus)), 4.6), layout="constrained")
         axes = np.atleast_1d(fig.subplots(1, len(gpus), sharey=True, squeeze=False)[0])

@@ -467,6 +467,17 @@ def quantize_residual(W: torch.Tensor, Nm: int = 4096, Nr: int = 256, X: torch.T
 
 
 # -- the fused GEMV --------------------------------------------------------------------------
+def scheme_name(Nm: int, Nr: int) -> str:
+    """How records and tables name a residual configuration."""
+    return f"residual VQ {Nm}+{Nr} (v={VECTOR_LEN})"
+
+
+def index_bytes(n_in: int, n_out: int, Nm: int, Nr: int) -> int:
+    """Bytes of an out x in layer's packed index words (bm + br bits a vector of 8 weights)."""
+    bm, br = index_bits(Nm, Nr)
+    return n_out * n_in * (bm + br) // 64
+
+
 def tile_indices(words: torch.Tensor, out_features: int, b: int) -> torch.Tensor:
     """The kernel's layout: rows padded to 32, then [row-block][chunk][word][lane], flat int32.
 
@@ -1637,10 +1648,9 @@ def time_residual(n_in: int, n_out: int, Nm: int, Nr: int, batch: int, fp16_ms: 
     del launchers, copies, g
     torch.cuda.empty_cache()
     err = check_residual(n_in, n_out, Nm, Nr, batch, seed=seed + 7, with_norm=with_norm, plan=p.overrides())
-    bm, br = index_bits(Nm, Nr)
-    nbytes = n_out * n_in * (bm + br) // 64 + (Nm + Nr) * 16 + (4 * n_in if with_norm else 0) + 2 * batch * (n_in + n_out)
+    nbytes = index_bytes(n_in, n_out, Nm, Nr) + (Nm + Nr) * 16 + (4 * n_in if with_norm else 0) + 2 * batch * (n_in + n_out)
     return gemv_record("residual", None, batch, n_in, n_out, ms, fp16_ms, nbytes, err,
-                       scheme=f"residual VQ {Nm}+{Nr} (v=8)", main_centroids=Nm, residual_centroids=Nr, vector_len=VECTOR_LEN,
+                       scheme=scheme_name(Nm, Nr), main_centroids=Nm, residual_centroids=Nr, vector_len=VECTOR_LEN,
                        bits_per_weight=(nbytes - 2 * batch * (n_in + n_out)) * 8 / (n_in * n_out), norm=with_norm,
                        ksplit=p.ksplit, warps=p.warps, rb=p.RB, main_placement=p.main, variant=p.kind, G=p.G,
                        build=p.build or None, rc=p.rc if p.kind == "split" else None)
