@@ -194,7 +194,7 @@ report.fig_speedup_by_shape(df)
 # codes the tuner picks among four fused kernels at each batch: the FMA table kernel and the
 # diagonal tensor-core kernel (`mma`, batches up to 16, whose mma work grows by one per four
 # batch rows); from batch 4 to 16 the `wide` tensor-core kernel, which feeds x to the mma as its
-# A operand (16 batch rows an mma); and from batch 8 (alone above 16) the `tile` kernel, which feeds the looked-up
+# A operand (16 batch rows an mma); and from batch 4 (alone above 16) the `tile` kernel, which feeds the looked-up
 # weights to the mma as A the way a GEMM tiles them (each warp owns 32 rows over its K-slice;
 # 8 batch rows an mma), so no warps' partial sums meet in shared memory. Each of the four lanes
 # that read a row keeps its own copy of the row's 16-entry codebook in its own shared-memory bank,

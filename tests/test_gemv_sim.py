@@ -63,6 +63,7 @@ def test_variant_matches_float64_reference(variant, K, batch):
         ("lut", 16, 33, 64, 1),  # one padded row-block, RB=4: three of the block's row-blocks are absent
         ("lut", 16, 130, 64, 2),  # 5 row-blocks over two blocks of RB=4, the last row-block 2 rows
         ("lut", 64, 47, 48, 3),  # RB=2, the second row-block 15 rows
+        ("lut", 64, 70, 48, 1),  # byte-addressed pairs: the second block's pair holds one row-block of 6 rows
         ("lut32", 256, 70, 32, 1),
         ("naive", 16, 45, 64, 2),
     ],
@@ -387,9 +388,10 @@ def test_wide_kernel_batches_and_plans():
     assert LutGemv(random_codebook_tensor(32, 64, 64, seed=2)).max_batch == 16
     with pytest.raises(ValueError, match="batch 1..64"):
         LutGemv(ct)(torch.zeros(65, 64, dtype=torch.float16))
-    # tuner candidates: the wide kernel from batch 4 to 16, the tile kernel from 8, alone above 16
+    # tuner candidates: the wide kernel from batch 4 to 16, the tile kernel from 4, alone above 16
     assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 1, 132, mma_budget=227 * 1024)} == {"lut", "mma"}
-    assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 4, 132, mma_budget=227 * 1024)} == {"lut", "mma", "wide"}
+    assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 3, 132, mma_budget=227 * 1024)} == {"lut", "mma"}
+    assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 4, 132, mma_budget=227 * 1024)} == {"lut", "mma", "wide", "tile"}
     assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 8, 132, mma_budget=227 * 1024)} == {"lut", "mma", "wide", "tile"}
     tile = gemv.candidate_plans(4096, 128, 16, 64, 132, mma_budget=227 * 1024)
     assert {p.kernel for p in tile} == {"tile"} and all(p.shared_bytes <= 227 * 1024 for p in tile)

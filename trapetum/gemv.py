@@ -680,11 +680,27 @@ def load4(a, i):
     return a[i], a[i + 1], a[i + 2], a[i + 3]
 
 
+def byte_addressed(K: int) -> bool:
+    """Whether :func:`lut_kernel`'s K-entry table is laid out for one-PRMT lookups: row-block pairs as
+    [code][row-block parity][lane], 256 bytes a code, so a code byte's lookup address is
+    code << 8 | parity << 7 | lane << 2, the code byte moved into place beside a per-lane constant by
+    one byte permute (a shift and an and-or otherwise). uint8 K=64 only: a K=256 table of a lone
+    row-block would double to 64 KiB, past the 48 KiB a block gets without opt-in."""
+    return K == 64
+
+
+def lut_table_words(K: int, RB: int) -> int:
+    """32-bit words of :func:`lut_kernel`'s fp32 table for RB row-blocks (a byte-addressed table
+    pads an odd row-block count to a pair)."""
+    return (RB + (RB & 1 if byte_addressed(K) else 0)) * K * 32
+
+
 def _make_device_functions(K: int, B: int):
     """Code extraction and the per-word multiply-accumulate, specialised for K and batch B."""
     bits = 4 if K == 16 else 8
     mask = uint32((1 << bits) - 1)
     per_word = 32 // bits
+    BYTES = byte_addressed(K)
 
     @cuda.jit(device=True)
     def code_at(packed_row, i):
@@ -702,11 +718,19 @@ def _make_device_functions(K: int, B: int):
                 x0, x1, x2, x3 = sload4(xs, xi + b * ncols + 4 * g)
                 for r in range(RB):
                     w = uint32(cur[off + 4 * r + q])
-                    base = uint32(r * lut_stride)
-                    v0 = load_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g))) & mask) << uint32(7)) | lane4))
-                    v1 = load_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g + 1))) & mask) << uint32(7)) | lane4))
-                    v2 = load_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g + 2))) & mask) << uint32(7)) | lane4))
-                    v3 = load_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g + 3))) & mask) << uint32(7)) | lane4))
+                    if BYTES:  # see byte_addressed; the pair's offset folds into the loads' immediates
+                        lp = lane4 | uint32(128 * (r & 1))
+                        base = uint32((r >> 1) * 2 * lut_stride)
+                        v0 = load_byte_offset(lut, base + prmt(w, lp, 0x5504))
+                        v1 = load_byte_offset(lut, base + prmt(w, lp, 0x5514))
+                        v2 = load_byte_offset(lut, base + prmt(w, lp, 0x5524))
+                        v3 = load_byte_offset(lut, base + prmt(w, lp, 0x5534))
+                    else:
+                        base = uint32(r * lut_stride)
+                        v0 = load_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g))) & mask) << uint32(7)) | lane4))
+                        v1 = load_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g + 1))) & mask) << uint32(7)) | lane4))
+                        v2 = load_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g + 2))) & mask) << uint32(7)) | lane4))
+                        v3 = load_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g + 3))) & mask) << uint32(7)) | lane4))
                     acc[r * B + b] = cuda.fma(v3, x3, cuda.fma(v2, x2, cuda.fma(v1, x1, cuda.fma(v0, x0, acc[r * B + b]))))
 
     return code_at, dot_word, per_word
@@ -901,7 +925,8 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
     cpb = CHUNK_BYTES * (2 if K == 16 else 1)  # columns a 16-byte chunk covers
     nt = warps * 32
     lut_stride = K * 128  # bytes of one row-block's [code][lane] fp32 table
-    lut_size = RB * K * 32
+    lut_size = lut_table_words(K, RB)
+    BYTES = byte_addressed(K)
     lut_quads = RB * K * 4  # 16-byte pieces of the block's fp16 codebooks
     quads_per_rb = K * 4
     quads_per_thread = -(-lut_quads // nt)
@@ -966,7 +991,7 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
     # Blocks above 8 warps get launch bounds, so ptxas keeps to registers that many threads can launch with.
     @cuda.jit(**({"launch_bounds": (nt,)} if warps > 8 and not SIM else {}))
     def kernel(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, cps, g32, res, eps):
-        lut = cuda.shared.array(lut_size, float32)  # [row-block][code][lane]: a warp's lookups hit 32 banks
+        lut = cuda.shared.array(lut_size, float32)  # [row-block][code][lane] (or byte_addressed): 32 banks a warp
         red = cuda.shared.array((warps, nacc, 32), float32)
         last = cuda.shared.array(1, int32)
         wsq = cuda.shared.array((warps, B), float32)  # pre="rms": each warp's share of the sums of squares
@@ -1004,8 +1029,13 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
         for i in range(quads_per_thread):
             q = tid + i * nt
             if q < lut_quads:
+                o = q * 8  # word of (row-block r, code c, lanes 8 (q % 4) ..): r K 32 + c 32 + 8 (q % 4)
+                if BYTES:  # (r >> 1) K 64 + c 64 + (r & 1) 32 + 8 (q % 4)
+                    r = q // quads_per_rb
+                    qq = q - r * quads_per_rb
+                    o = (r >> 1) * K * 64 + (r & 1) * 32 + (qq >> 2) * 64 + (qq & 3) * 8
                 for h in range(4):
-                    lut[q * 8 + 2 * h], lut[q * 8 + 2 * h + 1] = half2_to_float2(buf[4 * i + h])
+                    lut[o + 2 * h], lut[o + 2 * h + 1] = half2_to_float2(buf[4 * i + h])
         # This block's slice of x -> fp32, 8 values a 16-byte load.
         xq = ncols // 8
         xbase = j0 * (cpb // 2)
@@ -2109,7 +2139,7 @@ def plan_launch(n_out: int, nchunks: int, K: int, B: int, sms: int, warps: int |
     rbs = -(-n_out // ROW_BLOCK)
     RB = RB or row_blocks_per_block(K, B)
     for w in ([warps] if warps else [8, 4]):  # fewer warps when the LUT and batch leave no room
-        static = RB * K * 32 * 4 + w * RB * B * 32 * 4 + 16
+        static = lut_table_words(K, RB) * 4 + w * RB * B * 32 * 4 + 16
         x_budget = SMEM_BUDGET - static
         if x_budget >= B * cpb * 4 * w:
             warps = w
@@ -2232,7 +2262,7 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
     """The plans the tuner times: every allowed RB x a ladder of K-splits, 8 warps where they fit;
     for 4-bit codes also the tensor-core kernels' warps x K-splits, where ``mma_budget`` bytes of
     shared memory hold their tables: mma_kernel up to batch 16, wide_kernel from batch 4 to 16 and
-    tile_kernel from 8 to 64."""
+    tile_kernel from 4 to 64."""
     seen, out = set(), []
     rb_max = row_blocks_per_block(K, B) if B <= MAX_FUSED_BATCH else 0
     for RB in (1, 2, 4):
@@ -2277,11 +2307,11 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
             if key not in seen and p.cps >= (p.warps // 2) * p.stages:
                 seen.add(key)
                 out.append(p)
-        # tile: from batch 8 (27.3 us against wide's 28.7 at 4096 x 14336 on the H100, once its finish
-        # summed 8 outputs at a time; NOTES "Session 23"), alone above 16; 8 or 16 warps up to batch 32,
+        # tile: from batch 4 (its n-tile of 8 rows padded: batch 8 took 20.6 us at 4096 x 14336 on the H100,
+        # the mma kernel's batch 4 23.6; NOTES "Session 33"), alone above 16; 8 or 16 warps up to batch 32,
         # 4 or 8 above; each also as one wave of walking blocks (batch 64's fastest plan walks 2 groups)
         tile = ((8, 16), TILE_UNROLLS) if B <= 32 else ((4, 8), (1, 2))
-        for w, ks, st, walk in itertools.product(tile[0], (2, 4, 8, None), tile[1] if B >= 8 else (), (1, "wave")):
+        for w, ks, st, walk in itertools.product(tile[0], (2, 4, 8, None), tile[1] if B >= 4 else (), (1, "wave")):
             try:
                 p = plan_tile(n_out, nchunks, B, sms, mma_budget, warps=w, ksplit=ks, stages=st, walk=walk)
             except ValueError:
@@ -2313,7 +2343,7 @@ class LutGemv:
     ``kernels``: the kernel families the "lut" variant may plan with: "lut" (fp32 table, FMA) and,
     for 4-bit codes, "mma" (pair table, tensor cores, batch 1..16), "wide" (the same table with x
     as the mma's A operand, batch 4..64) and "tile" (the weights as the mma's A operand, batch
-    1..64; tuned from batch 8); the default tunes over all. :attr:`max_batch` is 64 where "wide" or "tile" may run,
+    1..64; tuned from batch 4); the default tunes over all. :attr:`max_batch` is 64 where "wide" or "tile" may run,
     else 16.
     """
 
