@@ -294,6 +294,30 @@ def test_floor_table_and_figure(df2, tmp_path):
         report.floor_table(report.load_gemv(tmp_path))
 
 
+def test_gemv_targets(df2, tmp_path):
+    t = report.gemv_targets(df2)
+    # only the GPU that recorded floors, one row a target of issue 2
+    assert list(t["GPU"]) == ["Fast GPU"] * len(report.GEMV_TARGETS)
+    row = t.set_index("target (issue 2)")
+    large = row.loc[report.GEMV_TARGETS[0][0]]  # synthetic: 1.65x at the large shapes, floors at fp16 / 3.5
+    assert (large["goal"], large["ours"], large["ceiling"], large["records"], large["met"]) == ("3.30x", "1.65x", "3.50x", len(LARGE), "no")
+    assert row.loc[report.GEMV_TARGETS[1][0], "ours"] == "1.10x"
+    share = row.loc[report.GEMV_TARGETS[2][0]]
+    assert share["goal"] == "85 %" and share["ours"].endswith(" %") and share["ceiling from"] == "stream floor"
+    k64 = row.loc[report.GEMV_TARGETS[3][0]]
+    assert k64["ours"] == "1.21x" and k64["ceiling from"] == "byte ratio" and 1.8 < float(k64["ceiling"][:-1]) < 2.0
+    # the batch rows: batch 8 alone, then the fused batches 2..16 (batch 32 is dequantize + cuBLAS here)
+    assert row.loc[report.GEMV_TARGETS[5][0], "ours"] == f"{1.1 / 8 ** 0.8:.2f}x"
+    assert row.loc[report.GEMV_TARGETS[6][0], "records"] == 4 and row.loc[report.GEMV_TARGETS[6][0], "ours"] == f"{1.1 / 16 ** 0.8:.2f}x"
+    # a GPU fast enough meets the large-shape target; runs without floors give no rows
+    write_run(tmp_path, "NVIDIA Quick GPU", synthetic_records(copy=3000.0, speed=3.0, floors=True), 3000.0)
+    quick = report.gemv_targets(report.load_gemv(tmp_path)).set_index("target (issue 2)")
+    assert quick.loc[report.GEMV_TARGETS[0][0], "met"] == "yes" and quick.loc[report.GEMV_TARGETS[5][0], "met"] == "no"
+    slow = tmp_path / "slow"
+    write_run(slow, "NVIDIA Slow GPU", synthetic_records(copy=800.0, speed=2.5), 800.0)
+    assert report.gemv_targets(report.load_gemv(slow)).empty
+
+
 def test_fig_batch(df2):
     fig = report.fig_batch(df2)
     axes = _check_figure(fig, 2)
