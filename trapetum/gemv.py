@@ -188,6 +188,10 @@ if SIM:
         pass
 
     @cuda.jit(device=True)
+    def count_acq_rel(counters, i):
+        return cuda.atomic.add(counters, i, 1)
+
+    @cuda.jit(device=True)
     def prmt(a, b, sel):
         x = (int(a) & 0xFFFFFFFF) | ((int(b) & 0xFFFFFFFF) << 32)
         r = 0
@@ -475,6 +479,26 @@ else:
         return sig, codegen
 
     @intrinsic
+    def count_acq_rel(typingctx, counters, i):
+        """counters[i] += 1 as ``atom.acq_rel.gpu`` (returns the old count): the release makes the
+        partials this block wrote before its barrier visible with the count (cumulativity through
+        bar.sync, as CUTLASS's split-K semaphore relies on), the acquire makes the other blocks' visible
+        to the block that counts last. One thread's atomic instead of a sequentially consistent fence
+        (``membar.gl``, MEMBAR.SC.GPU) in every thread."""
+        sig = types.int32(counters, i)
+
+        def codegen(context, builder, sig, args):
+            aty, _ = sig.args
+            ptr = cgutils.get_item_pointer(context, builder, aty, context.make_array(aty)(context, builder, value=args[0]),
+                                           [args[1]], wraparound=False)
+            i32, i64 = ir.IntType(32), ir.IntType(64)
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i64]), "atom.acq_rel.gpu.add.u32 $0, [$1], 1;", "=r,l,~{memory}",
+                               side_effect=True)
+            return builder.call(asm, [builder.ptrtoint(ptr, i64)])
+
+        return sig, codegen
+
+    @intrinsic
     def store16(typingctx, arr, idx, v0, v1, v2, v3):
         """arr[idx:idx + 4] = v0..v3 as one aligned 128-bit store (st.v4)."""
         sig = types.none(arr, idx, v0, v1, v2, v3)
@@ -606,15 +630,15 @@ def mma_table_tile(NT: int, BG: int, PS: int, half: bool = False):
 def last_to_finish(counters, idx, nsplit, last, tid) -> bool:
     """Whether this block is the last of the ``nsplit`` K-slices of output group ``idx`` to finish.
 
-    Every thread of the block must call it (it holds two barriers). The block's partials are made
-    visible first; counter ``idx`` counts finished K-slices. The last block resets it to 0 here (every
-    other block has already counted, so nothing reads it again in this launch) so the launch replays
-    in a CUDA graph. ``last``: a 1-element shared int32 array.
+    Every thread of the block must call it (it holds two barriers). Counter ``idx`` counts finished
+    K-slices: thread 0 counts once the block's partials are written (the barrier), with release and
+    acquire semantics (:func:`count_acq_rel`). The last block resets it to 0 here (every other block
+    has already counted, so nothing reads it again in this launch) so the launch replays in a CUDA
+    graph. ``last``: a 1-element shared int32 array.
     """
-    cuda.threadfence()
     cuda.syncthreads()
     if tid == 0:
-        last[0] = 1 if cuda.atomic.add(counters, idx, 1) == nsplit - 1 else 0
+        last[0] = 1 if count_acq_rel(counters, idx) == nsplit - 1 else 0
         if last[0] == 1:
             counters[idx] = 0
     cuda.syncthreads()
