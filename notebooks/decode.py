@@ -117,6 +117,20 @@ report.fig_decode(df)
 report.fig_decode_pareto(df)
 
 # %% [markdown]
+# ## Where the targets stand
+#
+# The targets this chapter set out to meet (on the H100, batch 1, 512 tokens, fp16 timed on its
+# fastest graphed path in the same run), each with the best graphed row of the table above and, beside
+# it, what that row's own kernels allow: its *kernel bound*, the tokens per second if nothing but its
+# projection and LM-head kernels ran, as a speedup over the same fastest fp16 (for the 70B row, as a
+# share of the bandwidth bound). A goal above the kernel bound cannot be reached by a leaner decode
+# step; the kernels themselves would have to get faster (the previous chapters). Peak memory has no
+# such bound.
+
+# %%
+report.styled(report.decode_targets(df))
+
+# %% [markdown]
 # ## A real model: each graphed path against eager
 #
 # Speed above is measured on random weights; correctness is checked on a real pretrained model,

@@ -443,6 +443,37 @@ def test_decode_chapter_reads_every_run_and_keeps_the_newest_per_model(tmp_path)
         report.load_decode(tmp_path / "none")
 
 
+def test_decode_targets_take_each_targets_best_graphed_row(tmp_path):
+    prov = results.provenance(command="bench")
+    prov.update(gpu="NVIDIA H100 80GB HBM3", date="2026-01-01T00:00:00+00:00")
+
+    def rec(model, scheme, path, tok_s, vram, kb=None, fp16=None):
+        return {"model": model, "scheme": scheme, "path": path, "fused": True, "tok_s": tok_s, "vram_gb": vram,
+                "fp16_tok_s": fp16, "fp16_vram_gb": 10.0 if fp16 else None, "j_per_token": 1.0, "oom": False,
+                "fraction_of_kernel_bound": kb, "weight_bytes_per_token": 2e9 if "70b" in model else 1e9}
+
+    recs = [rec("llama-2-7b", "fp16", "compiled", 100.0, 10.0, 0.9, 100.0),
+            rec("llama-2-7b", "4-bit K=16", "compiled", 200.0, 3.2, 0.8, 100.0),
+            rec("llama-2-7b", "4-bit K=16, LM head 4-bit K=16", "fused-step", 240.0, 2.9, 0.8),
+            rec("llama-2-7b", "4-bit K=16", "eager", 999.0, 1.0),  # not a graphed path: never a target's row
+            rec("llama-2-7b", "2-bit additive (M=2)", "fused-step", 300.0, 2.0, 0.75),
+            rec("llama-2-70b", "fp16", "graphed", None, None) | {"oom": True},
+            rec("llama-2-70b", "2-bit additive (M=2)", "compiled", 60.0, 20.0, 0.5)]
+    results.save("decode", recs, prov, folder=tmp_path)
+    df = report.load_decode(tmp_path).assign(copy_gbps=300.0)
+    t = report.decode_targets(df).set_index("target (issue 4)")
+    assert list(t.index) == [x[0] for x in report.DECODE_TARGETS] and set(t["GPU"]) == {"H100 80GB HBM3"}
+    four = t.loc[report.DECODE_TARGETS[0][0]]  # the fused-step row: 240 / 100, its kernel bound 240 / 0.8 / 100
+    assert (four["ours"], four["kernel bound"], four["met"]) == ("2.40x", "3.00x", "yes") and "fused-step" in four["row"]
+    two = t.loc[report.DECODE_TARGETS[1][0]]
+    assert (two["ours"], two["kernel bound"], two["met"]) == ("3.00x", "4.00x", "no")
+    vram = t.loc[report.DECODE_TARGETS[2][0]]
+    assert (vram["goal"], vram["ours"], vram["kernel bound"], vram["met"]) == ("at most 30 %", "29 %", "–", "yes")
+    assert t.loc[report.DECODE_TARGETS[3][0], "ours"] == "–" and t.loc[report.DECODE_TARGETS[3][0], "met"] == "–"  # no 13B run
+    bw = t.loc[report.DECODE_TARGETS[4][0]]  # 60 tok/s x 2 GB / 300 GB/s = 40 %; at the kernel bound 80 %
+    assert (bw["ours"], bw["kernel bound"], bw["met"]) == ("40 %", "80 %", "no")
+
+
 def test_measure_auto_follows_the_gpu(monkeypatch):
     import torch
 

@@ -1007,6 +1007,42 @@ def decode_table(df: pd.DataFrame) -> pd.DataFrame:
     }).reset_index(drop=True)
 
 
+# Issue 4's targets (H100, batch 1, 512 tokens, fp16 graphed in the same run): (measure, model, scheme prefix, kind, goal).
+DECODE_TARGETS = (
+    ("7B, 4-bit K=16: tok/s vs the fastest fp16", "llama-2-7b", "4-bit K=16", "speed", 2.3),
+    ("7B, 2-bit additive: tok/s vs the fastest fp16", "llama-2-7b", "2-bit additive", "speed", 3.5),
+    ("7B, 4-bit K=16: peak VRAM vs fp16", "llama-2-7b", "4-bit K=16", "vram", 0.30),
+    ("13B, 4-bit K=16: tok/s vs the fastest fp16", "llama-2-13b", "4-bit K=16", "speed", 2.3),
+    ("70B, 2-bit additive: share of the bandwidth bound", "llama-2-70b", "2-bit additive", "bandwidth", 0.60),
+)
+
+
+def decode_targets(df: pd.DataFrame) -> pd.DataFrame:
+    """Issue 4's targets per GPU: the best graphed row of each (any LM head, embedding and path; "row"
+    names it) and, beside it, what the same row's kernels allow: the kernel bound (its projection and
+    LM-head kernels timed alone, nothing else of the token) over the fastest fp16, or for the bandwidth
+    row the kernel bound's share of the bandwidth bound. "–" where a GPU has no such row or no kernel
+    bound was measured; VRAM has no such bound."""
+    t = decode_table(df)
+    t = t[~t["Path"].str.contains("out of memory") & ~t["Path"].str.startswith(("naive", "eager")) & t["tok/s"].notna()]
+    rows = []
+    for gpu in dict.fromkeys(t["GPU"]):
+        for what, model, scheme, kind, goal in DECODE_TARGETS:
+            m = t[(t["GPU"] == gpu) & (t["Model (random weights)"] == model) & t["Scheme"].str.startswith(scheme)]
+            col = {"speed": "vs fastest fp16", "vram": "VRAM vs fp16", "bandwidth": "share of bandwidth bound"}[kind]
+            m = m[m[col].notna()]
+            best = None if m.empty else (m.loc[m[col].idxmin()] if kind == "vram" else m.loc[m[col].idxmax()])
+            ours = np.nan if best is None else float(best[col])
+            ceiling = np.nan if best is None or kind == "vram" else float(best[col]) / float(best["share of kernel bound"])
+            pct = kind != "speed"
+            show = (lambda v: "–" if pd.isna(v) else f"{100 * v:.0f} %") if pct else (lambda v: "–" if pd.isna(v) else f"{v:.2f}x")
+            met = "–" if pd.isna(ours) else ("yes" if (ours <= goal if kind == "vram" else ours >= goal) else "no")
+            rows.append({"GPU": gpu, "target (issue 4)": what, "goal": ("at most " if kind == "vram" else "") + show(goal),
+                         "ours": show(ours), "kernel bound": show(ceiling), "met": met,
+                         "row": "–" if best is None else f"{best['Scheme']}; {best['Path']} ({best['run (commit)']})"})
+    return pd.DataFrame(rows)
+
+
 def best_graphed(df: pd.DataFrame) -> pd.DataFrame:
     """Per GPU, model and scheme, the fastest of its graphed paths (graphed, compiled, fused-step)."""
     d = df[df["path"].isin(GRAPHED_PATHS) & df["tok_s"].notna()]
