@@ -76,13 +76,15 @@ def test_the_ceiling_table_and_summary(tmp_path):
     row = f[(f["part"] == "residual") & (f["in_features"] == 16384)].iloc[0]
     assert np.isclose(row["fp16 / floor"], 6.0) and np.isclose(row["ours / floor"], row["fp16 / floor"] / row["ours: speedup"])
     s = report.vq_floor_summary(df).set_index("measure")
-    assert s.loc["residual grid: configs faster than fp16", "ceiling: a kernel that only reads the codes"] == 120
-    assert np.isclose(s.loc["residual grid: min speedup at in x out >= 4096 x 28672", "ceiling: a kernel that only reads the codes"], 3.0)
+    ceiling = "ceiling: a kernel that only reads the codes"
+    assert s.loc["residual grid: configs faster than fp16", ceiling] == "120"
+    assert s.loc["residual grid: configs faster than fp16", "target (issue 3)"] == "114"
+    assert s.loc["residual grid: min speedup at in x out >= 4096 x 28672", ceiling] == "3.00x"
     geo = s.loc["residual grid: geometric-mean speedup"]
-    assert np.isclose(geo["ceiling: a kernel that only reads the codes"], np.exp(np.mean(np.log([2.25, 2.5, 3, 4, 6]))))
-    assert geo["target (issue 3)"] == 3.0 and geo["configs"] == 120
+    assert geo[ceiling] == f"{np.exp(np.mean(np.log([2.25, 2.5, 3, 4, 6]))):.2f}x"
+    assert geo["target (issue 3)"] == "3.00x" and geo["configs"] == 120
     add = s.loc["2-bit additive: min speedup at in x out >= 4096 x 14336"]
-    assert add["configs"] == 1 and np.isclose(add["ours"], 2.5) and np.isclose(add["ceiling: a kernel that only reads the codes"], 6.0)
+    assert (add["configs"], add["ours"], add[ceiling], add["met"]) == (1, "2.50x", "6.00x", "no")
     fig = report.fig_vq_floor(df)
     assert len([ax for ax in fig.axes if ax.collections]) == 1
 

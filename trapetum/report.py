@@ -644,11 +644,12 @@ def fig_floor(df: pd.DataFrame) -> Figure:
     return fig
 
 
-def _target_value(v, percent: bool) -> str:
-    """A targets table's value: a ratio as "2.50x", a share as "85 %", "–" where there is none."""
+def _target_value(v, unit: str = "x") -> str:
+    """A targets table's value: a ratio as "2.50x" (unit "x"), a share as "85 %" ("%"), a count as "114"
+    ("n"); "–" where there is none."""
     if pd.isna(v):
         return "–"
-    return f"{100 * v:.0f} %" if percent else f"{v:.2f}x"
+    return {"x": f"{v:.2f}x", "%": f"{100 * v:.0f} %", "n": f"{int(v)}"}[unit]
 
 
 # Issue 2's speed targets (H100, ratios against torch fp16 in the same run): (measure, goal, unit).
@@ -712,9 +713,8 @@ def gemv_targets(df: pd.DataFrame) -> pd.DataFrame:
         vals.append((b8["speedup"].min(), ceiling_of(b8), "stream floor", len(b8)))
         vals.append((bs["speedup"].min(), ceiling_of(bs), "stream floor", len(bs)))
         for (what, goal, unit), (mine, ceiling, basis, n) in zip(GEMV_TARGETS, vals):
-            pct = unit == "%"
-            rows.append({"GPU": gpu_label(gpu), "target (issue 2)": what, "goal": _target_value(goal, pct), "records": n,
-                         "ours": _target_value(mine, pct), "ceiling": _target_value(ceiling, pct), "ceiling from": basis,
+            rows.append({"GPU": gpu_label(gpu), "target (issue 2)": what, "goal": _target_value(goal, unit), "records": n,
+                         "ours": _target_value(mine, unit), "ceiling": _target_value(ceiling, unit), "ceiling from": basis,
                          "met": "–" if pd.isna(mine) else ("yes" if mine >= goal else "no")})
     return pd.DataFrame(rows)
 
@@ -1042,10 +1042,10 @@ def decode_targets(df: pd.DataFrame) -> pd.DataFrame:
             best = None if m.empty else (m.loc[m[col].idxmin()] if kind == "vram" else m.loc[m[col].idxmax()])
             ours = np.nan if best is None else float(best[col])
             ceiling = np.nan if best is None or kind == "vram" else float(best[col]) / float(best["share of kernel bound"])
-            pct = kind != "speed"
+            unit = "x" if kind == "speed" else "%"
             met = "–" if pd.isna(ours) else ("yes" if (ours <= goal if kind == "vram" else ours >= goal) else "no")
-            rows.append({"GPU": gpu, "target (issue 4)": what, "goal": ("at most " if kind == "vram" else "") + _target_value(goal, pct),
-                         "ours": _target_value(ours, pct), "kernel bound": _target_value(ceiling, pct), "met": met,
+            rows.append({"GPU": gpu, "target (issue 4)": what, "goal": ("at most " if kind == "vram" else "") + _target_value(goal, unit),
+                         "ours": _target_value(ours, unit), "kernel bound": _target_value(ceiling, unit), "met": met,
                          "row": "–" if best is None else f"{best['Scheme']}; {best['Path']} ({best['run (commit)']})"})
     return pd.DataFrame(rows)
 
@@ -1511,7 +1511,8 @@ def vq_floors(df: pd.DataFrame) -> pd.DataFrame:
 
 def vq_floor_summary(df: pd.DataFrame) -> pd.DataFrame:
     """Issue 3's four speed targets beside what a kernel that only reads the code bytes would reach (the
-    ceiling) and what ours reaches, per GPU. Empty where no run recorded floors."""
+    ceiling) and what ours reaches, per GPU, as display strings (:func:`_target_value`). Empty where no
+    run recorded floors."""
     f = vq_floors(df)
     if f.empty:
         return f
@@ -1529,8 +1530,10 @@ def vq_floor_summary(df: pd.DataFrame) -> pd.DataFrame:
                  big["fp16 / floor"].min(), big["ours: speedup"].min()),
                 ("2-bit additive: min speedup at in x out >= 4096 x 14336", VQ_TARGETS["2-bit additive at >= 4096 x 14336"], len(a),
                  a["fp16 / floor"].min(), a["ours: speedup"].min())):
-            rows.append({"GPU": gpu, "measure": what, "target (issue 3)": target, "configs": n,
-                         "ceiling: a kernel that only reads the codes": ceiling, "ours": ours})
+            unit = "n" if what.endswith("faster than fp16") else "x"
+            rows.append({"GPU": gpu, "measure": what, "target (issue 3)": _target_value(target, unit), "configs": n,
+                         "ceiling: a kernel that only reads the codes": _target_value(ceiling, unit), "ours": _target_value(ours, unit),
+                         "met": "–" if pd.isna(ours) else ("yes" if ours >= target else "no")})
     return pd.DataFrame(rows)
 
 
