@@ -57,6 +57,39 @@ def test_provenance_falls_back_to_the_commit_given_in_the_environment(monkeypatc
     assert p["git_commit"] == "abc123" and p["git_dirty"] is None
 
 
+def test_source_id_names_the_commit_whose_files_ran(tmp_path):
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (tmp_path / "trapetum").mkdir()
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "trapetum" / "gemv.py").write_text("K = 16\n")
+    (tmp_path / "kernels" / "k.cu").write_text("// a kernel\n")
+    (tmp_path / "notes.md").write_text("not code\n")
+    git("add", "-A")
+    git("commit", "-q", "-m", "one")
+    first = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    sid = R.source_id(tmp_path)
+    assert R.commit_of(sid, tmp_path) == first
+    # files that are not sources (notes, caches) do not change it; a source edit does, until committed
+    (tmp_path / "notes.md").write_text("edited\n")
+    (tmp_path / "trapetum" / "__pycache__").mkdir()
+    (tmp_path / "trapetum" / "__pycache__" / "gemv.cpython-311.pyc").write_bytes(b"\0")
+    assert R.source_id(tmp_path) == sid
+    (tmp_path / "kernels" / "k.cu").write_text("// a faster kernel\n")
+    edited = R.source_id(tmp_path)
+    assert edited != sid and R.commit_of(edited, tmp_path) is None
+    git("add", "-A")
+    git("commit", "-q", "-m", "two")
+    assert R.commit_of(edited, tmp_path) != first and R.commit_of(sid, tmp_path) == first
+    assert R.provenance(command="x")["source_id"] == R.source_id()
+
+
 def test_save_writes_gpu_folder_and_round_trips(tmp_path):
     path = R.save("gemv", RECORDS, prov(), folder=tmp_path)
     assert path == tmp_path / "nvidia-h100-80gb-hbm3" / "gemv.json"

@@ -59,6 +59,53 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+SOURCE_DIRS = ("trapetum", "kernels")
+SOURCE_SUFFIXES = (".py", ".cu", ".cuh")
+
+
+def _blob_id(data: bytes) -> str:
+    """The id git gives a file of these bytes (sha1 of "blob <size>\\0" + bytes)."""
+    import hashlib
+
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _source_id_of(entries) -> str:
+    import hashlib
+
+    lines = sorted(f"{path} {blob}" for path, blob in entries
+                   if path.split("/", 1)[0] in SOURCE_DIRS and path.endswith(SOURCE_SUFFIXES))
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def source_id(root: Path | str = REPO_ROOT) -> str:
+    """A fingerprint of the code that measures: the package's and kernels/' sources as they are on disk
+    (each file's git blob id, by path). The device machine's copy of the tree may carry a stale .git,
+    so its HEAD can name another commit than the one whose files ran; this names the files themselves.
+    :func:`commit_of` finds the commit with the same sources."""
+    root = Path(root)
+    entries = [(f.relative_to(root).as_posix(), _blob_id(f.read_bytes()))
+               for d in SOURCE_DIRS if (root / d).is_dir() for f in (root / d).rglob("*") if f.is_file()]
+    return _source_id_of(entries)
+
+
+def commit_of(sid: str, repo: Path | str = REPO_ROOT, max_count: int = 500) -> str | None:
+    """The newest of the repository's last ``max_count`` commits whose sources have :func:`source_id`
+    ``sid`` (None: the run's code was never committed as it ran, or is older)."""
+    def git(*args):
+        out = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise RuntimeError(f"git {' '.join(args)} failed in {repo}: {out.stderr.strip()}")
+        return out.stdout
+
+    for commit in git("rev-list", f"--max-count={max_count}", "HEAD").split():
+        tree = git("ls-tree", "-r", "--full-tree", commit, "--", *SOURCE_DIRS)
+        entries = [(line.split("\t", 1)[1], line.split()[2]) for line in tree.splitlines() if "\t" in line]
+        if _source_id_of(entries) == sid:
+            return commit
+    return None
+
+
 def gpu_info() -> dict:
     """Name, driver, CUDA runtime and SM count of the current GPU (None fields without one)."""
     info = {"gpu": None, "driver": None, "cuda": None, "sm_count": None, "l2_bytes": None}
@@ -100,6 +147,7 @@ def provenance(command: str | None = None, **extra) -> dict:
         "python": platform.python_version(),
         "git_commit": commit,
         "git_dirty": bool(dirty) if dirty is not None else None,
+        "source_id": source_id(),  # the sources that ran, whatever the checkout's .git says (commit_of)
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": command if command is not None else " ".join(shlex.quote(a) for a in sys.argv),
         "format_version": FORMAT_VERSION,
