@@ -652,6 +652,13 @@ def _target_value(v, unit: str = "x") -> str:
     return {"x": f"{v:.2f}x", "%": f"{100 * v:.0f} %", "n": f"{int(v)}"}[unit]
 
 
+def _target_met(ours, goal, at_most: bool = False) -> str:
+    """A targets table's verdict: "yes", "no", or "–" where nothing was measured."""
+    if pd.isna(ours):
+        return "–"
+    return "yes" if (ours <= goal if at_most else ours >= goal) else "no"
+
+
 # Issue 2's speed targets (H100, ratios against torch fp16 in the same run): (measure, goal, unit).
 GEMV_TARGETS = (
     ("4-bit, batch 1: min speedup at in x out >= 4096 x 14336", 3.3, "x"),
@@ -700,8 +707,7 @@ def gemv_targets(df: pd.DataFrame) -> pd.DataFrame:
         sq = at(FOUR_BIT, 1, (4096, 4096))
         b8 = at(FOUR_BIT, 8, (4096, 14336))
         bs = o[(o["scheme"] == FOUR_BIT) & o["batch"].between(2, 64) & (o["in_features"] == 4096) & (o["out_features"] == 14336)]
-        fgb = fl[fl["gpu"] == gpu]
-        fgb = fgb[fgb["in_features"] * fgb["out_features"] >= LARGE]
+        fgb = f[[i * o >= LARGE for i, o in f.index]]
         vals = [
             (b1["speedup"].min(), ceiling_of(b1), "stream floor", len(b1)),
             (sq["speedup"].min(), ceiling_of(sq), "stream floor", len(sq)),
@@ -715,7 +721,7 @@ def gemv_targets(df: pd.DataFrame) -> pd.DataFrame:
         for (what, goal, unit), (mine, ceiling, basis, n) in zip(GEMV_TARGETS, vals):
             rows.append({"GPU": gpu_label(gpu), "target (issue 2)": what, "goal": _target_value(goal, unit), "records": n,
                          "ours": _target_value(mine, unit), "ceiling": _target_value(ceiling, unit), "ceiling from": basis,
-                         "met": "–" if pd.isna(mine) else ("yes" if mine >= goal else "no")})
+                         "met": _target_met(mine, goal)})
     return pd.DataFrame(rows)
 
 
@@ -1043,7 +1049,7 @@ def decode_targets(df: pd.DataFrame) -> pd.DataFrame:
             ours = np.nan if best is None else float(best[col])
             ceiling = np.nan if best is None or kind == "vram" else float(best[col]) / float(best["share of kernel bound"])
             unit = "x" if kind == "speed" else "%"
-            met = "–" if pd.isna(ours) else ("yes" if (ours <= goal if kind == "vram" else ours >= goal) else "no")
+            met = _target_met(ours, goal, at_most=kind == "vram")
             rows.append({"GPU": gpu, "target (issue 4)": what, "goal": ("at most " if kind == "vram" else "") + _target_value(goal, unit),
                          "ours": _target_value(ours, unit), "kernel bound": _target_value(ceiling, unit), "met": met,
                          "row": "–" if best is None else f"{best['Scheme']}; {best['Path']} ({best['run (commit)']})"})
@@ -1533,7 +1539,7 @@ def vq_floor_summary(df: pd.DataFrame) -> pd.DataFrame:
             unit = "n" if what.endswith("faster than fp16") else "x"
             rows.append({"GPU": gpu, "measure": what, "target (issue 3)": _target_value(target, unit), "configs": n,
                          "ceiling: a kernel that only reads the codes": _target_value(ceiling, unit), "ours": _target_value(ours, unit),
-                         "met": "–" if pd.isna(ours) else ("yes" if ours >= target else "no")})
+                         "met": _target_met(ours, target)})
     return pd.DataFrame(rows)
 
 

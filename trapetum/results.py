@@ -12,6 +12,7 @@ A new run never silently overwrites an older one: the older file is moved aside 
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import math
 import os
@@ -51,9 +52,9 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _git(*args: str) -> str | None:
+def _git(*args: str, cwd: Path | str = REPO_ROOT) -> str | None:
     try:
-        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
@@ -65,14 +66,10 @@ SOURCE_SUFFIXES = (".py", ".cu", ".cuh")
 
 def _blob_id(data: bytes) -> str:
     """The id git gives a file of these bytes (sha1 of "blob <size>\\0" + bytes)."""
-    import hashlib
-
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 def _source_id_of(entries) -> str:
-    import hashlib
-
     lines = sorted(f"{path} {blob}" for path, blob in entries
                    if path.split("/", 1)[0] in SOURCE_DIRS and path.endswith(SOURCE_SUFFIXES))
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
@@ -91,15 +88,13 @@ def source_id(root: Path | str = REPO_ROOT) -> str:
 
 def commit_of(sid: str, repo: Path | str = REPO_ROOT, max_count: int = 500) -> str | None:
     """The newest of the repository's last ``max_count`` commits whose sources have :func:`source_id`
-    ``sid`` (None: the run's code was never committed as it ran, or is older)."""
-    def git(*args):
-        out = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=60)
-        if out.returncode != 0:
-            raise RuntimeError(f"git {' '.join(args)} failed in {repo}: {out.stderr.strip()}")
-        return out.stdout
-
-    for commit in git("rev-list", f"--max-count={max_count}", "HEAD").split():
-        tree = git("ls-tree", "-r", "--full-tree", commit, "--", *SOURCE_DIRS)
+    ``sid`` (None: the run's code was never committed as it ran, or is older). RuntimeError where
+    ``repo`` is not a git repository."""
+    commits = _git("rev-list", f"--max-count={max_count}", "HEAD", cwd=repo)
+    if commits is None:
+        raise RuntimeError(f"git cannot list the commits of {repo}")
+    for commit in commits.split():
+        tree = _git("ls-tree", "-r", "--full-tree", commit, "--", *SOURCE_DIRS, cwd=repo) or ""
         entries = [(line.split("\t", 1)[1], line.split()[2]) for line in tree.splitlines() if "\t" in line]
         if _source_id_of(entries) == sid:
             return commit
