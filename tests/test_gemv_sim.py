@@ -372,6 +372,17 @@ def test_plan_mma_heuristic_and_its_errors():
     with pytest.raises(ValueError, match="batch 1..16"):
         gemv.plan_mma(4096, 128, 17, 132)
 
+@pytest.mark.parametrize("warps", [4, 8, 16])
+@pytest.mark.parametrize("batch", range(1, MAX_FUSED_BATCH + 1))
+def test_mma_launch_bounds_fit_the_registers_the_planner_assumes(batch, warps):
+    # ptxas caps a thread's registers at 64 K / (min blocks x threads); the planner counts two 16-warp
+    # blocks an SM, which needs 64 up to batch 4, and every plan must launch (at most 2048 threads an SM,
+    # at most 255 registers), the most accumulators (batch 16) getting 128.
+    blocks = gemv.mma_min_blocks(batch, warps)
+    cap = min(255, 65536 // (blocks * warps * 32))
+    assert blocks * warps * 32 <= 2048
+    assert cap == 64 if batch <= 4 else cap >= 128
+
 
 @pytest.mark.parametrize("K", [64, 256])
 def test_mma_kernel_refuses_8_bit_codes(K):

@@ -1272,6 +1272,14 @@ def mma_shared_bytes(B: int, warps: int, cps: int) -> int:
     return 4 * (max(MMA_TABLE_WORDS, warps * B * 32) + B * (cps * 16 + 4) + 2 * MMA_CB_WORDS)
 
 
+def mma_min_blocks(B: int, warps: int) -> int:
+    """Blocks an SM the mma kernel's launch bounds ask ptxas to fit, so the registers it may use.
+    Up to batch 4 (one mma a step): 64 a thread, so two blocks of 16 warps share an SM as the C++
+    twin's do (nvcc gives it 64 unasked; ptxas gave numba's 96, one 16-warp block an SM: NOTES
+    "Session 34"). Above that 128, the most that a 16-warp block launches with."""
+    return max(1, (1024 if B <= 4 else 512) // (warps * 32))
+
+
 def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True):
     """4-bit (K = 16) fused GEMV whose multiply-adds run on the tensor cores (compiled on first use):
     the numba twin of ``gemv4_mma`` in kernels/gemv_codebook_4bit.cu, batch 1..16.
@@ -1345,8 +1353,8 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
 
     stream = pair_block_stream(fetch, use_chunk, U, W2)
 
-    # launch_bounds (at most 128 registers): without them ptxas gave batch 16 148, which 512 threads cannot launch with.
-    @cuda.jit(**({} if SIM else {"launch_bounds": (nt, max(1, 512 // nt))}))
+    # launch_bounds (mma_min_blocks): without them ptxas gave batch 16 148 registers, which 512 threads cannot launch with.
+    @cuda.jit(**({} if SIM else {"launch_bounds": (nt, mma_min_blocks(B, warps))}))
     def kernel(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, cps):
         sm = cuda.shared.array(0, uint32)  # table | x slice | codebooks
         red = cuda.shared.array(0, float32)  # the warps' partials, over the table once it is done
@@ -2219,7 +2227,7 @@ def _plan_pair_blocks(kind, smem, max_batch, unrolls, heuristic_unroll, n_out, n
         ksplit = min_split
         while ksplit < max_split:
             cps = -(-nchunks // ksplit)
-            # blocks an SM by shared memory and threads (registers allow 2 blocks of 16 warps)
+            # blocks an SM by shared memory and threads (registers allow 2 blocks of 16 warps: mma_min_blocks, wide_min_blocks)
             occ = max(1, min(2048 // (warps * 32), (228 * 1024) // (smem(B, warps, cps) + 1024)))
             if nbx * -(-nchunks // cps) >= 2 * occ * sms:
                 break
