@@ -1253,7 +1253,7 @@ def residual_summary(df: pd.DataFrame) -> pd.DataFrame:
         r = row(f"ours, {gpu_label(gpu)} ({MEASURED})", g)
         # Newest run first: a run that stopped part way is completed from older runs (load_vq).
         runs = g.groupby(["date", "git_commit"]).size().sort_index(ascending=False)
-        r["runs (commit: configs)"] = ", ".join(f"{c}: {n}" for (_, c), n in runs.items())
+        r["runs (commit: configs)"] = ", ".join(f"{str(c)[:7]}: {n}" for (_, c), n in runs.items())
         r["max rel err (worst)"] = g["max_rel_err"].max()
         r["median % of copy bandwidth"] = float((100 * g["gbps"] / g["copy_gbps"]).median())
         rows.append(r)
