@@ -372,6 +372,7 @@ def test_plan_mma_heuristic_and_its_errors():
     with pytest.raises(ValueError, match="batch 1..16"):
         gemv.plan_mma(4096, 128, 17, 132)
 
+
 @pytest.mark.parametrize("warps", [4, 8, 16])
 @pytest.mark.parametrize("batch", range(1, MAX_FUSED_BATCH + 1))
 def test_mma_launch_bounds_fit_the_registers_the_planner_assumes(batch, warps):

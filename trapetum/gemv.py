@@ -2227,7 +2227,7 @@ def _plan_pair_blocks(kind, smem, max_batch, unrolls, heuristic_unroll, n_out, n
         ksplit = min_split
         while ksplit < max_split:
             cps = -(-nchunks // ksplit)
-            # blocks an SM by shared memory and threads (registers allow 2 blocks of 16 warps: mma_min_blocks, wide_min_blocks)
+            # blocks an SM by shared memory and threads; registers are not counted (mma_min_blocks gives two 16-warp blocks up to batch 4)
             occ = max(1, min(2048 // (warps * 32), (228 * 1024) // (smem(B, warps, cps) + 1024)))
             if nbx * -(-nchunks // cps) >= 2 * occ * sms:
                 break
