@@ -960,6 +960,7 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
     nacc = RB * B
     load = load16 if wide else load4
     zero = int32(0)
+    zeros8 = (zero,) * 8
     RMS, SILU, ADD = pre == "rms", pre == "silu", post == "add"
     row_sumsq, warp_sums, irms_of = rms_sums(B, warps)
 
@@ -980,7 +981,8 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
         return sq
 
     @cuda.jit(device=True, **INLINE)
-    def stage8(xs, o, x32, g32, bb, wo, up):
+    def load8(x32, g32, bb, wo, up):
+        # Eight values of x (fp16 words w) and their pre-op operands' words (u).
         w0, w1, w2, w3 = load16(x32[bb], wo)
         if SILU:
             u0, u1, u2, u3 = load16(x32[bb], up + wo)
@@ -988,7 +990,12 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
             u0, u1, u2, u3 = load16(g32, wo)
         else:
             u0, u1, u2, u3 = w0, w1, w2, w3
-        return put2(xs, o, w0, u0) + put2(xs, o + 2, w1, u1) + put2(xs, o + 4, w2, u2) + put2(xs, o + 6, w3, u3)
+        return w0, w1, w2, w3, u0, u1, u2, u3
+
+    @cuda.jit(device=True, **INLINE)
+    def put8(xs, o, v):
+        return (put2(xs, o, v[0], v[4]) + put2(xs, o + 2, v[1], v[5]) + put2(xs, o + 4, v[2], v[6])
+                + put2(xs, o + 6, v[3], v[7]))
 
     @cuda.jit(device=True, **INLINE)
     def write_out(s, y, bb, row, res, irms):
@@ -1039,6 +1046,17 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
         for s in range(stages - 1):
             fetch(ring, s * nreg, tiled, rb0, rbs, nchunks, j + s * warps, j1)
 
+        # This block's slice of x, 8 values a 16-byte load: a thread's first load flies with the
+        # codebooks' (below), so the prologue waits one round trip, not two.
+        xq = ncols // 8
+        xbase = j0 * (cpb // 2)
+        up = x32.shape[1] // 2
+        nx = B * xq
+        bb0 = tid // xq
+        x0 = zeros8
+        if tid < nx:
+            x0 = load8(x32, g32, bb0, xbase + (tid - bb0 * xq) * 4, up)
+
         # Codebooks -> fp32 LUT: every 16-byte load issued before the first store waits on one.
         buf = cuda.local.array(buf_size, int32)
         for i in range(quads_per_thread):
@@ -1060,17 +1078,15 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
                     o = (r >> 1) * K * 64 + (r & 1) * 32 + (qq >> 2) * 64 + (qq & 3) * 8
                 for h in range(4):
                     lut[o + 2 * h], lut[o + 2 * h + 1] = half2_to_float2(buf[4 * i + h])
-        # This block's slice of x -> fp32, 8 values a 16-byte load.
-        xq = ncols // 8
-        xbase = j0 * (cpb // 2)
-        up = x32.shape[1] // 2
         part = cuda.local.array(B, float32)
         for bb in range(B):
             part[bb] = 0.0
-        for t in range(tid, B * xq, nt):
+        if tid < nx:
+            part[bb0] += put8(xs, bb0 * ncols + (tid - bb0 * xq) * 8, x0)
+        for t in range(tid + nt, nx, nt):
             bb = t // xq
             q = t - bb * xq
-            part[bb] += stage8(xs, bb * ncols + q * 8, x32, g32, bb, xbase + q * 4, up)
+            part[bb] += put8(xs, bb * ncols + q * 8, load8(x32, g32, bb, xbase + q * 4, up))
         if RMS and nsplit == 1:  # the block staged the whole row: its squares are summed already
             warp_sums(part, wsq, warp)
         cuda.syncthreads()
@@ -1127,15 +1143,16 @@ MMA_CB_WORDS = 16 * 16 + 16  # one row-block's staged [code][lane] fp16 codebook
 
 @cuda.jit(device=True, **INLINE)
 def stage_codebooks(sm, cbt32, CO, bx, rbs, tid, nt):
-    """Both row-blocks' [code][lane] fp16 codebooks at word CO (zeros past the last row-block)."""
+    """Both row-blocks' [code][lane] fp16 codebooks at word CO (zeros past the last row-block), as
+    asynchronous copies: the caller waits (:func:`async_wait_all`) before its barrier, so the
+    codebooks' round trip overlaps x's (a load and a store put them one after the other)."""
     zero = int32(0)
     for q in range(tid, 128, nt):
         gq = q >> 6
         r = bx * 2 + gq
         o = CO + gq * MMA_CB_WORDS + (q & 63) * 4
         if r < rbs:
-            v0, v1, v2, v3 = load16(cbt32[r], (q & 63) * 4)
-            store16(sm, o, v0, v1, v2, v3)
+            copy16_async(sm, o, cbt32[r], (q & 63) * 4)
         else:
             store16(sm, o, zero, zero, zero, zero)
 
@@ -1617,6 +1634,7 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
             stage_codebooks(sm, cbt32, CO, p, rbs, tid, nt)
             if p == cuda.blockIdx.x:
                 stage_x_pairs(sm, x32, XO, xrow, j0, jend, B, tid, nt)
+            async_wait_all()
             cuda.syncthreads()  # also: the last pair's partials are read, so the table may be rebuilt
             build_table(sm, CO, tid, nt)
             cuda.syncthreads()
