@@ -35,11 +35,10 @@ import torch  # noqa: E402
 from numba import config as _nb_config  # noqa: E402
 from numba import cuda, float32, int32, int64, uint16, uint32  # noqa: E402
 
-u32, i32 = uint32, int32  # short names for the 32-bit-only arithmetic of the hot prologues
-
 from .codebook import CHUNK_BYTES, ROW_BLOCK, CodebookTensor, check_rows, codes_per_byte, tile, untile  # noqa: E402
 
 SIM = bool(_nb_config.ENABLE_CUDASIM)
+u32, i32 = uint32, int32  # short names for the kernels' explicitly 32-bit arithmetic (pair_table_builder)
 MAX_FUSED_BATCH = 16
 SMEM_BUDGET = 48 * 1024  # static + dynamic shared memory a block may use without opt-in
 
@@ -1178,15 +1177,15 @@ def stage_x_rows(sm, x32, XO, xrow, j0, jend, B, BP, tid, nt):
     # copies, all of a thread's in flight at once and holding no registers: a load and a store a
     # piece waited one L2 round trip a piece, 32 of them a thread at batch 64 (a fifth of the tile
     # kernel's stall samples there; NOTES "Session 26").
-    n = uint32(BP * xq)
-    uxq = uint32(xq)
+    n = u32(BP * xq)
+    uxq = u32(xq)
     zero = int32(0)
     for it in range(i32(tid), i32(n), i32(nt)):  # an i32 range counts in 32 bits (a u32 one in 64)
         t = u32(it)
         bb = u32(t // uxq)
         w = u32(u32(t - u32(bb * uxq)) << u32(2))
         o = u32(u32(u32(XO) + u32(bb * u32(xrow))) + w)
-        if BP == B or bb < uint32(B):  # the first folds away where every staged row is x's
+        if BP == B or bb < u32(B):  # the first folds away where every staged row is x's
             copy16_async(sm, o, x32[bb], u32(u32(j0 * 16) + w))
         else:
             store16(sm, o, zero, zero, zero, zero)
@@ -1230,26 +1229,30 @@ def pair_block_finisher(B: int, W2: int, nt: int):
     to ws, and the last K-slice's block sums ws into y."""
 
     @cuda.jit(device=True, **INLINE)
+    def item(it, bx):
+        # Output item ``it`` of the block: its lane r, batch row b, row-block gq of the pair and row,
+        # in 32-bit arithmetic, as the pair table's build.
+        u = u32(it)
+        r = u32(u & u32(31))
+        b = u32(u32(u >> u32(5)) % u32(B))
+        gq = u32(u32(u >> u32(5)) // u32(B))
+        return r, b, gq, i32(u32(u32(u32(bx * 2) + gq) << u32(5)) + r)
+
+    @cuda.jit(device=True, **INLINE)
     def finish(red, y, ws, counters, last, bx, split, nsplit, n_out, tid):
-        for it in range(i32(tid), i32(2 * B * 32), i32(nt)):  # 32-bit, as the pair table's build
-            u = u32(it)
-            r = u32(u & u32(31))
-            b = u32(u32(u >> u32(5)) % u32(B))
-            gq = u32(u32(u >> u32(5)) // u32(B))
+        for it in range(i32(tid), i32(2 * B * 32), i32(nt)):
+            r, b, gq, row = item(it, bx)
             s = float32(0.0)
             for v in range(W2):
                 s += red[u32(u32(u32(u32(u32(v * 2) + gq) * u32(B)) + b) << u32(5)) + r]
-            row = i32(u32(u32(u32(bx * 2) + gq) << u32(5)) + r)
             if row < n_out:
                 if nsplit == 1:
                     y[b, row] = s
                 else:
                     ws[split, b, row] = s
         if nsplit > 1 and last_to_finish(counters, bx, nsplit, last, tid):
-            for it in range(tid, 2 * B * 32, nt):
-                r = it & 31
-                b = (it >> 5) % B
-                row = (bx * 2 + (it >> 5) // B) * 32 + r
+            for it in range(i32(tid), i32(2 * B * 32), i32(nt)):
+                _, b, _, row = item(it, bx)
                 if row < n_out:
                     y[b, row] = sum_splits(ws, nsplit, b, row)
 
