@@ -1007,18 +1007,16 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
         y[bb, row] = s
 
     @cuda.jit(device=True)
-    def chunk(tiled, base, j, j1, ok):
-        # base = index of (row-block, chunk 0, lane); chunks are 32 lanes x 4 words apart.
-        if ok and j < j1:
-            return load(tiled, base + j * 128)
-        return zero, zero, zero, zero
-
-    @cuda.jit(device=True)
-    def fetch(dst, off, tiled, rb0, rbs, nchunks, j, j1):
+    def fetch(dst, off, tiled, base, rstride, rleft, j, j1):
+        # Chunk j of each row-block: base = word of (the block's first row-block, chunk 0, lane),
+        # row-blocks rstride words apart, chunks 32 lanes x 4 words; rleft = row-blocks from the
+        # block's first to the last. 32-bit, as pair_table_builder's.
         for r in range(RB):
-            base = ((rb0 + r) * nchunks * 32 + cuda.laneid) * 4
             o = off + 4 * r
-            dst[o], dst[o + 1], dst[o + 2], dst[o + 3] = chunk(tiled, base, j, j1, rb0 + r < rbs)
+            if r < rleft and j < j1:
+                dst[o], dst[o + 1], dst[o + 2], dst[o + 3] = load(tiled, u32(u32(base + u32(r * rstride)) + u32(u32(j) << u32(7))))
+            else:
+                dst[o], dst[o + 1], dst[o + 2], dst[o + 3] = zero, zero, zero, zero
 
     # Blocks above 8 warps get launch bounds, so ptxas keeps to registers that many threads can launch with.
     @cuda.jit(**({"launch_bounds": (nt,)} if warps > 8 and not SIM else {}))
@@ -1029,65 +1027,73 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
         wsq = cuda.shared.array((warps, B), float32)  # pre="rms": each warp's share of the sums of squares
         irms = cuda.shared.array(B, float32)  # pre="rms": 1 / rms of each row of x
         xs = cuda.shared.array(0, float32)  # dynamic: B x (cps * cpb)
-        tid = cuda.threadIdx.x
-        warp = tid // 32
-        lane4 = uint32(cuda.laneid) << uint32(2)
-        blk = cuda.blockIdx.x
-        rb0 = blk * RB
-        split = cuda.blockIdx.y
+        # Indices in 32-bit arithmetic, wrapped in u32 / i32 at every step (numba widens int32 and
+        # uint32 operations, and Python-int launch arguments, to 64 bits; its int64 division is a
+        # subroutine): as the mma kernel's (NOTES "Session 35").
+        tid = i32(cuda.threadIdx.x)
+        warp = i32(u32(tid) >> u32(5))
+        lane4 = u32(u32(cuda.laneid) << u32(2))
+        blk = i32(cuda.blockIdx.x)
+        rb0 = i32(blk * RB)
+        rleft = i32(rbs - rb0)
+        split = i32(cuda.blockIdx.y)
         nsplit = cuda.gridDim.y
-        j0 = split * cps
-        j1 = min(j0 + cps, nchunks)
-        ncols = (j1 - j0) * cpb
+        j0 = i32(split * cps)
+        j1 = i32(min(i32(j0 + cps), i32(nchunks)))
+        ncols = u32(u32(j1 - j0) * u32(cpb))
+        rstride = u32(u32(nchunks) << u32(7))  # words of one row-block's codes
+        base = u32(u32(u32(rb0) * rstride) + lane4)
 
         # Start streaming codes before anything waits: this warp's first stages-1 chunks of each
         # row-block. Slot s of the ring holds chunk j + s*warps (mod stages).
-        j = j0 + warp
+        j = i32(j0 + warp)
         ring = cuda.local.array(ring_size, int32)
         for s in range(stages - 1):
-            fetch(ring, s * nreg, tiled, rb0, rbs, nchunks, j + s * warps, j1)
+            fetch(ring, s * nreg, tiled, base, rstride, rleft, i32(j + s * warps), j1)
 
         # This block's slice of x, 8 values a 16-byte load: a thread's first load flies with the
         # codebooks' (below), so the prologue waits one round trip, not two.
-        xq = ncols // 8
-        xbase = j0 * (cpb // 2)
-        up = x32.shape[1] // 2
-        nx = B * xq
-        bb0 = tid // xq
+        xq = u32(ncols >> u32(3))
+        xbase = u32(u32(j0) * u32(cpb // 2))
+        up = u32(u32(x32.shape[1]) >> u32(1))
+        nx = i32(u32(B) * xq)
+        bb0 = u32(u32(tid) // xq) if B > 1 else u32(0)  # (batch 1: every staging thread's row is 0)
         x0 = zeros8
         if tid < nx:
-            x0 = load8(x32, g32, bb0, xbase + (tid - bb0 * xq) * 4, up)
+            x0 = load8(x32, g32, bb0, u32(xbase + u32(u32(u32(tid) - u32(bb0 * xq)) << u32(2))), up)
 
         # Codebooks -> fp32 LUT: every 16-byte load issued before the first store waits on one.
         buf = cuda.local.array(buf_size, int32)
         for i in range(quads_per_thread):
-            q = tid + i * nt
-            r = q // quads_per_rb
-            if q < lut_quads and rb0 + r < rbs:
-                buf[4 * i], buf[4 * i + 1], buf[4 * i + 2], buf[4 * i + 3] = load16(cbt32[rb0 + r], (q - r * quads_per_rb) * 4)
+            q = u32(tid + i * nt)
+            r = u32(q // u32(quads_per_rb))
+            if q < u32(lut_quads) and i32(r) < rleft:
+                buf[4 * i], buf[4 * i + 1], buf[4 * i + 2], buf[4 * i + 3] = load16(
+                    cbt32[i32(rb0 + i32(r))], u32(u32(q - u32(r * u32(quads_per_rb))) << u32(2)))
             else:
                 buf[4 * i], buf[4 * i + 1], buf[4 * i + 2], buf[4 * i + 3] = zero, zero, zero, zero
         if RMS and nsplit > 1:  # a K-slice: the row's other inputs load for the norm alone (behind the codebooks')
             row_sumsq(x32, wsq, tid, warp)
         for i in range(quads_per_thread):
-            q = tid + i * nt
-            if q < lut_quads:
-                o = q * 8  # word of (row-block r, code c, lanes 8 (q % 4) ..): r K 32 + c 32 + 8 (q % 4)
+            q = u32(tid + i * nt)
+            if q < u32(lut_quads):
+                o = u32(q << u32(3))  # word of (row-block r, code c, lanes 8 (q % 4) ..): r K 32 + c 32 + 8 (q % 4)
                 if BYTES:  # (r >> 1) K 64 + c 64 + (r & 1) 32 + 8 (q % 4)
-                    r = q // quads_per_rb
-                    qq = q - r * quads_per_rb
-                    o = (r >> 1) * K * 64 + (r & 1) * 32 + (qq >> 2) * 64 + (qq & 3) * 8
+                    r = u32(q // u32(quads_per_rb))
+                    qq = u32(q - u32(r * u32(quads_per_rb)))
+                    o = u32(u32(u32(u32(r >> u32(1)) * u32(K * 64)) + u32(u32(r & u32(1)) << u32(5)))
+                            + u32(u32(u32(qq >> u32(2)) << u32(6)) + u32(u32(qq & u32(3)) << u32(3))))
                 for h in range(4):
-                    lut[o + 2 * h], lut[o + 2 * h + 1] = half2_to_float2(buf[4 * i + h])
+                    lut[u32(o + u32(2 * h))], lut[u32(o + u32(2 * h + 1))] = half2_to_float2(buf[4 * i + h])
         part = cuda.local.array(B, float32)
         for bb in range(B):
             part[bb] = 0.0
         if tid < nx:
-            part[bb0] += put8(xs, bb0 * ncols + (tid - bb0 * xq) * 8, x0)
-        for t in range(tid + nt, nx, nt):
-            bb = t // xq
-            q = t - bb * xq
-            part[bb] += put8(xs, bb * ncols + q * 8, load8(x32, g32, bb, xbase + q * 4, up))
+            part[bb0] += put8(xs, u32(u32(bb0 * ncols) + u32(u32(u32(tid) - u32(bb0 * xq)) << u32(3))), x0)
+        for t in range(i32(tid + nt), nx, i32(nt)):  # an i32 range counts in 32 bits
+            bb = u32(u32(t) // xq) if B > 1 else u32(0)
+            q = u32(u32(t) - u32(bb * xq))
+            part[bb] += put8(xs, u32(u32(bb * ncols) + u32(q << u32(3))), load8(x32, g32, bb, u32(xbase + u32(q << u32(2))), up))
         if RMS and nsplit == 1:  # the block staged the whole row: its squares are summed already
             warp_sums(part, wsq, warp)
         cuda.syncthreads()
@@ -1104,19 +1110,19 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
         # the chunk stages-1 steps ahead, then use this step's slot.
         while j < j1:
             for s in range(stages):
-                fetch(ring, ((s + stages - 1) % stages) * nreg, tiled, rb0, rbs, nchunks, j + (stages - 1) * warps, j1)
+                fetch(ring, ((s + stages - 1) % stages) * nreg, tiled, base, rstride, rleft, i32(j + (stages - 1) * warps), j1)
                 if j < j1:
-                    col = (j - j0) * cpb
+                    col = u32(u32(j - j0) * u32(cpb))  # x's index unwrapped past here, so its offsets fold into the loads
                     for q in range(4):
                         dot_word(ring, s * nreg, q, lut, lane4, xs, col + q * per_word, ncols, acc, RB, lut_stride)
-                j += warps
+                j = i32(j + warps)
 
         for i in range(nacc):
             red[warp, i, cuda.laneid] = acc[i]
         cuda.syncthreads()
         if warp == 0:
             for r in range(RB):
-                row = (rb0 + r) * 32 + cuda.laneid
+                row = i32(u32(u32(u32(rb0 + r) << u32(5)) + u32(cuda.laneid)))
                 for bb in range(B):
                     s = float32(0.0)
                     for w in range(warps):
@@ -1124,11 +1130,11 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
                     if nsplit == 1:
                         if row < n_out:
                             write_out(s, y, bb, row, res, irms)
-                    elif rb0 + r < rbs:
+                    elif r < rleft:
                         ws[split, bb, row] = s
         if nsplit > 1 and last_to_finish(counters, blk, nsplit, last, tid) and warp == 0:
             for r in range(RB):
-                row = (rb0 + r) * 32 + cuda.laneid
+                row = i32(u32(u32(u32(rb0 + r) << u32(5)) + u32(cuda.laneid)))
                 for bb in range(B):
                     if row < n_out:  # so rb0 + r < rbs
                         write_out(sum_splits(ws, nsplit, bb, row), y, bb, row, res, irms)
