@@ -126,6 +126,13 @@ report.fig_decode_pareto(df)
 # share of the bandwidth bound). A goal above the kernel bound cannot be reached by a leaner decode
 # step; the kernels themselves would have to get faster (the previous chapters). Peak memory has no
 # such bound.
+#
+# The last rows ask how much of a token the graphed path loses outside those kernels: the fastest
+# row's tok/s over its own kernel bound. Two things make up the rest. The bound times each
+# projection alone at the tuner's fastest plan for it, which at some shapes is a tensor-core kernel;
+# the fused step runs every projection through the lut kernel instead, the only kernel that takes
+# the step's RMSNorm, SiLU and residual add with it (the RMSNorm and the add would otherwise be
+# launches of their own). The rest is attention, rotary, sampling and the gaps between graph nodes.
 
 # %%
 report.styled(report.decode_targets(df))

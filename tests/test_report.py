@@ -472,6 +472,10 @@ def test_decode_targets_take_each_targets_best_graphed_row(tmp_path):
     assert t.loc[report.DECODE_TARGETS[3][0], "ours"] == "–" and t.loc[report.DECODE_TARGETS[3][0], "met"] == "–"  # no 13B run
     bw = t.loc[report.DECODE_TARGETS[4][0]]  # 60 tok/s x 2 GB / 300 GB/s = 40 %; at the kernel bound 80 %
     assert (bw["ours"], bw["kernel bound"], bw["met"]) == ("40 %", "80 %", "no")
+    # the fastest 4-bit row's (fused-step, 240 tok/s) share of its kernel bound, not the compiled row's
+    kern = t.loc[report.DECODE_TARGETS[5][0]]
+    assert (kern["ours"], kern["kernel bound"], kern["met"]) == ("80 %", "–", "no") and "fused-step" in kern["row"]
+    assert t.loc[report.DECODE_TARGETS[6][0], "ours"] == "–"  # no 13B run
 
 
 def test_measure_auto_follows_the_gpu(monkeypatch):
