@@ -85,7 +85,7 @@ def test_plan_launch_covers_every_chunk_within_shared_memory(K, n_in, B, ks):
     nchunks = n_in // (32 if K == 16 else 16)
     p = plan_launch(200, nchunks, K, B, sms=132, ksplit=ks)
     assert (p.ksplit - 1) * p.cps < nchunks <= p.ksplit * p.cps
-    static = p.RB * K * 32 * 4 + p.warps * p.RB * B * 32 * 4 + 16
+    static = gemv.lut_table_words(K, p.RB, B) * 4 + p.warps * p.RB * B * 32 * 4 + 16
     assert static + p.shared_bytes <= gemv.SMEM_BUDGET
     if ks is not None:
         assert p.ksplit == ks

@@ -119,7 +119,12 @@ if SIM:
 
     @cuda.jit(device=True)
     def load_half_byte_offset(a, off):
-        return np.float32(np.array([a[off // 2]], dtype=np.uint16).view(np.float16)[0])
+        if a.itemsize == 4:  # a table of fp16 pairs in 32-bit words (little-endian: the first in the low half)
+            o = int(off)
+            h = ((int(a[o // 4]) & 0xFFFFFFFF) >> (16 * ((o // 2) & 1))) & 0xFFFF
+        else:
+            h = a[off // 2]
+        return np.float32(np.array([h], dtype=np.uint16).view(np.float16)[0])
 
     @cuda.jit(device=True)
     def store_half(a, i, v):
@@ -714,9 +719,22 @@ def byte_addressed(K: int) -> bool:
     return K == 64
 
 
-def lut_table_words(K: int, RB: int) -> int:
-    """32-bit words of :func:`lut_kernel`'s fp32 table for RB row-blocks (a byte-addressed table
-    pads an odd row-block count to a pair)."""
+def half_table(K: int, B: int) -> bool:
+    """Whether :func:`lut_kernel` keeps its table in fp16, in the codebooks' own [code][lane] order
+    (copied by cp.async; a lookup widened to fp32 by one instruction) rather than converted to fp32
+    in the prologue. uint8 K=256 at batch 2..16: at 4096 x 14336 on the H100, 46.6 us against 51.5
+    at batch 4 and 95.4 against 135.8 at batch 8, the halved table leaving room for fewer K-slices;
+    at batch 1 the extra instruction a lookup cost what the prologue saved (NOTES "Session 37").
+    Lanes 2m and 2m + 1 share a bank when their codes differ with the same parity; a pair-interleaved
+    copy that avoids it gained 3-6 % more at batch 4 and 8 but slowed batch 1's fp32 conversion."""
+    return K == 256 and B > 1
+
+
+def lut_table_words(K: int, RB: int, B: int = 1) -> int:
+    """32-bit words of :func:`lut_kernel`'s table for RB row-blocks at batch B: fp32 (a byte-addressed
+    table pads an odd row-block count to a pair) or fp16 pairs (:func:`half_table`)."""
+    if half_table(K, B):
+        return RB * K * 16
     return (RB + (RB & 1 if byte_addressed(K) else 0)) * K * 32
 
 
@@ -726,6 +744,7 @@ def _make_device_functions(K: int, B: int):
     mask = uint32((1 << bits) - 1)
     per_word = 32 // bits
     BYTES = byte_addressed(K)
+    HALF = half_table(K, B)
 
     @cuda.jit(device=True)
     def code_at(packed_row, i):
@@ -750,6 +769,13 @@ def _make_device_functions(K: int, B: int):
                         v1 = load_byte_offset(lut, base + prmt(w, lp, 0x5514))
                         v2 = load_byte_offset(lut, base + prmt(w, lp, 0x5524))
                         v3 = load_byte_offset(lut, base + prmt(w, lp, 0x5534))
+                    elif HALF:  # fp16 [code][lane]: 64 bytes a code
+                        lane2 = lane4 >> uint32(1)
+                        base = uint32(r * lut_stride)
+                        v0 = load_half_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g))) & mask) << uint32(6)) | lane2))
+                        v1 = load_half_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g + 1))) & mask) << uint32(6)) | lane2))
+                        v2 = load_half_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g + 2))) & mask) << uint32(6)) | lane2))
+                        v3 = load_half_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g + 3))) & mask) << uint32(6)) | lane2))
                     else:
                         base = uint32(r * lut_stride)
                         v0 = load_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g))) & mask) << uint32(7)) | lane4))
@@ -949,13 +975,15 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
     _, dot_word, per_word = _make_device_functions(K, B)
     cpb = CHUNK_BYTES * (2 if K == 16 else 1)  # columns a 16-byte chunk covers
     nt = warps * 32
-    lut_stride = K * 128  # bytes of one row-block's [code][lane] fp32 table
-    lut_size = lut_table_words(K, RB)
+    HALF = half_table(K, B)
+    lut_stride = K * (64 if HALF else 128)  # bytes of one row-block's [code][lane] table
+    lut_size = lut_table_words(K, RB, B)
+    LUT_T = int32 if HALF else float32  # fp16 pairs, or fp32
     BYTES = byte_addressed(K)
     lut_quads = RB * K * 4  # 16-byte pieces of the block's fp16 codebooks
     quads_per_rb = K * 4
     quads_per_thread = -(-lut_quads // nt)
-    buf_size = quads_per_thread * 4
+    buf_size = 4 if HALF else quads_per_thread * 4
     nreg = RB * 4
     ring_size = stages * nreg
     nacc = RB * B
@@ -1021,7 +1049,7 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
     # Blocks above 8 warps get launch bounds, so ptxas keeps to registers that many threads can launch with.
     @cuda.jit(**({"launch_bounds": (nt,)} if warps > 8 and not SIM else {}))
     def kernel(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, cps, g32, res, eps):
-        lut = cuda.shared.array(lut_size, float32)  # [row-block][code][lane] (or byte_addressed): 32 banks a warp
+        lut = cuda.shared.array(lut_size, LUT_T)  # [row-block][code][lane] (or byte_addressed): 32 banks a warp
         red = cuda.shared.array((warps, nacc, 32), float32)
         last = cuda.shared.array(1, int32)
         wsq = cuda.shared.array((warps, B), float32)  # pre="rms": each warp's share of the sums of squares
@@ -1063,18 +1091,26 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
             x0 = load8(x32, g32, bb0, u32(xbase + u32(u32(u32(tid) - u32(bb0 * xq)) << u32(2))), up)
 
         # Codebooks -> fp32 LUT: every 16-byte load issued before the first store waits on one.
+        # (An fp16 table is the codebooks' own layout: asynchronous copies, waited for at the barrier.)
         buf = cuda.local.array(buf_size, int32)
         for i in range(quads_per_thread):
             q = u32(tid + i * nt)
             r = u32(q // u32(quads_per_rb))
             if q < u32(lut_quads) and i32(r) < rleft:
-                buf[4 * i], buf[4 * i + 1], buf[4 * i + 2], buf[4 * i + 3] = load16(
-                    cbt32[i32(rb0 + i32(r))], u32(u32(q - u32(r * u32(quads_per_rb))) << u32(2)))
+                src = cbt32[i32(rb0 + i32(r))]
+                si = u32(u32(q - u32(r * u32(quads_per_rb))) << u32(2))
+                if HALF:
+                    copy16_async(lut, u32(q << u32(2)), src, si)
+                else:
+                    buf[4 * i], buf[4 * i + 1], buf[4 * i + 2], buf[4 * i + 3] = load16(src, si)
+            elif HALF:
+                if q < u32(lut_quads):
+                    store16(lut, u32(q << u32(2)), zero, zero, zero, zero)
             else:
                 buf[4 * i], buf[4 * i + 1], buf[4 * i + 2], buf[4 * i + 3] = zero, zero, zero, zero
         if RMS and nsplit > 1:  # a K-slice: the row's other inputs load for the norm alone (behind the codebooks')
             row_sumsq(x32, wsq, tid, warp)
-        for i in range(quads_per_thread):
+        for i in range(0 if HALF else quads_per_thread):
             q = u32(tid + i * nt)
             if q < u32(lut_quads):
                 o = u32(q << u32(3))  # word of (row-block r, code c, lanes 8 (q % 4) ..): r K 32 + c 32 + 8 (q % 4)
@@ -1096,6 +1132,8 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
             part[bb] += put8(xs, u32(u32(bb * ncols) + u32(q << u32(3))), load8(x32, g32, bb, u32(xbase + u32(q << u32(2))), up))
         if RMS and nsplit == 1:  # the block staged the whole row: its squares are summed already
             warp_sums(part, wsq, warp)
+        if HALF:
+            async_wait_all()
         cuda.syncthreads()
         if RMS and tid < B:
             # Once a block, into shared memory (read after the finish's barrier): computed at each
@@ -2212,7 +2250,7 @@ def plan_launch(n_out: int, nchunks: int, K: int, B: int, sms: int, warps: int |
     rbs = -(-n_out // ROW_BLOCK)
     RB = RB or row_blocks_per_block(K, B)
     for w in ([warps] if warps else [8, 4]):  # fewer warps when the LUT and batch leave no room
-        static = lut_table_words(K, RB) * 4 + w * RB * B * 32 * 4 + 16
+        static = lut_table_words(K, RB, B) * 4 + w * RB * B * 32 * 4 + 16
         x_budget = SMEM_BUDGET - static
         if x_budget >= B * cpb * 4 * w:
             warps = w
