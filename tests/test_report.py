@@ -447,14 +447,16 @@ def test_decode_targets_take_each_targets_best_graphed_row(tmp_path):
     prov = results.provenance(command="bench")
     prov.update(gpu="NVIDIA H100 80GB HBM3", date="2026-01-01T00:00:00+00:00")
 
-    def rec(model, scheme, path, tok_s, vram, kb=None, fp16=None):
+    def rec(model, scheme, path, tok_s, vram, kb=None, fp16=None, sb=None):
         return {"model": model, "scheme": scheme, "path": path, "fused": True, "tok_s": tok_s, "vram_gb": vram,
                 "fp16_tok_s": fp16, "fp16_vram_gb": 10.0 if fp16 else None, "j_per_token": 1.0, "oom": False,
-                "fraction_of_kernel_bound": kb, "weight_bytes_per_token": 2e9 if "70b" in model else 1e9}
+                "fraction_of_kernel_bound": kb, "fraction_of_step_bound": sb, "weight_bytes_per_token": 2e9 if "70b" in model else 1e9}
 
     recs = [rec("llama-2-7b", "fp16", "compiled", 100.0, 10.0, 0.9, 100.0),
             rec("llama-2-7b", "4-bit K=16", "compiled", 200.0, 3.2, 0.8, 100.0),
-            rec("llama-2-7b", "4-bit K=16, LM head 4-bit K=16", "fused-step", 240.0, 2.9, 0.8),
+            rec("llama-2-7b", "4-bit K=16, LM head 4-bit K=16", "fused-step", 240.0, 2.9, 0.8, sb=0.9),
+            rec("llama-2-13b", "fp16", "compiled", 50.0, 20.0, 0.9, 50.0),
+            rec("llama-2-13b", "4-bit K=16", "compiled", 120.0, 6.0, 0.83, 50.0),  # no step bound: the kernel bound's share
             rec("llama-2-7b", "4-bit K=16", "eager", 999.0, 1.0),  # not a graphed path: never a target's row
             rec("llama-2-7b", "2-bit additive (M=2)", "fused-step", 300.0, 2.0, 0.75),
             rec("llama-2-70b", "fp16", "graphed", None, None) | {"oom": True},
@@ -469,13 +471,15 @@ def test_decode_targets_take_each_targets_best_graphed_row(tmp_path):
     assert (two["ours"], two["kernel bound"], two["met"]) == ("3.00x", "4.00x", "no")
     vram = t.loc[report.DECODE_TARGETS[2][0]]
     assert (vram["goal"], vram["ours"], vram["kernel bound"], vram["met"]) == ("at most 30 %", "29 %", "–", "yes")
-    assert t.loc[report.DECODE_TARGETS[3][0], "ours"] == "–" and t.loc[report.DECODE_TARGETS[3][0], "met"] == "–"  # no 13B run
+    assert (t.loc[report.DECODE_TARGETS[3][0], "ours"], t.loc[report.DECODE_TARGETS[3][0], "met"]) == ("2.40x", "yes")
     bw = t.loc[report.DECODE_TARGETS[4][0]]  # 60 tok/s x 2 GB / 300 GB/s = 40 %; at the kernel bound 80 %
     assert (bw["ours"], bw["kernel bound"], bw["met"]) == ("40 %", "80 %", "no")
-    # the fastest 4-bit row's (fused-step, 240 tok/s) share of its kernel bound, not the compiled row's
+    # the fastest 4-bit row's (fused-step, 240 tok/s) share of its own kernels' bound (90 %, not the
+    # fastest plans' 80 %), not the compiled row's
     kern = t.loc[report.DECODE_TARGETS[5][0]]
-    assert (kern["ours"], kern["kernel bound"], kern["met"]) == ("80 %", "–", "no") and "fused-step" in kern["row"]
-    assert t.loc[report.DECODE_TARGETS[6][0], "ours"] == "–"  # no 13B run
+    assert (kern["ours"], kern["kernel bound"], kern["met"]) == ("90 %", "–", "yes") and "fused-step" in kern["row"]
+    k13 = t.loc[report.DECODE_TARGETS[6][0]]  # a compiled row runs the kernels the kernel bound times: its 83 %
+    assert (k13["ours"], k13["met"]) == ("83 %", "no") and "compiled" in k13["row"]
 
 
 def test_measure_auto_follows_the_gpu(monkeypatch):

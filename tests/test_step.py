@@ -52,6 +52,11 @@ def test_fused_step_fuses_every_codebook_projection(model):
     # each fused shape and operation names the plan it launches (recorded by the bench)
     assert sorted(k.split(" ")[1] for k in step.plans) == ["-/add", "rms/-", "rms/-", "silu/add"], step.plans
     assert all("warps" in v and "K-split" in v for v in step.plans.values())
+    # the step bound of trapetum.decode.kernel_bound times each shape with the operations launched here
+    from trapetum.decode import STEP_OPS, projection_shapes
+
+    ops = {f"{a}x{b} {STEP_OPS[n][0] or '-'}/{STEP_OPS[n][1] or '-'}" for n, (a, b) in projection_shapes(model.config, True).items()}
+    assert ops == set(step.plans), (ops, step.plans)
 
 
 def test_fp16_model_runs_unfused_and_agrees():

@@ -256,6 +256,24 @@ def time_lut(n_in, n_out, K, batch, variant, fp16_ms, seed=0, kernels=LutGemv.FA
                        walk=getattr(plan, "walk", None), l2_resident_ms=l2_ms)
 
 
+def time_fused(n_in: int, n_out: int, K: int, pre: str = "", post: str = "", seed: int = 0) -> float:
+    """Milliseconds of one batch-1 lut kernel with fused operations (``pre`` "rms" or "silu", ``post``
+    "add", as :class:`trapetum.step.FusedStep` launches it) at its own tuned fused plan, timed as
+    :func:`time_graph` replays over rotated copies of the weight. Correctness of these kernels is
+    :func:`trapetum.step.kernel_checks`'s."""
+    ct = random_codebook_tensor(n_out, n_in, K, seed=seed, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    x = torch.randn(1, 2 * n_in if pre == "silu" else n_in, device="cuda", dtype=torch.float16, generator=g)
+    y = torch.randn(1, n_out, device="cuda", dtype=torch.float16, generator=g)
+    w = (torch.rand(n_in, device="cuda", generator=g) + 0.5).half()
+    gemvs = [LutGemv(ct, keep_natural=False, kernels=("lut",)) for _ in range(copies_for(ct.nbytes))]
+    launchers = [h.bind(x, y, pre=pre, post=post, norm_weight=w if pre == "rms" else None, res=y if post else None) for h in gemvs]
+    ms = time_graph(launchers)
+    del launchers, gemvs
+    torch.cuda.empty_cache()
+    return ms
+
+
 STREAM_FLOOR = "stream floor"  # kernel name of the records of time_stream in the gemv suite
 STREAM_BLOCKS_PER_SM = 8  # the streaming floor's grid: 8 blocks of 256 threads an SM (the fastest of 2-8 probed)
 

@@ -536,12 +536,22 @@ def projection_shapes(cfg, fused: bool = False) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
-def kernel_bound(cfg, K: int | None, head_K: int | None = None, fused: bool = False) -> dict:
+STEP_OPS = {"qkv_proj": ("rms", ""), "o_proj": ("", "add"), "gate_up_proj": ("rms", ""), "down_proj": ("silu", "add")}
+"""What :class:`trapetum.step.FusedStep` fuses into each (fused) projection's kernel: (pre, post)."""
+
+
+def kernel_bound(cfg, K: int | None, head_K: int | None = None, fused: bool = False, step: bool = False) -> dict:
     """The tok/s the projection and lm_head kernels alone allow: each shape timed as CUDA-graph
-    replays over L2-rotated copies (trapetum.bench), summed over the layers.
+    replays over L2-rotated copies (trapetum.bench) at its fastest plan, summed over the layers.
 
     The graphed path's tok/s over this bound is the share of a token spent in these kernels;
     the rest is attention, norms, rotary, residual adds and the gaps between graph nodes.
+
+    ``step`` (a scalar codebook K, ``fused``): also the bound of the kernels the fused step itself
+    launches (``step_*`` keys): each projection's lut kernel with the norm, SiLU or residual add
+    it fuses (:data:`STEP_OPS`) at its own tuned plan, and a codebook LM head with its norm. These
+    can be slower than the fastest plans (a tensor-core kernel where the lut kernel is the only one
+    taking the fused operations) but spare the step the separate norm, SiLU and add launches.
     """
     from . import bench
 
@@ -563,8 +573,14 @@ def kernel_bound(cfg, K: int | None, head_K: int | None = None, fused: bool = Fa
     if head_K is not None:
         head = bench.time_lut(cfg.hidden_size, cfg.vocab_size, head_K, 1, "lut", head)["time_ms"]
     ms = cfg.num_hidden_layers * per_layer + head
-    return {"kernel_ms_per_token": ms, "implied_tok_s": 1e3 / ms, "lm_head_ms": head,
-            "kernel_ms_by_shape": json.dumps({f"{a}x{b}": t for (a, b), t in times.items()})}
+    out = {"kernel_ms_per_token": ms, "implied_tok_s": 1e3 / ms, "lm_head_ms": head,
+           "kernel_ms_by_shape": json.dumps({f"{a}x{b}": t for (a, b), t in times.items()})}
+    if step and fused and isinstance(K, int):
+        by_op = {name: bench.time_fused(n_in, n_out, K, *STEP_OPS[name]) for name, (n_in, n_out) in projection_shapes(cfg, True).items()}
+        by_op["lm_head"] = bench.time_fused(cfg.hidden_size, cfg.vocab_size, head_K, "rms") if head_K is not None else head
+        step_ms = cfg.num_hidden_layers * sum(v for k, v in by_op.items() if k != "lm_head") + by_op["lm_head"]
+        out.update(step_kernel_ms_per_token=step_ms, step_implied_tok_s=1e3 / step_ms, step_kernel_ms_by_op=json.dumps(by_op))
+    return out
 
 
 def _release_gpu_memory() -> None:
@@ -627,7 +643,8 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
     recorded (``oom`` True, tok_s None, the weight bytes it needed) and the next scheme still runs.
     Eager paths generate ``eager_gen_len`` tokens (they are Python-bound; the window is recorded).
     ``kernel_times``: also time each projection shape alone (:func:`kernel_bound`) and record the
-    graphed path's share of that bound. ``heads``: the LM head of each codebook scheme, fp16 (None)
+    graphed path's share of that bound (a fused-step row also its share of its own kernels' bound,
+    ``fraction_of_step_bound``). ``heads``: the LM head of each codebook scheme, fp16 (None)
     and/or a scalar K (one row each); ``embeds`` likewise for the token embedding (a
     :class:`~trapetum.qlinear.QEmbedding`: VRAM only, a token reads one row of it).
     ``device="cpu"`` with tiny ``arch_overrides`` is for tests only.
@@ -672,10 +689,14 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
         try:
             bound = {}
             if kernel_times and cuda:
-                bound = kernel_bound(cfg, K, head, fused)  # before the model is built: the rotated copies need memory
+                # before the model is built: the rotated copies need memory
+                bound = kernel_bound(cfg, K, head, fused, step="fused-step" in paths)
                 if progress:
                     print(f"{arch} {scheme}: projection + lm_head kernels {bound['kernel_ms_per_token']:.3f} ms/token "
                           f"-> {bound['implied_tok_s']:.1f} tok/s bound", flush=True)
+                    if "step_implied_tok_s" in bound:
+                        print(f"  the fused step's own kernels {bound['step_kernel_ms_per_token']:.3f} ms/token "
+                              f"-> {bound['step_implied_tok_s']:.1f} tok/s bound", flush=True)
             t0 = time.time()
             model = random_llama(arch, K, device=device, seed=seed, progress=progress, head_K=head, fuse=fused, embed_K=embed,
                                  **arch_overrides)
@@ -709,7 +730,11 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
                         for name, c, us in prof["rows"][:8]:
                             print(f"  {us:9.1f} us a token {c:6.1f} calls  {name[:90]}", flush=True)
                 if path in GRAPHED and bound:
-                    rec.update(bound, fraction_of_kernel_bound=r.tok_s / bound["implied_tok_s"])
+                    rec.update({k: v for k, v in bound.items() if not k.startswith("step_")},
+                               fraction_of_kernel_bound=r.tok_s / bound["implied_tok_s"])
+                    if path == "fused-step" and "step_implied_tok_s" in bound:
+                        rec.update({k: v for k, v in bound.items() if k.startswith("step_")},
+                                   fraction_of_step_bound=r.tok_s / bound["step_implied_tok_s"])
                 if K is None and path in GRAPHED:
                     fp16_tok_s[path, fused] = r.tok_s
                     fp16_vram[path, fused] = r.peak_vram_gb
