@@ -43,8 +43,12 @@
 # with random weights on the GPU (speed does not depend on weight values). Tokens per second are
 # timed with CUDA events; peak VRAM is `torch.cuda.max_memory_allocated`; J/token is the mean NVML
 # power over the decode window times seconds per token. *Share of kernel bound* is a graphed
-# path's tok/s over the tok/s implied by timing each projection's kernel (and the LM head) alone:
-# what is left is attention, norms, rotary, sampling and the gaps between kernels.
+# path's tok/s over the tok/s implied by timing each projection's kernel (and the LM head) alone,
+# at the tuner's fastest plan for it: what is left is attention, norms, rotary, sampling and the
+# gaps between kernels. *Share of own kernel bound* is the same over the kernels the path itself
+# launches: for the fused step, each projection's lut kernel with the norm, SiLU or residual add it
+# fuses, at its own tuned plan (other graphed paths launch the kernels the first bound times; a
+# fused-step run that did not time its own kernels keeps the first share, a lower bound on this one).
 
 # %%
 # %matplotlib inline
@@ -127,12 +131,14 @@ report.fig_decode_pareto(df)
 # step; the kernels themselves would have to get faster (the previous chapters). Peak memory has no
 # such bound.
 #
-# The last rows ask how much of a token the graphed path loses outside those kernels: the fastest
-# row's tok/s over its own kernel bound. Two things make up the rest. The bound times each
-# projection alone at the tuner's fastest plan for it, which at some shapes is a tensor-core kernel;
-# the fused step runs every projection through the lut kernel instead, the only kernel that takes
-# the step's RMSNorm, SiLU and residual add with it (the RMSNorm and the add would otherwise be
-# launches of their own). The rest is attention, rotary, sampling and the gaps between graph nodes.
+# The last rows ask how much of a token the graphed path loses outside its own kernels: the fastest
+# row's tok/s over the bound of the kernels it launches (*share of own kernel bound* in the table
+# above). For the fused step those are its fused projection kernels; what they leave is attention,
+# rotary, sampling and the gaps between graph nodes. The table's *share of kernel bound* sets the
+# same row against every projection at its fastest plan, which at some shapes is a tensor-core
+# kernel: the difference between the two is what fusing costs in kernel time, since the lut kernel
+# is the only one that takes the step's RMSNorm, SiLU and residual add with it (the norm and the add
+# would otherwise be launches of their own).
 
 # %%
 report.styled(report.decode_targets(df))

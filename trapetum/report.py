@@ -1014,7 +1014,9 @@ def decode_table(df: pd.DataFrame) -> pd.DataFrame:
         "J/token": d["j_per_token"],
         "share of kernel bound": d.get("fraction_of_kernel_bound", np.nan),
         # the same over the kernels the row's path launches: the fused step's own (fused operations,
-        # own plans); other graphed paths run the projections as the kernel bound times them
+        # own plans); other graphed paths run the projections as the kernel bound times them. A
+        # fused-step row without that bound (an older run, an additive scheme) keeps the fastest
+        # plans' share, a lower bound on its own: its kernels are at best those plans'.
         "share of own kernel bound": d.get("fraction_of_step_bound", pd.Series(np.nan, index=d.index)).fillna(
             d.get("fraction_of_kernel_bound", pd.Series(np.nan, index=d.index))),
         # the weight bytes a token must read (projections at their bits, fp16 lm_head) at the
