@@ -132,14 +132,18 @@ def fp16_launchers(n_in: int, n_out: int, batch: int, seed: int = 0):
     return [lambda W=W: torch.mm(x, W.t(), out=y) for W in Ws], (Ws, x, y)
 
 
-def lut_launchers(n_in: int, n_out: int, K: int, batch: int, variant: str = "lut", seed: int = 0, kernels=LutGemv.FAMILIES):
-    """Rotated copies of one random codebook weight, each bound to the same x and y."""
+def lut_launchers(n_in: int, n_out: int, K: int, batch: int, variant: str = "lut", seed: int = 0, kernels=LutGemv.FAMILIES,
+                  pre: str = "", post: str = ""):
+    """Rotated copies of one random codebook weight, each bound to the same x and y; with ``pre`` /
+    ``post`` (see :meth:`LutGemv.bind`) a random norm weight, x of 2 n_in columns for "silu", and
+    y as its own residual for "add"."""
     ct = random_codebook_tensor(n_out, n_in, K, seed=seed, device="cuda")
     k = copies_for(ct.nbytes)
     gemvs = [LutGemv(ct, variant=variant, kernels=kernels) for _ in range(k)]
-    x = torch.randn(batch, n_in, device="cuda", dtype=torch.float16)
-    y = torch.empty(batch, n_out, device="cuda", dtype=torch.float16)
-    return [g.bind(x, y) for g in gemvs], (gemvs, x, y)
+    x = torch.randn(batch, 2 * n_in if pre == "silu" else n_in, device="cuda", dtype=torch.float16)
+    y = torch.randn(batch, n_out, device="cuda", dtype=torch.float16) if post else torch.empty(batch, n_out, device="cuda", dtype=torch.float16)
+    w = (torch.rand(n_in, device="cuda") + 0.5).half() if pre == "rms" else None
+    return [g.bind(x, y, pre=pre, post=post, norm_weight=w, res=y if post else None) for g in gemvs], (gemvs, x, y)
 
 
 def poisoned_check(gemv, x: torch.Tensor, ref: Callable[[torch.Tensor], torch.Tensor], what: str) -> float:
@@ -261,15 +265,9 @@ def time_fused(n_in: int, n_out: int, K: int, pre: str = "", post: str = "", see
     "add", as :class:`trapetum.step.FusedStep` launches it) at its own tuned fused plan, timed as
     :func:`time_graph` replays over rotated copies of the weight. Correctness of these kernels is
     :func:`trapetum.step.kernel_checks`'s."""
-    ct = random_codebook_tensor(n_out, n_in, K, seed=seed, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(seed + 1)
-    x = torch.randn(1, 2 * n_in if pre == "silu" else n_in, device="cuda", dtype=torch.float16, generator=g)
-    y = torch.randn(1, n_out, device="cuda", dtype=torch.float16, generator=g)
-    w = (torch.rand(n_in, device="cuda", generator=g) + 0.5).half()
-    gemvs = [LutGemv(ct, keep_natural=False, kernels=("lut",)) for _ in range(copies_for(ct.nbytes))]
-    launchers = [h.bind(x, y, pre=pre, post=post, norm_weight=w if pre == "rms" else None, res=y if post else None) for h in gemvs]
+    launchers, keep = lut_launchers(n_in, n_out, K, 1, seed=seed, kernels=("lut",), pre=pre, post=post)
     ms = time_graph(launchers)
-    del launchers, gemvs
+    del launchers, keep
     torch.cuda.empty_cache()
     return ms
 

@@ -745,6 +745,9 @@ def _make_device_functions(K: int, B: int):
     per_word = 32 // bits
     BYTES = byte_addressed(K)
     HALF = half_table(K, B)
+    load_entry = load_half_byte_offset if HALF else load_byte_offset
+    CODE_SHIFT = uint32(6 if HALF else 7)  # log2 of a table row's bytes: 32 lanes of fp16 or fp32
+    LANE_SHIFT = uint32(1 if HALF else 0)  # lane4 (4 x lane) -> a lane's byte offset in that row
 
     @cuda.jit(device=True)
     def code_at(packed_row, i):
@@ -769,19 +772,13 @@ def _make_device_functions(K: int, B: int):
                         v1 = load_byte_offset(lut, base + prmt(w, lp, 0x5514))
                         v2 = load_byte_offset(lut, base + prmt(w, lp, 0x5524))
                         v3 = load_byte_offset(lut, base + prmt(w, lp, 0x5534))
-                    elif HALF:  # fp16 [code][lane]: 64 bytes a code
-                        lane2 = lane4 >> uint32(1)
+                    else:  # [code][lane]: 128 bytes a code (fp32), or 64 (fp16, half_table)
+                        lo = lane4 >> LANE_SHIFT
                         base = uint32(r * lut_stride)
-                        v0 = load_half_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g))) & mask) << uint32(6)) | lane2))
-                        v1 = load_half_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g + 1))) & mask) << uint32(6)) | lane2))
-                        v2 = load_half_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g + 2))) & mask) << uint32(6)) | lane2))
-                        v3 = load_half_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g + 3))) & mask) << uint32(6)) | lane2))
-                    else:
-                        base = uint32(r * lut_stride)
-                        v0 = load_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g))) & mask) << uint32(7)) | lane4))
-                        v1 = load_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g + 1))) & mask) << uint32(7)) | lane4))
-                        v2 = load_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g + 2))) & mask) << uint32(7)) | lane4))
-                        v3 = load_byte_offset(lut, base + ((((w >> uint32(bits * (4 * g + 3))) & mask) << uint32(7)) | lane4))
+                        v0 = load_entry(lut, base + ((((w >> uint32(bits * (4 * g))) & mask) << CODE_SHIFT) | lo))
+                        v1 = load_entry(lut, base + ((((w >> uint32(bits * (4 * g + 1))) & mask) << CODE_SHIFT) | lo))
+                        v2 = load_entry(lut, base + ((((w >> uint32(bits * (4 * g + 2))) & mask) << CODE_SHIFT) | lo))
+                        v3 = load_entry(lut, base + ((((w >> uint32(bits * (4 * g + 3))) & mask) << CODE_SHIFT) | lo))
                     acc[r * B + b] = cuda.fma(v3, x3, cuda.fma(v2, x2, cuda.fma(v1, x1, cuda.fma(v0, x0, acc[r * B + b]))))
 
     return code_at, dot_word, per_word
