@@ -104,6 +104,77 @@ def test_tables_stay_finite_for_activations_in_the_thousands(table):
     check(AdditiveGemv(t, plan={"cps": 1, "warps": 2, "bt": 2, "build": "mma", "table": table}), x, t)
 
 
+# -- the streaming kernel (M = 2, batch 1) ------------------------------------------------------
+# A chunk is 64 groups (512 inputs); a block holds two 64 KiB chunk tables, so the simulator plans
+# with an H100's opt-in shared memory. 4 warps keep the simulated threads few.
+@pytest.mark.parametrize(
+    "n_out, n_in, plan",
+    [
+        (38, 1088, {"warps": 4, "ksplit": 2, "slots": 3}),  # 3 chunks (the last half zero-padded groups), K-split 2 (slices of 2 and 1)
+        (21, 576, {"warps": 4, "ksplit": 1, "slots": 2}),  # a quad of 1 row; 2 chunks
+        (70, 512, {"warps": 8, "ksplit": 1, "slots": 2}),  # one chunk: no table built inside the loop
+    ],
+)
+def test_stream_kernel_matches_float64(n_out, n_in, plan):
+    t = with_bias(random_additive_tensor(n_out, n_in, 2, seed=n_out), seed=n_in)
+    g = AdditiveGemv(t, plan={"kernel": "stream", **plan})
+    p = g.plan(1)
+    assert isinstance(p, A.StreamPlan) and (p.warps, p.ksplit, p.slots) == (plan["warps"], plan["ksplit"], plan["slots"])
+    check(g, x_for(n_in, 1, seed=n_out), t)
+
+
+def test_stream_tables_scale_activations_in_the_thousands():
+    # As the table kernel's fp16 tables: each chunk's table is scaled by its own power of two.
+    r = random_additive_tensor(9, 1024, 2, seed=4)
+    t = AdditiveTensor(r.codes, r.codebooks * 64, (r.scales.float() / 4096).half())
+    x = x_for(1024, 1, seed=4) * 3000
+    x[0, 700] = -60000.0  # only the second chunk needs a large factor
+    assert float(x.float().abs().max()) * float(t.codebooks.float().abs().sum(-1).max()) > 65504 * 4
+    check(AdditiveGemv(t, plan={"kernel": "stream", "warps": 4, "ksplit": 1, "slots": 2}), x, t)
+
+
+@pytest.mark.parametrize("n_out, n_in", [(38, 1088), (4, 512), (130, 64)])
+def test_stream_layout_and_its_inverse(n_out, n_in):
+    t = random_additive_tensor(n_out, n_in, 2, seed=n_out)
+    w = A.stream_codes(t.codes)
+    nq, nch = -(-n_out // 4), -(-(n_in // 8) // 64)
+    assert w.dtype == torch.int32 and w.numel() == nch * nq * 32 * 4
+    assert torch.equal(A.unstream_codes(w, n_out, n_in // 8), t.codes)
+    # word ((c * quads + q) * 32 + s) * 4 + r: row 4q + r's codes of groups 64c + s and 64c + s + 32
+    b = w.view(torch.uint8).reshape(nch, nq, 32, 4, 4)
+    row, grp = min(n_out - 1, 5), min(n_in // 8 - 1, 3)
+    assert b[0, row // 4, grp, row % 4, 0] == t.codes[row, grp, 0] and b[0, row // 4, grp, row % 4, 1] == t.codes[row, grp, 1]
+
+
+def test_a_stream_layer_holds_one_copy_of_its_codes_until_called_both_ways():
+    t = random_additive_tensor(38, 1088, 2, seed=3)
+    g = AdditiveGemv(t, plan={"kernel": "stream", "warps": 4, "ksplit": 1, "slots": 2})
+    check(g, x_for(1088, 1), t)
+    assert g._tiled_t is None and g._stream_t is not None  # the tiled copy was dropped
+    assert torch.equal(g.t.codes, t.codes) and torch.equal(g.dequantize(rows=(32, 38)), t.dequantize()[32:38].half())
+    g.fixed_plan = {"warps": 2}  # a batch-3 call needs the table kernel: its layout comes back, both are held
+    check(g, x_for(1088, 3), t)
+    assert g._tiled_t is not None and g._stream_t is not None
+
+
+def test_stream_plans_refuse_what_they_cannot_run():
+    t = random_additive_tensor(16, 1024, 2, seed=0)
+    with pytest.raises(ValueError, match="batch 1"):
+        AdditiveGemv(t, plan={"kernel": "stream", "warps": 4})(x_for(1024, 2))
+    with pytest.raises(ValueError, match="M=2"):
+        AdditiveGemv(random_additive_tensor(16, 1024, 4, seed=0), plan={"kernel": "stream", "warps": 4})(x_for(1024, 1))
+    with pytest.raises(ValueError, match="chunks"):
+        A.plan_stream(16, 1024, 4, 227 * 1024, ksplit=3)
+    with pytest.raises(ValueError, match="shared memory"):
+        A.plan_stream(16, 1024, 4, 99 * 1024)  # an sm_86 / sm_89 block: the tuner leaves the kernel out there
+    with pytest.raises(ValueError, match="warps must divide 64"):
+        A.plan_stream(16, 1024, 4, 227 * 1024, warps=12)
+    assert A.stream_candidates(16, 1024, 132, 99 * 1024) == []
+    assert [p.ksplit for p in A.stream_candidates(4096, 14336, 132, 227 * 1024)] == [1, 2, 4, 6]
+    assert [p.ksplit for p in A.stream_candidates(14336, 4096, 132, 227 * 1024)] == [1, 2, 4]  # 8 chunks: 6 is 4 again
+    assert not AdditiveGemv(t, plan={"kernel": "stream", "warps": 4}).fusable(1)
+
+
 def test_codebook_exponent_bounds_every_entrys_l1_norm():
     cb = torch.zeros(2, 256, 8, dtype=torch.float16)
     assert A.codebook_exponent(cb) == 0

@@ -37,24 +37,31 @@ from .codebook import CHUNK_BYTES, ROW_BLOCK, CodebookFormatError, _sha, check_r
 from .gemv import (
     INLINE,
     MAX_FUSED_BATCH,
+    OPTIN_SIM,
     SIM,
     _as_kernel_array,
     apply_post,
     apply_pre,
+    async_wait_all,
     check_activation,
     check_fused,
     check_ops,
     check_output,
+    copy16_async,
+    float2_to_half2,
     fused_operands,
     fused_tuning_operands,
     half2_to_float2,
     kernel_device,
     last_to_finish,
     load16,
+    load16_stream,
     load_byte_offset,
     load_half_byte_offset,
     max_shared_bytes,
+    mma_m16n8k8,
     mma_table_tile,
+    prmt,
     rms_sums,
     rms_word,
     silu_word,
@@ -63,6 +70,7 @@ from .gemv import (
     tuning_enabled,
     tuning_inputs,
     warp_max_u32,
+    warp_sum_f32,
     with_shared_limit,
 )
 from .bench import TOLERANCE, poisoned_check  # TOLERANCE: max |y - ref| / max |ref| a kernel may be off by
@@ -1001,6 +1009,254 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
     return kernel
 
 
+# -- the streaming kernel (M = 2, batch 1) ---------------------------------------------------
+# Why another kernel: the K-split table kernel above builds a small table per block and runs one
+# wave of blocks, each a chain of load -> build -> barrier -> lookups -> finish that nothing
+# overlaps (NOTES, sessions 22-26), and its lanes (one a row) look up one shared table, ~3 shared
+# wavefronts a random lookup. Here a block owns a set of rows over a whole K-slice (one block an SM)
+# and streams the slice in chunks of 64 groups, building chunk c + 1's table on the tensor cores while
+# it looks up chunk c's (two table buffers, one barrier a chunk). Lanes own groups, not rows: table word
+# [entry k][codebook m][lane s] holds groups s and s + 32 of the chunk as an fp16 pair, so lane s's
+# lookups all fall in bank s (one wavefront a warp-wide lookup, whatever the codes), and a lane sums
+# its groups for every row of its warp, the 32 lanes' partial sums meeting once, at the end.
+STREAM_GROUPS = 64  # groups a chunk: a table word holds groups s and s + 32
+STREAM_TABLE_WORDS = K * 2 * 32  # a chunk's table: 256 entries x 2 codebooks x 32 words (64 KiB)
+STREAM_X_WORDS = STREAM_GROUPS * D // 2  # a chunk's slice of x: 512 fp16 values in 256 words
+STREAM_ROWS = 4  # rows a lane's 16-byte code load covers (a "quad")
+_stream_cache: dict = {}
+
+
+def stream_codes(codes: torch.Tensor) -> torch.Tensor:
+    """The streaming kernel's layout of (out, in/8, 2) uint8 codes, as int32 words: rows padded to
+    quads of 4, groups to chunks of 64 (zero codes: their x is zero-padded, so they add nothing), and
+    word ((c * quads + q) * 32 + s) * 4 + r = row 4q + r's codes of groups 64c + s and 64c + s + 32,
+    bytes [m0 of g, m1 of g, m0 of g + 32, m1 of g + 32]: lane s's 16-byte load is a quad's word."""
+    n_out, G, M = codes.shape
+    if M != 2:
+        raise ValueError(f"the streaming layout holds M=2 codes, got M={M}")
+    nq, nch = -(-n_out // STREAM_ROWS), -(-G // STREAM_GROUPS)
+    c = codes.new_zeros(nq * STREAM_ROWS, nch * STREAM_GROUPS, 2)
+    c[:n_out, :G] = codes
+    # (q, r, c, h, s, m) -> (c, q, s, r, h, m)
+    t = c.reshape(nq, STREAM_ROWS, nch, 2, 32, 2).permute(2, 0, 4, 1, 3, 5).contiguous()
+    return t.reshape(-1).view(torch.int32)
+
+
+def unstream_codes(words: torch.Tensor, n_out: int, G: int) -> torch.Tensor:
+    """The inverse of :func:`stream_codes`: (out, G, 2) uint8."""
+    nq, nch = -(-n_out // STREAM_ROWS), -(-G // STREAM_GROUPS)
+    t = words.view(torch.uint8).reshape(nch, nq, 32, STREAM_ROWS, 2, 2).permute(1, 3, 0, 4, 2, 5)
+    return t.reshape(nq * STREAM_ROWS, nch * STREAM_GROUPS, 2)[:n_out, :G].contiguous()
+
+
+def stream_shared_bytes(nchunks: int, ksplit: int) -> int:
+    """Dynamic shared memory of a streaming block: two chunk tables and the K-slice of x."""
+    return 4 * (2 * STREAM_TABLE_WORDS + -(-nchunks // ksplit) * STREAM_X_WORDS)
+
+
+def stream_kernel(warps: int, QW: int, D2: int):
+    """The streaming additive GEMV (M = 2, batch 1; see the comment above ``STREAM_GROUPS``) for
+    blocks of ``warps`` warps, each warp owning up to ``QW`` quads of rows, and ``D2`` code slots a
+    warp (chunks c + 1 .. c + D2 - 1 load while chunk c is summed).
+
+    Grid (row-groups, K-slices). A block:
+    1. copies its K-slice of x to shared memory (cp.async, zeros past in_features), loads its first
+       chunks' codes (``ld.global.nc``, past L1) and its warps' B fragments (codebook entries, the
+       same every chunk);
+    2. builds chunk 0's table: T[k][m][s] = (x_g . C_m[k], x_{g+32} . C_m[k]) for g = 64c + s, one
+       ``mma.m16n8k8`` for 8 groups (and their partners 32 on) x 8 entries; lane (g, t) stores its
+       fragment's words rotated by t (three selects a word) so a warp's 32 stores fall in 32 banks.
+       Entries are fp16, each chunk's scaled by its own 2**-s (s from the chunk's max |x|, which
+       every warp finds from its A fragments, as :func:`additive_kernel` does a K-slice's) and its
+       sums by 2**s;
+    3. for every chunk: loads chunk c + D2 - 1's codes, builds chunk c + 1's table into the other
+       buffer, looks up chunk c (a code byte moved into a lane's table address by one byte permute),
+       one barrier;
+    4. sums each row's 32 lane partials (shuffles), scales, and writes y, or with a K-split its
+       partial, the last block of the row-group summing them (as :func:`additive_kernel`).
+    Arguments: x32 (1, in/2) int32 view of fp16 x; codes (:func:`stream_codes`); cb32 (2*256*4,)
+    int32 view of the fp16 codebooks; scales, bias (out,) fp16; y (1, out) fp16; ws (ksplit, 1, out)
+    fp32; counters (row-groups,) int32; n_out; nq (quads); nch (chunks a row); cps (chunks a
+    K-slice); qpb (quads a block); cbexp (:func:`codebook_exponent`).
+    """
+    key = (warps, QW, D2)
+    if key in _stream_cache:
+        return _stream_cache[key]
+    if 64 % warps or not 2 <= D2 <= 3:
+        raise ValueError(f"streaming plan: warps must divide 64 and code slots be 2 or 3, got {warps}, {D2}")
+    nt = warps * 32
+    KT = 64 // warps  # k-tiles (8 entries of one codebook) a warp builds every chunk
+    SLOT = QW * STREAM_ROWS  # code words a lane holds a chunk
+    RING = D2 * SLOT
+    XO = 2 * STREAM_TABLE_WORDS  # word offset of x in shared memory
+    zero = int32(0)
+
+    @cuda.jit(device=True, **INLINE)
+    def fetch(ring, o, codes, c, c1, qb0, qn, nq, warp, lane):
+        for i in range(QW):
+            ql = warp + i * warps
+            if c < c1 and ql < qn:
+                # read once: past L1 (session 38: -5 % at 4096 x 14336, -20 % at 16384 x 53248 against ld.global)
+                ring[o + 4 * i], ring[o + 4 * i + 1], ring[o + 4 * i + 2], ring[o + 4 * i + 3] = load16_stream(
+                    codes, ((uint32(c) * uint32(nq) + uint32(qb0 + ql)) * uint32(32) + lane) * uint32(4))
+            else:
+                ring[o + 4 * i], ring[o + 4 * i + 1], ring[o + 4 * i + 2], ring[o + 4 * i + 3] = zero, zero, zero, zero
+
+    @cuda.jit(device=True, **INLINE)
+    def pick(w0, w1, w2, w3, r):
+        lo = w1 if r & 1 else w0
+        hi = w3 if r & 1 else w2
+        return hi if r & 2 else lo
+
+    @cuda.jit(device=True, **INLINE)
+    def build(sm, bfr, lc, buf, warp, lane, cbexp):
+        # Returns the factor 2**s the chunk's sums must be multiplied by (see the kernel's step 2).
+        gid = lane >> uint32(2)
+        t = lane & uint32(3)
+        xo = uint32(XO) + uint32(lc) * uint32(STREAM_X_WORDS) + lane
+        a = cuda.local.array(8, int32)
+        hx = uint32(0)
+        for p in range(4):  # A: x of groups 8p + gid (rows gid) and 8p + gid + 32 (rows gid + 8)
+            a[2 * p] = sm[xo + uint32(32 * p)]
+            a[2 * p + 1] = sm[xo + uint32(128 + 32 * p)]
+        for k in range(8):
+            w = uint32(a[k])
+            hx = max(hx, max(w & uint32(0x7FFF), (w >> uint32(16)) & uint32(0x7FFF)))
+        # Every warp holds the whole chunk of x in its A fragments, so each finds the same s alone.
+        s = int32(warp_max_u32(hx) >> uint32(10)) + int32(cbexp) - int32(FP16_HEADROOM)
+        up = float32(1.0)
+        if s > 0:
+            up = float32(int64(1) << int64(s))
+            down = float32(1.0) / up
+            for k in range(8):
+                lo, hi = half2_to_float2(a[k])
+                a[k] = float2_to_half2(lo * down, hi * down)
+        wb = (uint32(buf) << uint32(14)) + (t << uint32(7)) + gid  # entry 2t's word of slot gid
+        wd = cuda.local.array(8, int32)
+        for j in range(KT):
+            kt = uint32(warp + j * warps)
+            for p in range(4):
+                d0, d1, d2, d3 = mma_m16n8k8(a[2 * p], a[2 * p + 1], bfr[j])
+                wd[2 * p] = float2_to_half2(d0, d2)  # entry k0 + 2t, slot 8p + gid: groups s, s + 32
+                wd[2 * p + 1] = float2_to_half2(d1, d3)  # entry k0 + 2t + 1
+            # kt = m * 32 + k0 / 8: word (k0 << 6) | (m << 5) = ((kt & 31) << 9) | ((kt >> 5) << 5)
+            kb = wb + ((kt & uint32(31)) << uint32(9)) + ((kt >> uint32(5)) << uint32(5))
+            for i in range(4):
+                r = (t + uint32(i)) & uint32(3)
+                for e in range(2):
+                    sm[kb + uint32(64 * e) + (r << uint32(3))] = pick(wd[e], wd[2 + e], wd[4 + e], wd[6 + e], r)
+        return up
+
+    @cuda.jit(device=True, **INLINE)
+    def look(sm, ring, o, acc, tb, lane, qn, warp, up):
+        l0 = (lane << uint32(2)) | tb  # byte offsets: codebook 0, low half (group s)
+        l1 = l0 | uint32(128)  # codebook 1
+        l2 = l0 | uint32(2)  # high half (group s + 32)
+        l3 = l0 | uint32(130)
+        for i in range(QW):
+            if warp + i * warps < qn:  # warp-uniform
+                for r in range(STREAM_ROWS):
+                    w = uint32(ring[o + 4 * i + r])
+                    v = load_half_byte_offset(sm, prmt(w, l0, uint32(0x7604)))  # byte 0 -> bits 8..15
+                    v += load_half_byte_offset(sm, prmt(w, l1, uint32(0x7614)))
+                    v += load_half_byte_offset(sm, prmt(w, l2, uint32(0x7624)))
+                    v += load_half_byte_offset(sm, prmt(w, l3, uint32(0x7634)))
+                    acc[4 * i + r] = cuda.fma(v, up, acc[4 * i + r])
+
+    @cuda.jit(device=True, **INLINE)
+    def step(sm, ring, slot, bfr, acc, codes, c0, c1, lc, nc, qb0, qn, nq, warp, lane, cbexp, up):
+        # Returns chunk lc + 1's factor (build's).
+        fetch(ring, ((slot + D2 - 1) % D2) * SLOT, codes, c0 + lc + D2 - 1, c1, qb0, qn, nq, warp, lane)
+        up_next = float32(1.0)
+        if lc + 1 < nc:
+            up_next = build(sm, bfr, lc + 1, (lc + 1) & 1, warp, lane, cbexp)
+        look(sm, ring, slot * SLOT, acc, uint32(lc & 1) << uint32(16), lane, qn, warp, up)
+        cuda.syncthreads()
+        return up_next
+
+    # launch_bounds: one block an SM (its tables take most of the shared memory); without them ptxas
+    # gave 16-warp blocks of 4 quads a warp 137 registers, which 512 threads cannot launch with.
+    @cuda.jit(**({} if SIM else {"launch_bounds": (nt,)}))
+    def kernel(x32, codes, cb32, scales, bias, y, ws, counters, n_out, nq, nch, cps, qpb, cbexp):
+        sm = cuda.shared.array(0, int32)
+        last = cuda.shared.array(1, int32)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = uint32(tid) & uint32(31)
+        qb0 = cuda.blockIdx.x * qpb
+        qn = min(qpb, nq - qb0)  # quads of this block
+        split = cuda.blockIdx.y
+        nsplit = cuda.gridDim.y
+        c0 = int32(split * cps)
+        c1 = int32(min(c0 + cps, nch))
+        nc = c1 - c0
+
+        # 1. x's K-slice to shared memory; the first chunks' codes; B fragments
+        xrow = x32[0]
+        nx = xrow.shape[0]
+        nxw = nc * STREAM_X_WORDS
+        for i in range(tid * 4, nxw, nt * 4):
+            gw = c0 * STREAM_X_WORDS + i
+            if gw < nx:
+                copy16_async(sm, XO + i, xrow, gw)
+            else:
+                sm[XO + i], sm[XO + i + 1], sm[XO + i + 2], sm[XO + i + 3] = zero, zero, zero, zero
+        ring = cuda.local.array(RING, int32)
+        for s in range(D2 - 1):
+            fetch(ring, s * SLOT, codes, c0 + s, c1, qb0, qn, nq, warp, lane)
+        bfr = cuda.local.array(KT, int32)
+        gid = lane >> uint32(2)
+        t = lane & uint32(3)
+        for j in range(KT):  # B of k-tile kt: entry (kt & 31) * 8 + gid of codebook kt >> 5, word t
+            kt = uint32(warp + j * warps)
+            bfr[j] = cb32[(((kt >> uint32(5)) << uint32(8)) + ((kt & uint32(31)) << uint32(3)) + gid) * uint32(4) + t]
+        async_wait_all()
+        cuda.syncthreads()
+
+        # 2. chunk 0's table. fp16 entries: each chunk's table is scaled by 2**-s, s the least that keeps
+        #    every entry below 2**15 whatever the codes (from max |x| over the chunk and cbexp, as in
+        #    additive_kernel; s is 0 for ordinary activations), and its sums multiplied by 2**s.
+        up = build(sm, bfr, 0, 0, warp, lane, cbexp)
+        cuda.syncthreads()
+
+        # 3. the chunks, the loop body written out D2 times so every code slot index is a constant
+        acc = cuda.local.array(SLOT, float32)
+        for i in range(SLOT):
+            acc[i] = float32(0.0)
+        lc = int32(0)
+        while lc < nc:
+            up = step(sm, ring, 0, bfr, acc, codes, c0, c1, lc, nc, qb0, qn, nq, warp, lane, cbexp, up)
+            lc += 1
+            if lc < nc:
+                up = step(sm, ring, 1, bfr, acc, codes, c0, c1, lc, nc, qb0, qn, nq, warp, lane, cbexp, up)
+                lc += 1
+            if D2 == 3 and lc < nc:
+                up = step(sm, ring, 2, bfr, acc, codes, c0, c1, lc, nc, qb0, qn, nq, warp, lane, cbexp, up)
+                lc += 1
+
+        # 4. rows: the 32 lanes' partials, scaled
+        for i in range(QW):
+            ql = warp + i * warps
+            if ql < qn:  # warp-uniform
+                for r in range(STREAM_ROWS):
+                    v = warp_sum_f32(acc[4 * i + r])
+                    row = (qb0 + ql) * STREAM_ROWS + r
+                    if lane == uint32(r) and row < n_out:
+                        v *= float32(scales[row])
+                        if nsplit == 1:
+                            y[0, row] = v + float32(bias[row])
+                        else:
+                            ws[split, 0, row] = v
+        if nsplit > 1 and last_to_finish(counters, cuda.blockIdx.x, nsplit, last, tid):
+            for i in range(tid, qn * STREAM_ROWS, nt):
+                row = qb0 * STREAM_ROWS + i
+                if row < n_out:
+                    y[0, row] = sum_splits(ws, nsplit, 0, row) + float32(bias[row])
+
+    _stream_cache[key] = kernel
+    return kernel
+
+
 @dataclass
 class AdditivePlan:
     warps: int
@@ -1092,6 +1348,99 @@ def candidate_plans(n_out: int, nchunks: int, M: int, B: int, sms: int, smem: in
     return out
 
 
+@dataclass
+class StreamPlan:
+    """A launch of :func:`stream_kernel`: ``warps`` a block, ``ksplit`` K-slices, ``slots`` code
+    slots a warp; ``qpb`` quads of rows a block (up to ``QW`` a warp), ``cps`` 64-group chunks a K-slice."""
+    warps: int
+    ksplit: int
+    slots: int
+    qpb: int
+    QW: int
+    cps: int
+    shared_bytes: int
+    kernel: str = "stream"
+    build: str = "stream"  # (an AdditivePlan's table build; the streaming kernel takes no fused operations)
+
+    def label(self) -> str:
+        return f"additive stream: {self.warps} warps, K-split {self.ksplit}, {self.slots} code slots"
+
+    def grid(self, n_out: int) -> tuple[int, int]:
+        return -(-(-(-n_out // STREAM_ROWS)) // self.qpb), self.ksplit
+
+
+def plan_stream(n_out: int, n_in: int, sms: int, smem: int, warps: int = 8, ksplit: int = 1, slots: int = 2,
+                blocks: int | None = None) -> StreamPlan:
+    """The streaming kernel's plan for an (out, in) M=2 layer: about ``blocks`` (default: one an SM)
+    blocks, ``ksplit`` K-slices of them. Raises ValueError where it cannot run (its two 64 KiB tables
+    need an opt-in block of ~130 KiB or more: sm_80, sm_90)."""
+    nq = -(-n_out // STREAM_ROWS)
+    nch = -(-(n_in // D) // STREAM_GROUPS)
+    if not 1 <= ksplit <= nch:
+        raise ValueError(f"ksplit={ksplit}: an {n_in}-input layer has {nch} chunks of {STREAM_GROUPS * D} inputs")
+    cps = -(-nch // ksplit)
+    ksplit = -(-nch // cps)
+    rgs = max(1, min(nq, (blocks or sms) // ksplit))
+    qpb = -(-nq // rgs)
+    QW = -(-qpb // warps)
+    if QW > 16:
+        raise ValueError(f"{qpb} quads of rows a block is {QW} a warp: at most 16 (more warps, blocks or K-slices)")
+    nbytes = stream_shared_bytes(nch, ksplit)
+    if nbytes + 64 > smem:
+        raise ValueError(f"the streaming kernel needs {nbytes} bytes of shared memory a block; this GPU allows {smem}")
+    if 64 % warps or slots not in (2, 3):
+        raise ValueError(f"streaming plan: warps must divide 64 and code slots be 2 or 3, got {warps}, {slots}")
+    return StreamPlan(warps, ksplit, slots, qpb, QW, cps, nbytes)
+
+
+STREAM_WARPS = 16
+STREAM_KSPLITS = (1, 2, 4, 6)  # the K-splits the tuner tries (session 38's probes: every fastest plan was one of them)
+
+
+def stream_candidates(n_out: int, n_in: int, sms: int, smem: int) -> list[StreamPlan]:
+    """The streaming plans the tuner times for an M=2 layer at batch 1 (none where they do not fit)."""
+    out = []
+    for ks in STREAM_KSPLITS:
+        try:
+            p = plan_stream(n_out, n_in, sms, smem, warps=STREAM_WARPS, ksplit=ks)
+        except ValueError:
+            continue
+        if all(q.ksplit != p.ksplit for q in out):
+            out.append(p)
+    return out
+
+
+def stream_launcher(t: AdditiveTensor, x: torch.Tensor, y: torch.Tensor, plan: StreamPlan, words: torch.Tensor | None = None):
+    """A zero-argument launch of the streaming kernel for y (1, out) = x (1, in) @ W.T, codes in
+    :func:`stream_codes`' layout (``words``, made here if not given), on torch's current stream."""
+    if t.M != 2:
+        raise ValueError(f"the streaming kernel takes M=2 codes, got M={t.M}")
+    words = stream_codes(t.codes) if words is None else words
+    nq = -(-t.out_features // STREAM_ROWS)
+    nch = -(-(t.in_features // D) // STREAM_GROUPS)
+    kern = stream_kernel(plan.warps, plan.QW, plan.slots)
+    ws = torch.empty(plan.ksplit, 1, t.out_features, dtype=torch.float32, device=x.device)
+    grid = plan.grid(t.out_features)
+    counters = torch.zeros(grid[0], dtype=torch.int32, device=x.device)
+    bias = t.bias if t.bias is not None else torch.zeros_like(t.scales)
+    keep = (words, ws, counters, bias, t.codebooks.contiguous())
+    ya = _as_kernel_array(y)
+    args = (_as_kernel_array(x.view(torch.int32)), _as_kernel_array(words), _as_kernel_array(keep[4].reshape(-1).view(torch.int32)),
+            _as_kernel_array(t.scales), _as_kernel_array(bias), ya, _as_kernel_array(ws), _as_kernel_array(counters),
+            t.out_features, nq, nch, plan.cps, plan.qpb, codebook_exponent(t.codebooks))
+    kern = _with_limit(kern, args, plan.shared_bytes)
+    block, smem = plan.warps * 32, plan.shared_bytes
+
+    def launch():
+        _ = keep
+        stream = 0 if SIM else cuda.external_stream(torch.cuda.current_stream(x.device).cuda_stream)
+        kern[grid, block, stream, smem](*args)
+        if SIM:
+            y.copy_(torch.from_numpy(ya).view(y.shape))
+
+    return launch
+
+
 _TUNED: dict = {}
 _LIMITED: dict = {}
 
@@ -1131,22 +1480,47 @@ class AdditiveGemv:
         self._codebooks, self._scales = t.codebooks.clone(memory_format=torch.contiguous_format), t.scales.contiguous()
         self._bias_t = t.bias
         bias = t.bias if t.bias is not None else torch.zeros_like(t.scales)
-        self._tiled_t = tile_codes(t.codes)
+        self._G = t.codes.shape[1]
+        # The codes in the layouts the prepared plans read (see _hold): the table kernel's tiled one
+        # to start with, the streaming kernel's once a stream plan is picked (the tiled one then dropped
+        # unless another plan still reads it).
+        self._tiled_t, self._stream_t = tile_codes(t.codes), None
         self._cb32_t = self._codebooks.reshape(-1).view(torch.int32)
         self._cbexp = codebook_exponent(self._codebooks)
         self._bias_k = bias.contiguous()
-        self._tiled = _as_kernel_array(self._tiled_t)
+        self._tiled, self._stream = _as_kernel_array(self._tiled_t), None
         self._cb32 = _as_kernel_array(self._cb32_t)
         self._sc = _as_kernel_array(self._scales)
         self._bias = _as_kernel_array(self._bias_k)
         self._plans: dict[int, tuple] = {}
         self._fused_plans: dict[tuple, tuple] = {}
 
+    def _natural(self, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """(rows, in/8, M) uint8 codes rebuilt from whichever layout is held (a copy)."""
+        r0, r1 = (0, self.n_out) if rows is None else rows
+        if self._tiled_t is not None:
+            return untile(self._tiled_t, self.n_out, self._ncode_bytes, rows=rows).reshape(r1 - r0, self.n_in // D, self.M)
+        return unstream_codes(self._stream_t, self.n_out, self._G)[r0:r1]
+
+    def _hold(self, layout: str) -> None:
+        """Make sure the codes are held in ``layout`` ("tiled" or "stream"), and drop a layout no
+        prepared plan reads: a layer keeps one copy of its codes unless it is called both ways."""
+        if layout == "stream" and self._stream_t is None:
+            self._stream_t = stream_codes(self._natural())
+            self._stream = _as_kernel_array(self._stream_t)
+        elif layout == "tiled" and self._tiled_t is None:
+            self._tiled_t = tile_codes(self._natural())
+            self._tiled = _as_kernel_array(self._tiled_t)
+        plans = [e[1] for e in (*self._plans.values(), *self._fused_plans.values())]
+        if plans and all(isinstance(p, StreamPlan) for p in plans) and layout == "stream":
+            self._tiled_t = self._tiled = None
+        elif plans and not any(isinstance(p, StreamPlan) for p in plans) and layout == "tiled":
+            self._stream_t = self._stream = None
+
     @property
     def t(self) -> AdditiveTensor:
-        """The weight in the natural layout (rebuilt from the tiled codes: a copy)."""
-        codes = untile(self._tiled_t, self.n_out, self._ncode_bytes).reshape(self.n_out, self.n_in // D, self.M)
-        return AdditiveTensor(codes, self._codebooks, self._scales, self._bias_t)
+        """The weight in the natural layout (rebuilt from the kernel's codes: a copy)."""
+        return AdditiveTensor(self._natural(), self._codebooks, self._scales, self._bias_t)
 
     @property
     def bytes_read(self) -> int:
@@ -1159,7 +1533,15 @@ class AdditiveGemv:
     def _smem(self) -> int:
         return max_shared_bytes(self.device)
 
-    def _launch_parts(self, B: int, plan: AdditivePlan, pre: str = "", post: str = ""):
+    def _launch_parts(self, B: int, plan, pre: str = "", post: str = ""):
+        if isinstance(plan, StreamPlan):
+            if B != 1 or pre or post:
+                raise ValueError(f"{plan.label()}: the streaming kernel runs batch 1 without fused operations")
+            kern = stream_kernel(plan.warps, plan.QW, plan.slots)
+            ws = torch.empty(plan.ksplit, 1, self.n_out, dtype=torch.float32, device=self.device)
+            grid = plan.grid(self.n_out)
+            counters = torch.zeros(grid[0], dtype=torch.int32, device=self.device)
+            return kern, plan, grid, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters))
         if pre == "rms" and plan.shared_bytes + 4 * (1 + plan.warps * B) > self._smem():
             raise ValueError(f"{plan}: its table leaves no room for pre='rms' sums of squares ({4 * plan.warps * B} bytes)")
         kern = additive_kernel(self.M, B, plan.bt, plan.warps, plan.RB, plan.cps, plan.build == "mma", plan.table, pre, post)
@@ -1173,7 +1555,12 @@ class AdditiveGemv:
         if B in self._plans:
             return self._plans[B]
         sms, smem = sm_count(self.device), self._smem()
-        if self.fixed_plan is not None:
+        if self.fixed_plan is not None and self.fixed_plan.get("kernel") == "stream":
+            if B != 1 or self.M != 2:
+                raise ValueError(f"a streaming plan runs M=2 at batch 1, asked for M={self.M}, batch {B}")
+            kw = {k: v for k, v in self.fixed_plan.items() if k != "kernel"}
+            plan = plan_stream(self.n_out, self.n_in, sms, OPTIN_SIM if SIM else smem, **kw)
+        elif self.fixed_plan is not None:
             plan = plan_additive(self.n_out, self.nchunks, self.M, B, sms, smem, **self.fixed_plan)
         elif self.tune_on_gpu:
             plan = self.tune(B)
@@ -1181,14 +1568,19 @@ class AdditiveGemv:
             plan = plan_additive(self.n_out, self.nchunks, self.M, B, sms, smem)
         entry = self._launch_parts(B, plan)
         self._plans[B] = entry
+        self._hold("stream" if isinstance(plan, StreamPlan) else "tiled")
         return entry
 
     def plan(self, B: int = 1) -> AdditivePlan:
         return self._prepare(B)[1]
 
-    def _args(self, xa, tiled, ya, views, fused: tuple = ()):
+    def _args(self, xa, tiled, ya, views, fused: tuple = (), plan=None):
         # fused: (g32, res, eps); without fused operations arrays the kernel never reads (not ya: the
         # simulator copies every array argument back after a launch, and an unchanged y would win)
+        if isinstance(plan, StreamPlan):  # tiled: the codes in stream_codes' layout
+            nq = -(-self.n_out // STREAM_ROWS)
+            return (xa, tiled, self._cb32, self._sc, self._bias, ya, views[0], views[1], self.n_out, nq,
+                    -(-self._G // STREAM_GROUPS), plan.cps, plan.qpb, self._cbexp)
         return (xa, tiled, self._cb32, self._sc, self._bias, ya, views[0], views[1], self.n_out, self.rbs, self.nchunks,
                 self._cbexp) + (fused or (xa, xa, 0.0))
 
@@ -1204,35 +1596,43 @@ class AdditiveGemv:
 
         cands = [p for p in candidate_plans(self.n_out, self.nchunks, self.M, B, sm_count(self.device), self._smem())
                  if p.build == "mma" or not fused]
+        if B == 1 and self.M == 2 and not fused and tuning_enabled("additive-stream"):
+            cands += stream_candidates(self.n_out, self.n_in, sm_count(self.device), self._smem())
         if not cands:
             raise ValueError(f"no tensor-core additive plan fits this device's shared memory for M={self.M}, batch {B}")
         if len(cands) == 1:
             _TUNED[key] = cands[0]
             return cands[0]
-        copies, views, xa, ya = tuning_inputs(self._tiled_t, self.weight_bytes, self.n_in, self.n_out, B, self.device)
+        tiled = self._tiled_t if self._tiled_t is not None else tile_codes(self._natural())
+        copies, views, xa, ya = tuning_inputs(tiled, self.weight_bytes, self.n_in, self.n_out, B, self.device)
+        if any(isinstance(p, StreamPlan) for p in cands):  # the same weight in the streaming layout
+            scopies, sviews, _, _ = tuning_inputs(stream_codes(self._natural()), self.weight_bytes, self.n_in, self.n_out, B, self.device)
         extra = ()
         if fused:
             xa, extra, _keep = fused_tuning_operands(self.n_in, self.n_out, B, pre, post, self.device)
 
         def launchers(plan):
             kern, _, grid, owners, kviews = self._launch_parts(B, plan, pre, post)
-            kern = _with_limit(kern, self._args(xa, views[0], ya, kviews, extra), plan.shared_bytes)
+            codes = sviews if isinstance(plan, StreamPlan) else views
+            kern = _with_limit(kern, self._args(xa, codes[0], ya, kviews, extra, plan), plan.shared_bytes)
 
             def launcher(ta):
-                args = self._args(xa, ta, ya, kviews, extra)
+                args = self._args(xa, ta, ya, kviews, extra, plan)
 
                 def go():
                     _ = owners  # the candidate's workspace lives as long as its launchers
                     stream = cuda.external_stream(torch.cuda.current_stream(self.device).cuda_stream)
                     kern[grid, plan.warps * 32, stream, plan.shared_bytes](*args)
                 return go
-            return [launcher(v) for v in views]
+            return [launcher(v) for v in codes]
 
         def skip(plan, e):  # a candidate that cannot launch here is skipped, not fatal
             warnings.warn(f"additive plan {plan} skipped: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
 
         best = pick_fastest(cands, launchers, self.device, on_error=skip)
         del copies, views
+        if any(isinstance(p, StreamPlan) for p in cands):
+            del scopies, sviews
         if best is None:
             raise RuntimeError(f"no additive plan launches for M={self.M}, batch {B}, {self.n_in}x{self.n_out}")
         _TUNED[key] = best
@@ -1244,7 +1644,7 @@ class AdditiveGemv:
         call takes its own)."""
         if B > MAX_FUSED_BATCH:
             return False
-        return self.fixed_plan is None or self._prepare(B)[1].build == "mma"
+        return (self.fixed_plan is None or self._prepare(B)[1].build == "mma") and (self.fixed_plan or {}).get("kernel") != "stream"
 
     def fused_plan(self, B: int, pre: str, post: str) -> AdditivePlan:
         """The plan a :meth:`bind` with these fused operations launches (tuned for them on a GPU)."""
@@ -1260,6 +1660,7 @@ class AdditiveGemv:
             else:  # the heuristic plan with its table built on the tensor cores
                 plan = plan_additive(self.n_out, self.nchunks, self.M, B, sm_count(self.device), self._smem(), build="mma")
             self._fused_plans[k] = self._launch_parts(B, plan, pre, post)
+            self._hold("tiled")
         return self._fused_plans[k]
 
     def bind(self, x: torch.Tensor, out: torch.Tensor, pre: str = "", post: str = "", norm_weight: torch.Tensor | None = None,
@@ -1280,7 +1681,7 @@ class AdditiveGemv:
         extra, res_src = (), None
         if fused:
             extra, res, res_src = fused_operands(xa, pre, post, norm_weight, res, eps)
-        args = self._args(xa, self._tiled, ya, views, extra)
+        args = self._args(xa, self._stream if isinstance(plan, StreamPlan) else self._tiled, ya, views, extra, plan)
         kern = _with_limit(kern, args, plan.shared_bytes)
         block, smem, dev = plan.warps * 32, plan.shared_bytes, self.device
 
@@ -1305,7 +1706,7 @@ class AdditiveGemv:
         ``rows=(r0, r1)``: only that slab (r0 a multiple of 32). The decode's fp32 transients are
         ~10x the fp16 weight they make, so large-batch callers go a slab at a time."""
         r0, r1 = check_rows(rows, self.n_out)
-        codes = untile(self._tiled_t, self.n_out, self._ncode_bytes, rows=(r0, r1)).reshape(r1 - r0, self.n_in // D, self.M)
+        codes = self._natural((r0, r1))
         return _decode(codes, self._codebooks.float(), self._scales[r0:r1].float()).half()
 
 
@@ -1356,6 +1757,10 @@ def correctness_sweep(shapes, Ms=(2, 4), batches=(1, 2, 3, 8, 16), seed: int = 0
              for tb in (("fp32", "fp16") if w == 8 else ("fp32",)) if bt <= b]
     # table entries beyond fp16's range ("large" inputs), both tables
     big = [(shapes[0], M, 3, dict(cps=1, bt=2, warps=8, build="mma", table=tb)) for M in Ms for tb in ("fp32", "fp16")]
+    # the streaming kernel (M=2, batch 1): K-splits of 1 and 2, 8 and 16 warps, 2 and 3 code slots
+    if 2 in Ms:
+        big += [(shapes[0], 2, 1, dict(kernel="stream", ksplit=2, warps=16, slots=2))]
+        jobs += [(s, 2, 1, dict(kernel="stream", ksplit=ks, warps=w, slots=d)) for s in shapes[:2] for ks in (1, 2) for w, d in ((8, 3), (16, 2))]
     jobs += big
     recs, failures = [], []
     for i, job in enumerate(tqdm(jobs, desc="additive correctness", disable=not progress)):
@@ -1406,5 +1811,6 @@ def time_additive(n_in: int, n_out: int, M: int, batch: int, fp16_ms: float, see
     del launchers, keep, g, t
     torch.cuda.empty_cache()
     return gemv_record("additive", K, batch, n_in, n_out, ms, fp16_ms, nbytes, err, scheme=SCHEMES[M], M=M, bits_per_weight=bits,
-                       passed=err <= TOLERANCE, ksplit=plan.ksplit, warps=plan.warps, rb=plan.RB, cps=plan.cps, bt=plan.bt,
-                       shared_bytes=plan.shared_bytes, build=plan.build, table=plan.table)
+                       passed=err <= TOLERANCE, ksplit=plan.ksplit, warps=plan.warps, rb=getattr(plan, "RB", None), cps=plan.cps,
+                       bt=getattr(plan, "bt", 1), shared_bytes=plan.shared_bytes, build=plan.build,
+                       table=getattr(plan, "table", "fp16"), plan=plan.label())
