@@ -170,9 +170,16 @@ def test_stream_plans_refuse_what_they_cannot_run():
     with pytest.raises(ValueError, match="warps must divide 64"):
         A.plan_stream(16, 1024, 4, 227 * 1024, warps=12)
     assert A.stream_candidates(16, 1024, 132, 99 * 1024) == []
-    assert [p.ksplit for p in A.stream_candidates(4096, 14336, 132, 227 * 1024)] == [1, 2, 4, 6]
+    got = A.stream_candidates(4096, 14336, 132, 227 * 1024)
+    assert [p.ksplit for p in got] == [1, 2, 4, 6] and all(A.stream_registers_fit(p.warps, p.QW, p.slots) for p in got)
     assert [p.ksplit for p in A.stream_candidates(14336, 4096, 132, 227 * 1024)] == [1, 2, 4]  # 8 chunks: 6 is 4 again
+    with pytest.raises(ValueError, match="spill"):  # 55 quads a block: 2 a warp of 32, whose 64 registers cannot hold them
+        A.plan_stream(14336, 4096, 132, 227 * 1024, warps=32, ksplit=2)
     assert not AdditiveGemv(t, plan={"kernel": "stream", "warps": 4}).fusable(1)
+    with pytest.raises(ValueError, match="kernels"):
+        AdditiveGemv(t, kernels=("stream",))  # the table kernel serves every batch
+    with pytest.raises(ValueError, match="leave the streaming kernel out"):
+        AdditiveGemv(t, plan={"kernel": "stream"}, kernels=("table",))
 
 
 def test_codebook_exponent_bounds_every_entrys_l1_norm():

@@ -1369,6 +1369,13 @@ class StreamPlan:
         return -(-(-(-n_out // STREAM_ROWS)) // self.qpb), self.ksplit
 
 
+def stream_registers_fit(warps: int, QW: int, slots: int) -> bool:
+    """Whether a warp's code slots and sums stay in registers: (slots + 1) x 4 x QW words beside ~44 others,
+    within what ``warps`` warps a block leave a thread (65536 / threads; ptxas spilled at QW 16 with 8 warps
+    below its 255 cap, so 232). Counted with ptxas on the CPU at 8, 16 and 32 warps (session 38)."""
+    return (slots + 1) * 4 * QW + 44 <= min(232, 65536 // (32 * warps))
+
+
 def plan_stream(n_out: int, n_in: int, sms: int, smem: int, warps: int = 8, ksplit: int = 1, slots: int = 2,
                 blocks: int | None = None) -> StreamPlan:
     """The streaming kernel's plan for an (out, in) M=2 layer: about ``blocks`` (default: one an SM)
@@ -1383,8 +1390,9 @@ def plan_stream(n_out: int, n_in: int, sms: int, smem: int, warps: int = 8, kspl
     rgs = max(1, min(nq, (blocks or sms) // ksplit))
     qpb = -(-nq // rgs)
     QW = -(-qpb // warps)
-    if QW > 16:
-        raise ValueError(f"{qpb} quads of rows a block is {QW} a warp: at most 16 (more warps, blocks or K-slices)")
+    if not stream_registers_fit(warps, QW, slots):
+        raise ValueError(f"{qpb} quads of rows a block is {QW} a warp: with {slots} code slots its registers would spill "
+                         f"at {warps} warps a block (fewer warps, more blocks or K-slices)")
     nbytes = stream_shared_bytes(nch, ksplit)
     if nbytes + 64 > smem:
         raise ValueError(f"the streaming kernel needs {nbytes} bytes of shared memory a block; this GPU allows {smem}")
@@ -1456,18 +1464,28 @@ def _with_limit(kern, args, nbytes: int):
 class AdditiveGemv:
     """An additive-codebook weight prepared for the fused kernel on one device: ``y = gemv(x)``.
 
-    Holds the codes only in the kernel's tiled layout (:attr:`t` rebuilds the natural tensor).
-    ``plan``: optional overrides for :func:`plan_additive` (keys warps, RB, cps, ksplit, bt, build, table);
-    otherwise tuned on a GPU (``tune=True``) or taken from the heuristic.
+    Holds the codes only in the kernels' layouts (:attr:`t` rebuilds the natural tensor).
+    ``plan``: optional overrides for :func:`plan_additive` (keys warps, RB, cps, ksplit, bt, build, table),
+    or ``{"kernel": "stream", ...}`` for :func:`plan_stream` (warps, ksplit, slots); otherwise tuned on a
+    GPU (``tune=True``) or taken from the heuristic. ``kernels``: the families the tuner may pick from:
+    "table" (:func:`additive_kernel`, every batch and the fused operations) and "stream"
+    (:func:`stream_kernel`, M=2 at batch 1, plain GEMVs; a layer that uses both holds its codes twice).
     """
 
     max_batch = MAX_FUSED_BATCH  # larger batches: QLinear's dequantize + cuBLAS
+    FAMILIES = ("table", "stream")
 
-    def __init__(self, t: AdditiveTensor, device=None, plan: dict | None = None, tune: bool = True):
+    def __init__(self, t: AdditiveTensor, device=None, plan: dict | None = None, tune: bool = True,
+                 kernels: tuple[str, ...] = FAMILIES):
         self.device = kernel_device(device, "AdditiveGemv")
         if not isinstance(t, AdditiveTensor):
             raise TypeError(f"AdditiveGemv takes an AdditiveTensor, got {type(t).__name__}")
         t.validate()
+        if "table" not in kernels or set(kernels) - set(self.FAMILIES):
+            raise ValueError(f"kernels must be 'table' and optionally 'stream' (the table kernel serves every batch), got {kernels}")
+        if plan is not None and plan.get("kernel") == "stream" and "stream" not in kernels:
+            raise ValueError("a streaming plan was asked for with kernels that leave the streaming kernel out")
+        self.kernels = tuple(kernels)
         t = t.to(self.device)
         self.M, self.n_in, self.n_out = t.M, t.in_features, t.out_features
         self.fixed_plan = plan
@@ -1589,14 +1607,14 @@ class AdditiveGemv:
         and keep the fastest; cached per GPU model and shape. With fused operations (see
         :func:`additive_kernel`) only the tensor-core builds are candidates, timed with them."""
         fused = bool(pre or post)
-        key = (torch.cuda.get_device_name(self.device), "additive", self.M, B, self.n_in, self.n_out, pre, post)
+        key = (torch.cuda.get_device_name(self.device), "additive", self.M, B, self.n_in, self.n_out, pre, post, self.kernels)
         if key in _TUNED:
             return _TUNED[key]
         from .bench import pick_fastest
 
         cands = [p for p in candidate_plans(self.n_out, self.nchunks, self.M, B, sm_count(self.device), self._smem())
                  if p.build == "mma" or not fused]
-        if B == 1 and self.M == 2 and not fused and tuning_enabled("additive-stream"):
+        if B == 1 and self.M == 2 and not fused and "stream" in self.kernels and tuning_enabled("additive-stream"):
             cands += stream_candidates(self.n_out, self.n_in, sm_count(self.device), self._smem())
         if not cands:
             raise ValueError(f"no tensor-core additive plan fits this device's shared memory for M={self.M}, batch {B}")

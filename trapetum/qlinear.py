@@ -306,7 +306,9 @@ class AdditiveQLinear(QLinear):
     def _build_gemv(self, device, keep_natural: bool):
         from .additive import AdditiveGemv
 
-        return AdditiveGemv(self.codebook_tensor(), device=device)  # always holds only the tiled codes
+        # The table kernel only: a model's layers are called fused (decode step) and at batches above 1
+        # (prefill), which the streaming kernel does not serve, so one code layout a layer (VRAM).
+        return AdditiveGemv(self.codebook_tensor(), device=device, kernels=("table",))
 
 
 class QEmbedding(nn.Module):
