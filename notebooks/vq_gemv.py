@@ -234,6 +234,31 @@ report.styled(report.additive_side_by_side(df))
 report.styled(report.additive_queue_trial(folder))
 
 # %% [markdown]
+# ### A second kernel: streaming the K-slice (2-bit, batch 1)
+#
+# `trapetum.additive.stream_kernel` changes the two things the table kernel's profile blamed. A block
+# owns a set of rows over a whole K-slice (about one block an SM) and streams the slice in chunks of
+# 64 groups: while it looks up chunk c in one table it builds chunk c + 1's in the other, on the
+# tensor cores, one barrier a chunk; there is no K-split finish unless a plan asks for one. And lanes
+# own groups instead of rows: a table word holds one entry of one codebook for two groups (s and
+# s + 32) as an fp16 pair, laid out so that lane s's lookups always fall in bank s, one shared
+# wavefront a warp-wide lookup whatever the codes. The codes get their own layout (a lane's 16-byte
+# load is four rows' codes of its two groups), and a layer keeps only the layouts its chosen plans read.
+# The tuner times its plans beside the table kernel's at M = 2 and batch 1 (the *table* column of the
+# additive table says which kernel each record's pick was). The probe below timed every streaming plan
+# at each shape after checking them against the dequantized weight with outputs poisoned; it ran
+# before the recorded run, in its own process, so compare its times with each other and with its own
+# fp16 column. The kernel wins at the largest layers, where its conflict-free lookups and the absence
+# of a finish pay, and ties or trails the table kernel at the mid shapes. There its chunks stay a chain:
+# the first version's profile (`data/_runs/ncu/additive-stream-v1-regions-h100.txt`) found most of a
+# block's time inside the chunk loop, and two changes aimed at the loop's instruction count (fp16 sums
+# of a row's four lookups, 32-warp blocks) moved nothing, so the loop waits rather than issues;
+# NOTES.md has the count, the prediction that missed and the measurements.
+
+# %%
+report.styled(report.additive_stream_probe(folder))
+
+# %% [markdown]
 # ## How far from the bytes
 #
 # How fast could any kernel of these formats be? A GEMV at batch 1 must read its code bytes from DRAM

@@ -137,6 +137,7 @@ def test_additive_table_and_figure(vq):
 def test_additive_table_labels():
     lab = report.additive_table_label
     assert lab({"kernel": "additive", "build": "mma", "table": "fp16"}) == "fp16, tensor cores"
+    assert lab({"kernel": "additive", "build": "stream", "table": "fp16"}) == "fp16, tensor cores (streaming kernel)"
     assert lab({"kernel": "additive", "build": "fma", "table": float("nan")}) == "fp32, multiply-adds"  # runs before fp16 tables
     assert lab({"kernel": "cuda_cpp_additive", "plan": "rows256 w8 cps4 spb1 ks16 lut16"}) == "fp16, tensor cores"
     assert lab({"kernel": "cuda_cpp_additive", "plan": "rows256 w8 cps4 spb1 ks16 lut32"}) == "fp32, tensor cores"
@@ -234,3 +235,26 @@ def test_additive_queue_trial_puts_each_probe_beside_the_static_plan(tmp_path):
     assert list(t["in x out"]) == ["4096 x 4096", "4096 x 14336"] and list(t["static grid, tuned (us)"]) == [8.0, 16.0]
     assert np.allclose(t.iloc[:, 4], 1.25) and np.allclose(t.iloc[:, 5], 1.1)
     assert report.additive_queue_trial(tmp_path / "nothing").empty
+
+
+def test_additive_stream_probe_takes_each_shapes_fastest_plan(tmp_path):
+    import json
+
+    recs = [{"kind": "check", "passed": True}, {"kind": "check", "passed": False}]
+    for ks, us in ((1, 20.0), (2, 16.5), (4, 18.0)):
+        recs.append({"kind": "time", "kernel": "stream", "in_features": 4096, "out_features": 14336, "time_us": us, "fp16_us": 42.0,
+                     "plan": {"warps": 16, "ksplit": ks, "slots": 2}})
+    recs.append({"kind": "time", "kernel": "table (tuned)", "in_features": 4096, "out_features": 14336, "time_us": 16.2, "fp16_us": 42.0,
+                 "plan": "additive: 8 warps"})
+    recs.append({"kind": "time", "kernel": "stream", "in_features": 4096, "out_features": 4096, "time_us": 9.0, "fp16_us": 16.5,
+                 "plan": {"warps": 8, "ksplit": 6, "slots": 3}})  # 6 K-slices asked of 8 chunks: slices of 2, so 4 ran
+    (tmp_path / "_runs").mkdir()
+    prov = {"gpu": "NVIDIA H100 80GB HBM3", "git_commit": "abcdef123", "date": "2026-11-27T05:00"}
+    (tmp_path / "_runs" / "additive-stream-v2-h100.json").write_text(json.dumps({"provenance": prov, "records": recs}))
+    t = report.additive_stream_probe(tmp_path)
+    assert list(t["in x out"]) == ["4096 x 14336", "4096 x 4096"]
+    assert list(t["streaming (us)"]) == [16.5, 9.0] and list(t["fastest streaming plan"]) == ["16 warps, K-split 2, 2 code slots",
+                                                                                             "8 warps, K-split 4, 3 code slots"]
+    assert t["table kernel, tuned (us)"][0] == 16.2 and np.isnan(t["table kernel, tuned (us)"][1])
+    assert np.isclose(t["streaming: speedup"][0], 42.0 / 16.5) and t["probe"][0] == "abcdef1 (1/2 checks)"
+    assert report.additive_stream_probe(tmp_path / "nothing").empty

@@ -1374,6 +1374,8 @@ def additive_table_label(rec: dict) -> str:
     before the tensor-core build recorded no ``build``, before fp16 tables no ``table``: both were
     the only kind then, multiply-adds and fp32)."""
     build, table, plan = rec.get("build"), rec.get("table"), rec.get("plan")
+    if rec.get("kernel") == "additive" and build == "stream":
+        return "fp16, tensor cores (streaming kernel)"
     if rec.get("kernel") == "additive":
         how = "tensor cores" if build == "mma" else "multiply-adds"
         return f"{table if isinstance(table, str) else 'fp32'}, {how}"
@@ -1422,17 +1424,24 @@ def additive_side_by_side(df: pd.DataFrame, scheme: str = "2-bit additive (M=2)"
 ADDITIVE_QUEUE_PROBES = "_runs/additive-queue-*.json"  # the queue plans' probes (their code is in git history)
 
 
+def _probe_runs(folder, pattern: str, short: bool = False):
+    """Each probe file under ``folder`` matching ``pattern``, oldest first: (provenance, a label of its
+    commit and how many correctness checks passed before it timed anything, its timing records)."""
+    probes = [json.loads(f.read_text()) for f in _root(folder).glob(pattern)]
+    for data in sorted(probes, key=lambda d: str(d["provenance"].get("date"))):
+        prov, recs = data["provenance"], data["records"]
+        checks = [r for r in recs if r.get("kind") == "check"]
+        commit = str(prov.get("git_commit"))
+        label = f"{commit[:7] if short else commit} ({sum(bool(c['passed']) for c in checks)}/{len(checks)} checks)"
+        yield prov, label, pd.DataFrame([r for r in recs if r.get("kind") == "time"])
+
+
 def additive_queue_trial(folder=None) -> pd.DataFrame:
     """The additive kernel's queue plans, tried and reverted: one row a shape and M, one column a
     probe (its commit and how many correctness checks passed before it timed anything): the fastest
     queue plan's time over the tuned static-grid plan's, both timed in that probe's process."""
     rows = []
-    probes = [json.loads(f.read_text()) for f in _root(folder).glob(ADDITIVE_QUEUE_PROBES)]
-    for data in sorted(probes, key=lambda d: str(d["provenance"].get("date"))):  # oldest first
-        prov, recs = data["provenance"], data["records"]
-        checks = [r for r in recs if r.get("kind") == "check"]
-        probe = f"{prov.get('git_commit')} ({sum(bool(c['passed']) for c in checks)}/{len(checks)} checks)"
-        t = pd.DataFrame([r for r in recs if r.get("kind") == "time"])
+    for prov, probe, t in _probe_runs(folder, ADDITIVE_QUEUE_PROBES):
         if t.empty:
             continue
         t["queued"] = ~t["plan"].str.contains("'queue': 0")
@@ -1450,6 +1459,34 @@ def additive_queue_trial(folder=None) -> pd.DataFrame:
     last = d.drop_duplicates(["GPU", "in x out", "M"], keep="last").set_index(["GPU", "in x out", "M"])
     out.insert(0, "static grid, tuned (us)", last["static grid, tuned (us)"])
     return out.reset_index()
+
+
+ADDITIVE_STREAM_PROBES = "_runs/additive-stream-v2-*.json"  # the streaming kernel's probe, every plan timed
+
+
+def additive_stream_probe(folder=None) -> pd.DataFrame:
+    """The streaming additive kernel's probe (M=2, batch 1), one row a GPU and shape: torch fp16, the
+    fastest streaming plan and its time, and the table kernel's tuned time where the probe timed it in
+    the same process (the recorded runs above keep only the tuner's pick)."""
+    rows = []
+    for prov, probe, t in _probe_runs(folder, ADDITIVE_STREAM_PROBES, short=True):
+        if t.empty:
+            continue
+        for (n_in, n_out), g in t.groupby(["in_features", "out_features"], sort=False):
+            s, tab = g[g["kernel"] == "stream"], g[g["kernel"] == "table (tuned)"]
+            if s.empty:
+                continue
+            best = s.loc[s["time_us"].idxmin()]
+            plan = best["plan"]
+            # the K-split a plan ran (plan_stream evens the slices: 6 asked of 8 chunks is 4)
+            nch = -(-int(n_in) // 512)
+            ks = -(-nch // -(-nch // int(plan["ksplit"])))
+            rows.append({"GPU": gpu_label(prov.get("gpu", "")), "in x out": shape_label((int(n_in), int(n_out))),
+                         "torch fp16 (us)": float(best["fp16_us"]),
+                         "fastest streaming plan": f"{plan['warps']} warps, K-split {ks}, {plan['slots']} code slots",
+                         "streaming (us)": float(best["time_us"]), "streaming: speedup": float(best["fp16_us"] / best["time_us"]),
+                         "table kernel, tuned (us)": float(tab["time_us"].min()) if len(tab) else float("nan"), "probe": probe})
+    return pd.DataFrame(rows)
 
 
 def vq_run_notes(folder=None) -> pd.DataFrame:
