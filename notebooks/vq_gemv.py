@@ -259,6 +259,17 @@ report.styled(report.additive_queue_trial(folder))
 report.styled(report.additive_stream_probe(folder))
 
 # %% [markdown]
+# What the mid shapes wait on: the same kernel timed with parts of it left out (timing only: the outputs
+# are wrong). The *neither* column streams and consumes the codes through the same register ring, meets
+# at the same barrier every chunk and sums the rows, but builds no table and looks nothing up; the empty
+# launch asks for the same shared memory and returns. Compare the skeleton with the codes' DRAM time
+# (the ceiling section below): if it is already far above it, no faster build or lookup can close the
+# gap, and the codes have to keep flowing across the chunk barrier instead.
+
+# %%
+report.styled(report.additive_stream_skeleton(folder))
+
+# %% [markdown]
 # ## How far from the bytes
 #
 # How fast could any kernel of these formats be? A GEMV at batch 1 must read its code bytes from DRAM

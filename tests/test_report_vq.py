@@ -258,3 +258,22 @@ def test_additive_stream_probe_takes_each_shapes_fastest_plan(tmp_path):
     assert t["table kernel, tuned (us)"][0] == 16.2 and np.isnan(t["table kernel, tuned (us)"][1])
     assert np.isclose(t["streaming: speedup"][0], 42.0 / 16.5) and t["probe"][0] == "abcdef1 (1/2 checks)"
     assert report.additive_stream_probe(tmp_path / "nothing").empty
+
+
+def test_additive_stream_skeleton_puts_each_variant_in_a_column(tmp_path):
+    import json
+
+    recs = [{"kind": "check", "passed": True}]
+    for probe, us in (("full", 16.6), ("skeleton", 13.0), ("empty", 1.3), ("nobuild", 13.8)):
+        recs.append({"kind": "time", "in_features": 4096, "out_features": 14336, "ksplit": 2, "slots": 2, "probe": probe,
+                     "time_us": us, "fp16_us": 43.2})
+    recs.append({"kind": "time", "in_features": 4096, "out_features": 14336, "ksplit": 1, "slots": 3, "probe": "full", "time_us": 19.0,
+                 "fp16_us": 43.2})
+    (tmp_path / "_runs").mkdir()
+    prov = {"gpu": "NVIDIA H100 80GB HBM3", "git_commit": "abc", "date": "2026-11-27T05:30"}
+    (tmp_path / "_runs" / "additive-stream-skeleton-h100.json").write_text(json.dumps({"provenance": prov, "records": recs}))
+    t = report.additive_stream_skeleton(tmp_path)
+    assert list(t.columns) == ["GPU", "in x out", "torch fp16 (us)", "K-split", "code slots", "full kernel", "no table build",
+                               "neither (codes streamed, barriers, sums)", "empty launch"]  # the order of the parts, "no lookups" absent
+    assert list(t["K-split"]) == [2, 1] and t["full kernel"].tolist() == [16.6, 19.0] and np.isnan(t["empty launch"][1])
+    assert report.additive_stream_skeleton(tmp_path / "nothing").empty

@@ -1489,6 +1489,27 @@ def additive_stream_probe(folder=None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+ADDITIVE_STREAM_SKELETON = "_runs/additive-stream-skeleton-*.json"  # the streaming kernel with parts left out
+STREAM_PARTS = {"full": "full kernel", "nobuild": "no table build", "nolook": "no lookups",
+                "skeleton": "neither (codes streamed, barriers, sums)", "empty": "empty launch"}
+
+
+def additive_stream_skeleton(folder=None) -> pd.DataFrame:
+    """The streaming kernel timed with parts of it left out (wrong outputs, timing only), one row a GPU,
+    shape, K-split and code-slot count, one column a variant, in microseconds, beside fp16."""
+    rows = []
+    for prov, _, t in _probe_runs(folder, ADDITIVE_STREAM_SKELETON):
+        for r in t.to_dict("records"):
+            rows.append({"GPU": gpu_label(prov.get("gpu", "")), "in x out": shape_label((int(r["in_features"]), int(r["out_features"]))),
+                         "torch fp16 (us)": float(r["fp16_us"]), "K-split": int(r["ksplit"]), "code slots": int(r["slots"]),
+                         "part": STREAM_PARTS.get(r["probe"], r["probe"]), "us": float(r["time_us"])})
+    if not rows:
+        return pd.DataFrame()
+    d = pd.DataFrame(rows)
+    out = d.pivot_table(index=["GPU", "in x out", "torch fp16 (us)", "K-split", "code slots"], columns="part", values="us", sort=False)
+    return out[[c for c in STREAM_PARTS.values() if c in out.columns]].reset_index()
+
+
 def vq_run_notes(folder=None) -> pd.DataFrame:
     """What the provenance of each run the chapter shows says went wrong or was left out (failed
     sweeps, skipped peers, a run stopped part way)."""
