@@ -1019,6 +1019,8 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
 # [entry k][codebook m][lane s] holds groups s and s + 32 of the chunk as an fp16 pair, so lane s's
 # lookups all fall in bank s (one wavefront a warp-wide lookup, whatever the codes), and a lane sums
 # its groups for every row of its warp, the 32 lanes' partial sums meeting once, at the end.
+# Measured (NOTES, session 38): faster than the table kernel at the largest layers only; at the mid
+# shapes its codes, streamed a chunk a barrier, already take most of the time without any table or lookup.
 STREAM_GROUPS = 64  # groups a chunk: a table word holds groups s and s + 32
 STREAM_TABLE_WORDS = K * 2 * 32  # a chunk's table: 256 entries x 2 codebooks x 32 words (64 KiB)
 STREAM_X_WORDS = STREAM_GROUPS * D // 2  # a chunk's slice of x: 512 fp16 values in 256 words
