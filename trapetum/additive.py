@@ -1028,6 +1028,21 @@ STREAM_ROWS = 4  # rows a lane's 16-byte code load covers (a "quad")
 _stream_cache: dict = {}
 
 
+def stream_quads(n_out: int) -> int:
+    """Quads of rows (4 rows, one 16-byte code load a lane) an ``n_out``-row layer pads to."""
+    return -(-n_out // STREAM_ROWS)
+
+
+def stream_chunks(groups: int) -> int:
+    """Chunks of 64 groups a row of ``groups`` groups of 8 inputs pads to."""
+    return -(-groups // STREAM_GROUPS)
+
+
+def check_stream_shape(warps: int, slots: int) -> None:
+    if 64 % warps or slots not in (2, 3):
+        raise ValueError(f"streaming plan: warps must divide 64 and code slots be 2 or 3, got {warps}, {slots}")
+
+
 def stream_codes(codes: torch.Tensor) -> torch.Tensor:
     """The streaming kernel's layout of (out, in/8, 2) uint8 codes, as int32 words: rows padded to
     quads of 4, groups to chunks of 64 (zero codes: their x is zero-padded, so they add nothing), and
@@ -1036,7 +1051,7 @@ def stream_codes(codes: torch.Tensor) -> torch.Tensor:
     n_out, G, M = codes.shape
     if M != 2:
         raise ValueError(f"the streaming layout holds M=2 codes, got M={M}")
-    nq, nch = -(-n_out // STREAM_ROWS), -(-G // STREAM_GROUPS)
+    nq, nch = stream_quads(n_out), stream_chunks(G)
     c = codes.new_zeros(nq * STREAM_ROWS, nch * STREAM_GROUPS, 2)
     c[:n_out, :G] = codes
     # (q, r, c, h, s, m) -> (c, q, s, r, h, m)
@@ -1046,7 +1061,7 @@ def stream_codes(codes: torch.Tensor) -> torch.Tensor:
 
 def unstream_codes(words: torch.Tensor, n_out: int, G: int) -> torch.Tensor:
     """The inverse of :func:`stream_codes`: (out, G, 2) uint8."""
-    nq, nch = -(-n_out // STREAM_ROWS), -(-G // STREAM_GROUPS)
+    nq, nch = stream_quads(n_out), stream_chunks(G)
     t = words.view(torch.uint8).reshape(nch, nq, 32, STREAM_ROWS, 2, 2).permute(1, 3, 0, 4, 2, 5)
     return t.reshape(nq * STREAM_ROWS, nch * STREAM_GROUPS, 2)[:n_out, :G].contiguous()
 
@@ -1084,8 +1099,7 @@ def stream_kernel(warps: int, QW: int, D2: int):
     key = (warps, QW, D2)
     if key in _stream_cache:
         return _stream_cache[key]
-    if 64 % warps or not 2 <= D2 <= 3:
-        raise ValueError(f"streaming plan: warps must divide 64 and code slots be 2 or 3, got {warps}, {D2}")
+    check_stream_shape(warps, D2)
     nt = warps * 32
     KT = 64 // warps  # k-tiles (8 entries of one codebook) a warp builds every chunk
     SLOT = QW * STREAM_ROWS  # code words a lane holds a chunk
@@ -1353,13 +1367,15 @@ def candidate_plans(n_out: int, nchunks: int, M: int, B: int, sms: int, smem: in
 @dataclass
 class StreamPlan:
     """A launch of :func:`stream_kernel`: ``warps`` a block, ``ksplit`` K-slices, ``slots`` code
-    slots a warp; ``qpb`` quads of rows a block (up to ``QW`` a warp), ``cps`` 64-group chunks a K-slice."""
+    slots a warp; ``qpb`` quads of rows a block (up to ``QW`` a warp), ``cps`` of the layer's ``nch``
+    64-group chunks a K-slice."""
     warps: int
     ksplit: int
     slots: int
     qpb: int
     QW: int
     cps: int
+    nch: int
     shared_bytes: int
     kernel: str = "stream"
     build: str = "stream"  # (an AdditivePlan's table build; the streaming kernel takes no fused operations)
@@ -1368,7 +1384,7 @@ class StreamPlan:
         return f"additive stream: {self.warps} warps, K-split {self.ksplit}, {self.slots} code slots"
 
     def grid(self, n_out: int) -> tuple[int, int]:
-        return -(-(-(-n_out // STREAM_ROWS)) // self.qpb), self.ksplit
+        return -(-stream_quads(n_out) // self.qpb), self.ksplit
 
 
 def stream_registers_fit(warps: int, QW: int, slots: int) -> bool:
@@ -1383,8 +1399,8 @@ def plan_stream(n_out: int, n_in: int, sms: int, smem: int, warps: int = 8, kspl
     """The streaming kernel's plan for an (out, in) M=2 layer: about ``blocks`` (default: one an SM)
     blocks, ``ksplit`` K-slices of them. Raises ValueError where it cannot run (its two 64 KiB tables
     need an opt-in block of ~130 KiB or more: sm_80, sm_90)."""
-    nq = -(-n_out // STREAM_ROWS)
-    nch = -(-(n_in // D) // STREAM_GROUPS)
+    check_stream_shape(warps, slots)
+    nq, nch = stream_quads(n_out), stream_chunks(n_in // D)
     if not 1 <= ksplit <= nch:
         raise ValueError(f"ksplit={ksplit}: an {n_in}-input layer has {nch} chunks of {STREAM_GROUPS * D} inputs")
     cps = -(-nch // ksplit)
@@ -1398,9 +1414,7 @@ def plan_stream(n_out: int, n_in: int, sms: int, smem: int, warps: int = 8, kspl
     nbytes = stream_shared_bytes(nch, ksplit)
     if nbytes + 64 > smem:
         raise ValueError(f"the streaming kernel needs {nbytes} bytes of shared memory a block; this GPU allows {smem}")
-    if 64 % warps or slots not in (2, 3):
-        raise ValueError(f"streaming plan: warps must divide 64 and code slots be 2 or 3, got {warps}, {slots}")
-    return StreamPlan(warps, ksplit, slots, qpb, QW, cps, nbytes)
+    return StreamPlan(warps, ksplit, slots, qpb, QW, cps, nch, nbytes)
 
 
 STREAM_WARPS = 16
@@ -1418,37 +1432,6 @@ def stream_candidates(n_out: int, n_in: int, sms: int, smem: int) -> list[Stream
         if all(q.ksplit != p.ksplit for q in out):
             out.append(p)
     return out
-
-
-def stream_launcher(t: AdditiveTensor, x: torch.Tensor, y: torch.Tensor, plan: StreamPlan, words: torch.Tensor | None = None):
-    """A zero-argument launch of the streaming kernel for y (1, out) = x (1, in) @ W.T, codes in
-    :func:`stream_codes`' layout (``words``, made here if not given), on torch's current stream."""
-    if t.M != 2:
-        raise ValueError(f"the streaming kernel takes M=2 codes, got M={t.M}")
-    words = stream_codes(t.codes) if words is None else words
-    nq = -(-t.out_features // STREAM_ROWS)
-    nch = -(-(t.in_features // D) // STREAM_GROUPS)
-    kern = stream_kernel(plan.warps, plan.QW, plan.slots)
-    ws = torch.empty(plan.ksplit, 1, t.out_features, dtype=torch.float32, device=x.device)
-    grid = plan.grid(t.out_features)
-    counters = torch.zeros(grid[0], dtype=torch.int32, device=x.device)
-    bias = t.bias if t.bias is not None else torch.zeros_like(t.scales)
-    keep = (words, ws, counters, bias, t.codebooks.contiguous())
-    ya = _as_kernel_array(y)
-    args = (_as_kernel_array(x.view(torch.int32)), _as_kernel_array(words), _as_kernel_array(keep[4].reshape(-1).view(torch.int32)),
-            _as_kernel_array(t.scales), _as_kernel_array(bias), ya, _as_kernel_array(ws), _as_kernel_array(counters),
-            t.out_features, nq, nch, plan.cps, plan.qpb, codebook_exponent(t.codebooks))
-    kern = _with_limit(kern, args, plan.shared_bytes)
-    block, smem = plan.warps * 32, plan.shared_bytes
-
-    def launch():
-        _ = keep
-        stream = 0 if SIM else cuda.external_stream(torch.cuda.current_stream(x.device).cuda_stream)
-        kern[grid, block, stream, smem](*args)
-        if SIM:
-            y.copy_(torch.from_numpy(ya).view(y.shape))
-
-    return launch
 
 
 _TUNED: dict = {}
@@ -1598,9 +1581,8 @@ class AdditiveGemv:
         # fused: (g32, res, eps); without fused operations arrays the kernel never reads (not ya: the
         # simulator copies every array argument back after a launch, and an unchanged y would win)
         if isinstance(plan, StreamPlan):  # tiled: the codes in stream_codes' layout
-            nq = -(-self.n_out // STREAM_ROWS)
-            return (xa, tiled, self._cb32, self._sc, self._bias, ya, views[0], views[1], self.n_out, nq,
-                    -(-self._G // STREAM_GROUPS), plan.cps, plan.qpb, self._cbexp)
+            return (xa, tiled, self._cb32, self._sc, self._bias, ya, views[0], views[1], self.n_out, stream_quads(self.n_out),
+                    plan.nch, plan.cps, plan.qpb, self._cbexp)
         return (xa, tiled, self._cb32, self._sc, self._bias, ya, views[0], views[1], self.n_out, self.rbs, self.nchunks,
                 self._cbexp) + (fused or (xa, xa, 0.0))
 
@@ -1616,7 +1598,8 @@ class AdditiveGemv:
 
         cands = [p for p in candidate_plans(self.n_out, self.nchunks, self.M, B, sm_count(self.device), self._smem())
                  if p.build == "mma" or not fused]
-        if B == 1 and self.M == 2 and not fused and "stream" in self.kernels and tuning_enabled("additive-stream"):
+        streaming = B == 1 and self.M == 2 and not fused and "stream" in self.kernels and tuning_enabled("additive-stream")
+        if streaming:
             cands += stream_candidates(self.n_out, self.n_in, sm_count(self.device), self._smem())
         if not cands:
             raise ValueError(f"no tensor-core additive plan fits this device's shared memory for M={self.M}, batch {B}")
@@ -1625,7 +1608,8 @@ class AdditiveGemv:
             return cands[0]
         tiled = self._tiled_t if self._tiled_t is not None else tile_codes(self._natural())
         copies, views, xa, ya = tuning_inputs(tiled, self.weight_bytes, self.n_in, self.n_out, B, self.device)
-        if any(isinstance(p, StreamPlan) for p in cands):  # the same weight in the streaming layout
+        scopies, sviews = None, None  # the same weight in the streaming layout
+        if streaming:
             scopies, sviews, _, _ = tuning_inputs(stream_codes(self._natural()), self.weight_bytes, self.n_in, self.n_out, B, self.device)
         extra = ()
         if fused:
@@ -1650,9 +1634,7 @@ class AdditiveGemv:
             warnings.warn(f"additive plan {plan} skipped: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
 
         best = pick_fastest(cands, launchers, self.device, on_error=skip)
-        del copies, views
-        if any(isinstance(p, StreamPlan) for p in cands):
-            del scopies, sviews
+        del copies, views, scopies, sviews
         if best is None:
             raise RuntimeError(f"no additive plan launches for M={self.M}, batch {B}, {self.n_in}x{self.n_out}")
         _TUNED[key] = best
@@ -1664,7 +1646,7 @@ class AdditiveGemv:
         call takes its own)."""
         if B > MAX_FUSED_BATCH:
             return False
-        return (self.fixed_plan is None or self._prepare(B)[1].build == "mma") and (self.fixed_plan or {}).get("kernel") != "stream"
+        return self.fixed_plan is None or self._prepare(B)[1].build == "mma"
 
     def fused_plan(self, B: int, pre: str, post: str) -> AdditivePlan:
         """The plan a :meth:`bind` with these fused operations launches (tuned for them on a GPU)."""
