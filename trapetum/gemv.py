@@ -194,17 +194,6 @@ if SIM:
         pass
 
     @cuda.jit(device=True)
-    def async_commit():
-        pass
-
-    def async_wait_group(n: int):
-        # the simulator's copies land when issued: nothing is ever pending
-        @cuda.jit(device=True)
-        def wait():
-            pass
-        return wait
-
-    @cuda.jit(device=True)
     def count_acq_rel(counters, i):
         return cuda.atomic.add(counters, i, 1)
 
@@ -494,38 +483,6 @@ else:
             return context.get_dummy_value()
 
         return sig, codegen
-
-    @intrinsic
-    def async_commit(typingctx):
-        """Close this thread's :func:`copy16_async` copies issued since the last commit into one group
-        (``cp.async.commit_group``), which :func:`async_wait_group` counts."""
-        sig = types.none()
-
-        def codegen(context, builder, sig, args):
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "cp.async.commit_group;", "~{memory}", side_effect=True)
-            builder.call(asm, [])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    _wait_groups: dict = {}
-
-    def async_wait_group(n: int):
-        """A device function waiting until at most ``n`` of this thread's most recent copy groups
-        are still in flight (``cp.async.wait_group n``: n is an immediate, so one function an n)."""
-        if n not in _wait_groups:
-            @intrinsic
-            def wait(typingctx):
-                sig = types.none()
-
-                def codegen(context, builder, sig, args):
-                    asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), f"cp.async.wait_group {int(n)};", "~{memory}", side_effect=True)
-                    builder.call(asm, [])
-                    return context.get_dummy_value()
-
-                return sig, codegen
-            _wait_groups[n] = wait
-        return _wait_groups[n]
 
     @intrinsic
     def count_acq_rel(typingctx, counters, i):
@@ -1255,15 +1212,7 @@ def stage_pair_block(sm, cbt32, x32, CO, XO, xrow, bx, rbs, j0, jend, B, tid, nt
 @cuda.jit(device=True, **INLINE)
 def stage_x_rows(sm, x32, XO, xrow, j0, jend, B, BP, tid, nt):
     """Rows 0..BP-1 of this K-slice (chunks j0..jend-1) of x at word XO, ``xrow`` words a row, fp16
-    as staged: the B rows of x, then zeros (rows a kernel's n-tile reads past the batch). Landed for
-    this thread on return; the caller's barrier makes them the block's."""
-    copy_x_rows(sm, x32, XO, xrow, j0, jend, B, BP, tid, nt)
-    async_wait_all()
-
-
-@cuda.jit(device=True, **INLINE)
-def copy_x_rows(sm, x32, XO, xrow, j0, jend, B, BP, tid, nt):
-    """:func:`stage_x_rows` without the wait: the copies are still in flight on return."""
+    as staged: the B rows of x, then zeros (rows a kernel's n-tile reads past the batch)."""
     xq = (jend - j0) * 4  # 16-byte pieces of a batch row
     # 32-bit division: numba's int64 one is a long emulated sequence. The pieces are asynchronous
     # copies, all of a thread's in flight at once and holding no registers: a load and a store a
@@ -1281,6 +1230,7 @@ def copy_x_rows(sm, x32, XO, xrow, j0, jend, B, BP, tid, nt):
             copy16_async(sm, o, x32[bb], u32(u32(j0 * 16) + w))
         else:
             store16(sm, o, zero, zero, zero, zero)
+    async_wait_all()
 
 
 def pair_table_builder(swizzle: bool):
@@ -1786,21 +1736,14 @@ def tile_xrow(cps: int) -> int:
 tile_min_blocks = wide_min_blocks
 
 
-TILE_RINGS = (2, 3, 4)  # slots of x a ring kernel may keep
-TILE_RING = 3  # the tuner's: two turns of x in flight while one is used
-
-
-def tile_shared_bytes(B: int, warps: int, cps: int, ring: int = 0, unroll: int = TILE_UNROLL) -> int:
+def tile_shared_bytes(B: int, warps: int, cps: int) -> int:
     """Dynamic shared memory of :func:`tile_kernel`: each warp's table and the x slice (batch rows
-    padded to a multiple of 8, the mma's n-tile), or with ``ring`` that many slots of one turn's
-    ``unroll`` chunks, after up to 2 KiB less 16 bytes of padding (the dynamic array starts 16-byte
-    aligned)."""
-    rows = 8 * ((B + 7) // 8)
-    xw = ring * rows * tile_xrow(unroll) if ring else rows * tile_xrow(cps)
-    return 4 * (xw + warps * TILE_TABLE_WORDS) + TILE_ALIGN - 16  # the pad that aligns them
+    padded to a multiple of 8, the mma's n-tile), after up to 2 KiB less 16 bytes of padding (the
+    dynamic array starts 16-byte aligned)."""
+    return 4 * (8 * ((B + 7) // 8) * tile_xrow(cps) + warps * TILE_TABLE_WORDS) + TILE_ALIGN - 16  # the pad that aligns them
 
 
-def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL, ring: int = 0):
+def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
     """4-bit (K = 16) fused kernel for batches of up to 64 rows (tuned from 8) on the tensor cores, with the weights as
     the mma's A operand (weight rows as M) and x as B (batch rows as N, 8 an n-tile), the way a GEMM
     tiles them.
@@ -1826,29 +1769,16 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL, ring: int = 0):
     of a group (:func:`last_to_finish`). Arguments as :func:`wide_kernel`'s, except ``cb32``: the
     natural (out, 16) fp16 codebooks as int32 words. :func:`tile_shared_bytes` of shared memory.
     ``unroll``: chunks a warp uses in one turn while as many more are in flight.
-
-    ``ring`` (2..4; 0: off): x is not staged whole but streamed, a turn's ``unroll`` chunks at a time,
-    through that many slots that asynchronous copies fill ``ring`` - 1 turns ahead, the block's
-    warps stepping together (a barrier a turn), as a GEMM's main loop streams its operands. The
-    slice a block covers then no longer has to fit shared memory: at batch 64 the whole-slice
-    staging forced a K-split of 4, whose partials (29 MB at 4096 x 14336) were as many bytes as
-    the codes (NOTES "Session 26").
     """
-    key = ("tile", B, warps, unroll, ring)
+    key = ("tile", B, warps, unroll)
     if key in _kernel_cache:
         return _kernel_cache[key]
     check_wide_batch_kernel("tile", B, warps, unroll)
-    if ring and ring not in TILE_RINGS:
-        raise ValueError(f"the tile kernel's ring keeps {', '.join(map(str, TILE_RINGS))} slots of x, got {ring}")
     NB = (B + 7) // 8  # n-tiles
     BP = 8 * NB
     U = unroll
     nt = warps * 32
     NU, NC = 4 * U, 8 * NB  # local array sizes: numba needs them as constants
-    RING = ring
-    XR = tile_xrow(U)  # a ring slot's row: one turn's chunks
-    SW = BP * XR  # words a slot (a multiple of 16: slot offsets count in chunks)
-    wait_ring = async_wait_group(max(RING - 2, 0))
 
     @cuda.jit(device=True, **INLINE)
     def nibble_at(cw, i):
@@ -1886,44 +1816,6 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL, ring: int = 0):
                     a[k + 4], a[k + 5], a[k + 6], a[k + 7], b2, b3, acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
 
     stream = pair_block_stream(fetch_row_words, use_chunk, U, 1)
-
-    @cuda.jit(device=True, **INLINE)
-    def ring_turn(i, cur, nxt, tiled, base, j0, jlast, jend, nk, turns, sm, lb, xo, a, tab, acc, x32, XO, tid):
-        """Turn i of the ring: once its slot has landed for the whole block (which also means every
-        warp is done with the slot turn i - 1 used), copies turn i + RING - 1 into that slot, loads
-        the next turn's codes into ``nxt``, and uses this turn's (``cur``)."""
-        wait_ring()
-        cuda.syncthreads()
-        s = i + (RING - 1)
-        if s < turns:
-            js = j0 + s * U
-            copy_x_rows(sm, x32, XO + (s % RING) * SW, XR, js, min(js + U, jend), B, BP, tid, nt)
-        async_commit()  # an empty group past the last turn keeps the count wait_ring relies on
-        for u in range(U):
-            fetch_row_words(nxt, 4 * u, tiled, base, min(j0 + (i + 1) * U + u, jlast))
-        rel = (i % RING) * (SW // 16)
-        for u in range(U):
-            if i * U + u < nk:
-                use_chunk(cur, 4 * u, sm, lb, xo, rel + u, a, tab, acc)
-
-    @cuda.jit(device=True, **INLINE)
-    def ring_stream(c, d, tiled, base, j0, jlast, jend, nk, sm, lb, xo, a, tab, acc, x32, XO, tid):
-        """The ring's main loop (``c`` holds turn 0's codes): two turns a trip, so the register sets
-        alternate without copies, as in :func:`pair_block_stream`."""
-        turns = (nk + U - 1) // U
-        for s in range(RING - 1):  # the prologue: the first RING - 1 turns' x in flight
-            if s < turns:
-                js = j0 + s * U
-                copy_x_rows(sm, x32, XO + s * SW, XR, js, min(js + U, jend), B, BP, tid, nt)
-            async_commit()
-        i = 0
-        for _ in range(turns // 2):
-            ring_turn(i, c, d, tiled, base, j0, jlast, jend, nk, turns, sm, lb, xo, a, tab, acc, x32, XO, tid)
-            ring_turn(i + 1, d, c, tiled, base, j0, jlast, jend, nk, turns, sm, lb, xo, a, tab, acc, x32, XO, tid)
-            i += 2
-        if turns % 2 == 1:
-            ring_turn(i, c, d, tiled, base, j0, jlast, jend, nk, turns, sm, lb, xo, a, tab, acc, x32, XO, tid)
-        async_wait_all()  # nothing of this group's x may land after the next group's prologue reuses a slot
 
     @cuda.jit(device=True, **INLINE)
     def get_rows(cbw, cb32, row, live, n_out):
@@ -1986,7 +1878,7 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL, ring: int = 0):
         nsplit = cuda.gridDim.y
         j0 = split * cps
         jend = min(j0 + cps, nchunks)
-        xrow = XR if RING else cps * 16 + (16 if cps % 2 == 0 else 0)  # tile_xrow
+        xrow = cps * 16 + (16 if cps % 2 == 0 else 0)  # tile_xrow
         sbase = shared_address(sm)
         pad = ((uint32(TILE_ALIGN) - (sbase & uint32(TILE_ALIGN - 1))) & uint32(TILE_ALIGN - 1)) >> uint32(2)
         TO = pad + warp * TILE_TABLE_WORDS  # this warp's table, at a 2 KiB-aligned shared address
@@ -2003,29 +1895,22 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL, ring: int = 0):
 
         for p in range(cuda.blockIdx.x, (rbs + warps - 1) // warps, cuda.gridDim.x):
             rb = p * warps + warp
-            if RING:  # every warp keeps the block's barriers: one past the rows streams the last row-block's codes, unused
-                j1 = jend
-                base = min(rb, rbs - 1) * nchunks * 128 + lane
-            else:
-                j1 = jend if rb < rbs else j0  # a last group of fewer row-blocks leaves warps idle
-                base = rb * nchunks * 128 + lane
+            j1 = jend if rb < rbs else j0  # a last group of fewer row-blocks leaves warps idle
+            base = rb * nchunks * 128 + lane
             nk = j1 - j0
             jlast = j1 - 1
             if nk > 0:  # start streaming before anything waits (chunks past the slice: clamped, unused)
                 for u in range(U):
                     fetch_row_words(c, 4 * u, tiled, base, min(j0 + u, jlast))
             get_rows(cbw, cb32, rb * 32 + gq, rb < rbs, n_out)  # in flight with the codes and x
-            if not RING and p == cuda.blockIdx.x:
+            if p == cuda.blockIdx.x:
                 stage_x_rows(sm, x32, XO, xrow, j0, jend, B, BP, tid, nt)
-            cuda.syncthreads()  # the last group's tables (and ring slots) are read
+            cuda.syncthreads()  # the last group's tables are read
             put_rows(sm, cbw, TO + lane)
+            cuda.syncthreads()  # the x slice and the tables are in place
             for i in range(NC):
                 acc[i] = float32(0.0)
-            if RING:  # its first turn's barrier puts the tables in place
-                ring_stream(c, d, tiled, base, j0, jlast, jend, nk, sm, lb, xo, a, tab, acc, x32, XO, tid)
-            else:
-                cuda.syncthreads()  # the x slice and the tables are in place
-                stream(c, d, tiled, base, j0, jlast, 0, nk, sm, lb, xo, a, tab, acc)
+            stream(c, d, tiled, base, j0, jlast, 0, nk, sm, lb, xo, a, tab, acc)
 
             # D fragment (mt, n): lane (g, t) holds rows 16 mt + g, + 8 and batch rows 8n + 2t, + 1.
             if rb < rbs:
@@ -2340,11 +2225,10 @@ class LaunchPlan:
     # the last three 4-bit, with their own shared-memory layouts (RB 2, or a row-block a warp for tile);
     # their ``stages`` is the chunks a warp uses in one turn, with as many more in flight
     walk: int = 1  # groups of RB row-blocks a block walks (wide_kernel and tile_kernel only)
-    ring: int = 0  # tile_kernel only: slots of x it streams through (0: the K-slice staged whole)
 
     def label(self) -> str:
         """The plan in a few words (the fused step's and the bench's record of it)."""
-        return f"{self.warps} warps, RB {self.RB}, K-split {self.ksplit}, stages {self.stages}" + (f", ring {self.ring}" if self.ring else "")
+        return f"{self.warps} warps, RB {self.RB}, K-split {self.ksplit}, stages {self.stages}"
 
     def grid(self, rbs: int) -> tuple[int, int]:
         """(blocks along the rows, K-slices) for a layer of ``rbs`` row-blocks."""
@@ -2455,38 +2339,31 @@ def plan_wide(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SI
 
 
 def plan_tile(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SIM, warps: int | None = None,
-              ksplit: int | None = None, stages: int = TILE_UNROLL, walk: int | str = 1, ring: int = 0) -> LaunchPlan:
+              ksplit: int | None = None, stages: int = TILE_UNROLL, walk: int | str = 1) -> LaunchPlan:
     """Grid of :func:`tile_kernel` for one 4-bit layer: groups of ``warps`` row-blocks (default 8,
     or 4 where 8 leave SMs without a group) x K-slices. Without a ``ksplit``: the smallest that the
     x slice allows and that fills every SM's blocks, as long as every warp keeps two full pipeline
-    turns. ``walk`` as :func:`plan_wide`'s (groups a block walks, or ``"wave"``). ``ring``: slots
-    of x the kernel streams through (:func:`tile_kernel`), so any K-split fits. ValueError where
+    turns. ``walk`` as :func:`plan_wide`'s (groups a block walks, or ``"wave"``). ValueError where
     the plan cannot launch."""
-    if ring and ring not in TILE_RINGS:
-        raise ValueError(f"the tile kernel's ring keeps {', '.join(map(str, TILE_RINGS))} slots of x, got {ring}")
-
-    def smem_of(b, w, cps):
-        return tile_shared_bytes(b, w, cps, ring, stages)
-
     rbs = -(-n_out // ROW_BLOCK)
     if warps is None:
         warps = 8 if -(-rbs // 8) >= sms // 2 else 4
-    min_split = _min_split("tile", smem_of, MAX_WIDE_BATCH, (1, 2, 4), nchunks, B, budget, warps, stages)
+    min_split = _min_split("tile", tile_shared_bytes, MAX_WIDE_BATCH, (1, 2, 4), nchunks, B, budget, warps, stages)
     groups = -(-rbs // warps)
     if ksplit is None:
         ksplit = min_split
         while ksplit < max(min_split, nchunks // (2 * stages)):
             cps = -(-nchunks // ksplit)
-            if groups * -(-nchunks // cps) >= wide_blocks_per_sm(B, warps, smem_of(B, warps, cps)) * sms:
+            if groups * -(-nchunks // cps) >= wide_blocks_per_sm(B, warps, tile_shared_bytes(B, warps, cps)) * sms:
                 break
             ksplit += 1
     elif ksplit < min_split:
         raise ValueError(f"ksplit={ksplit} leaves more of x than shared memory holds; at least {min_split}")
     cps = -(-nchunks // min(ksplit, nchunks))
     ksplit = -(-nchunks // cps)
-    smem = smem_of(B, warps, cps)
+    smem = tile_shared_bytes(B, warps, cps)
     walk = resolve_walk(walk, groups, ksplit, wide_blocks_per_sm(B, warps, smem), sms)
-    return LaunchPlan(warps, ksplit, cps, smem, RB=warps, stages=stages, kernel="tile", walk=walk, ring=ring)
+    return LaunchPlan(warps, ksplit, cps, smem, RB=warps, stages=stages, kernel="tile", walk=walk)
 
 
 def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budget: int = 0) -> list[LaunchPlan]:
@@ -2548,16 +2425,6 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
             except ValueError:
                 continue
             key = ("tile", p.warps, p.ksplit, p.stages, p.walk)
-            if key not in seen and p.cps >= 2 * p.stages:
-                seen.add(key)
-                out.append(p)
-        # the tile kernel streaming x through a ring, from batch 8: small K-splits fit (4 or 8 warps, whole rows or halves)
-        for w, ks, st in itertools.product((4, 8), (1, 2, 3, 4), tile[1] if B >= 8 else ()):
-            try:
-                p = plan_tile(n_out, nchunks, B, sms, mma_budget, warps=w, ksplit=ks, stages=st, ring=TILE_RING)
-            except ValueError:
-                continue
-            key = ("tile", p.warps, p.ksplit, p.stages, p.walk, p.ring)
             if key not in seen and p.cps >= 2 * p.stages:
                 seen.add(key)
                 out.append(p)
@@ -2660,8 +2527,6 @@ class LutGemv:
         opts = dict(self.fixed_plan)
         sms = sm_count(self.device)
         kind = opts.pop("kernel", "lut")
-        if kind != "tile" and "ring" in opts:
-            raise ValueError("ring (slots of x streamed) is an option of the tile kernel only")
         if kind in TC_KERNELS:
             if self.K != 16 or self.variant != "lut":
                 raise ValueError(f"the {kind} kernel takes 4-bit codes in the 'lut' variant, not K={self.K} / {self.variant!r}")
@@ -2679,7 +2544,7 @@ class LutGemv:
         elif plan.kernel == "wide":
             kern = wide_kernel(B, plan.warps, plan.stages)
         elif plan.kernel == "tile":
-            kern = tile_kernel(B, plan.warps, plan.stages, plan.ring)
+            kern = tile_kernel(B, plan.warps, plan.stages)
         else:
             kern = lut_kernel(self.K, B, plan.warps, wide=self.variant == "lut", RB=plan.RB, stages=plan.stages, pre=pre, post=post)
         ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
