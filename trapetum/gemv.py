@@ -1765,11 +1765,9 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
     lane's 16-byte read of x (columns 8t..8t+7 of batch row 8n + g) is B of both k-steps.
 
     Grid (ceil(rbs / warps / walk), ksplit): block bx walks groups of ``warps`` row-blocks bx,
-    bx + gridDim.x, ... keeping its K-slice of x; K-slices add their sums into ``ws`` (1, rows, B),
-    zero between launches, by reductions in the L2, and the last block of a group (:func:`last_to_finish`)
-    only converts its rows and zeroes them again: the finish that summed K-slice partials, 8 batch
-    rows at a time, was ~8 serial L2 round trips at batch 64 (NOTES "Session 39"). Arguments as
-    :func:`wide_kernel`'s, except ``cb32``: the natural (out, 16) fp16 codebooks as int32 words, and ``ws``. :func:`tile_shared_bytes` of shared memory.
+    bx + gridDim.x, ... keeping its K-slice of x; K-slices meet in ``ws``, summed by the last block
+    of a group (:func:`last_to_finish`). Arguments as :func:`wide_kernel`'s, except ``cb32``: the
+    natural (out, 16) fp16 codebooks as int32 words. :func:`tile_shared_bytes` of shared memory.
     ``unroll``: chunks a warp uses in one turn while as many more are in flight.
     """
     key = ("tile", B, warps, unroll)
@@ -1845,8 +1843,7 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
 
     @cuda.jit(device=True, **INLINE)
     def put_d(y, ws, split, nsplit, n_out, r, b, d0, d1, d2, d3):
-        """One D fragment's four sums (rows r, r + 8 x batch rows b, b + 1) to y, or with a K-split added
-        to ws[0, row, b] (a reduction in the L2: nothing waits for it)."""
+        """One D fragment's four sums (rows r, r + 8 x batch rows b, b + 1) to y, or with a K-split to ws."""
         for i in range(4):
             ri = r + uint32(8 * (i >> 1))
             bi = b + uint32(i & 1)
@@ -1855,7 +1852,7 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
                 if nsplit == 1:
                     y[bi, ri] = v
                 else:
-                    cuda.atomic.add(ws, (0, ri, bi), v)
+                    ws[split, bi, ri] = v
 
     # Every fragment, written out as straight-line calls: NVVM leaves a loop over 16 fragments rolled
     # (batch 64), and acc, indexed by its counter, then lives in local memory (a 256-byte stack frame).
@@ -1895,7 +1892,6 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
         c = cuda.local.array(NU, int32)
         d = cuda.local.array(NU, int32)  # the second register set (pair_block_stream)
         cbw = cuda.local.array(32, int32)  # the row-block's codebook words, on their way to the table
-        v = cuda.local.array(B, float32)  # the finish's row of sums
 
         for p in range(cuda.blockIdx.x, (rbs + warps - 1) // warps, cuda.gridDim.x):
             rb = p * warps + warp
@@ -1920,15 +1916,13 @@ def tile_kernel(B: int, warps: int, unroll: int = TILE_UNROLL):
             if rb < rbs:
                 put_all(y, ws, split, nsplit, n_out, uint32(rb * 32 + gq), uint32(2 * t), acc)
             if nsplit > 1 and last_to_finish(counters, p, nsplit, last, tid):
-                # The K-slices' sums are already added up in ws: the group's nt rows, a thread each, are
-                # only converted (every load in flight at once) and ws zeroed for the next launch.
-                r = p * nt + tid
+                r = p * nt + tid  # the group's nt rows, a thread each, 8 batch rows at a time
                 if r < n_out:
-                    for b in range(B):
-                        v[b] = load_cg(ws, 0, r, b)
-                    for b in range(B):
-                        y[b, r] = v[b]
-                        ws[0, r, b] = float32(0.0)
+                    for b in range(0, BP, 8):
+                        v = sum_splits8(ws, nsplit, b, B - 1, r)
+                        for k in range(8):
+                            if BP == B or b + k < B:
+                                y[b + k, r] = v[k]
 
     _kernel_cache[key] = kernel
     return kernel
@@ -2553,10 +2547,7 @@ class LutGemv:
             kern = tile_kernel(B, plan.warps, plan.stages)
         else:
             kern = lut_kernel(self.K, B, plan.warps, wide=self.variant == "lut", RB=plan.RB, stages=plan.stages, pre=pre, post=post)
-        if plan.kernel == "tile":  # sums added up in place (tile_kernel): zeros, kept zero by the kernel
-            ws = torch.zeros(1, self.rbs * ROW_BLOCK if plan.ksplit > 1 else 1, B, dtype=torch.float32, device=self.device)
-        else:
-            ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
+        ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
         counters = torch.zeros(-(-self.rbs // plan.RB), dtype=torch.int32, device=self.device)
         return kern, plan, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters))
 
