@@ -330,6 +330,14 @@ def test_tensor_core_kernels_match_float64_reference(kernel, n_out, n_in, batch,
     if p.walk > 1 and batch <= 16:  # the kept K-split counters of every walked pair were reset
         assert not g._plans[batch][2][1].any()
         check(g, x_for(n_in, batch, seed=batch + 1))
+    if p.ksplit > 1:  # calls through one launcher (its workspace and counters kept) each get their own x's answer
+        xb, y = x_for(n_in, batch, seed=batch + 2), poisoned(batch, n_out)
+        launch = g.bind(xb, y)
+        for seed in (batch + 2, batch + 3):
+            xb.copy_(x_for(n_in, batch, seed=seed))
+            y.fill_(float("nan"))
+            launch()
+            assert max_rel_err(y, reference(xb, ct)) <= TOLERANCE
 
 
 def test_mma_k_split_resets_its_counters():
