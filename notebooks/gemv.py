@@ -228,3 +228,20 @@ report.styled(report.batch_table(df))
 
 # %% mystnb={"figure": {"caption": "Time per call against batch size for torch fp16, the fused 4-bit kernels (the tuned one at each batch) and dequantize-then-cuBLAS.", "name": "fig-gemv-batch"}}
 report.fig_batch(df)
+
+# %% [markdown]
+# ### Two changes for large batches that lost
+#
+# At large batches the tile kernel stages its whole K-slice of x in shared memory, which forces a
+# K-split at 4096 inputs, and the last block of each row group sums the K-slices' partials. Two
+# changes aimed at those costs were built, checked against float64 and timed beside the committed
+# kernel in one process, then reverted (their code is in the git history, at the probe's commit):
+# x streamed through a ring of `cp.async` slots, one barrier a turn, so that small K-splits fit;
+# and the K-slices added up by reductions in the L2, so that the last block only converts. The
+# last column is the tried kernel at its fastest plan over the committed kernel at its recorded
+# plan: above 1 is slower. Neither won at any batch. The barrier a turn holds the block's warps in
+# lockstep, and scattered fp32 reductions cost far more than the round trips they remove;
+# `NOTES.md` ("Session 39") has the counts and predictions.
+
+# %%
+report.styled(report.tile_trials(folder))

@@ -153,6 +153,12 @@ def test_styled_microseconds_get_one_decimal():
     assert "18.5<" in html and "42.1<" in html and "18.507" not in html and "42.076" not in html
 
 
+def test_styled_ratios_of_two_measurements_get_two_decimals():
+    t = pd.DataFrame({"numba / C++ mma": [0.914076], "tried / committed": [1.195847]})
+    html = report.styled(t).to_html()
+    assert "0.91x<" in html and "1.20x<" in html and "0.914" not in html
+
+
 def test_layer_table_quotes_the_seed_beside_ours(df2):
     t = report.layer_table(df2)
     assert list(t["Layer (in x out)"]) == ["3072 x 768", "4096 x 4096", "11008 x 4096", "4096 x 11008"]
@@ -535,3 +541,22 @@ def test_a_decode_row_keeps_its_own_runs_fp16_baseline_after_a_newer_fp16_run(tm
     assert t.loc["4-bit", "vs fastest fp16"] == pytest.approx(2.5)  # its own run's fp16: 250 / 100
     assert t.loc["4-bit, 4-bit head", "vs fastest fp16"] == pytest.approx(2.5)  # 400 / 160
     assert t.loc["4-bit", "VRAM vs fp16"] == pytest.approx(0.3)
+
+
+def test_tile_trials_puts_each_tried_change_beside_the_committed_kernel(tmp_path):
+    (tmp_path / "_runs").mkdir()
+    prov = {"gpu": "NVIDIA H100 80GB HBM3", "git_commit": "efb7d87aaa", "date": "2026-11-27T07:30"}
+    ring = [{"kind": "check", "passed": True},
+            {"kind": "time", "n_in": 4096, "n_out": 14336, "batch": 64, "fp16_us": 44.0, "staged_us": 50.0, "ring_best_us": 60.0,
+             "ring_best_plan": "4 warps, ring 3"}]
+    (tmp_path / "_runs" / "tile-ring-efb7d87-h100.json").write_text(json.dumps({"provenance": prov, "records": ring}))
+    red = [{"kind": "check", "passed": True}, {"kind": "check", "passed": True},
+           {"kind": "time", "n_in": 4096, "n_out": 14336, "batch": 8, "fp16_us": 42.0, "old_us": 20.0, "new_best_us": 25.0,
+            "new_best_plan": "16 warps"}]
+    (tmp_path / "_runs" / "tile-red-finish-9a450ae-h100.json").write_text(
+        json.dumps({"provenance": {**prov, "git_commit": "9a450aebbb", "date": "2026-11-27T08:00"}, "records": red}))
+    t = report.tile_trials(tmp_path)
+    assert list(t["batch"]) == [64, 8] and list(t["probe"]) == ["efb7d87 (1/1 checks)", "9a450ae (2/2 checks)"]
+    assert list(t["committed (us)"]) == [50.0, 20.0] and list(t["tried plan"]) == ["4 warps, ring 3", "16 warps"]
+    assert np.allclose(t["tried / committed"], [1.2, 1.25]) and t["in x out"][0] == "4096 x 14336"
+    assert report.tile_trials(tmp_path / "nothing").empty

@@ -396,6 +396,8 @@ def styled(table: pd.DataFrame, caption: str | None = None):
             fmt[c] = "{:.1f}"
         elif "j/token" in lc or "share" in lc:
             fmt[c] = "{:.2f}"
+        elif " / " in lc:  # a ratio of two measurements ("numba / C++", "tried / committed")
+            fmt[c] = "{:.2f}x"
     s = table.style.format(fmt, na_rep="–").hide(axis="index")
     s = s.set_table_styles([
         {"selector": "", "props": [("font-size", "0.88em")]},
@@ -761,6 +763,32 @@ def plan_label(r) -> str:
     if warps is None:
         return ""
     return f"{warps} warps, {ks} K-slice{'s' if ks != 1 else ''}" + (f", {walk} row groups a block" if walk and walk > 1 else "")
+
+
+# The tile kernel's changes tried and reverted (their code is in git history): probe pattern -> (what changed,
+# the record fields of the kernel as committed and of the tried one, both timed in the probe's process)
+TILE_TRIALS = {
+    "_runs/tile-ring-*.json": ("x streamed through a ring of cp.async slots, one barrier a turn",
+                                "staged_us", "ring_best_us", "ring_best_plan"),
+    "_runs/tile-red-finish-*.json": ("K-slices added up by L2 reductions, the last block only converting",
+                                     "old_us", "new_best_us", "new_best_plan"),
+}
+
+
+def tile_trials(folder=None) -> pd.DataFrame:
+    """The tile kernel's changes that lost (session 39), one row a probe, GPU, shape and batch: torch fp16,
+    the kernel as committed at its recorded plan, and the tried change at its fastest plan, all timed in
+    the probe's process; "tried / committed" above 1 is slower."""
+    rows = []
+    for pattern, (change, base, tried, plan) in TILE_TRIALS.items():
+        for prov, probe, t in _probe_runs(folder, pattern, short=True):
+            for r in t.to_dict("records"):
+                rows.append({"change": change, "probe": probe, "GPU": gpu_label(prov.get("gpu", "")),
+                             "in x out": shape_label((int(r["n_in"]), int(r["n_out"]))), "batch": int(r["batch"]),
+                             "torch fp16 (us)": float(r["fp16_us"]), "committed (us)": float(r[base]),
+                             "tried, fastest plan (us)": float(r[tried]), "tried plan": str(r[plan]),
+                             "tried / committed": float(r[tried]) / float(r[base])})
+    return pd.DataFrame(rows)
 
 
 def batch_table(df: pd.DataFrame) -> pd.DataFrame:
