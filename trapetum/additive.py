@@ -1038,6 +1038,13 @@ def stream_chunks(groups: int) -> int:
     return -(-groups // STREAM_GROUPS)
 
 
+def stream_slices(nch: int, ksplit: int) -> tuple[int, int]:
+    """(chunks a K-slice, K-slices that run) for ``ksplit`` asked of a row of ``nch`` chunks: the slices
+    are evened, so 6 asked of 8 chunks run as 4 of 2."""
+    cps = -(-nch // ksplit)
+    return cps, -(-nch // cps)
+
+
 def check_stream_shape(warps: int, slots: int) -> None:
     if 64 % warps or slots not in (2, 3):
         raise ValueError(f"streaming plan: warps must divide 64 and code slots be 2 or 3, got {warps}, {slots}")
@@ -1403,8 +1410,7 @@ def plan_stream(n_out: int, n_in: int, sms: int, smem: int, warps: int = 8, kspl
     nq, nch = stream_quads(n_out), stream_chunks(n_in // D)
     if not 1 <= ksplit <= nch:
         raise ValueError(f"ksplit={ksplit}: an {n_in}-input layer has {nch} chunks of {STREAM_GROUPS * D} inputs")
-    cps = -(-nch // ksplit)
-    ksplit = -(-nch // cps)
+    cps, ksplit = stream_slices(nch, ksplit)
     rgs = max(1, min(nq, (blocks or sms) // ksplit))
     qpb = -(-nq // rgs)
     QW = -(-qpb // warps)
@@ -1541,17 +1547,17 @@ class AdditiveGemv:
             if B != 1 or pre or post:
                 raise ValueError(f"{plan.label()}: the streaming kernel runs batch 1 without fused operations")
             kern = stream_kernel(plan.warps, plan.QW, plan.slots)
-            ws = torch.empty(plan.ksplit, 1, self.n_out, dtype=torch.float32, device=self.device)
             grid = plan.grid(self.n_out)
-            counters = torch.zeros(grid[0], dtype=torch.int32, device=self.device)
-            return kern, plan, grid, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters))
-        if pre == "rms" and plan.shared_bytes + 4 * (1 + plan.warps * B) > self._smem():
-            raise ValueError(f"{plan}: its table leaves no room for pre='rms' sums of squares ({4 * plan.warps * B} bytes)")
-        kern = additive_kernel(self.M, B, plan.bt, plan.warps, plan.RB, plan.cps, plan.build == "mma", plan.table, pre, post)
-        ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
-        groups = -(-self.rbs // plan.RB)
-        counters = torch.zeros(groups * -(-B // plan.bt), dtype=torch.int32, device=self.device)
-        grid = (groups, plan.ksplit, -(-B // plan.bt))
+            rows, ncounters = self.n_out, grid[0]
+        else:
+            if pre == "rms" and plan.shared_bytes + 4 * (1 + plan.warps * B) > self._smem():
+                raise ValueError(f"{plan}: its table leaves no room for pre='rms' sums of squares ({4 * plan.warps * B} bytes)")
+            kern = additive_kernel(self.M, B, plan.bt, plan.warps, plan.RB, plan.cps, plan.build == "mma", plan.table, pre, post)
+            groups = -(-self.rbs // plan.RB)
+            grid = (groups, plan.ksplit, -(-B // plan.bt))
+            rows, ncounters = self.rbs * ROW_BLOCK, groups * grid[2]
+        ws = torch.empty(plan.ksplit, B, rows, dtype=torch.float32, device=self.device)
+        counters = torch.zeros(ncounters, dtype=torch.int32, device=self.device)
         return kern, plan, grid, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters))
 
     def _prepare(self, B: int):
@@ -1606,11 +1612,14 @@ class AdditiveGemv:
         if len(cands) == 1:
             _TUNED[key] = cands[0]
             return cands[0]
-        tiled = self._tiled_t if self._tiled_t is not None else tile_codes(self._natural())
+        # each layout from the one held, or rebuilt once from the natural codes
+        natural = None if self._tiled_t is not None and (self._stream_t is not None or not streaming) else self._natural()
+        tiled = self._tiled_t if self._tiled_t is not None else tile_codes(natural)
         copies, views, xa, ya = tuning_inputs(tiled, self.weight_bytes, self.n_in, self.n_out, B, self.device)
         scopies, sviews = None, None  # the same weight in the streaming layout
         if streaming:
-            scopies, sviews, _, _ = tuning_inputs(stream_codes(self._natural()), self.weight_bytes, self.n_in, self.n_out, B, self.device)
+            held = self._stream_t if self._stream_t is not None else stream_codes(natural)
+            scopies, sviews, _, _ = tuning_inputs(held, self.weight_bytes, self.n_in, self.n_out, B, self.device)
         extra = ()
         if fused:
             xa, extra, _keep = fused_tuning_operands(self.n_in, self.n_out, B, pre, post, self.device)

@@ -1496,6 +1496,8 @@ def additive_stream_probe(folder=None) -> pd.DataFrame:
     """The streaming additive kernel's probe (M=2, batch 1), one row a GPU and shape: torch fp16, the
     fastest streaming plan and its time, and the table kernel's tuned time where the probe timed it in
     the same process (the recorded runs above keep only the tuner's pick)."""
+    from .additive import D, stream_chunks, stream_slices  # numba and torch: only where this table is drawn
+
     rows = []
     for prov, probe, t in _probe_runs(folder, ADDITIVE_STREAM_PROBES, short=True):
         if t.empty:
@@ -1506,9 +1508,7 @@ def additive_stream_probe(folder=None) -> pd.DataFrame:
                 continue
             best = s.loc[s["time_us"].idxmin()]
             plan = best["plan"]
-            # the K-split a plan ran (plan_stream evens the slices: 6 asked of 8 chunks is 4)
-            nch = -(-int(n_in) // 512)
-            ks = -(-nch // -(-nch // int(plan["ksplit"])))
+            _, ks = stream_slices(stream_chunks(int(n_in) // D), int(plan["ksplit"]))  # the K-split the plan ran
             rows.append({"GPU": gpu_label(prov.get("gpu", "")), "in x out": shape_label((int(n_in), int(n_out))),
                          "torch fp16 (us)": float(best["fp16_us"]),
                          "fastest streaming plan": f"{plan['warps']} warps, K-split {ks}, {plan['slots']} code slots",
