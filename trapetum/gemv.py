@@ -106,12 +106,6 @@ if SIM:
         return a[i], a[i + 1], a[i + 2], a[i + 3]
 
     @cuda.jit(device=True)
-    def sload4_if(a, i, p):
-        if p:
-            return a[i], a[i + 1], a[i + 2], a[i + 3]
-        return a[i] * 0, a[i] * 0, a[i] * 0, a[i] * 0
-
-    @cuda.jit(device=True)
     def load_byte_offset(a, off):
         return a[off // a.itemsize]
 
@@ -566,33 +560,6 @@ else:
 
     # The same 128-bit load serves shared memory: NVVM infers the address space (ld.shared.v4).
     sload4 = load16
-
-    @intrinsic
-    def sload4_if(typingctx, arr, idx, pred):
-        """:func:`sload4` of a shared array where ``pred`` is nonzero, four zeros elsewhere, as one predicated
-        ``ld.shared.v4``: no branch, so ptxas still batches a chunk's loads, and lanes whose ``pred`` is 0
-        cost no shared-memory wavefront. (An ``if`` around the load made the split kernel's parts
-        plans a branch a vector and twice as slow: data/_runs/residual-parts-probe-cdfe2f5-h100.json.)"""
-        sig = types.UniTuple(arr.dtype, 4)(arr, idx, pred)
-
-        def codegen(context, builder, sig, args):
-            aty = sig.args[0]
-            ptr = cgutils.get_item_pointer(context, builder, aty, context.make_array(aty)(context, builder, value=args[0]),
-                                           [args[1]], wraparound=False)
-            i8, i32 = ir.IntType(8), ir.IntType(32)
-            a = builder.ptrtoint(builder.addrspacecast(builder.bitcast(ptr, i8.as_pointer()), i8.as_pointer(3)), i32)
-            p = args[2]
-            p = builder.zext(p, i32) if p.type.width < 32 else builder.trunc(p, i32) if p.type.width > 32 else p
-            rty = ir.LiteralStructType([i32] * 4)
-            asm = ir.InlineAsm(ir.FunctionType(rty, [i32, i32]),
-                               "{ .reg .pred q; setp.ne.u32 q, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;\n\t"
-                               "@q ld.shared.v4.u32 {$0, $1, $2, $3}, [$4]; }", "=r,=r,=r,=r,r,r,~{memory}", side_effect=True)
-            d = builder.call(asm, [a, p])
-            ety = context.get_data_type(aty.dtype)
-            vals = [builder.extract_value(d, k) for k in range(4)]
-            return context.make_tuple(builder, sig.return_type, [v if ety == i32 else builder.bitcast(v, ety) for v in vals])
-
-        return sig, codegen
 
     @cuda.jit(device=True)
     def load_cg(a, i, j, k):

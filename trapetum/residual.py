@@ -45,7 +45,7 @@ import torch
 from .codebook import ROW_BLOCK, CodebookFormatError, read_layer_file
 from .gemv import (INLINE, SIM, _as_kernel_array, async_wait_all, check_activation, check_output, copy16_async, float2_to_half2,
                    hadd2_to_float2, half2_to_float2, kernel_device, load16, load_byte_offset, max_shared_bytes, mma_table_tile,
-                   sload4, sload4_if, sm_count, tuning_enabled, tuning_inputs, with_shared_limit)
+                   sload4, sm_count, tuning_enabled, tuning_inputs, with_shared_limit)
 from .kmeans import check_finite
 
 from numba import cuda, float32, int32, uint32  # noqa: E402  (gemv set numba's environment first)
@@ -690,7 +690,7 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     # their entries, 4 wavefronts a warp against ~10 for random entries in one copy.
     RCM, RSH = uint32(rc - 1), uint32(2 + rc.bit_length() - 1)
     PART = Nm // parts  # main entries a block stages
-    PARTU, PMASK = uint32(PART), uint32(PART - 1)
+    PARTU = uint32(PART)
     res_words, main_words = Nr * 4 * rc, PART * 4
     # Dynamic shared memory (4-byte units): [main codebook if staged][residual codebook(s)][B x slice of x].
     # Everything read 16 bytes at a time lives there: its base is 16-byte aligned, a static array's need not be.
@@ -717,36 +717,34 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
             f = f & FMASK
             im = ((f & MMASK) + pbase) & MMASK  # pbase: Nm - the part's first entry, so entries below it wrap past PART
             k = 8 * r
-            ir = ((f >> BM) << RSH) + ((uint32(cuda.laneid) & RCM) << TWO)
             if parts == 1:
-                if main_shared:
-                    m0, m1, m2, m3 = sload4(dyn_i, im << TWO)
-                else:
-                    m0, m1, m2, m3 = load16(mainq, im << TWO)
-                q0, q1, q2, q3 = sload4(dyn_i, ROFF + ir)
-            else:  # predicated loads, no branch; another part's block adds the vector where mine[r] is 0
+                mine[r] = 1
+            else:
                 mine[r] = int32(im < PARTU)
-                m0, m1, m2, m3 = sload4_if(dyn_i, (im & PMASK) << TWO, mine[r])
-                q0, q1, q2, q3 = sload4_if(dyn_i, ROFF + ir, mine[r])
-            # Summed as fp16 pairs, rounded once as a dequantized fp16 weight is: 18 % fewer instructions
-            # than converting both and adding in fp32, 1-9 % faster (H100; the kernel is bound by the
-            # gathers' shared-memory wavefronts, NOTES session 30).
-            wv[k], wv[k + 1] = hadd2_to_float2(m0, q0)
-            wv[k + 2], wv[k + 3] = hadd2_to_float2(m1, q1)
-            wv[k + 4], wv[k + 5] = hadd2_to_float2(m2, q2)
-            wv[k + 6], wv[k + 7] = hadd2_to_float2(m3, q3)
+            if mine[r]:
+                im = im << TWO
+                ir = ((f >> BM) << RSH) + ((uint32(cuda.laneid) & RCM) << TWO)
+                if main_shared:
+                    m0, m1, m2, m3 = sload4(dyn_i, im)
+                else:
+                    m0, m1, m2, m3 = load16(mainq, im)
+                q0, q1, q2, q3 = sload4(dyn_i, ROFF + ir)
+                # Summed as fp16 pairs, rounded once as a dequantized fp16 weight is: 18 % fewer instructions
+                # than converting both and adding in fp32, 1-9 % faster (H100; the kernel is bound by the
+                # gathers' shared-memory wavefronts, NOTES session 30).
+                wv[k], wv[k + 1] = hadd2_to_float2(m0, q0)
+                wv[k + 2], wv[k + 3] = hadd2_to_float2(m1, q1)
+                wv[k + 4], wv[k + 5] = hadd2_to_float2(m2, q2)
+                wv[k + 6], wv[k + 7] = hadd2_to_float2(m3, q3)
         xi = xo + 8 * i
         for bb in range(B):
             x0, x1, x2, x3 = sload4(xs, xi + bb * ncols)
             x4, x5, x6, x7 = sload4(xs, xi + bb * ncols + 4)
             for r in range(RB):
                 k = 8 * r
-                a = acc[r * B + bb]
-                t = cuda.fma(wv[k + 3], x3, cuda.fma(wv[k + 2], x2, cuda.fma(wv[k + 1], x1, cuda.fma(wv[k], x0, a))))
-                t = cuda.fma(wv[k + 7], x7, cuda.fma(wv[k + 6], x6, cuda.fma(wv[k + 5], x5, cuda.fma(wv[k + 4], x4, t))))
-                # Under parts, a vector of another part's is kept out by a select, not a branch (see above), and
-                # not by its zero weights: 0 x inf in x would make a NaN.
-                acc[r * B + bb] = t if parts == 1 or mine[r] != 0 else a
+                if mine[r]:  # (skipped, not multiplied by 0: 0 x inf in x would make a NaN)
+                    t = cuda.fma(wv[k + 3], x3, cuda.fma(wv[k + 2], x2, cuda.fma(wv[k + 1], x1, cuda.fma(wv[k], x0, acc[r * B + bb]))))
+                    acc[r * B + bb] = cuda.fma(wv[k + 7], x7, cuda.fma(wv[k + 6], x6, cuda.fma(wv[k + 5], x5, cuda.fma(wv[k + 4], x4, t))))
 
     ns = {"vec": vec, "int32": int32}
     exec(compile(_chunk_source(WPC), f"<residual chunk_dot b={WPC}>", "exec"), ns)
