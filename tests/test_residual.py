@@ -14,7 +14,7 @@ from trapetum.bench import TOLERANCE
 from trapetum.codebook import CodebookFormatError
 from trapetum.gemv import max_rel_err
 from trapetum.residual import (ResidualGemv, ResidualTensor, candidate_plans, pack_indices, plan_residual, quantize_residual,
-                               random_residual_tensor, reference, residual_kernel, unpack_indices)
+                               random_residual_tensor, reference, unpack_indices)
 
 pytestmark = pytest.mark.skipif(
     not gemv.SIM and os.environ.get("NUMBA_ENABLE_CUDASIM") == "0", reason="NUMBA_ENABLE_CUDASIM=0: written for the CUDA simulator"
@@ -106,11 +106,6 @@ def test_tensor_core_table_matches_float64_reference(Nm, Nr, norm, batch, n_out,
         # 2 and 1 copies of the residual codebook (the others above: as many as fit, 8)
         (8192, 512, True, 3, 64, 512, dict(kind="split", warps=2, RB=2, ksplit=1, rc=2)),
         (4096, 256, False, 2, 40, 256, dict(kind="split", warps=1, RB=1, ksplit=1, rc=1)),
-        # parts of the main codebook, one a block: 2 parts; 4 parts beside a K-split of 2 (8 partial sums a
-        # row) under a norm; 8 parts at RB = 2 (each row-block's vector in or out of the part on its own)
-        (4096, 256, False, 1, 40, 512, dict(kind="split", warps=2, RB=1, ksplit=1, rc=1, parts=2)),
-        (8192, 512, True, 2, 64, 768, dict(kind="split", warps=1, RB=1, ksplit=2, rc=2, parts=4)),
-        (4096, 512, False, 3, 70, 256, dict(kind="split", warps=1, RB=2, ksplit=1, rc=1, parts=8, blocks=1)),
     ],
 )
 def test_split_kernel_matches_float64_reference(Nm, Nr, norm, batch, n_out, n_in, plan):
@@ -118,9 +113,9 @@ def test_split_kernel_matches_float64_reference(Nm, Nr, norm, batch, n_out, n_in
     g = ResidualGemv(t, plan=plan)
     p = g.plan(batch)
     assert (p.kind, p.warps, p.RB, p.ksplit, p.main) == ("split", plan["warps"], plan["RB"], plan["ksplit"], "shared")
-    assert p.blocks == plan.get("blocks", p.blocks) and p.rc == plan.get("rc", 8) and p.parts == plan.get("parts", 1)
+    assert p.blocks == plan.get("blocks", p.blocks) and p.rc == plan.get("rc", 8)
     check(g, t, x_for(n_in, batch, seed=batch))
-    if p.slices > 1:
+    if p.ksplit > 1:
         assert not g._plans[batch][2][1].any(), "atomic counters not reset"
 
 
@@ -160,21 +155,10 @@ def test_split_plans():
                        (dict(G=2), "table-kernel"), (dict(rc=3), "rc")):
         with pytest.raises(ValueError, match=match):
             plan_residual(14336, 16, 4096, 256, 1, kind="split", **bad, **kw)
-    with pytest.raises(ValueError, match="blocks, rc and parts are split"):
+    with pytest.raises(ValueError, match="blocks and rc are split"):
         plan_residual(14336, 16, 4096, 256, 1, kind="gather", blocks=4, **kw)
-    with pytest.raises(ValueError, match="blocks, rc and parts are split"):
+    with pytest.raises(ValueError, match="blocks and rc are split"):
         plan_residual(14336, 16, 4096, 256, 1, kind="table", rc=2, **kw)
-    with pytest.raises(ValueError, match="blocks, rc and parts are split"):
-        plan_residual(14336, 16, 4096, 256, 1, kind="gather", parts=2, **kw)
-    for bad in (3, 16):
-        with pytest.raises(ValueError, match="parts"):
-            plan_residual(1024, 4, 4096, 256, 1, kind="split", parts=bad, **kw)
-    with pytest.raises(ValueError, match="parts"):
-        residual_kernel(4096, 256, 1, 4, 1, True, False, split=False, parts=2)
-    # a block of 4 parts stages a quarter of the main codebook; each row's partial sums: K-slices x parts
-    p = plan_residual(1024, 4, 8192, 512, 1, kind="split", ksplit=2, parts=4, rc=1, **kw)
-    assert p.shared_bytes == 16 * (2048 + 512) + 4 * 2 * 256 + 4 * p.warps * 32
-    assert (p.slices, p.grid(32)) == (8, (16, 8)) and p.overrides()["parts"] == 4
     with pytest.raises(ValueError, match="raise ksplit"):  # 128 KiB of codebooks and 16384 columns of x at batch 4
         plan_residual(4096, 64, 8192, 512, 4, kind="split", ksplit=1, **kw)
 

@@ -635,15 +635,14 @@ def _chunk_source(b: int) -> str:
     The constants go in as int32(...), not as bare literals: numba types a literal argument as its own
     type and compiled vec once per call site (64 front-end compiles: ~80 % of a 33 s compile on the CPU).
     vec and chunk_dot are force-inlined, so LLVM still sees every offset as a constant after inlining."""
-    lines = ["def chunk_dot(ring, s, mainq, dyn_i, xs, xo, ncols, acc, wv, mine, pbase):"]
+    lines = ["def chunk_dot(ring, s, mainq, dyn_i, xs, xo, ncols, acc, wv):"]
     for i, w, sh, straddle in _field_positions(b):
-        lines.append(f"    vec(ring, s, int32({w}), int32({sh}), int32({int(straddle)}), int32({i}), mainq, dyn_i, xs, xo, ncols, acc, wv, "
-                     "mine, pbase)")
+        lines.append(f"    vec(ring, s, int32({w}), int32({sh}), int32({int(straddle)}), int32({i}), mainq, dyn_i, xs, xo, ncols, acc, wv)")
     return "\n".join(lines) + "\n"
 
 
 def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: bool, norm: bool, split: bool = False,
-                    rc: int = 1, parts: int = 1):
+                    rc: int = 1):
     """The "gather" residual-VQ GEMV (v1): every vector's weights rebuilt from two 16-byte codebook reads.
 
     Grid (row-groups, K-slices); a block has ``warps`` warps, warp w owning row-blocks
@@ -663,18 +662,8 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     int32; n_out; rbs; nchunks; cps.
 
     ``rc``: copies of the residual codebook in shared memory (see below; the split plans use 2-8).
-
-    ``parts`` (split only): the main codebook is cut into ``parts`` ranges of entries, and grid row
-    blockIdx.y = K-slice x parts + part: a block stages only its part's entries (with the whole residual
-    codebook) and adds up only the vectors whose main index falls in that part; the K-split finish sums
-    the parts as it sums K-slices. Why: staging is bound by what one SM can take in from L2, ~72 GB/s
-    (H100, data/_runs/stage-probe-h100.json: 64 KiB cost a block 0.85 us at any grid size, multicast
-    no better), so at the smallest layers a full codebook a block was most of the kernel; a part costs
-    1 / parts of it, and its lookups are 1 / parts of the lanes, which conflict less.
     """
-    if parts != 1 and (not split or parts not in MAIN_PARTS or Nm % parts):
-        raise ValueError(f"parts must be one of {MAIN_PARTS} dividing the main codebook, for the split kernel; got {parts}")
-    key = ("residual", Nm, Nr, B, warps, RB, main_shared, norm, split, rc, parts)
+    key = ("residual", Nm, Nr, B, warps, RB, main_shared, norm, split, rc)
     if key in _kernel_cache:
         return _kernel_cache[key]
 
@@ -689,9 +678,7 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     # reading copy l % rc: at rc = 8 the 8 lanes of a 16-byte load's phase read 8 distinct bank groups whatever
     # their entries, 4 wavefronts a warp against ~10 for random entries in one copy.
     RCM, RSH = uint32(rc - 1), uint32(2 + rc.bit_length() - 1)
-    PART = Nm // parts  # main entries a block stages
-    PARTU = uint32(PART)
-    res_words, main_words = Nr * 4 * rc, PART * 4
+    res_words, main_words = Nr * 4 * rc, Nm * 4
     # Dynamic shared memory (4-byte units): [main codebook if staged][residual codebook(s)][B x slice of x].
     # Everything read 16 bytes at a time lives there: its base is 16-byte aligned, a static array's need not be.
     # With ``split``, the warps' partials follow x: (warps x RB x B) x 32 fp32 at XOFF + B x the slice's columns.
@@ -704,9 +691,8 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     stage_x, finish = _common_device_functions(B, nt, RB, norm)
 
     @cuda.jit(device=True, **INLINE)
-    def vec(ring, s, j, sh, straddle, i, mainq, dyn_i, xs, xo, ncols, acc, wv, mine, pbase):
-        # Vector i of the chunk in ring slot s: its field starts at bit sh of word j. pbase: minus the first
-        # main entry of the block's part, mod Nm (0 without parts); mine[r]: whether row-block r's vector is in the part.
+    def vec(ring, s, j, sh, straddle, i, mainq, dyn_i, xs, xo, ncols, acc, wv):
+        # Vector i of the chunk in ring slot s: its field starts at bit sh of word j.
         for r in range(RB):
             o = s + r * WPC + j
             lo = uint32(ring[o])
@@ -715,36 +701,29 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
             else:
                 f = lo >> uint32(sh)
             f = f & FMASK
-            im = ((f & MMASK) + pbase) & MMASK  # pbase: Nm - the part's first entry, so entries below it wrap past PART
-            k = 8 * r
-            if parts == 1:
-                mine[r] = 1
+            im = (f & MMASK) << TWO
+            ir = ((f >> BM) << RSH) + ((uint32(cuda.laneid) & RCM) << TWO)
+            if main_shared:
+                m0, m1, m2, m3 = sload4(dyn_i, im)
             else:
-                mine[r] = int32(im < PARTU)
-            if mine[r]:
-                im = im << TWO
-                ir = ((f >> BM) << RSH) + ((uint32(cuda.laneid) & RCM) << TWO)
-                if main_shared:
-                    m0, m1, m2, m3 = sload4(dyn_i, im)
-                else:
-                    m0, m1, m2, m3 = load16(mainq, im)
-                q0, q1, q2, q3 = sload4(dyn_i, ROFF + ir)
-                # Summed as fp16 pairs, rounded once as a dequantized fp16 weight is: 18 % fewer instructions
-                # than converting both and adding in fp32, 1-9 % faster (H100; the kernel is bound by the
-                # gathers' shared-memory wavefronts, NOTES session 30).
-                wv[k], wv[k + 1] = hadd2_to_float2(m0, q0)
-                wv[k + 2], wv[k + 3] = hadd2_to_float2(m1, q1)
-                wv[k + 4], wv[k + 5] = hadd2_to_float2(m2, q2)
-                wv[k + 6], wv[k + 7] = hadd2_to_float2(m3, q3)
+                m0, m1, m2, m3 = load16(mainq, im)
+            q0, q1, q2, q3 = sload4(dyn_i, ROFF + ir)
+            # Summed as fp16 pairs, rounded once as a dequantized fp16 weight is: 18 % fewer instructions
+            # than converting both and adding in fp32, 1-9 % faster (H100; the kernel is bound by the
+            # gathers' shared-memory wavefronts, NOTES session 30).
+            k = 8 * r
+            wv[k], wv[k + 1] = hadd2_to_float2(m0, q0)
+            wv[k + 2], wv[k + 3] = hadd2_to_float2(m1, q1)
+            wv[k + 4], wv[k + 5] = hadd2_to_float2(m2, q2)
+            wv[k + 6], wv[k + 7] = hadd2_to_float2(m3, q3)
         xi = xo + 8 * i
         for bb in range(B):
             x0, x1, x2, x3 = sload4(xs, xi + bb * ncols)
             x4, x5, x6, x7 = sload4(xs, xi + bb * ncols + 4)
             for r in range(RB):
                 k = 8 * r
-                if mine[r]:  # (skipped, not multiplied by 0: 0 x inf in x would make a NaN)
-                    t = cuda.fma(wv[k + 3], x3, cuda.fma(wv[k + 2], x2, cuda.fma(wv[k + 1], x1, cuda.fma(wv[k], x0, acc[r * B + bb]))))
-                    acc[r * B + bb] = cuda.fma(wv[k + 7], x7, cuda.fma(wv[k + 6], x6, cuda.fma(wv[k + 5], x5, cuda.fma(wv[k + 4], x4, t))))
+                t = cuda.fma(wv[k + 3], x3, cuda.fma(wv[k + 2], x2, cuda.fma(wv[k + 1], x1, cuda.fma(wv[k], x0, acc[r * B + bb]))))
+                acc[r * B + bb] = cuda.fma(wv[k + 7], x7, cuda.fma(wv[k + 6], x6, cuda.fma(wv[k + 5], x5, cuda.fma(wv[k + 4], x4, t))))
 
     ns = {"vec": vec, "int32": int32}
     exec(compile(_chunk_source(WPC), f"<residual chunk_dot b={WPC}>", "exec"), ns)
@@ -769,9 +748,7 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
         warp = tid // 32
         lane = cuda.laneid
         blk = cuda.blockIdx.x
-        part = cuda.blockIdx.y % parts
-        pbase = uint32((Nm - part * PART) & (Nm - 1))
-        j0 = (cuda.blockIdx.y // parts) * cps
+        j0 = cuda.blockIdx.y * cps
         j1 = min(j0 + cps, nchunks)
         ncols = (j1 - j0) * CHUNK
         jfirst = j0 + warp if split else j0
@@ -790,18 +767,14 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
             copy16_async(dyn_i, ROFF + q * 4, resq_g, (q // rc) * 4)
         if main_shared:
             for q in range(tid, main_words // 4, nt):
-                copy16_async(dyn_i, q * 4, mainq, part * main_words + q * 4)
+                copy16_async(dyn_i, q * 4, mainq, q * 4)
         pb = cuda.local.array(B, float32)
         stage_x(x32, sc32, bi32, xs, XOFF, j0 * CHUNK, ncols, pb, tid)
-        if parts > 1 and part > 0:  # dot(bias, x) of the K-slice is added once, by its part-0 block
-            for bb in range(B):
-                pb[bb] = 0.0
         async_wait_all()
         cuda.syncthreads()
 
         acc = cuda.local.array(nacc, float32)
         wv = cuda.local.array(wv_size, float32)
-        mine = cuda.local.array(RB, int32)
         grp = blk
         ngroups = -(-rbs // RB) if split else blk + 1  # split blocks walk row-groups; gather blocks own one
         slot = 0  # the ring slot holding the chunk this warp uses next
@@ -822,10 +795,10 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
                 # ring in local memory (a 160-320 byte stack frame, measured).
                 if slot == 0:
                     fetch(ring, nreg, tiled, rbn, rbs, nchunks, jn, j1)
-                    chunk_dot(ring, int32(0), mainq, dyn_i, xs, XOFF + (j - j0) * CHUNK, ncols, acc, wv, mine, pbase)
+                    chunk_dot(ring, int32(0), mainq, dyn_i, xs, XOFF + (j - j0) * CHUNK, ncols, acc, wv)
                 else:
                     fetch(ring, 0, tiled, rbn, rbs, nchunks, jn, j1)
-                    chunk_dot(ring, int32(nreg), mainq, dyn_i, xs, XOFF + (j - j0) * CHUNK, ncols, acc, wv, mine, pbase)
+                    chunk_dot(ring, int32(nreg), mainq, dyn_i, xs, XOFF + (j - j0) * CHUNK, ncols, acc, wv)
                 slot = 1 - slot
                 j += STEP
             if split:  # the warps' partials of these rows, summed by warp 0
@@ -1102,25 +1075,19 @@ class ResidualPlan:
     build: str = ""  # table: "fma" (scalar multiply-adds) or "mma" (tensor cores, v3)
     blocks: int = 0  # split: blocks along the rows, each walking row-groups (0: one a row-group)
     rc: int = 1  # split: copies of the residual codebook in shared memory (see residual_kernel)
-    parts: int = 1  # split: ranges of the main codebook, one a block (see residual_kernel)
 
     def overrides(self) -> dict:
         """The keyword arguments of :func:`plan_residual` that rebuild this plan (for ``ResidualGemv(plan=...)``)."""
         d = dict(kind=self.kind, warps=self.warps, RB=self.RB, ksplit=self.ksplit, main=self.main)
         return d | ({"G": self.G, "build": self.build} if self.kind == "table" else {}) | (
-            {"blocks": self.blocks, "rc": self.rc, "parts": self.parts} if self.kind == "split" else {})
-
-    @property
-    def slices(self) -> int:
-        """Blocks along the grid's y (partial sums a row): K-slices x parts of the main codebook."""
-        return self.ksplit * self.parts
+            {"blocks": self.blocks, "rc": self.rc} if self.kind == "split" else {})
 
     def groups(self, rbs: int) -> int:
         """Row-groups (one K-split counter each): RB row-blocks a group for split blocks, warps x RB otherwise."""
         return -(-rbs // (self.RB * (1 if self.kind == "split" else self.warps)))
 
     def grid(self, rbs: int) -> tuple[int, int]:
-        return (self.blocks if self.kind == "split" else self.groups(rbs)), self.slices
+        return (self.blocks if self.kind == "split" else self.groups(rbs)), self.ksplit
 
 
 def _static_bytes(Nr: int, B: int, warps: int, norm: bool) -> int:
@@ -1147,7 +1114,7 @@ def _grow_ksplit(plan, ksplit: int, nchunks: int) -> "ResidualPlan":
 def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool = False, budget: int = OPTIN_SIM,
                   warps: int | None = None, RB: int | None = None, ksplit: int | None = None, main: str | None = None,
                   kind: str | None = None, G: int | None = None, build: str | None = None,
-                  blocks: int | None = None, rc: int | None = None, parts: int | None = None) -> ResidualPlan:
+                  blocks: int | None = None, rc: int | None = None) -> ResidualPlan:
     """Grid shape for one layer. ``kind`` picks the kernel: "table" (:func:`residual_table_kernel`,
     the default up to batch :data:`TABLE_MAX_BATCH`) or "gather" (:func:`residual_kernel`).
 
@@ -1164,8 +1131,8 @@ def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, 
     kind = kind or "gather"  # main="shared" or "global" alone names the gather kernel's placement
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if kind != "split" and (blocks is not None or rc is not None or parts is not None):
-        raise ValueError("blocks, rc and parts are split-kernel options")
+    if kind != "split" and (blocks is not None or rc is not None):
+        raise ValueError("blocks and rc are split-kernel options")
     if kind == "table":
         return plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ksplit, G=G, main=main,
                           build=build)
@@ -1173,7 +1140,7 @@ def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, 
         raise ValueError("G (groups a table step) and build are table-kernel options")
     if kind == "split":
         return plan_split(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ksplit, blocks=blocks, rc=rc,
-                          main=main, parts=parts)
+                          main=main)
     warps = warps or 4
     RB = RB or (2 if B <= 4 else 1)
     if warps not in (1, 2, 4, 8) or RB not in (1, 2):
@@ -1208,7 +1175,6 @@ def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, 
 
 
 RES_COPIES = (1, 2, 4, 8)  # copies of the residual codebook a split block may keep (see residual_kernel)
-MAIN_PARTS = (1, 2, 4, 8)  # ranges of the main codebook split blocks may stage one each (see residual_kernel)
 
 
 def _check_copies(rc: int) -> None:
@@ -1216,24 +1182,21 @@ def _check_copies(rc: int) -> None:
         raise ValueError(f"rc (copies of the residual codebook) must be one of {RES_COPIES}, got {rc}")
 
 
-def split_bytes(Nm: int, Nr: int, B: int, warps: int, RB: int, cps: int, rc: int = 1, parts: int = 1) -> int:
-    """Dynamic shared memory of a split block: its part of the main codebook, rc copies of the residual
-    one, B rows of its K-slice of x (fp32), and the warps' partials (warps x RB x B x 32 fp32)."""
-    return 16 * (Nm // parts + rc * Nr) + 4 * B * cps * CHUNK + 4 * warps * RB * B * 32
+def split_bytes(Nm: int, Nr: int, B: int, warps: int, RB: int, cps: int, rc: int = 1) -> int:
+    """Dynamic shared memory of a split block: the main codebook, rc copies of the residual one, B rows
+    of its K-slice of x (fp32), and the warps' partials (warps x RB x B x 32 fp32)."""
+    return 16 * (Nm + rc * Nr) + 4 * B * cps * CHUNK + 4 * warps * RB * B * 32
 
 
 def plan_split(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool = False, budget: int = OPTIN_SIM,
                warps: int | None = None, RB: int | None = None, ksplit: int | None = None, blocks: int | None = None,
-               main: str | None = None, rc: int | None = None, parts: int | None = None) -> ResidualPlan:
+               main: str | None = None, rc: int | None = None) -> ResidualPlan:
     """Split-kernel plan (:func:`residual_kernel` with ``split``). Without overrides: RB = 1, as many
     warps (up to 16, 8 at RB = 2) as the K-slice has chunks, a K-split only where the row-groups cannot give
-    every SM a block, one block an SM walking the row-groups, the whole main codebook a block (``parts``
-    = 1), and as many copies of the residual codebook (up to 8) as fit."""
+    every SM a block, one block an SM walking the row-groups, and as many copies of the residual
+    codebook (up to 8) as fit."""
     if main not in (None, "shared"):
         raise ValueError(f"the split kernel stages both codebooks in shared memory: main must be 'shared', got {main!r}")
-    parts = parts or 1
-    if parts not in MAIN_PARTS or Nm % parts:
-        raise ValueError(f"parts (ranges of the main codebook) must be one of {MAIN_PARTS} and divide {Nm}, got {parts}")
     RB = RB or 1
     if RB not in (1, 2):
         raise ValueError(f"RB must be 1 or 2, got {RB}")
@@ -1241,7 +1204,7 @@ def plan_split(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
     groups = -(-rbs // RB)
     if ksplit is None:
         return _grow_ksplit(lambda ks: plan_split(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB,
-                                                  ksplit=ks, blocks=blocks, main=main, rc=rc, parts=parts),
+                                                  ksplit=ks, blocks=blocks, main=main, rc=rc),
                             max(1, min(nchunks, sms // groups)), nchunks)
     if not 1 <= ksplit:
         raise ValueError(f"ksplit must be positive, got {ksplit}")
@@ -1253,7 +1216,7 @@ def plan_split(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
     warps = warps or min(wmax, 1 << (cps - 1).bit_length())
     if warps not in (1, 2, 4, 8, 16) or warps > wmax:
         raise ValueError(f"warps must be a power of two from 1 to {wmax} at RB = {RB}, got {warps}")
-    blocks = blocks or min(groups, max(1, sms // (ksplit * parts)))
+    blocks = blocks or min(groups, max(1, sms // ksplit))
     if not 1 <= blocks <= groups:
         raise ValueError(f"blocks must be 1..{groups} (the row-groups), got {blocks}")
     static = _static_bytes(Nr, B, warps, norm)
@@ -1262,13 +1225,13 @@ def plan_split(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
     if rc is not None:
         _check_copies(rc)
     else:
-        fit = [c for c in RES_COPIES if static + split_bytes(Nm, Nr, B, warps, RB, cps, c, parts) <= budget]
+        fit = [c for c in RES_COPIES if static + split_bytes(Nm, Nr, B, warps, RB, cps, c) <= budget]
         rc = fit[-1] if fit else 1
-    dyn = split_bytes(Nm, Nr, B, warps, RB, cps, rc, parts)
+    dyn = split_bytes(Nm, Nr, B, warps, RB, cps, rc)
     if static + dyn > budget:
         raise ValueError(f"plan needs {static + dyn} bytes of shared memory (both codebooks, {cps} chunks of x, batch {B}); "
                          f"the block may use {budget}: raise ksplit")
-    return ResidualPlan(warps, ksplit, cps, RB, "shared", dyn, static, kind="split", blocks=blocks, rc=rc, parts=parts)
+    return ResidualPlan(warps, ksplit, cps, RB, "shared", dyn, static, kind="split", blocks=blocks, rc=rc)
 
 
 TABLE_RB = (1, 2, 4, 8)  # row-blocks a warp in the table kernel (RB = 8 at 16 warps: 128 registers, no spills)
@@ -1375,7 +1338,7 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
             return
         gx, gy = p.grid(rbs)
         blocks = gx * gy
-        k = (p.kind, p.warps, p.RB, p.main, p.ksplit, p.G, p.build, p.blocks, p.rc, p.parts)
+        k = (p.kind, p.warps, p.RB, p.main, p.ksplit, p.G, p.build, p.blocks, p.rc)
         if k not in seen and blocks <= 16 * sms:
             seen.add(k)
             out.append(p)
@@ -1429,13 +1392,6 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
                 add(kind="split", RB=RB, **kw)
                 if small:
                     add(kind="split", RB=RB, rc=2, **kw)
-        # Where the row-groups leave SMs idle, blocks that stage one part of the main codebook each, as long
-        # as every block of the grid can be resident at once (at most two an SM).
-        for parts in MAIN_PARTS[1:]:
-            for ks in (1, 2):
-                for rc in (1, 2):
-                    if rbs * ks * parts <= 2 * sms:
-                        add(kind="split", RB=1, parts=parts, ksplit=ks, rc=rc)
     else:
         for warps in (4, 8):
             for RB in ((1, 2) if B <= 8 else (1,)):
@@ -1510,8 +1466,8 @@ class ResidualGemv:
                                          plan.build == "mma")
         else:
             kern = residual_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.main == "shared", self.norm,
-                                   split=plan.kind == "split", rc=plan.rc, parts=plan.parts)
-        ws = torch.empty(plan.slices, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
+                                   split=plan.kind == "split", rc=plan.rc)
+        ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
         counters = torch.zeros(plan.groups(self.rbs), dtype=torch.int32, device=self.device)
         # [kernel, plan, torch owners, views, grid, specialized kernel (made at first bind)]
         return [kern, plan, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters)), plan.grid(self.rbs), None]
@@ -1697,5 +1653,4 @@ def time_residual(n_in: int, n_out: int, Nm: int, Nr: int, batch: int, fp16_ms: 
                        scheme=scheme_name(Nm, Nr), main_centroids=Nm, residual_centroids=Nr, vector_len=VECTOR_LEN,
                        bits_per_weight=(nbytes - 2 * batch * (n_in + n_out)) * 8 / (n_in * n_out), norm=with_norm,
                        ksplit=p.ksplit, warps=p.warps, rb=p.RB, main_placement=p.main, variant=p.kind, G=p.G,
-                       build=p.build or None, rc=p.rc if p.kind == "split" else None,
-                       parts=p.parts if p.kind == "split" else None)
+                       build=p.build or None, rc=p.rc if p.kind == "split" else None)
