@@ -177,6 +177,40 @@ report.styled(report.residual_choices(df))
 report.styled(report.residual_grid_table(df))
 
 # %% [markdown]
+# ### The smallest layers: what a block pays to stage the codebooks
+#
+# On the H100 the configurations still slower than fp16 are the two smallest layers, where fp16 itself takes a
+# few microseconds and a split block stages 64-128 KiB of codebooks to gather a few thousand vectors (the
+# H200's losses, in its older run, are at other shapes: see the tables above). How much of
+# that is the staging? A probe launched grids of blocks that do nothing but copy a buffer (L2-warm, as the
+# codebooks are across replays) into shared memory and wait, by several copy methods; every method's copy was
+# checked. The time grows with the bytes a block stages and hardly with the number of blocks: what limits it
+# is what one SM can take in from the L2, not the L2 itself. So it cannot be bought back by copying
+# differently: a rotated start, a buffer of its own a block, copies past L1 and the copy engine (bulk copies)
+# all cost the same, and multicasting one read to a cluster of blocks costs more (the cluster's barriers).
+
+# %%
+report.styled(report.staging_costs(folder))
+
+# %% mystnb={"figure": {"caption": "Staging cost: the time of a launch whose blocks only copy a buffer into shared memory, against the bytes a block copies, one line a copy method, one panel a grid size. Measured here; every copy checked.", "name": "fig-staging"}}
+report.fig_staging(folder)
+
+# %% [markdown]
+# What a block stages is then the lever: a block that stages a part of the main codebook pays that part.
+# So we tried blocks that each stage one of 2, 4 or 8 ranges of the main codebook (with the whole small
+# residual codebook) and add up only the vectors whose main index falls in their range, the K-split's finish
+# summing the parts. Tried and reverted (the code is in git history at the probes' commits): every
+# such plan needs the finish through global memory and a counter, which a one-block-a-row-group plan does
+# not, and a block still walks every vector of its K-slice, its lanes idle where another part's block owns
+# the vector, so its gathers shrink far less than its staging. The first version, with a branch around each
+# vector's lookups, was slower still; the second used predicated loads and a select. Both were checked
+# against float64 before timing. One row a probe, configuration and shape, each plan's best of two timings,
+# all in the probe's process:
+
+# %%
+report.styled(report.residual_parts_trial(folder))
+
+# %% [markdown]
 # ## Additive codebooks
 #
 # 2-bit (M = 2) and 4-bit (M = 4) additive codebooks at the seed's 4096 x 4096, Llama-2-7B's MLP

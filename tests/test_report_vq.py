@@ -237,6 +237,47 @@ def test_additive_queue_trial_puts_each_probe_beside_the_static_plan(tmp_path):
     assert report.additive_queue_trial(tmp_path / "nothing").empty
 
 
+def test_staging_costs_pivot_methods_and_refuse_a_wrong_copy(tmp_path):
+    import json
+
+    recs = [{"S": S, "G": G, "variant": v, "us": 1.0 + S / 65536 + G / 1000 + (0.5 if "cluster" in v else 0), "ok": None if S == 0 else True}
+            for S in (0, 65536) for G in (32, 128) for v in (("ca",) if S == 0 else ("ca", "bulk", "bulk cluster 2"))]
+    (tmp_path / "_runs").mkdir()
+    f = tmp_path / "_runs" / "stage-probe-h100.json"
+    f.write_text(json.dumps({"provenance": {"gpu": "NVIDIA H100 80GB HBM3"}, "records": recs}))
+    t = report.staging_costs(tmp_path)
+    ca, bulk, mc = (report.STAGING_METHODS[k] for k in ("ca", "bulk", "bulk cluster 2"))
+    assert list(t.columns) == ["GPU", "KiB a block", "blocks", ca, bulk, mc]
+    assert list(t["KiB a block"]) == [0, 0, 64, 64] and list(t["blocks"]) == [32, 128, 32, 128]
+    assert np.isnan(t.loc[0, bulk]) and t.loc[3, ca] == 1.0 + 1 + 0.128 and t.loc[3, mc] == t.loc[3, ca] + 0.5
+    report.fig_staging(tmp_path)  # a panel a grid size
+    recs[-1]["ok"] = False  # a method that staged wrong data is an error, not a timing
+    f.write_text(json.dumps({"provenance": {"gpu": "NVIDIA H100 80GB HBM3"}, "records": recs}))
+    with pytest.raises(ValueError, match="staged wrong data"):
+        report.staging_costs(tmp_path)
+    assert report.staging_costs(tmp_path / "nothing").empty
+    with pytest.raises(ValueError, match="no staging probe"):
+        report.fig_staging(tmp_path / "nothing")
+
+
+def test_residual_parts_trial_sets_the_fastest_parts_plan_beside_the_fastest_without(tmp_path):
+    import json
+
+    def best(us, parts):
+        return {"best_us": us, "parts": parts, "ksplit": 2, "warps": 4, "rc": 1}
+
+    recs = [{"kind": "check", "passed": True}, {"kind": "check", "passed": False},
+            {"kind": "time", "Nm": 8192, "Nr": 512, "n_in": 2048, "n_out": 1024, "fp16_us": [5.0, 6.0],
+             "best_plain": best(6.5, 1), "best_parts": best(6.0, 4)}]
+    (tmp_path / "_runs").mkdir()
+    (tmp_path / "_runs" / "residual-parts-probe-x-h100.json").write_text(json.dumps(
+        {"provenance": {"gpu": "NVIDIA H100 80GB HBM3", "git_commit": "abcdef0123", "date": "2026-11-27"}, "records": recs}))
+    r = report.residual_parts_trial(tmp_path).iloc[0]
+    assert (r["probe"], r["config"], r["in x out"]) == ("abcdef0 (1/2 checks)", "8192 + 512", "2048 x 1024")
+    assert r["torch fp16 (us)"] == 5.5 and r["parts / without"] == 6.0 / 6.5 and r["fastest parts plan"].startswith("4 parts, K-split 2")
+    assert report.residual_parts_trial(tmp_path / "nothing").empty
+
+
 def test_additive_stream_probe_takes_each_shapes_fastest_plan(tmp_path):
     import json
 

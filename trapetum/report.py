@@ -1582,6 +1582,77 @@ def fig_additive(df: pd.DataFrame) -> Figure:
     return fig
 
 
+STAGING_PROBES = "_runs/stage-probe-*.json"  # staging microbenchmark: a grid of blocks that only stage
+STAGING_METHODS = {  # the probe's variant -> how its blocks copy
+    "ca": "cp.async, 16 B a thread (the split kernel's)", "ca rotated": "cp.async, each block's start rotated",
+    "ca distinct": "cp.async, a buffer of its own a block", "cg": "cp.async.cg (past L1)",
+    "bulk": "bulk copy (TMA), 4 KiB pieces", "bulk cluster 2": "bulk copy multicast, clusters of 2",
+    "bulk cluster 4": "bulk copy multicast, clusters of 4", "bulk cluster 8": "bulk copy multicast, clusters of 8",
+}
+
+
+def staging_costs(folder=None) -> pd.DataFrame:
+    """The staging microbenchmark: one row a GPU, bytes a block and grid size, one column a copy method: the
+    graph-replayed time of a launch whose blocks only copy that many bytes of one L2-warm buffer into shared
+    memory and wait (0 bytes: the launch alone). Each row's every method was checked for the staged data."""
+    rows = []
+    for f in sorted(_root(folder).glob(STAGING_PROBES)):
+        data = json.loads(f.read_text())
+        gpu = gpu_label(data["provenance"].get("gpu", ""))
+        for r in data["records"]:
+            if r.get("ok") is False:
+                raise ValueError(f"{f.name}: {r['variant']} staged wrong data at {r['S']} bytes, {r['G']} blocks")
+            rows.append({"GPU": gpu, "KiB a block": r["S"] / 1024, "blocks": int(r["G"]),
+                         "method": STAGING_METHODS.get(r["variant"], r["variant"]), "us": float(r["us"])})
+    d = pd.DataFrame(rows)
+    if d.empty:
+        return d
+    out = d.pivot_table(index=["GPU", "KiB a block", "blocks"], columns="method", values="us", sort=False)
+    return out[[m for m in STAGING_METHODS.values() if m in out]].reset_index().rename_axis(columns=None)
+
+
+def fig_staging(folder=None) -> Figure:
+    """Launch time against bytes staged a block, one line a copy method, one panel a grid size."""
+    d = staging_costs(folder)
+    if d.empty:
+        raise ValueError(f"no staging probe recorded ({STAGING_PROBES})")
+    grids = sorted(d["blocks"].unique())
+    methods = [m for m in STAGING_METHODS.values() if m in d]
+    with _style():
+        fig = Figure(figsize=(4.2 * len(grids), 4.2), layout="constrained")
+        axes = np.atleast_1d(fig.subplots(1, len(grids), sharey=True))
+        for ax, G in zip(axes, grids):
+            g = d[d["blocks"] == G].sort_values("KiB a block")
+            for i, m in enumerate(methods):
+                v = g.dropna(subset=[m])
+                ax.plot(v["KiB a block"], v[m], marker="o", ms=3, color=f"C{i}", ls="--" if "multicast" in m else "-", label=m)
+            ax.set_title(f"{G} blocks ({', '.join(sorted(g['GPU'].unique()))})")
+            ax.set_xlabel("KiB staged a block")
+        axes[0].set_ylabel("µs a launch (CUDA-graph replay)")
+        _shared_legend(fig, axes, ncols=2)
+    return fig
+
+
+RESIDUAL_PARTS_PROBES = "_runs/residual-parts-probe-*.json"  # parts of the main codebook a block (reverted)
+
+
+def residual_parts_trial(folder=None) -> pd.DataFrame:
+    """The split kernel with the main codebook cut into parts, one a block (tried and reverted): one row a
+    probe, configuration and shape: torch fp16, the fastest plan without parts and the fastest with, all
+    timed in the probe's process (every plan twice, the better kept); "parts / without" above 1 is slower."""
+    rows = []
+    for prov, probe, t in _probe_runs(folder, RESIDUAL_PARTS_PROBES, short=True):
+        for r in t.to_dict("records"):
+            plain, parts = r["best_plain"], r["best_parts"]
+            rows.append({"probe": probe, "GPU": gpu_label(prov.get("gpu", "")), "config": f"{int(r['Nm'])} + {int(r['Nr'])}",
+                         "in x out": shape_label((int(r["n_in"]), int(r["n_out"]))),
+                         "torch fp16 (us)": float(np.median(r["fp16_us"])), "without parts (us)": float(plain["best_us"]),
+                         "with parts, fastest (us)": float(parts["best_us"]),
+                         "fastest parts plan": f"{parts['parts']} parts, K-split {parts['ksplit']}, {parts['warps']} warps, rc {parts['rc']}",
+                         "parts / without": float(parts["best_us"]) / float(plain["best_us"])})
+    return pd.DataFrame(rows)
+
+
 VQ_TARGETS = {"faster than fp16": 114, "geometric mean": 3.0, "min at in x out >= 4096 x 28672": 4.0, "2-bit additive at >= 4096 x 14336": 5.0}
 
 
