@@ -211,6 +211,17 @@ report.fig_staging(folder)
 report.styled(report.residual_parts_trial(folder))
 
 # %% [markdown]
+# A thread block cluster could share one staged codebook among its blocks: each stages a part, and a lookup
+# reads the entry from the block that holds it through distributed shared memory. A second probe timed the
+# smallest layer's skeleton (the staging, then each thread's random 16-byte gathers; no multiply-adds and no
+# finish) done by clusters of blocks that split its vectors, both ways; every variant's gathered values were
+# checked. Gathers across the cluster cost more than the staging they save, and clusters whose blocks each
+# stage the whole codebook gain nothing over one block a row-group. Neither design reaches these layers:
+
+# %%
+report.styled(report.cluster_codebook_probe(folder))
+
+# %% [markdown]
 # ## Additive codebooks
 #
 # 2-bit (M = 2) and 4-bit (M = 4) additive codebooks at the seed's 4096 x 4096, Llama-2-7B's MLP

@@ -260,6 +260,26 @@ def test_staging_costs_pivot_methods_and_refuse_a_wrong_copy(tmp_path):
         report.fig_staging(tmp_path / "nothing")
 
 
+def test_cluster_codebook_probe_sets_shared_staging_beside_local(tmp_path):
+    import json
+
+    recs = [{"CS": 1, "stage": "whole codebook a block", "gathers_a_thread": 32, "us": 4.0, "ok": True},
+            {"CS": 2, "stage": "whole codebook a block", "gathers_a_thread": 16, "us": 4.1, "ok": True},
+            {"CS": 2, "stage": "1/2 of it a block", "gathers_a_thread": 16, "us": 5.5, "ok": True}]
+    (tmp_path / "_runs").mkdir()
+    f = tmp_path / "_runs" / "dsmem-probe-h100.json"
+    f.write_text(json.dumps({"provenance": {"gpu": "NVIDIA H100 80GB HBM3"}, "records": recs}))
+    t = report.cluster_codebook_probe(tmp_path)
+    local, shared = "whole codebook a block, local gathers (us)", "1 / cluster of it a block, gathers across the cluster (us)"
+    assert list(t["blocks a cluster"]) == [1, 2] and list(t[local]) == [4.0, 4.1]
+    assert np.isnan(t.loc[0, shared]) and t.loc[1, shared] == 5.5
+    recs[2]["ok"] = False
+    f.write_text(json.dumps({"provenance": {"gpu": "NVIDIA H100 80GB HBM3"}, "records": recs}))
+    with pytest.raises(ValueError, match="gathered sums were wrong"):
+        report.cluster_codebook_probe(tmp_path)
+    assert report.cluster_codebook_probe(tmp_path / "nothing").empty
+
+
 def test_residual_parts_trial_sets_the_fastest_parts_plan_beside_the_fastest_without(tmp_path):
     import json
 

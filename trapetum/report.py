@@ -1633,6 +1633,32 @@ def fig_staging(folder=None) -> Figure:
     return fig
 
 
+CLUSTER_CODEBOOK_PROBES = "_runs/dsmem-probe-*.json"  # a main codebook shared by a thread block cluster
+
+
+def cluster_codebook_probe(folder=None) -> pd.DataFrame:
+    """The skeleton of the smallest residual layer (staging, then each thread's random 16-byte gathers of the
+    main codebook; no multiply-adds, no finish) done by clusters of CS blocks: every block staging the whole
+    codebook and gathering locally, or 1/CS of it and gathering from the entry's owner through distributed
+    shared memory. One row a GPU and cluster size; raises where a variant's gathered sums were wrong."""
+    rows = []
+    for f in sorted(_root(folder).glob(CLUSTER_CODEBOOK_PROBES)):
+        data = json.loads(f.read_text())
+        for r in data["records"]:
+            if not r.get("ok"):
+                raise ValueError(f"{f.name}: cluster size {r['CS']}, {r['stage']}: the gathered sums were wrong")
+            whole = r["stage"].startswith("whole")
+            rows.append({"GPU": gpu_label(data["provenance"].get("gpu", "")), "blocks a cluster": int(r["CS"]),
+                         "gathers a thread": int(r["gathers_a_thread"]),
+                         "col": "whole codebook a block, local gathers (us)" if whole else "1 / cluster of it a block, gathers across the cluster (us)",
+                         "us": float(r["us"])})
+    d = pd.DataFrame(rows)
+    if d.empty:
+        return d
+    return d.pivot_table(index=["GPU", "blocks a cluster", "gathers a thread"], columns="col", values="us",
+                         sort=False).reset_index().rename_axis(columns=None)
+
+
 RESIDUAL_PARTS_PROBES = "_runs/residual-parts-probe-*.json"  # parts of the main codebook a block (reverted)
 
 
