@@ -186,8 +186,9 @@ report.styled(report.residual_grid_table(df))
 # codebooks are across replays) into shared memory and wait, by several copy methods; every method's copy was
 # checked. The time grows with the bytes a block stages and hardly with the number of blocks: what limits it
 # is what one SM can take in from the L2, not the L2 itself. So it cannot be bought back by copying
-# differently: a rotated start, a buffer of its own a block, copies past L1 and the copy engine (bulk copies)
-# all cost the same, and multicasting one read to a cluster of blocks costs more (the cluster's barriers).
+# differently: a rotated start, a buffer of its own a block and copies past L1 cost about the same, the copy
+# engine (bulk copies) the same or more, and multicasting one read to a cluster of blocks about the same or
+# more (the cluster's launch and barriers). Both GPUs behave alike.
 
 # %%
 report.styled(report.staging_costs(folder))
@@ -215,8 +216,10 @@ report.styled(report.residual_parts_trial(folder))
 # reads the entry from the block that holds it through distributed shared memory. A second probe timed the
 # smallest layer's skeleton (the staging, then each thread's random 16-byte gathers; no multiply-adds and no
 # finish) done by clusters of blocks that split its vectors, both ways; every variant's gathered values were
-# checked. Gathers across the cluster cost more than the staging they save, and clusters whose blocks each
-# stage the whole codebook gain nothing over one block a row-group. Neither design reaches these layers:
+# checked. On both GPUs gathers across the cluster cost more than the staging they save. Clusters whose blocks
+# each stage the whole codebook gain nothing over one block a row-group on the H100; on the H200 clusters of
+# two and four gain in this skeleton, but there these layers already beat fp16. On the H100, where they do not,
+# neither design helps:
 
 # %%
 report.styled(report.cluster_codebook_probe(folder))

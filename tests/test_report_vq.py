@@ -250,7 +250,9 @@ def test_staging_costs_pivot_methods_and_refuse_a_wrong_copy(tmp_path):
     assert list(t.columns) == ["GPU", "KiB a block", "blocks", ca, bulk, mc]
     assert list(t["KiB a block"]) == [0, 0, 64, 64] and list(t["blocks"]) == [32, 128, 32, 128]
     assert np.isnan(t.loc[0, bulk]) and t.loc[3, ca] == 1.0 + 1 + 0.128 and t.loc[3, mc] == t.loc[3, ca] + 0.5
-    report.fig_staging(tmp_path)  # a panel a grid size
+    (tmp_path / "_runs" / "stage-probe-h200.json").write_text(json.dumps({"provenance": {"gpu": "NVIDIA H200"}, "records": recs}))
+    assert len(report.fig_staging(tmp_path).axes) == 2 * 2  # a panel a GPU and grid size
+    (tmp_path / "_runs" / "stage-probe-h200.json").unlink()
     recs[-1]["ok"] = False  # a method that staged wrong data is an error, not a timing
     f.write_text(json.dumps({"provenance": {"gpu": "NVIDIA H100 80GB HBM3"}, "records": recs}))
     with pytest.raises(ValueError, match="staged wrong data"):

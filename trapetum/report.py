@@ -1612,24 +1612,26 @@ def staging_costs(folder=None) -> pd.DataFrame:
 
 
 def fig_staging(folder=None) -> Figure:
-    """Launch time against bytes staged a block, one line a copy method, one panel a grid size."""
+    """Launch time against bytes staged a block, one line a copy method, one panel a GPU (row) and grid size (column)."""
     d = staging_costs(folder)
     if d.empty:
         raise ValueError(f"no staging probe recorded ({STAGING_PROBES})")
-    grids = sorted(d["blocks"].unique())
+    gpus, grids = list(dict.fromkeys(d["GPU"])), sorted(d["blocks"].unique())
     methods = [m for m in STAGING_METHODS.values() if m in d]
     with _style():
-        fig = Figure(figsize=(4.2 * len(grids), 4.2), layout="constrained")
-        axes = np.atleast_1d(fig.subplots(1, len(grids), sharey=True))
-        for ax, G in zip(axes, grids):
-            g = d[d["blocks"] == G].sort_values("KiB a block")
-            for i, m in enumerate(methods):
-                v = g.dropna(subset=[m])
-                ax.plot(v["KiB a block"], v[m], marker="o", ms=3, color=f"C{i}", ls="--" if "multicast" in m else "-", label=m)
-            ax.set_title(f"{G} blocks ({', '.join(sorted(g['GPU'].unique()))})")
+        fig = Figure(figsize=(4.2 * len(grids), 3.4 * len(gpus) + 0.8), layout="constrained")
+        axes = np.atleast_2d(fig.subplots(len(gpus), len(grids), sharey=True, squeeze=False))
+        for row, gpu in zip(axes, gpus):
+            for ax, G in zip(row, grids):
+                g = d[(d["GPU"] == gpu) & (d["blocks"] == G)].sort_values("KiB a block")
+                for i, m in enumerate(methods):
+                    v = g.dropna(subset=[m])
+                    ax.plot(v["KiB a block"], v[m], marker="o", ms=3, color=f"C{i}", ls="--" if "multicast" in m else "-", label=m)
+                ax.set_title(f"{gpu}, {G} blocks")
+            row[0].set_ylabel("µs a launch (CUDA-graph replay)")
+        for ax in axes[-1]:
             ax.set_xlabel("KiB staged a block")
-        axes[0].set_ylabel("µs a launch (CUDA-graph replay)")
-        _shared_legend(fig, axes, ncols=2)
+        _shared_legend(fig, axes.ravel(), ncols=2)
     return fig
 
 
