@@ -246,7 +246,7 @@ def test_staging_costs_pivot_methods_and_refuse_a_wrong_copy(tmp_path):
     f = tmp_path / "_runs" / "stage-probe-h100.json"
     f.write_text(json.dumps({"provenance": {"gpu": "NVIDIA H100 80GB HBM3"}, "records": recs}))
     t = report.staging_costs(tmp_path)
-    ca, bulk, mc = (report.STAGING_METHODS[k] for k in ("ca", "bulk", "bulk cluster 2"))
+    ca, bulk, mc = (report.STAGING_METHODS[k] + " (us)" for k in ("ca", "bulk", "bulk cluster 2"))
     assert list(t.columns) == ["GPU", "KiB a block", "blocks", ca, bulk, mc]
     assert list(t["KiB a block"]) == [0, 0, 64, 64] and list(t["blocks"]) == [32, 128, 32, 128]
     assert np.isnan(t.loc[0, bulk]) and t.loc[3, ca] == 1.0 + 1 + 0.128 and t.loc[3, mc] == t.loc[3, ca] + 0.5

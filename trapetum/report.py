@@ -1602,13 +1602,13 @@ def staging_costs(folder=None) -> pd.DataFrame:
         for r in data["records"]:
             if r.get("ok") is False:
                 raise ValueError(f"{f.name}: {r['variant']} staged wrong data at {r['S']} bytes, {r['G']} blocks")
-            rows.append({"GPU": gpu, "KiB a block": r["S"] / 1024, "blocks": int(r["G"]),
-                         "method": STAGING_METHODS.get(r["variant"], r["variant"]), "us": float(r["us"])})
+            rows.append({"GPU": gpu, "KiB a block": int(r["S"]) // 1024, "blocks": int(r["G"]),
+                         "method": STAGING_METHODS.get(r["variant"], r["variant"]) + " (us)", "us": float(r["us"])})
     d = pd.DataFrame(rows)
     if d.empty:
         return d
     out = d.pivot_table(index=["GPU", "KiB a block", "blocks"], columns="method", values="us", sort=False)
-    return out[[m for m in STAGING_METHODS.values() if m in out]].reset_index().rename_axis(columns=None)
+    return out[[m + " (us)" for m in STAGING_METHODS.values() if m + " (us)" in out]].reset_index().rename_axis(columns=None)
 
 
 def fig_staging(folder=None) -> Figure:
@@ -1617,7 +1617,7 @@ def fig_staging(folder=None) -> Figure:
     if d.empty:
         raise ValueError(f"no staging probe recorded ({STAGING_PROBES})")
     gpus, grids = list(dict.fromkeys(d["GPU"])), sorted(d["blocks"].unique())
-    methods = [m for m in STAGING_METHODS.values() if m in d]
+    methods = [m for m in STAGING_METHODS.values() if m + " (us)" in d]
     with _style():
         fig = Figure(figsize=(4.2 * len(grids), 3.4 * len(gpus) + 0.8), layout="constrained")
         axes = np.atleast_2d(fig.subplots(len(gpus), len(grids), sharey=True, squeeze=False))
@@ -1625,8 +1625,9 @@ def fig_staging(folder=None) -> Figure:
             for ax, G in zip(row, grids):
                 g = d[(d["GPU"] == gpu) & (d["blocks"] == G)].sort_values("KiB a block")
                 for i, m in enumerate(methods):
-                    v = g.dropna(subset=[m])
-                    ax.plot(v["KiB a block"], v[m], marker="o", ms=3, color=f"C{i}", ls="--" if "multicast" in m else "-", label=m)
+                    v = g.dropna(subset=[m + " (us)"])
+                    ax.plot(v["KiB a block"], v[m + " (us)"], marker="o", ms=3, color=f"C{i}", ls="--" if "multicast" in m else "-",
+                            label=m)
                 ax.set_title(f"{gpu}, {G} blocks")
             row[0].set_ylabel("µs a launch (CUDA-graph replay)")
         for ax in axes[-1]:
