@@ -1452,12 +1452,18 @@ def additive_side_by_side(df: pd.DataFrame, scheme: str = "2-bit additive (M=2)"
 ADDITIVE_QUEUE_PROBES = "_runs/additive-queue-*.json"  # the queue plans' probes (their code is in git history)
 
 
+def _probe_files(folder, pattern: str):
+    """Each probe file under ``folder`` matching ``pattern``, oldest first (by its provenance's date, then
+    name): (file name, provenance, records)."""
+    probes = [(f.name, json.loads(f.read_text())) for f in _root(folder).glob(pattern)]
+    for name, data in sorted(probes, key=lambda p: (str(p[1]["provenance"].get("date")), p[0])):
+        yield name, data["provenance"], data["records"]
+
+
 def _probe_runs(folder, pattern: str, short: bool = False):
     """Each probe file under ``folder`` matching ``pattern``, oldest first: (provenance, a label of its
     commit and how many correctness checks passed before it timed anything, its timing records)."""
-    probes = [json.loads(f.read_text()) for f in _root(folder).glob(pattern)]
-    for data in sorted(probes, key=lambda d: str(d["provenance"].get("date"))):
-        prov, recs = data["provenance"], data["records"]
+    for _, prov, recs in _probe_files(folder, pattern):
         checks = [r for r in recs if r.get("kind") == "check"]
         commit = str(prov.get("git_commit"))
         label = f"{commit[:7] if short else commit} ({sum(bool(c['passed']) for c in checks)}/{len(checks)} checks)"
@@ -1596,12 +1602,11 @@ def staging_costs(folder=None) -> pd.DataFrame:
     graph-replayed time of a launch whose blocks only copy that many bytes of one L2-warm buffer into shared
     memory and wait (0 bytes: the launch alone). Each row's every method was checked for the staged data."""
     rows = []
-    for f in sorted(_root(folder).glob(STAGING_PROBES)):
-        data = json.loads(f.read_text())
-        gpu = gpu_label(data["provenance"].get("gpu", ""))
-        for r in data["records"]:
+    for name, prov, recs in _probe_files(folder, STAGING_PROBES):
+        gpu = gpu_label(prov.get("gpu", ""))
+        for r in recs:
             if r.get("ok") is False:
-                raise ValueError(f"{f.name}: {r['variant']} staged wrong data at {r['S']} bytes, {r['G']} blocks")
+                raise ValueError(f"{name}: {r['variant']} staged wrong data at {r['S']} bytes, {r['G']} blocks")
             rows.append({"GPU": gpu, "KiB a block": int(r["S"]) // 1024, "blocks": int(r["G"]),
                          "method": STAGING_METHODS.get(r["variant"], r["variant"]) + " (us)", "us": float(r["us"])})
     d = pd.DataFrame(rows)
@@ -1617,7 +1622,7 @@ def fig_staging(folder=None) -> Figure:
     if d.empty:
         raise ValueError(f"no staging probe recorded ({STAGING_PROBES})")
     gpus, grids = list(dict.fromkeys(d["GPU"])), sorted(d["blocks"].unique())
-    methods = [m for m in STAGING_METHODS.values() if m + " (us)" in d]
+    methods = [c for c in d.columns if c.endswith(" (us)")]  # staging_costs' method columns, in its order
     with _style():
         fig = Figure(figsize=(4.2 * len(grids), 3.4 * len(gpus) + 0.8), layout="constrained")
         axes = np.atleast_2d(fig.subplots(len(gpus), len(grids), sharey=True, squeeze=False))
@@ -1625,9 +1630,9 @@ def fig_staging(folder=None) -> Figure:
             for ax, G in zip(row, grids):
                 g = d[(d["GPU"] == gpu) & (d["blocks"] == G)].sort_values("KiB a block")
                 for i, m in enumerate(methods):
-                    v = g.dropna(subset=[m + " (us)"])
-                    ax.plot(v["KiB a block"], v[m + " (us)"], marker="o", ms=3, color=f"C{i}", ls="--" if "multicast" in m else "-",
-                            label=m)
+                    v = g.dropna(subset=[m])
+                    ax.plot(v["KiB a block"], v[m], marker="o", ms=3, color=f"C{i}", ls="--" if "multicast" in m else "-",
+                            label=m.removesuffix(" (us)"))
                 ax.set_title(f"{gpu}, {G} blocks")
             row[0].set_ylabel("µs a launch (CUDA-graph replay)")
         for ax in axes[-1]:
@@ -1645,13 +1650,12 @@ def cluster_codebook_probe(folder=None) -> pd.DataFrame:
     codebook and gathering locally, or 1/CS of it and gathering from the entry's owner through distributed
     shared memory. One row a GPU and cluster size; raises where a variant's gathered sums were wrong."""
     rows = []
-    for f in sorted(_root(folder).glob(CLUSTER_CODEBOOK_PROBES)):
-        data = json.loads(f.read_text())
-        for r in data["records"]:
+    for name, prov, recs in _probe_files(folder, CLUSTER_CODEBOOK_PROBES):
+        for r in recs:
             if not r.get("ok"):
-                raise ValueError(f"{f.name}: cluster size {r['CS']}, {r['stage']}: the gathered sums were wrong")
+                raise ValueError(f"{name}: cluster size {r['CS']}, {r['stage']}: the gathered sums were wrong")
             whole = r["stage"].startswith("whole")
-            rows.append({"GPU": gpu_label(data["provenance"].get("gpu", "")), "blocks a cluster": int(r["CS"]),
+            rows.append({"GPU": gpu_label(prov.get("gpu", "")), "blocks a cluster": int(r["CS"]),
                          "gathers a thread": int(r["gathers_a_thread"]),
                          "col": "whole codebook a block, local gathers (us)" if whole else "1 / cluster of it a block, gathers across the cluster (us)",
                          "us": float(r["us"])})
