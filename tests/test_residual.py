@@ -14,7 +14,7 @@ from trapetum.bench import TOLERANCE
 from trapetum.codebook import CodebookFormatError
 from trapetum.gemv import max_rel_err
 from trapetum.residual import (ResidualGemv, ResidualTensor, candidate_plans, pack_indices, plan_residual, quantize_residual,
-                               random_residual_tensor, reference, split_bytes, unpack_indices)
+                               random_residual_tensor, reference, unpack_indices)
 
 pytestmark = pytest.mark.skipif(
     not gemv.SIM and os.environ.get("NUMBA_ENABLE_CUDASIM") == "0", reason="NUMBA_ENABLE_CUDASIM=0: written for the CUDA simulator"
@@ -155,9 +155,9 @@ def test_split_plans():
                        (dict(G=2), "table-kernel"), (dict(rc=3), "rc")):
         with pytest.raises(ValueError, match=match):
             plan_residual(14336, 16, 4096, 256, 1, kind="split", **bad, **kw)
-    with pytest.raises(ValueError, match="are split-kernel options"):
+    with pytest.raises(ValueError, match="blocks and rc are split"):
         plan_residual(14336, 16, 4096, 256, 1, kind="gather", blocks=4, **kw)
-    with pytest.raises(ValueError, match="are split-kernel options"):
+    with pytest.raises(ValueError, match="blocks and rc are split"):
         plan_residual(14336, 16, 4096, 256, 1, kind="table", rc=2, **kw)
     with pytest.raises(ValueError, match="raise ksplit"):  # 128 KiB of codebooks and 16384 columns of x at batch 4
         plan_residual(4096, 64, 8192, 512, 4, kind="split", ksplit=1, **kw)
@@ -402,33 +402,3 @@ def test_plans_fit_a_99_kib_block(B, Nm, Nr):
         plan_residual(28672, 64, 8192, 256, 4, kind="gather", ksplit=1, **kw)
     with pytest.raises(ValueError, match="both codebooks"):  # 128 KiB of main codebook cannot fit at any K-split
         plan_residual(28672, 64, 8192, 256, 1, kind="split", **kw)
-
-
-def test_cluster_plans():
-    kw = dict(sms=132, budget=227 * 1024, norm=False)
-    p = plan_residual(1024, 4, 4096, 256, 1, kind="split", cluster=4, **kw)  # 32 row-groups x a cluster of 4 K-slices
-    assert (p.ksplit, p.cps, p.warps, p.blocks, p.cluster) == (4, 1, 1, 32, 4) and p.grid(32) == (32, 4)
-    assert p.shared_bytes == split_bytes(4096, 256, 1, 1, 1, 1, p.rc) + 4 * 32  # plus the block's partials the cluster reads
-    assert plan_residual(1024, 4, 4096, 256, 1, **kw, **p.overrides()) == p
-    for bad, match in ((dict(cluster=16), "cluster"), (dict(cluster=8), "4 chunks"), (dict(cluster=2, ksplit=4), "cluster"),
-                       (dict(cluster=3), "evenly")):
-        with pytest.raises(ValueError, match=match):
-            plan_residual(1024, 4, 4096, 256, 1, kind="split", **bad, **kw)
-    with pytest.raises(ValueError, match="norm"):
-        plan_residual(1024, 4, 4096, 256, 1, kind="split", cluster=2, sms=132, budget=227 * 1024, norm=True)
-    with pytest.raises(ValueError, match="split-kernel options"):
-        plan_residual(1024, 4, 4096, 256, 1, kind="gather", cluster=2, **kw)
-    # the tuner times clusters only where told the GPU has them, only where the row-groups leave SMs idle, never with a norm
-    small = candidate_plans(1024, 8, 4096, 256, 1, clusters=True, **kw)
-    cl = [c for c in small if c.cluster]
-    assert {c.cluster for c in cl} == {2, 4, 8} and {c.rc for c in cl} == {2, 8} and {c.warps for c in cl} >= {1, 4}
-    assert all(c.ksplit == c.cluster for c in cl)
-    assert [c for c in small if not c.cluster] == candidate_plans(1024, 8, 4096, 256, 1, **kw)
-    assert not any(c.cluster for c in candidate_plans(4096, 8, 4096, 256, 1, clusters=True, **kw))
-    assert not any(c.cluster for c in candidate_plans(1024, 8, 4096, 256, 1, 132, True, 227 * 1024, clusters=True))
-
-
-def test_the_simulator_refuses_a_cluster_kernel():
-    from trapetum.residual import residual_kernel
-    with pytest.raises(ValueError, match="simulator"):
-        residual_kernel(4096, 256, 1, 1, 1, True, False, split=True, rc=8, cluster=4)

@@ -98,15 +98,6 @@ if SIM:
         return a[i], a[i + 1], a[i + 2], a[i + 3]
 
     @cuda.jit(device=True)
-    def cluster_sync():
-        # The simulator runs a grid's blocks one after another: blocks cannot wait for each other.
-        raise NotImplementedError("thread block clusters need a GPU (compute capability 9.0+), not the simulator")
-
-    @cuda.jit(device=True)
-    def dsmem_load(arr, idx, rank):
-        raise NotImplementedError("distributed shared memory needs a GPU (compute capability 9.0+), not the simulator")
-
-    @cuda.jit(device=True)
     def load_cg(a, i, j, k):
         return a[i, j, k]
 
@@ -569,73 +560,6 @@ else:
 
     # The same 128-bit load serves shared memory: NVVM infers the address space (ld.shared.v4).
     sload4 = load16
-
-    @intrinsic
-    def cluster_sync(typingctx):
-        """A barrier of every thread of every block in the cluster (sm_90+), with release / acquire
-        semantics: shared-memory stores before it are visible to the cluster's other blocks after it.
-        All threads call it, outside divergent code (.aligned)."""
-        sig = types.none()
-
-        def codegen(context, builder, sig, args):
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []),
-                               "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;",
-                               "~{memory}", side_effect=True)
-            builder.call(asm, [])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @intrinsic
-    def dsmem_load(typingctx, arr, idx, rank):
-        """``arr[idx]`` of the cluster's block ``rank``, for a shared array (distributed shared memory,
-        sm_90+): ``mapa`` turns the generic address of this block's element into the other block's."""
-        sig = arr.dtype(arr, idx, rank)
-
-        def codegen(context, builder, sig, args):
-            aty = sig.args[0]
-            ary = context.make_array(aty)(context, builder, value=args[0])
-            ptr = cgutils.get_item_pointer(context, builder, aty, ary, [args[1]], wraparound=False)
-            i64, i32 = ir.IntType(64), ir.IntType(32)
-            r = args[2]
-            r = builder.trunc(r, i32) if r.type.width > 32 else builder.zext(r, i32) if r.type.width < 32 else r
-            mapa = ir.InlineAsm(ir.FunctionType(i64, [i64, i32]), "mapa.u64 $0, $1, $2;", "=l,l,r", side_effect=True)
-            remote = builder.call(mapa, [builder.ptrtoint(ptr, i64), r])
-            ety = context.get_data_type(aty.dtype)
-            return builder.load(builder.inttoptr(remote, ety.as_pointer()), align=4)
-
-        return sig, codegen
-
-    class ClusterBounds(tuple):
-        """``launch_bounds`` for ``cuda.jit`` that also fix the kernel's cluster shape (x, y, z) at
-        compile time (PTX ``.reqnctapercluster``): numba's ordinary launch then starts the grid in
-        clusters, which it has no launch option for."""
-
-        def __new__(cls, bounds, cluster):
-            obj = super().__new__(cls, bounds)
-            obj.cluster = tuple(cluster)
-            return obj
-
-    def _install_cluster_bounds():
-        # numba passes a kernel's launch_bounds to nvvm.set_launch_bounds, which writes the NVVM
-        # annotations; a ClusterBounds adds libNVVM's cluster_dim_{x,y,z} beside them.
-        from numba.cuda.cudadrv import nvvm as _nvvm
-
-        if getattr(_nvvm.set_launch_bounds, "_trapetum", False):
-            return
-        original = _nvvm.set_launch_bounds
-
-        def set_launch_bounds(kernel, launch_bounds):
-            original(kernel, tuple(launch_bounds) if isinstance(launch_bounds, ClusterBounds) else launch_bounds)
-            if isinstance(launch_bounds, ClusterBounds):
-                md = cgutils.get_or_insert_named_metadata(kernel.module, "nvvm.annotations")
-                for axis, n in zip("xyz", launch_bounds.cluster):
-                    md.add(kernel.module.add_metadata([kernel, f"cluster_dim_{axis}", ir.Constant(ir.IntType(32), n)]))
-
-        set_launch_bounds._trapetum = True
-        _nvvm.set_launch_bounds = set_launch_bounds
-
-    _install_cluster_bounds()
 
     @cuda.jit(device=True)
     def load_cg(a, i, j, k):
@@ -2277,16 +2201,6 @@ def tuning_inputs(tiled: torch.Tensor, weight_bytes: int, n_in: int, n_out: int,
     x = torch.randn(B, n_in, device=device, dtype=torch.float16)
     y = torch.empty(B, n_out, device=device, dtype=torch.float16)
     return (copies, x, y), [_as_kernel_array(c) for c in copies], _as_kernel_array(x.view(torch.int32)), _as_kernel_array(y)
-
-
-MAX_CLUSTER = 8  # the portable cluster size: larger ones need an opt-in numba cannot set
-
-
-def clusters_work(device) -> bool:
-    """Whether ``device`` launches thread block clusters (compute capability 9.0+; not the simulator)."""
-    if SIM or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def sm_count(device) -> int:

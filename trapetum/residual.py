@@ -43,10 +43,9 @@ import warnings
 import torch
 
 from .codebook import ROW_BLOCK, CodebookFormatError, read_layer_file
-from .gemv import (INLINE, MAX_CLUSTER, SIM, _as_kernel_array, async_wait_all, check_activation, check_output, cluster_sync,
-                   clusters_work, copy16_async, dsmem_load, float2_to_half2, hadd2_to_float2, half2_to_float2, kernel_device, load16,
-                   load_byte_offset, max_shared_bytes, mma_table_tile, sload4, sm_count, tuning_enabled, tuning_inputs,
-                   with_shared_limit)
+from .gemv import (INLINE, SIM, _as_kernel_array, async_wait_all, check_activation, check_output, copy16_async, float2_to_half2,
+                   hadd2_to_float2, half2_to_float2, kernel_device, load16, load_byte_offset, max_shared_bytes, mma_table_tile,
+                   sload4, sm_count, tuning_enabled, tuning_inputs, with_shared_limit)
 from .kmeans import check_finite
 
 from numba import cuda, float32, int32, uint32  # noqa: E402  (gemv set numba's environment first)
@@ -643,7 +642,7 @@ def _chunk_source(b: int) -> str:
 
 
 def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: bool, norm: bool, split: bool = False,
-                    rc: int = 1, cluster: int = 0):
+                    rc: int = 1):
     """The "gather" residual-VQ GEMV (v1): every vector's weights rebuilt from two 16-byte codebook reads.
 
     Grid (row-groups, K-slices); a block has ``warps`` warps, warp w owning row-blocks
@@ -663,19 +662,8 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     int32; n_out; rbs; nchunks; cps.
 
     ``rc``: copies of the residual codebook in shared memory (see below; the split plans use 2-8).
-
-    ``cluster`` (split only, sm_90+, a GPU only): the K-split's ``cluster`` blocks of a row-group walker
-    are one thread block cluster. Each row-group, every block leaves its rows' partial sums in its own
-    shared memory and the cluster's blocks sum them across the cluster (distributed shared memory,
-    each block a share of the outputs), where other K-splits meet through the workspace, a fence and
-    an atomic counter in global memory. Why: the smallest layers (1024 x 1024: 32 row-groups) fill 32
-    SMs with one K-slice a row-group, and split K through global memory cost more than it saved
-    (NOTES session 31); in a cluster they can use 4x the SMs. No norm (its dot(bias, x) finish).
     """
-    if cluster and (SIM or not split or norm or not 2 <= cluster <= MAX_CLUSTER):
-        raise ValueError(f"a cluster of the K-split takes 2..{MAX_CLUSTER} split blocks without a norm, on a GPU; got cluster={cluster}, "
-                         f"split={split}, norm={norm}" + (" in the simulator" if SIM else ""))
-    key = ("residual", Nm, Nr, B, warps, RB, main_shared, norm, split, rc, cluster)
+    key = ("residual", Nm, Nr, B, warps, RB, main_shared, norm, split, rc)
     if key in _kernel_cache:
         return _kernel_cache[key]
 
@@ -747,41 +735,9 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     def fetch(dst, off, tiled, rb0, rbs, nchunks, j, j1):
         load_words(dst, off, WPC, tiled, rb0, rbs, nchunks, j, 0, WPC, j < j1)
 
-    CL = cluster
-    PART = nacc * 32  # with a cluster: the block's partials of a row-group, after the warps' (4-byte units)
-
-    @cuda.jit(device=True, **INLINE)
-    def cluster_rows(acc, xs, part, y, rb0, n_out, tid, warp, lane):
-        # Warp 0 holds the block's sums of the row-group (this K-slice); the cluster's blocks add each
-        # other's and write y, block q taking outputs q, q + CL, ... of the RB x B x 32. The second
-        # barrier keeps every block's partials in place until the others have read them.
-        if warp == 0:
-            for i in range(nacc):
-                xs[part + i * 32 + lane] = acc[i]
-        cluster_sync()
-        q = cuda.blockIdx.y
-        o = q + tid * CL
-        while o < PART:
-            v = float32(0.0)
-            for c in range(CL):
-                v += dsmem_load(xs, part + o, c)
-            i = o // 32
-            r = i // B
-            row = (rb0 + r) * 32 + (o - i * 32)
-            if row < n_out:
-                y[i - r * B, row] = v
-            o += nt * CL
-        cluster_sync()
-
     # A split block is one an SM by design (it stages both codebooks): launch bounds let ptxas size its
     # registers for the whole block (unbounded, 32 warps at RB = 1 took 100 registers and could not launch).
-    bounds = {} if not split or SIM else {"launch_bounds": (nt, 1)}
-    if CL:
-        from .gemv import ClusterBounds  # defined on a GPU build only (CL is refused in the simulator above)
-
-        bounds = {"launch_bounds": ClusterBounds((nt, 1), (1, CL, 1))}
-
-    @cuda.jit(**bounds)
+    @cuda.jit(**({"launch_bounds": (nt, 1)} if split and not SIM else {}))
     def kernel(x32, tiled, mainq, resq_g, sc32, bi32, y, ws, counters, n_out, rbs, nchunks, cps):
         bpart = cuda.shared.array(bpart_size, float32)
         bred = cuda.shared.array(bred_size, float32)
@@ -855,10 +811,7 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
                         for w in range(1, warps):
                             v += xs[RED + (w * nacc + i) * 32 + lane]
                         acc[i] += v
-            if CL:
-                cluster_rows(acc, xs, RED + warps * nacc * 32, y, rb0, n_out, tid, warp, lane)
-            else:
-                finish(acc, pb, bpart, bred, last, y, ws, counters, grp, warp == 0 or not split, rb0, rbs, n_out, tid)
+            finish(acc, pb, bpart, bred, last, y, ws, counters, grp, warp == 0 or not split, rb0, rbs, n_out, tid)
             if split:
                 cuda.syncthreads()  # the partials' space is reused by the next row-group
             grp = nxt
@@ -1122,13 +1075,12 @@ class ResidualPlan:
     build: str = ""  # table: "fma" (scalar multiply-adds) or "mma" (tensor cores, v3)
     blocks: int = 0  # split: blocks along the rows, each walking row-groups (0: one a row-group)
     rc: int = 1  # split: copies of the residual codebook in shared memory (see residual_kernel)
-    cluster: int = 0  # split: 0, or the K-split's blocks form one thread block cluster (= ksplit; see residual_kernel)
 
     def overrides(self) -> dict:
         """The keyword arguments of :func:`plan_residual` that rebuild this plan (for ``ResidualGemv(plan=...)``)."""
         d = dict(kind=self.kind, warps=self.warps, RB=self.RB, ksplit=self.ksplit, main=self.main)
         return d | ({"G": self.G, "build": self.build} if self.kind == "table" else {}) | (
-            {"blocks": self.blocks, "rc": self.rc} | ({"cluster": self.cluster} if self.cluster else {}) if self.kind == "split" else {})
+            {"blocks": self.blocks, "rc": self.rc} if self.kind == "split" else {})
 
     def groups(self, rbs: int) -> int:
         """Row-groups (one K-split counter each): RB row-blocks a group for split blocks, warps x RB otherwise."""
@@ -1162,7 +1114,7 @@ def _grow_ksplit(plan, ksplit: int, nchunks: int) -> "ResidualPlan":
 def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool = False, budget: int = OPTIN_SIM,
                   warps: int | None = None, RB: int | None = None, ksplit: int | None = None, main: str | None = None,
                   kind: str | None = None, G: int | None = None, build: str | None = None,
-                  blocks: int | None = None, rc: int | None = None, cluster: int = 0) -> ResidualPlan:
+                  blocks: int | None = None, rc: int | None = None) -> ResidualPlan:
     """Grid shape for one layer. ``kind`` picks the kernel: "table" (:func:`residual_table_kernel`,
     the default up to batch :data:`TABLE_MAX_BATCH`) or "gather" (:func:`residual_kernel`).
 
@@ -1179,8 +1131,8 @@ def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, 
     kind = kind or "gather"  # main="shared" or "global" alone names the gather kernel's placement
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if kind != "split" and (blocks is not None or rc is not None or cluster):
-        raise ValueError("blocks, rc and cluster are split-kernel options")
+    if kind != "split" and (blocks is not None or rc is not None):
+        raise ValueError("blocks and rc are split-kernel options")
     if kind == "table":
         return plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ksplit, G=G, main=main,
                           build=build)
@@ -1188,7 +1140,7 @@ def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, 
         raise ValueError("G (groups a table step) and build are table-kernel options")
     if kind == "split":
         return plan_split(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ksplit, blocks=blocks, rc=rc,
-                          main=main, cluster=cluster)
+                          main=main)
     warps = warps or 4
     RB = RB or (2 if B <= 4 else 1)
     if warps not in (1, 2, 4, 8) or RB not in (1, 2):
@@ -1230,26 +1182,19 @@ def _check_copies(rc: int) -> None:
         raise ValueError(f"rc (copies of the residual codebook) must be one of {RES_COPIES}, got {rc}")
 
 
-def split_bytes(Nm: int, Nr: int, B: int, warps: int, RB: int, cps: int, rc: int = 1, cluster: int = 0) -> int:
+def split_bytes(Nm: int, Nr: int, B: int, warps: int, RB: int, cps: int, rc: int = 1) -> int:
     """Dynamic shared memory of a split block: the main codebook, rc copies of the residual one, B rows
-    of its K-slice of x (fp32), the warps' partials (warps x RB x B x 32 fp32) and, in a cluster, the
-    block's partials that the cluster reads (RB x B x 32 fp32)."""
-    return 16 * (Nm + rc * Nr) + 4 * B * cps * CHUNK + 4 * (warps + (1 if cluster else 0)) * RB * B * 32
+    of its K-slice of x (fp32), and the warps' partials (warps x RB x B x 32 fp32)."""
+    return 16 * (Nm + rc * Nr) + 4 * B * cps * CHUNK + 4 * warps * RB * B * 32
 
 
 def plan_split(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool = False, budget: int = OPTIN_SIM,
                warps: int | None = None, RB: int | None = None, ksplit: int | None = None, blocks: int | None = None,
-               main: str | None = None, rc: int | None = None, cluster: int = 0) -> ResidualPlan:
+               main: str | None = None, rc: int | None = None) -> ResidualPlan:
     """Split-kernel plan (:func:`residual_kernel` with ``split``). Without overrides: RB = 1, as many
     warps (up to 16, 8 at RB = 2) as the K-slice has chunks, a K-split only where the row-groups cannot give
     every SM a block, one block an SM walking the row-groups, and as many copies of the residual
-    codebook (up to 8) as fit. ``cluster``: the K-split is that many blocks, one thread block cluster
-    (sm_90+, no norm), which sum their partials through each other's shared memory."""
-    if cluster:
-        if norm or not 2 <= cluster <= min(MAX_CLUSTER, nchunks) or ksplit not in (None, cluster):
-            raise ValueError(f"a cluster of the K-split takes 2..{min(MAX_CLUSTER, nchunks)} blocks (the K-split itself; "
-                             f"{nchunks} chunks) and no norm; got cluster={cluster}, ksplit={ksplit}, norm={norm}")
-        ksplit = cluster
+    codebook (up to 8) as fit."""
     if main not in (None, "shared"):
         raise ValueError(f"the split kernel stages both codebooks in shared memory: main must be 'shared', got {main!r}")
     RB = RB or 1
@@ -1265,8 +1210,6 @@ def plan_split(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
         raise ValueError(f"ksplit must be positive, got {ksplit}")
     cps = math.ceil(nchunks / min(ksplit, nchunks))
     ksplit = math.ceil(nchunks / cps)
-    if cluster and ksplit != cluster:
-        raise ValueError(f"{nchunks} chunks do not split evenly enough into a cluster of {cluster} K-slices (they make {ksplit})")
     # Registers (ptxas, sm_90): 100 a thread at RB = 1 and 148 at RB = 2 unbounded; capped for 32 (16)
     # warps they spill 0.3-0.6 KB a thread. So at most 16 warps at RB = 1 and 8 at RB = 2.
     wmax = 16 if RB == 1 else 8
@@ -1282,13 +1225,13 @@ def plan_split(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
     if rc is not None:
         _check_copies(rc)
     else:
-        fit = [c for c in RES_COPIES if static + split_bytes(Nm, Nr, B, warps, RB, cps, c, cluster) <= budget]
+        fit = [c for c in RES_COPIES if static + split_bytes(Nm, Nr, B, warps, RB, cps, c) <= budget]
         rc = fit[-1] if fit else 1
-    dyn = split_bytes(Nm, Nr, B, warps, RB, cps, rc, cluster)
+    dyn = split_bytes(Nm, Nr, B, warps, RB, cps, rc)
     if static + dyn > budget:
         raise ValueError(f"plan needs {static + dyn} bytes of shared memory (both codebooks, {cps} chunks of x, batch {B}); "
                          f"the block may use {budget}: raise ksplit")
-    return ResidualPlan(warps, ksplit, cps, RB, "shared", dyn, static, kind="split", blocks=blocks, rc=rc, cluster=cluster)
+    return ResidualPlan(warps, ksplit, cps, RB, "shared", dyn, static, kind="split", blocks=blocks, rc=rc)
 
 
 TABLE_RB = (1, 2, 4, 8)  # row-blocks a warp in the table kernel (RB = 8 at 16 warps: 128 registers, no spills)
@@ -1372,8 +1315,7 @@ def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
     return ResidualPlan(warps, ksplit, sps, RB, main, dyn, static, kind="table", G=G, build=build)
 
 
-def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool, budget: int,
-                    clusters: bool = False) -> list[ResidualPlan]:
+def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool, budget: int) -> list[ResidualPlan]:
     """What the tuner times. Batches up to :data:`TABLE_MAX_BATCH`: the table kernel's heuristic plan
     with one, two and four waves of K-slices, its register-codebook variant at RB <= 2, its
     tensor-core build (v3) with one and two waves, and the
@@ -1396,7 +1338,7 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
             return
         gx, gy = p.grid(rbs)
         blocks = gx * gy
-        k = (p.kind, p.warps, p.RB, p.main, p.ksplit, p.G, p.build, p.blocks, p.rc, p.cluster)
+        k = (p.kind, p.warps, p.RB, p.main, p.ksplit, p.G, p.build, p.blocks, p.rc)
         if k not in seen and blocks <= 16 * sms:
             seen.add(k)
             out.append(p)
@@ -1450,15 +1392,6 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
                 add(kind="split", RB=RB, **kw)
                 if small:
                     add(kind="split", RB=RB, rc=2, **kw)
-        if clusters and not norm and rbs < sms // 2:
-            # Layers of fewer row-groups than half the SMs (out = 1024: 32): the K-split as a cluster of 2, 4 or 8 blocks
-            # that meet in distributed shared memory, with as many residual copies as fit and with 2, and blocks of
-            # 4 warps where a K-slice has fewer chunks (the extra warps only stage the codebooks).
-            for cl in (2, 4, 8):
-                c = plan_or_none(kind="split", cluster=cl)
-                for warps in sorted({c.warps, max(4, c.warps)}) if c is not None else ():
-                    for rc in (None, 2):
-                        add(kind="split", cluster=cl, rc=rc, warps=warps)
     else:
         for warps in (4, 8):
             for RB in ((1, 2) if B <= 8 else (1,)):
@@ -1533,7 +1466,7 @@ class ResidualGemv:
                                          plan.build == "mma")
         else:
             kern = residual_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.main == "shared", self.norm,
-                                   split=plan.kind == "split", rc=plan.rc, cluster=plan.cluster)
+                                   split=plan.kind == "split", rc=plan.rc)
         ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
         counters = torch.zeros(plan.groups(self.rbs), dtype=torch.int32, device=self.device)
         # [kernel, plan, torch owners, views, grid, specialized kernel (made at first bind)]
@@ -1577,7 +1510,7 @@ class ResidualGemv:
         from .bench import pick_fastest
 
         cands = candidate_plans(self.n_out, self.nchunks, self.Nm, self.Nr, B, sm_count(self.device), self.norm,
-                                shared_budget(self.device), clusters=clusters_work(self.device))
+                                shared_budget(self.device))
         if len(cands) == 1:
             _TUNED[key] = cands[0]
             return cands[0]
@@ -1655,11 +1588,6 @@ FORCED_PLANS = (dict(main="shared", ksplit=1, RB=2, warps=4), dict(main="global"
                 dict(kind="table", build="mma", G=1, RB=2, warps=4, ksplit=5, main="global"))
 
 
-# Forced cluster plans (a GPU of compute capability 9.0+): the cluster's blocks share the outputs unevenly
-# (RB x B x 32 of them over 2 or 4 blocks), extra warps that only stage, walkers of several row-groups.
-CLUSTER_PLANS = (dict(kind="split", cluster=2, warps=4, rc=2), dict(kind="split", cluster=4, RB=2, blocks=5, rc=8))
-
-
 def _fits(plan: dict, n_in: int, n_out: int, Nm: int, Nr: int, B: int, norm: bool) -> bool:
     """Whether a forced plan can be made for this layer on an H100-sized block (G = 8 tables do not
     fit beside 8192 centroids: that is the planner's refusal, not a kernel failure)."""
@@ -1683,9 +1611,6 @@ def correctness_sweep(shapes, configs=((4096, 256), (8192, 512)), batches=(1, 2,
         forced_jobs = [(shapes[0], c, 1 if p.get("kind") == "table" else 3, bool(k % 2) if len(norms) > 1 else norms[0], p)
                        for c in configs for k, p in enumerate(FORCED_PLANS)]
         jobs += [(s, c, b, nm, p) for s, c, b, nm, p in forced_jobs if _fits(p, *s, *c, b, nm)]
-        if clusters_work(device):  # the split K-slices as a cluster (no norm): batch 3, walkers of several row-groups
-            jobs += [(shapes[0], c, b, False, p) for c in configs for b in (1, 3) for p in CLUSTER_PLANS
-                     if _fits(p, *shapes[0], *c, b, False)]
     recs, failures = [], []
     for i, ((n_in, n_out), (Nm, Nr), b, nm, plan) in enumerate(tqdm(jobs, desc="residual correctness", disable=not progress)):
         try:
@@ -1728,4 +1653,4 @@ def time_residual(n_in: int, n_out: int, Nm: int, Nr: int, batch: int, fp16_ms: 
                        scheme=scheme_name(Nm, Nr), main_centroids=Nm, residual_centroids=Nr, vector_len=VECTOR_LEN,
                        bits_per_weight=(nbytes - 2 * batch * (n_in + n_out)) * 8 / (n_in * n_out), norm=with_norm,
                        ksplit=p.ksplit, warps=p.warps, rb=p.RB, main_placement=p.main, variant=p.kind, G=p.G,
-                       build=p.build or None, rc=p.rc if p.kind == "split" else None, cluster=p.cluster or None)
+                       build=p.build or None, rc=p.rc if p.kind == "split" else None)
