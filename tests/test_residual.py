@@ -106,6 +106,12 @@ def test_tensor_core_table_matches_float64_reference(Nm, Nr, norm, batch, n_out,
         # 2 and 1 copies of the residual codebook (the others above: as many as fit, 8)
         (8192, 512, True, 3, 64, 512, dict(kind="split", warps=2, RB=2, ksplit=1, rc=2)),
         (4096, 256, False, 2, 40, 256, dict(kind="split", warps=1, RB=1, ksplit=1, rc=1)),
+        # lane splits: two groups of 16 rows, a step of both chunks; four groups of 8 rows over a padded second
+        # row-block (groups 5-7 all padding), walked by 3 blocks, batch 3; one warp taking two steps of 2
+        (4096, 256, False, 1, 32, 512, dict(kind="split", lanes=2, warps=1, RB=1, ksplit=1)),
+        (8192, 512, False, 3, 40, 1024, dict(kind="split", lanes=4, warps=1, RB=1, ksplit=1, blocks=3)),
+        (4096, 512, False, 2, 64, 1024, dict(kind="split", lanes=2, warps=1, RB=1, ksplit=1, rc=2)),
+        (4096, 256, False, 1, 32, 2048, dict(kind="split", lanes=4, warps=2, RB=1, ksplit=1)),
     ],
 )
 def test_split_kernel_matches_float64_reference(Nm, Nr, norm, batch, n_out, n_in, plan):
@@ -113,7 +119,7 @@ def test_split_kernel_matches_float64_reference(Nm, Nr, norm, batch, n_out, n_in
     g = ResidualGemv(t, plan=plan)
     p = g.plan(batch)
     assert (p.kind, p.warps, p.RB, p.ksplit, p.main) == ("split", plan["warps"], plan["RB"], plan["ksplit"], "shared")
-    assert p.blocks == plan.get("blocks", p.blocks) and p.rc == plan.get("rc", 8)
+    assert p.blocks == plan.get("blocks", p.blocks) and p.rc == plan.get("rc", 8) and p.lanes == plan.get("lanes", 1)
     check(g, t, x_for(n_in, batch, seed=batch))
     if p.ksplit > 1:
         assert not g._plans[batch][2][1].any(), "atomic counters not reset"
@@ -155,12 +161,41 @@ def test_split_plans():
                        (dict(G=2), "table-kernel"), (dict(rc=3), "rc")):
         with pytest.raises(ValueError, match=match):
             plan_residual(14336, 16, 4096, 256, 1, kind="split", **bad, **kw)
-    with pytest.raises(ValueError, match="blocks and rc are split"):
-        plan_residual(14336, 16, 4096, 256, 1, kind="gather", blocks=4, **kw)
-    with pytest.raises(ValueError, match="blocks and rc are split"):
-        plan_residual(14336, 16, 4096, 256, 1, kind="table", rc=2, **kw)
+    for kind, bad in (("gather", dict(blocks=4)), ("table", dict(rc=2)), ("gather", dict(lanes=2))):
+        with pytest.raises(ValueError, match="blocks, rc and lanes are split"):
+            plan_residual(14336, 16, 4096, 256, 1, kind=kind, **bad, **kw)
     with pytest.raises(ValueError, match="raise ksplit"):  # 128 KiB of codebooks and 16384 columns of x at batch 4
         plan_residual(4096, 64, 8192, 512, 4, kind="split", ksplit=1, **kw)
+
+
+def test_lane_split_plans():
+    kw = dict(sms=132, budget=227 * 1024)
+    # 1024 x 2048: 32 row-blocks, 8 chunks. Four groups of 8 rows a row-block: 128 row-groups, one K-slice, a block
+    # each; 2 warps make a step of 8 chunks. x is padded by 4 floats a chunk.
+    p = plan_residual(1024, 8, 4096, 256, 1, kind="split", lanes=4, rc=2, **kw)
+    assert (p.lanes, p.RB, p.ksplit, p.cps, p.warps, p.blocks, p.groups(32), p.grid(32)) == (4, 1, 1, 8, 2, 128, 128, (128, 1))
+    assert p.shared_bytes == 16 * (4096 + 2 * 256) + 4 * 8 * (256 + 4) + 4 * 2 * 32
+    assert plan_residual(1024, 8, 4096, 256, 1, kind="split", lanes=2, **kw).groups(32) == 64
+    assert plan_residual(**p.overrides(), n_out=1024, nchunks=8, Nm=4096, Nr=256, B=1, **kw) == p
+    for bad, match in ((dict(lanes=3), "lanes"), (dict(lanes=2, RB=2), "lane split"), (dict(lanes=2, ksplit=2), "lane split")):
+        with pytest.raises(ValueError, match=match):
+            plan_residual(1024, 8, 4096, 256, 1, kind="split", **bad, **kw)
+    with pytest.raises(ValueError, match="lane split"):  # 6 chunks do not make steps of 4
+        plan_residual(1024, 6, 4096, 256, 1, kind="split", lanes=4, **kw)
+    with pytest.raises(ValueError, match="lane split"):
+        plan_residual(1024, 8, 4096, 256, 1, kind="split", lanes=2, norm=True, **kw)
+    with pytest.raises(ValueError, match="one K-slice"):  # 64 chunks of x at batch 4 beside 8192 + 512 do not fit one block
+        plan_residual(1024, 64, 8192, 512, 4, kind="split", lanes=2, **kw)
+    # The tuner times lane splits where the row-groups of 32 rows fill at most half the SMs, without a norm
+    small = [c for c in candidate_plans(1024, 8, 4096, 256, 1, norm=False, **kw) if c.lanes > 1]
+    assert {(c.lanes, c.warps) for c in small} == {(2, 4), (4, 2), (4, 4)} and {c.rc for c in small} == {8, 2}
+    for c in small:
+        assert plan_residual(1024, 8, 4096, 256, 1, **kw, **c.overrides()) == c
+    assert not [c for c in candidate_plans(1024, 8, 4096, 256, 1, norm=True, **kw) if c.lanes > 1]
+    assert not [c for c in candidate_plans(4096, 8, 4096, 256, 1, norm=False, **kw) if c.lanes > 1]  # 128 row-groups
+    with pytest.raises(ValueError, match="lane split"):
+        from trapetum.residual import residual_kernel
+        residual_kernel(4096, 256, 1, 1, 1, True, False, split=False, lanes=2)
 
 
 def test_the_planner_picks_the_table_kernel_where_its_table_fits():

@@ -514,18 +514,27 @@ def _step_layout(b: int, G: int) -> list[tuple[int, int, list]]:
     return out
 
 
-def _word_loader(RB: int, WPC: int):
+def _word_loader(RB: int, WPC: int, lanes: int = 1):
     """Both residual kernels' index-word load: ``load_words(dst, off, stride, tiled, rb0, rbs,
     nchunks, j, w_lo, nw, valid)`` puts words w_lo .. w_lo + nw - 1 of chunk j of this lane's row in
     each of the warp's RB row-blocks at dst[off + r * stride + ...] (zeros past the last row-block
     or where ``valid`` is false). The offsets are 32-bit unsigned: a signed index costs a
     negative-index check and the array's shape from parameter space on every load (measured in
-    the SASS: ~17 instructions a word); ResidualGemv refuses layers of 2**32 words or more."""
+    the SASS: ~17 instructions a word); ResidualGemv refuses layers of 2**32 words or more.
+
+    ``lanes`` S > 1 (the split kernel's lane split, RB = 1): rb0 names a group of 32 / S rows, the
+    (rb0 % S)-th of row-block rb0 // S, and lane l reads row l % (32 / S) of it (its caller passes
+    each lane its own chunk j)."""
     zero = int32(0)
+    S, R = uint32(lanes), uint32(32 // lanes)
 
     @cuda.jit(device=True, **INLINE)
     def load_words(dst, off, stride, tiled, rb0, rbs, nchunks, j, w_lo, nw, valid):
         lane = uint32(cuda.laneid)
+        if lanes > 1:
+            g = uint32(rb0)
+            rb0 = g // S
+            lane = (g - rb0 * S) * R + (lane & (R - uint32(1)))
         for r in range(RB):
             ok = valid and rb0 + r < rbs
             base = uint32(((rb0 + r) * nchunks + j) * (WPC * 32) + w_lo * 32) + lane
@@ -535,10 +544,11 @@ def _word_loader(RB: int, WPC: int):
     return load_words
 
 
-def _common_device_functions(B: int, nt: int, RB: int, norm: bool):
+def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0):
     """What both residual kernels share: staging a K-slice of x, and writing the rows out.
 
-    ``stage_x`` puts x[:, col0:col0+ncols] in shared memory as fp32 (times scale under a norm) and
+    ``stage_x`` puts x[:, col0:col0+ncols] in shared memory as fp32 (times scale under a norm), ``pad``
+    floats after each chunk of CHUNK columns (a batch row's stride: :func:`x_stride`), and
     keeps each thread's part of dot(bias, x) in ``pb``; ``finish`` adds the block's dot(bias, x),
     then writes y (one K-slice) or the slice's partial, and the last block of a row-group to finish
     sums the partials (an atomic counter it resets, so the launch replays in a CUDA graph).
@@ -555,7 +565,7 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool):
             bb = t // xq
             q = t - bb * xq
             w0, w1, w2, w3 = load16(x32[bb], xbase + q * 4)
-            o = xoff + bb * ncols + q * 8
+            o = xoff + bb * (ncols + (ncols // CHUNK) * pad) + q * 8 + (q // VECS_PER_CHUNK) * pad
             v0, v1 = half2_to_float2(w0)
             v2, v3 = half2_to_float2(w1)
             v4, v5 = half2_to_float2(w2)
@@ -642,7 +652,7 @@ def _chunk_source(b: int) -> str:
 
 
 def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: bool, norm: bool, split: bool = False,
-                    rc: int = 1):
+                    rc: int = 1, lanes: int = 1):
     """The "gather" residual-VQ GEMV (v1): every vector's weights rebuilt from two 16-byte codebook reads.
 
     Grid (row-groups, K-slices); a block has ``warps`` warps, warp w owning row-blocks
@@ -662,8 +672,18 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     int32; n_out; rbs; nchunks; cps.
 
     ``rc``: copies of the residual codebook in shared memory (see below; the split plans use 2-8).
+
+    ``lanes`` S (split, RB = 1, one K-slice, no norm): a warp's lanes split into S groups of 32 / S rows,
+    group h taking chunk j + h of each of the warp's steps of S chunks; the groups' sums meet in
+    shared memory with the warps'. A row-group is then 32 / S rows, so a layer of few rows gives S
+    times the blocks, each with 1 / S of the gathers, without a K-split's finish through global
+    memory (at 1024 outputs the row-groups of 32 fill only 32 SMs; NOTES session 41). Each chunk of
+    x is padded by 16 bytes so that the groups' reads of x fall in different banks.
     """
-    key = ("residual", Nm, Nr, B, warps, RB, main_shared, norm, split, rc)
+    if lanes != 1 and (lanes not in LANE_SPLITS or not split or RB != 1 or norm):
+        raise ValueError(f"a lane split takes {LANE_SPLITS[1:]} lane groups in the split kernel at RB = 1 without a norm; "
+                         f"got lanes={lanes}, split={split}, RB={RB}, norm={norm}")
+    key = ("residual", Nm, Nr, B, warps, RB, main_shared, norm, split, rc, lanes)
     if key in _kernel_cache:
         return _kernel_cache[key]
 
@@ -684,11 +704,14 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     # With ``split``, the warps' partials follow x: (warps x RB x B) x 32 fp32 at XOFF + B x the slice's columns.
     ROFF = main_words if main_shared else 0
     XOFF = ROFF + res_words
-    STEP = warps if split else 1  # chunks between a warp's consecutive chunks
+    S, PAD = lanes, (X_PAD if lanes > 1 else 0)
+    RL = 32 // S  # rows a lane group
+    LSH = uint32(RL.bit_length() - 1)
+    STEP = warps * S if split else 1  # chunks between a warp's consecutive steps
     bpart_size = B * nt if norm else 1
     bred_size = B * 32 if norm else 1
     ring_size, wv_size = 2 * nreg, 8 * RB  # local array sizes must be literals
-    stage_x, finish = _common_device_functions(B, nt, RB, norm)
+    stage_x, finish = _common_device_functions(B, nt, RB, norm, PAD)
 
     @cuda.jit(device=True, **INLINE)
     def vec(ring, s, j, sh, straddle, i, mainq, dyn_i, xs, xo, ncols, acc, wv):
@@ -729,11 +752,14 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     exec(compile(_chunk_source(WPC), f"<residual chunk_dot b={WPC}>", "exec"), ns)
     chunk_dot = cuda.jit(device=True, **INLINE)(ns["chunk_dot"])
 
-    load_words = _word_loader(RB, WPC)
+    load_words = _word_loader(RB, WPC, lanes)
 
     @cuda.jit(device=True)
     def fetch(dst, off, tiled, rb0, rbs, nchunks, j, j1):
-        load_words(dst, off, WPC, tiled, rb0, rbs, nchunks, j, 0, WPC, j < j1)
+        # j: the warp's step; a lane group's chunk is h = lane // (32 / S) past it (the planner makes S divide
+        # the K-slice's chunks, so a step is whole)
+        jl = j + (uint32(cuda.laneid) >> LSH) if S > 1 else j
+        load_words(dst, off, WPC, tiled, rb0, rbs, nchunks, jl, 0, WPC, j < j1)
 
     # A split block is one an SM by design (it stages both codebooks): launch bounds let ptxas size its
     # registers for the whole block (unbounded, 32 warps at RB = 1 took 100 registers and could not launch).
@@ -751,8 +777,10 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
         j0 = cuda.blockIdx.y * cps
         j1 = min(j0 + cps, nchunks)
         ncols = (j1 - j0) * CHUNK
-        jfirst = j0 + warp if split else j0
-        RED = XOFF + B * ncols
+        xstride = ncols + (j1 - j0) * PAD  # a batch row of x in shared memory
+        jfirst = j0 + warp * S if split else j0
+        hx = (lane >> LSH) * (CHUNK + PAD) if S > 1 else 0  # the lane group's chunk in x
+        RED = XOFF + B * xstride
 
         # Start streaming this warp's first chunk before anything waits.
         ring = cuda.local.array(ring_size, int32)
@@ -776,7 +804,7 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
         acc = cuda.local.array(nacc, float32)
         wv = cuda.local.array(wv_size, float32)
         grp = blk
-        ngroups = -(-rbs // RB) if split else blk + 1  # split blocks walk row-groups; gather blocks own one
+        ngroups = -(-rbs // RB) * S if split else blk + 1  # split blocks walk row-groups; gather blocks own one
         slot = 0  # the ring slot holding the chunk this warp uses next
         while grp < ngroups:
             for i in range(nacc):
@@ -793,12 +821,13 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
                     jn, rbn = (jfirst if nxt < ngroups else j1), nxt * RB
                 # Each branch names its slots as literals: a slot index ptxas cannot resolve puts the
                 # ring in local memory (a 160-320 byte stack frame, measured).
+                xo = XOFF + (j - j0) * (CHUNK + PAD) + hx
                 if slot == 0:
                     fetch(ring, nreg, tiled, rbn, rbs, nchunks, jn, j1)
-                    chunk_dot(ring, int32(0), mainq, dyn_i, xs, XOFF + (j - j0) * CHUNK, ncols, acc, wv)
+                    chunk_dot(ring, int32(0), mainq, dyn_i, xs, xo, xstride, acc, wv)
                 else:
                     fetch(ring, 0, tiled, rbn, rbs, nchunks, jn, j1)
-                    chunk_dot(ring, int32(nreg), mainq, dyn_i, xs, XOFF + (j - j0) * CHUNK, ncols, acc, wv)
+                    chunk_dot(ring, int32(nreg), mainq, dyn_i, xs, xo, xstride, acc, wv)
                 slot = 1 - slot
                 j += STEP
             if split:  # the warps' partials of these rows, summed by warp 0
@@ -808,10 +837,22 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
                 if warp == 0:
                     for i in range(nacc):
                         v = float32(0.0)
-                        for w in range(1, warps):
-                            v += xs[RED + (w * nacc + i) * 32 + lane]
-                        acc[i] += v
-            finish(acc, pb, bpart, bred, last, y, ws, counters, grp, warp == 0 or not split, rb0, rbs, n_out, tid)
+                        if S > 1:  # every warp's and lane group's sum of this lane's row
+                            for w in range(warps):
+                                for h in range(S):
+                                    v += xs[RED + (w * nacc + i) * 32 + h * RL + (lane & (RL - 1))]
+                            acc[i] = v
+                        else:
+                            for w in range(1, warps):
+                                v += xs[RED + (w * nacc + i) * 32 + lane]
+                            acc[i] += v
+            if S > 1:  # one K-slice: lanes 0 .. 32 / S - 1 of warp 0 write the group's rows
+                row = grp * RL + lane
+                if warp == 0 and lane < RL and row < n_out:
+                    for bb in range(B):
+                        y[bb, row] = acc[bb]
+            else:
+                finish(acc, pb, bpart, bred, last, y, ws, counters, grp, warp == 0 or not split, rb0, rbs, n_out, tid)
             if split:
                 cuda.syncthreads()  # the partials' space is reused by the next row-group
             grp = nxt
@@ -1075,16 +1116,20 @@ class ResidualPlan:
     build: str = ""  # table: "fma" (scalar multiply-adds) or "mma" (tensor cores, v3)
     blocks: int = 0  # split: blocks along the rows, each walking row-groups (0: one a row-group)
     rc: int = 1  # split: copies of the residual codebook in shared memory (see residual_kernel)
+    lanes: int = 1  # split: lane groups a warp (row-groups of 32 / lanes rows; see residual_kernel)
 
     def overrides(self) -> dict:
         """The keyword arguments of :func:`plan_residual` that rebuild this plan (for ``ResidualGemv(plan=...)``)."""
         d = dict(kind=self.kind, warps=self.warps, RB=self.RB, ksplit=self.ksplit, main=self.main)
         return d | ({"G": self.G, "build": self.build} if self.kind == "table" else {}) | (
-            {"blocks": self.blocks, "rc": self.rc} if self.kind == "split" else {})
+            {"blocks": self.blocks, "rc": self.rc} | ({"lanes": self.lanes} if self.lanes > 1 else {}) if self.kind == "split" else {})
 
     def groups(self, rbs: int) -> int:
-        """Row-groups (one K-split counter each): RB row-blocks a group for split blocks, warps x RB otherwise."""
-        return -(-rbs // (self.RB * (1 if self.kind == "split" else self.warps)))
+        """Row-groups (one K-split counter each): RB row-blocks a group for split blocks (times the lane
+        groups), warps x RB otherwise."""
+        if self.kind == "split":
+            return -(-rbs // self.RB) * self.lanes
+        return -(-rbs // (self.RB * self.warps))
 
     def grid(self, rbs: int) -> tuple[int, int]:
         return (self.blocks if self.kind == "split" else self.groups(rbs)), self.ksplit
@@ -1114,7 +1159,7 @@ def _grow_ksplit(plan, ksplit: int, nchunks: int) -> "ResidualPlan":
 def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool = False, budget: int = OPTIN_SIM,
                   warps: int | None = None, RB: int | None = None, ksplit: int | None = None, main: str | None = None,
                   kind: str | None = None, G: int | None = None, build: str | None = None,
-                  blocks: int | None = None, rc: int | None = None) -> ResidualPlan:
+                  blocks: int | None = None, rc: int | None = None, lanes: int | None = None) -> ResidualPlan:
     """Grid shape for one layer. ``kind`` picks the kernel: "table" (:func:`residual_table_kernel`,
     the default up to batch :data:`TABLE_MAX_BATCH`) or "gather" (:func:`residual_kernel`).
 
@@ -1131,15 +1176,15 @@ def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, 
     kind = kind or "gather"  # main="shared" or "global" alone names the gather kernel's placement
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if kind != "split" and (blocks is not None or rc is not None):
-        raise ValueError("blocks and rc are split-kernel options")
+    if kind != "split" and (blocks is not None or rc is not None or lanes is not None):
+        raise ValueError("blocks, rc and lanes are split-kernel options")
     if kind == "table":
         return plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ksplit, G=G, main=main,
                           build=build)
     if G is not None or build is not None:
         raise ValueError("G (groups a table step) and build are table-kernel options")
     if kind == "split":
-        return plan_split(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ksplit, blocks=blocks, rc=rc,
+        return plan_split(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ksplit, blocks=blocks, rc=rc, lanes=lanes,
                           main=main)
     warps = warps or 4
     RB = RB or (2 if B <= 4 else 1)
@@ -1175,6 +1220,8 @@ def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, 
 
 
 RES_COPIES = (1, 2, 4, 8)  # copies of the residual codebook a split block may keep (see residual_kernel)
+LANE_SPLITS = (1, 2, 4)  # lane groups a warp of the split kernel (see residual_kernel)
+X_PAD = 4  # floats after each chunk of x in shared memory under a lane split: the groups' x reads in distinct banks
 
 
 def _check_copies(rc: int) -> None:
@@ -1182,26 +1229,36 @@ def _check_copies(rc: int) -> None:
         raise ValueError(f"rc (copies of the residual codebook) must be one of {RES_COPIES}, got {rc}")
 
 
-def split_bytes(Nm: int, Nr: int, B: int, warps: int, RB: int, cps: int, rc: int = 1) -> int:
+def split_bytes(Nm: int, Nr: int, B: int, warps: int, RB: int, cps: int, rc: int = 1, lanes: int = 1) -> int:
     """Dynamic shared memory of a split block: the main codebook, rc copies of the residual one, B rows
-    of its K-slice of x (fp32), and the warps' partials (warps x RB x B x 32 fp32)."""
-    return 16 * (Nm + rc * Nr) + 4 * B * cps * CHUNK + 4 * warps * RB * B * 32
+    of its K-slice of x (fp32; padded after each chunk under a lane split), and the warps' partials
+    (warps x RB x B x 32 fp32)."""
+    return 16 * (Nm + rc * Nr) + 4 * B * cps * (CHUNK + (X_PAD if lanes > 1 else 0)) + 4 * warps * RB * B * 32
 
 
 def plan_split(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool = False, budget: int = OPTIN_SIM,
                warps: int | None = None, RB: int | None = None, ksplit: int | None = None, blocks: int | None = None,
-               main: str | None = None, rc: int | None = None) -> ResidualPlan:
+               main: str | None = None, rc: int | None = None, lanes: int | None = None) -> ResidualPlan:
     """Split-kernel plan (:func:`residual_kernel` with ``split``). Without overrides: RB = 1, as many
     warps (up to 16, 8 at RB = 2) as the K-slice has chunks, a K-split only where the row-groups cannot give
     every SM a block, one block an SM walking the row-groups, and as many copies of the residual
-    codebook (up to 8) as fit."""
+    codebook (up to 8) as fit. ``lanes`` S > 1: a lane split (RB = 1, one K-slice, no norm, S dividing
+    the chunks), warps enough for a step of S chunks each."""
+    lanes = lanes or 1
+    if lanes != 1:
+        if lanes not in LANE_SPLITS:
+            raise ValueError(f"lanes (lane groups a warp) must be one of {LANE_SPLITS}, got {lanes}")
+        if norm or RB not in (None, 1) or ksplit not in (None, 1) or nchunks % lanes:
+            raise ValueError(f"a lane split of {lanes} takes RB = 1, one K-slice, no norm and a number of chunks it divides; "
+                             f"got RB={RB}, ksplit={ksplit}, norm={norm}, {nchunks} chunks")
+        ksplit = 1
     if main not in (None, "shared"):
         raise ValueError(f"the split kernel stages both codebooks in shared memory: main must be 'shared', got {main!r}")
     RB = RB or 1
     if RB not in (1, 2):
         raise ValueError(f"RB must be 1 or 2, got {RB}")
     rbs = -(-n_out // ROW_BLOCK)
-    groups = -(-rbs // RB)
+    groups = -(-rbs // RB) * lanes
     if ksplit is None:
         return _grow_ksplit(lambda ks: plan_split(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB,
                                                   ksplit=ks, blocks=blocks, main=main, rc=rc),
@@ -1213,7 +1270,7 @@ def plan_split(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
     # Registers (ptxas, sm_90): 100 a thread at RB = 1 and 148 at RB = 2 unbounded; capped for 32 (16)
     # warps they spill 0.3-0.6 KB a thread. So at most 16 warps at RB = 1 and 8 at RB = 2.
     wmax = 16 if RB == 1 else 8
-    warps = warps or min(wmax, 1 << (cps - 1).bit_length())
+    warps = warps or min(wmax, 1 << (-(-cps // lanes) - 1).bit_length())
     if warps not in (1, 2, 4, 8, 16) or warps > wmax:
         raise ValueError(f"warps must be a power of two from 1 to {wmax} at RB = {RB}, got {warps}")
     blocks = blocks or min(groups, max(1, sms // ksplit))
@@ -1225,13 +1282,13 @@ def plan_split(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
     if rc is not None:
         _check_copies(rc)
     else:
-        fit = [c for c in RES_COPIES if static + split_bytes(Nm, Nr, B, warps, RB, cps, c) <= budget]
+        fit = [c for c in RES_COPIES if static + split_bytes(Nm, Nr, B, warps, RB, cps, c, lanes) <= budget]
         rc = fit[-1] if fit else 1
-    dyn = split_bytes(Nm, Nr, B, warps, RB, cps, rc)
+    dyn = split_bytes(Nm, Nr, B, warps, RB, cps, rc, lanes)
     if static + dyn > budget:
         raise ValueError(f"plan needs {static + dyn} bytes of shared memory (both codebooks, {cps} chunks of x, batch {B}); "
-                         f"the block may use {budget}: raise ksplit")
-    return ResidualPlan(warps, ksplit, cps, RB, "shared", dyn, static, kind="split", blocks=blocks, rc=rc)
+                         f"the block may use {budget}: " + ("a lane split keeps one K-slice" if lanes > 1 else "raise ksplit"))
+    return ResidualPlan(warps, ksplit, cps, RB, "shared", dyn, static, kind="split", blocks=blocks, rc=rc, lanes=lanes)
 
 
 TABLE_RB = (1, 2, 4, 8)  # row-blocks a warp in the table kernel (RB = 8 at 16 warps: 128 registers, no spills)
@@ -1338,7 +1395,7 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
             return
         gx, gy = p.grid(rbs)
         blocks = gx * gy
-        k = (p.kind, p.warps, p.RB, p.main, p.ksplit, p.G, p.build, p.blocks, p.rc)
+        k = (p.kind, p.warps, p.RB, p.main, p.ksplit, p.G, p.build, p.blocks, p.rc, p.lanes)
         if k not in seen and blocks <= 16 * sms:
             seen.add(k)
             out.append(p)
@@ -1392,6 +1449,15 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
                 add(kind="split", RB=RB, **kw)
                 if small:
                     add(kind="split", RB=RB, rc=2, **kw)
+        if not norm and 2 * rbs <= sms:
+            # Few row-groups (1024 outputs: 32 of 32 rows on 132 SMs): lane splits of 2 and 4 give 2-4x the blocks,
+            # each with a share of the gathers, and no K-split finish. Their heuristic warps and at least 4 (threads
+            # to stage the codebooks), as many residual copies as fit and 2.
+            for S in LANE_SPLITS[1:]:
+                ls = plan_or_none(kind="split", lanes=S)
+                for warps in sorted({ls.warps, max(4, ls.warps)}) if ls is not None else ():
+                    for rc in (None, 2):
+                        add(kind="split", lanes=S, warps=warps, rc=rc)
     else:
         for warps in (4, 8):
             for RB in ((1, 2) if B <= 8 else (1,)):
@@ -1466,7 +1532,7 @@ class ResidualGemv:
                                          plan.build == "mma")
         else:
             kern = residual_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.main == "shared", self.norm,
-                                   split=plan.kind == "split", rc=plan.rc)
+                                   split=plan.kind == "split", rc=plan.rc, lanes=plan.lanes)
         ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
         counters = torch.zeros(plan.groups(self.rbs), dtype=torch.int32, device=self.device)
         # [kernel, plan, torch owners, views, grid, specialized kernel (made at first bind)]
@@ -1585,7 +1651,9 @@ FORCED_PLANS = (dict(main="shared", ksplit=1, RB=2, warps=4), dict(main="global"
                 # v3, tensor-core build: 8 groups a step (4096 centroids only), and G = 1 with fewer
                 # warps than M-tiles need (several tiles a warp, uneven)
                 dict(kind="table", build="mma", G=8, RB=8, warps=16, ksplit=3, main="shared"),
-                dict(kind="table", build="mma", G=1, RB=2, warps=4, ksplit=5, main="global"))
+                dict(kind="table", build="mma", G=1, RB=2, warps=4, ksplit=5, main="global"),
+                # the split kernel's lane splits: groups of 16 rows over two warps; of 8 rows, one warp, walking blocks
+                dict(kind="split", lanes=2, warps=2, rc=2), dict(kind="split", lanes=4, warps=1, blocks=5))
 
 
 def _fits(plan: dict, n_in: int, n_out: int, Nm: int, Nr: int, B: int, norm: bool) -> bool:
@@ -1608,7 +1676,8 @@ def correctness_sweep(shapes, configs=((4096, 256), (8192, 512)), batches=(1, 2,
 
     jobs = [(s, c, b, nm, None) for s in shapes for c in configs for b in batches for nm in norms]
     if forced:  # every plan knob, each one a kernel to compile
-        forced_jobs = [(shapes[0], c, 1 if p.get("kind") == "table" else 3, bool(k % 2) if len(norms) > 1 else norms[0], p)
+        forced_jobs = [(shapes[0], c, 1 if p.get("kind") == "table" else 3,
+                        (bool(k % 2) if len(norms) > 1 else norms[0]) and not p.get("lanes"), p)  # a lane split takes no norm
                        for c in configs for k, p in enumerate(FORCED_PLANS)]
         jobs += [(s, c, b, nm, p) for s, c, b, nm, p in forced_jobs if _fits(p, *s, *c, b, nm)]
     recs, failures = [], []
@@ -1653,4 +1722,5 @@ def time_residual(n_in: int, n_out: int, Nm: int, Nr: int, batch: int, fp16_ms: 
                        scheme=scheme_name(Nm, Nr), main_centroids=Nm, residual_centroids=Nr, vector_len=VECTOR_LEN,
                        bits_per_weight=(nbytes - 2 * batch * (n_in + n_out)) * 8 / (n_in * n_out), norm=with_norm,
                        ksplit=p.ksplit, warps=p.warps, rb=p.RB, main_placement=p.main, variant=p.kind, G=p.G,
-                       build=p.build or None, rc=p.rc if p.kind == "split" else None)
+                       build=p.build or None, rc=p.rc if p.kind == "split" else None,
+                       lanes=p.lanes if p.kind == "split" else None)
