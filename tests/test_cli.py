@@ -82,8 +82,7 @@ def fake_gpu_run(monkeypatch):
     def suite(grid, skip_residual=frozenset(), floors=None, skip_floor=frozenset(), **k):
         calls["skip"] = set(skip_residual)
         calls["grid"], calls["floors"], calls["skip_floor"], calls["additive_shapes"] = grid, floors, set(skip_floor), k["additive_shapes"]
-        todo = [(i, o, m, r) for m in grid["mains"] for r in grid["residuals"] for o in grid["out_features"]
-                for i in grid["in_features"] if (i, o, m, r) not in skip_residual]
+        todo = [c for c in bench.residual_configs(grid) if c not in skip_residual]
         recs = [{"grid": "residual", "kernel": "residual", "in_features": i, "out_features": o, "main_centroids": m,
                  "residual_centroids": r, "time_ms": 1.0} for i, o, m, r in todo]
         recs += [{"grid": "floor", "kernel": bench.STREAM_FLOOR, "time_ms": 0.5, **j} for j in bench.floor_jobs(**floors)] if floors else []
@@ -128,6 +127,39 @@ def test_vq_resume_keeps_the_first_process_and_measures_the_rest(fake_gpu_run, t
     prov = d["provenance"]
     assert prov["date"] == "2026-11-22T00:00:00+00:00" and prov["command"] == "first"
     assert "two processes" in prov["resumed"] and "kept 8 records" in prov["resumed"] and "partial" not in prov
+
+
+def test_vq_resume_refuses_other_sources_under_the_same_commit(fake_gpu_run, tmp_path, monkeypatch):
+    # A device copy's git metadata can name a stale commit: the sources' fingerprint must match too.
+    from trapetum import cli, results
+
+    saved = tmp_path / "first.jsonl"
+    saved.write_text(json.dumps({"provenance": {"gpu": "Fake GPU", "git_commit": "abc1234", "source_id": "s1", "date": "d", "command": "c"}})
+                     + "\n")
+    monkeypatch.setattr(results, "provenance", lambda command=None, **extra: {
+        "gpu": "Fake GPU", "git_commit": "abc1234", "source_id": "s2", "date": "d2", "command": command or "x", **extra})
+    with pytest.raises(ValueError, match="source_id"):
+        cli.main(["vq", "--parts", "residual", "--no-cuda-cpp", "--quiet", "--out", str(tmp_path), "--resume", str(saved)])
+
+
+def test_vq_measures_a_subset_of_the_residual_grid(fake_gpu_run, tmp_path):
+    from trapetum import bench, cli
+
+    calls, _ = fake_gpu_run
+    assert cli.main(["vq", "--parts", "residual", "--no-cuda-cpp", "--quiet", "--out", str(tmp_path), "--out-features", "1024",
+                     "--codebooks", "4096+512,8192+256"]) == 0
+    assert bench.residual_configs(calls["grid"]) == [(i, 1024, m, r) for m, r in ((4096, 512), (8192, 256))
+                                                      for i in bench.RESIDUAL_GRID["in_features"]]
+    d = json.loads((tmp_path / "fake-gpu" / "vq_gemv.json").read_text())
+    assert len([r for r in d["records"] if r["grid"] == "residual"]) == 10
+    assert cli.main(["vq", "--parts", "residual", "--no-cuda-cpp", "--quiet", "--out", str(tmp_path), "--in-features", "2048,4096"]) == 0
+    assert len(bench.residual_configs(calls["grid"])) == 2 * 6 * 4
+    for bad, match in ((["--in-features", "1000"], "not divisible by 256"), (["--codebooks", "4096+300"], "Nr must be one of")):
+        with pytest.raises(ValueError, match=match):
+            cli.main(["vq", "--parts", "residual", "--quiet", "--out", str(tmp_path), *bad])
+    for bad in (["--out-features", "0"], ["--out-features", "a"], ["--codebooks", "4096"], ["--codebooks", "4096+256+1"]):
+        with pytest.raises(SystemExit):
+            cli.main(["vq", "--parts", "residual", "--quiet", "--out", str(tmp_path), *bad])
 
 
 def test_vq_floors_alone_cover_both_parts_configurations(fake_gpu_run, tmp_path):

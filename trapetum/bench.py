@@ -442,6 +442,13 @@ def run_cuda_cpp(arch: str | None = None, program: str = "gemv_codebook_4bit", b
 # -- the vector-codebook chapter's suite -----------------------------------------------------
 RESIDUAL_GRID = dict(in_features=(1024, 2048, 4096, 8192, 16384), out_features=(1024, 4096, 8192, 14336, 28672, 53248),
                      mains=(4096, 8192), residuals=(256, 512))
+
+
+def residual_configs(grid: dict) -> list[tuple[int, int, int, int]]:
+    """(in, out, main, residual) of a residual grid in the order it is measured: codebook pairs outer, then
+    outputs, then inputs. The pairs are ``grid["pairs"]`` where given (a subset), else mains x residuals."""
+    pairs = grid.get("pairs") or [(m, r) for m in grid["mains"] for r in grid["residuals"]]
+    return [(n_in, n_out, m, r) for m, r in pairs for n_out in grid["out_features"] for n_in in grid["in_features"]]
 # 4096 x 4096 (the seed's shape), Llama-2-7B's MLP projections, and the large shapes of the targets.
 ADDITIVE_SHAPES = ((4096, 4096), (4096, 11008), (11008, 4096), (4096, 14336), (14336, 4096), (8192, 28672), (16384, 53248))
 
@@ -509,7 +516,7 @@ def floor_jobs(grid: dict = RESIDUAL_GRID, additive_shapes=ADDITIVE_SHAPES, Ms=(
             for n_in, n_out in additive_shapes for M in Ms]
     jobs += [dict(floor_of="residual", in_features=n_in, out_features=n_out, main_centroids=m, residual_centroids=r,
                   nbytes=index_bytes(n_in, n_out, m, r), scheme=scheme_name(m, r))
-             for m in grid["mains"] for r in grid["residuals"] for n_out in grid["out_features"] for n_in in grid["in_features"]]
+             for n_in, n_out, m, r in residual_configs(grid)]
     for j in jobs:
         j["nbytes"] = -(-j["nbytes"] // 16) * 16  # the floor reads whole 16-byte pieces
         j["code_bits_per_weight"] = 8 * j["nbytes"] / (j["in_features"] * j["out_features"])
@@ -568,8 +575,7 @@ def vq_suite(grid: dict = RESIDUAL_GRID, additive_shapes=ADDITIVE_SHAPES, Ms=(2,
             attempt(f"additive M={M} {n_in}x{n_out}", lambda: additive.time_additive(n_in, n_out, M, 1, f), "additive")
         if why is None:
             attempt(f"aqlm package {n_in}x{n_out}", lambda: time_aqlm_package(n_in, n_out, f), "additive")
-    jobs = [(n_in, n_out, m, r) for m in grid["mains"] for r in grid["residuals"]
-            for n_out in grid["out_features"] for n_in in grid["in_features"] if (n_in, n_out, m, r) not in skip_residual]
+    jobs = [c for c in residual_configs(grid) if c not in skip_residual]
     for n_in, n_out, m, r in tqdm(jobs, desc="residual grid", disable=not progress):
         f = base(n_in, n_out)
         attempt(f"residual {m}+{r} {n_in}x{n_out}", lambda: residual.time_residual(n_in, n_out, m, r, 1, f), "residual")

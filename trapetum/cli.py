@@ -69,7 +69,7 @@ def _resumed(path) -> dict | None:
 
     prov0, copy0, done = results.read_partial(path)
     now = results.provenance()
-    for k in ("gpu", "git_commit"):
+    for k in ("gpu", "git_commit", "source_id"):  # source_id: the sources as they ran (a device copy's git metadata can be stale)
         if prov0.get(k) != now.get(k):
             raise ValueError(f"--resume {path}: that run has {k} {prov0.get(k)!r}, this one {now.get(k)!r}; "
                              "a resumed run must continue one commit on one GPU")
@@ -91,6 +91,26 @@ def _provenance(args, resumed: dict | None, extra: dict, t0: float) -> dict:
 VQ_PARTS = ("additive", "residual", "floors")
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        vals = ()
+    if not vals or min(vals) <= 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return vals
+
+
+def _codebooks(text: str) -> tuple[tuple[int, int], ...]:
+    try:
+        pairs = tuple(tuple(int(v) for v in p.split("+")) for p in text.split(",") if p.strip())
+    except ValueError:
+        pairs = ()
+    if not pairs or any(len(p) != 2 or min(p) <= 0 for p in pairs):
+        raise argparse.ArgumentTypeError(f"codebooks are MAIN+RESIDUAL centroid counts, comma-separated (e.g. 4096+256,8192+512), got {text!r}")
+    return pairs
+
+
 def _parts(text: str) -> tuple[str, ...]:
     parts = tuple(p.strip() for p in text.split(",") if p.strip())
     bad = [p for p in parts if p not in VQ_PARTS]
@@ -104,10 +124,16 @@ def _vq(args) -> int:
 
     from .gemv import NoGPUError
 
+    from . import residual
+
+    for n in args.in_features or ():  # a clear error before anything is measured
+        residual.check_in_features(n)
+    for m, r in args.codebooks or ():
+        residual.index_bits(m, r)
     if not torch.cuda.is_available():
         raise NoGPUError("`trapetum vq` measures on a CUDA GPU and none is visible; the book renders recorded data without one")
 
-    from . import additive, bench, residual, results
+    from . import additive, bench, results
 
     t0 = time.time()
     resumed = _resumed(args.resume)
@@ -166,6 +192,11 @@ def _vq(args) -> int:
     quick_grid = dict(grid, in_features=(1024, 4096), out_features=(1024, 14336), mains=(4096,), residuals=(256,))
     if args.quick:  # a corner of the grid, for a first look on a new GPU
         grid = dict(quick_grid)
+    # A subset of the grid (e.g. the layers a kernel change touches): the book takes each configuration from the
+    # newest run that measured it, so a partial run updates those rows only.
+    for key, val in (("in_features", args.in_features), ("out_features", args.out_features), ("pairs", args.codebooks)):
+        if val:
+            grid[key] = val
     if "residual" not in args.parts:
         grid.update(in_features=())
     all_shapes = bench.ADDITIVE_SHAPES[:3] if args.quick else bench.ADDITIVE_SHAPES
@@ -219,6 +250,12 @@ def main(argv=None) -> int:
                    help="comma-separated parts to measure: additive (table, CUDA C++, aqlm), residual (the grid), "
                         "floors (a kernel that only reads each configuration's code bytes, fp16 beside it: a minute or two); "
                         "the book shows each part's newest run")
+    v.add_argument("--in-features", dest="in_features", type=_ints, default=None, metavar="N,N",
+                   help="residual grid: only these input sizes (default: the grid's 1024..16384)")
+    v.add_argument("--out-features", dest="out_features", type=_ints, default=None, metavar="N,N",
+                   help="residual grid: only these output sizes (default: the grid's 1024..53248)")
+    v.add_argument("--codebooks", type=_codebooks, default=None, metavar="MAIN+RES,...",
+                   help="residual grid: only these codebook pairs, e.g. 4096+512,8192+256 (default: all four)")
     v.add_argument("--resume", type=Path, default=None, metavar="PARTIAL",
                    help="continue a run that stopped part way, from its <out>/<gpu>/vq_gemv.partial.jsonl "
                         "(same commit and GPU): what it holds is kept, the rest is measured")
