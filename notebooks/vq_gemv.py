@@ -143,9 +143,11 @@ report.styled(report.fp16_baseline_inversions(df))
 # kernel, the table with the codebook in registers (1024 rows a table) and the table with the codebook
 # in shared memory (4096 rows); the fourth adds gather blocks of one and two warps where the default
 # grid leaves SMs idle, the fifth the table built on the tensor cores, the sixth (one on each GPU) the
-# split kernel, the newest (one on each GPU) the split kernel's streaming across row-groups, its copies of
-# the residual codebook and more of its plans; the third and fourth stopped at their time limit before the
-# grid's end):
+# split kernel, the next (one on each GPU) the split kernel's streaming across row-groups, its copies of
+# the residual codebook and more of its plans; the newest two (H100) its lane split, described below: one
+# stopped at its time limit after the first codebook pair, the other measured only the layers of 1024
+# outputs of the second pair; the third and fourth also stopped at their time limit before the grid's end;
+# the book takes each configuration from the newest run that measured it):
 #
 
 # %%
@@ -179,9 +181,10 @@ report.styled(report.residual_grid_table(df))
 # %% [markdown]
 # ### The smallest layers: what a block pays to stage the codebooks
 #
-# On the H100 the configurations still slower than fp16 are the two smallest layers, where fp16 itself takes a
-# few microseconds and a split block stages 64-128 KiB of codebooks to gather a few thousand vectors (the
-# H200's losses, in its older run, are at other shapes: see the tables above). How much of
+# Before the lane split (at the end of this section), the H100's configurations slower than fp16 were the two
+# smallest layers, where fp16 itself takes a few microseconds and a split block stages 64-128 KiB of codebooks
+# to gather a few thousand vectors (the H200's losses, in its older run, are at other shapes: see the tables
+# above). How much of
 # that is the staging? A probe launched grids of blocks that do nothing but copy a buffer (L2-warm, as the
 # codebooks are across replays) into shared memory and wait, by several copy methods; every method's copy was
 # checked. The time grows with the bytes a block stages and hardly with the number of blocks: what limits it
@@ -223,6 +226,34 @@ report.styled(report.residual_parts_trial(folder))
 
 # %%
 report.styled(report.cluster_codebook_probe(folder))
+
+# %% [markdown]
+# What staging leaves as a lever is the other half of a small layer's time: a block's gathers. At 1024
+# outputs the split kernel has only 32 row-groups of 32 rows (one row a lane) for the GPU's 132 SMs, so a
+# block gathers every vector of its rows, and spreading those vectors over more blocks took a K-split whose
+# blocks meet through global memory and a counter, which cost more than it saved. Two ways to spread them
+# without that finish were probed against the plans without them, in the same process, every plan checked
+# against float64 first. The first makes the K-split's blocks one thread block cluster, their partial sums
+# meeting in distributed shared memory: it gains a little at 2048 x 1024 only, and clusters of four or eight
+# blocks, one an SM by their shared memory, lose everywhere (tried and reverted):
+
+# %%
+report.styled(report.residual_cluster_trial(folder))
+
+# %% [markdown]
+# The second, the *lane split* (kept), changes which vectors a warp's lanes take: the lanes form two or four
+# groups of 16 or 8 rows, and group *h* takes chunk *j* + *h* of each of the warp's steps, so a row-group is
+# 16 or 8 rows, the layer has two or four times the blocks, each with that share of the gathers, and a row's
+# sums meet with the warps' in shared memory, in the same block. Each chunk of x is padded by 16 bytes so
+# that the groups' reads of x land in different banks. A block still stages the whole codebooks: its time is
+# now mostly that staging. It wins where the row-groups are few and each has little work (the smallest layers
+# gain most). At 16384 inputs it loses: a lane-split block stages all of x beside the codebooks, where a
+# block of the K-split stages a quarter of it, and we read that staging as costing more than the K-split's
+# finish. The tuner times lane splits wherever 32-row groups fill at most half the SMs, and the grid's rows at
+# 1024 outputs come from runs that had them:
+
+# %%
+report.styled(report.residual_lanes_trial(folder))
 
 # %% [markdown]
 # ## Additive codebooks

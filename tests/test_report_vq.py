@@ -300,6 +300,25 @@ def test_residual_parts_trial_sets_the_fastest_parts_plan_beside_the_fastest_wit
     assert report.residual_parts_trial(tmp_path / "nothing").empty
 
 
+def test_cluster_and_lane_split_trials_read_their_probes(tmp_path):
+    import json
+
+    (tmp_path / "_runs").mkdir()
+    prov = {"gpu": "NVIDIA H100 80GB HBM3", "git_commit": "98adb3761b", "date": "2026-11-27"}
+    for name, key, best in (("residual-cluster-1024out-x-h100.json", "best_cluster", {"cluster": 2, "ksplit": 2}),
+                            ("residual-lanes-probe-x-h100.json", "best_lanes", {"lanes": 4, "ksplit": 1})):
+        recs = [{"kind": "check", "passed": True},
+                {"kind": "time", "Nm": 4096, "Nr": 512, "n_in": 2048, "n_out": 1024, "fp16_us": [5.8, 5.9],
+                 "best_plain": {"best_us": 5.9, "lanes": 1, "cluster": 0, "ksplit": 2, "warps": 4, "rc": 2},
+                 key: {"best_us": 4.5, "warps": 4, "rc": 2, **best}}]
+        (tmp_path / "_runs" / name).write_text(json.dumps({"provenance": prov, "records": recs}))
+    c, lanes = report.residual_cluster_trial(tmp_path).iloc[0], report.residual_lanes_trial(tmp_path).iloc[0]
+    assert c["fastest a cluster plan"] == "clusters of 2, 4 warps, rc 2" and c["a cluster / without"] == 4.5 / 5.9
+    assert lanes["probe"] == "98adb37 (1/1 checks)" and lanes["fastest a lane split plan"] == "4 groups of 8 rows, 4 warps, rc 2"
+    assert lanes["without a lane split (us)"] == 5.9 and lanes["torch fp16 (us)"] == 5.85
+    assert report.residual_lanes_trial(tmp_path / "nothing").empty
+
+
 def test_additive_stream_probe_takes_each_shapes_fastest_plan(tmp_path):
     import json
 

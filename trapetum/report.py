@@ -1669,21 +1669,44 @@ def cluster_codebook_probe(folder=None) -> pd.DataFrame:
 RESIDUAL_PARTS_PROBES = "_runs/residual-parts-probe-*.json"  # parts of the main codebook a block (reverted)
 
 
-def residual_parts_trial(folder=None) -> pd.DataFrame:
-    """The split kernel with the main codebook cut into parts, one a block (tried and reverted): one row a
-    probe, configuration and shape: torch fp16, the fastest plan without parts and the fastest with, all
-    timed in the probe's process (every plan twice, the better kept); "parts / without" above 1 is slower."""
+def _split_trial(folder, pattern: str, key: str, what: str, plan) -> pd.DataFrame:
+    """A probe of one change to the residual split kernel: one row a probe, configuration and shape: torch fp16,
+    the fastest plan without the change and the fastest with it (record key ``key``, described by ``plan``),
+    all timed in the probe's process (every plan twice, the better kept); "<what> / without" above 1 is slower."""
     rows = []
-    for prov, probe, t in _probe_runs(folder, RESIDUAL_PARTS_PROBES, short=True):
+    for prov, probe, t in _probe_runs(folder, pattern, short=True):
         for r in t.to_dict("records"):
-            plain, parts = r["best_plain"], r["best_parts"]
+            plain, new = r["best_plain"], r[key]
             rows.append({"probe": probe, "GPU": gpu_label(prov.get("gpu", "")), "config": f"{int(r['Nm'])} + {int(r['Nr'])}",
                          "in x out": shape_label((int(r["n_in"]), int(r["n_out"]))),
-                         "torch fp16 (us)": float(np.median(r["fp16_us"])), "without parts (us)": float(plain["best_us"]),
-                         "with parts, fastest (us)": float(parts["best_us"]),
-                         "fastest parts plan": f"{parts['parts']} parts, K-split {parts['ksplit']}, {parts['warps']} warps, rc {parts['rc']}",
-                         "parts / without": float(parts["best_us"]) / float(plain["best_us"])})
+                         "torch fp16 (us)": float(np.median(r["fp16_us"])), f"without {what} (us)": float(plain["best_us"]),
+                         f"with {what}, fastest (us)": float(new["best_us"]), f"fastest {what} plan": plan(new),
+                         f"{what} / without": float(new["best_us"]) / float(plain["best_us"])})
     return pd.DataFrame(rows)
+
+
+def residual_parts_trial(folder=None) -> pd.DataFrame:
+    """The split kernel with the main codebook cut into parts, one a block (tried and reverted): see :func:`_split_trial`."""
+    return _split_trial(folder, RESIDUAL_PARTS_PROBES, "best_parts", "parts",
+                        lambda p: f"{p['parts']} parts, K-split {p['ksplit']}, {p['warps']} warps, rc {p['rc']}")
+
+
+RESIDUAL_CLUSTER_PROBES = "_runs/residual-cluster-1024out-*.json"  # the K-split as a thread block cluster (reverted)
+RESIDUAL_LANES_PROBES = "_runs/residual-lanes-probe-*.json"  # the lane split (kept)
+
+
+def residual_cluster_trial(folder=None) -> pd.DataFrame:
+    """The split kernel's K-split as a thread block cluster, its partials summed through distributed shared
+    memory (tried at the layers of 1024 outputs and reverted): see :func:`_split_trial`."""
+    return _split_trial(folder, RESIDUAL_CLUSTER_PROBES, "best_cluster", "a cluster",
+                        lambda p: f"clusters of {p['cluster']}, {p['warps']} warps, rc {p['rc']}")
+
+
+def residual_lanes_trial(folder=None) -> pd.DataFrame:
+    """The split kernel's lane split: a warp's lanes in 2 or 4 groups of rows, each group a chunk of the warp's
+    step, one K-slice (kept): see :func:`_split_trial`."""
+    return _split_trial(folder, RESIDUAL_LANES_PROBES, "best_lanes", "a lane split",
+                        lambda p: f"{p['lanes']} groups of {32 // p['lanes']} rows, {p['warps']} warps, rc {p['rc']}")
 
 
 VQ_TARGETS = {"faster than fp16": 114, "geometric mean": 3.0, "min at in x out >= 4096 x 28672": 4.0, "2-bit additive at >= 4096 x 14336": 5.0}
