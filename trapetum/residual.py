@@ -587,29 +587,36 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0)
             xs[o + 4], xs[o + 5], xs[o + 6], xs[o + 7] = v4, v5, v6, v7
 
     @cuda.jit(device=True, **INLINE)
+    def add_bias_dot(acc, pb, bpart, bred, tid):
+        # Under a norm: dot(bias, x) over this K-slice, the same for every row, added to acc (every thread
+        # calls it: it holds barriers). Warp 0 folds the nt threads' partials to 32.
+        lane = cuda.laneid
+        for bb in range(B):
+            bpart[bb * nt + tid] = pb[bb]
+        cuda.syncthreads()
+        if tid < 32:
+            for bb in range(B):
+                s = float32(0.0)
+                for t in range(lane, nt, 32):
+                    s += bpart[bb * nt + t]
+                bred[bb * 32 + lane] = s
+        cuda.syncthreads()
+        for bb in range(B):
+            s = float32(0.0)
+            for t in range(32):
+                s += bred[bb * 32 + t]
+            for r in range(RB):
+                acc[r * B + bb] += s
+
+    @cuda.jit(device=True, **INLINE)
     def finish(acc, pb, bpart, bred, last, y, ws, counters, grp, own, rb0, rbs, n_out, tid):
         # grp: the row-group's counter; own: whether this thread's acc is the block's sum for its rows
         # (every thread of the block calls finish: the norm's sums and the counter hold barriers).
         lane = cuda.laneid
         split = cuda.blockIdx.y
         nsplit = cuda.gridDim.y
-        if norm:  # dot(bias, x) over this K-slice, the same for every row: warp 0 folds nt partials to 32
-            for bb in range(B):
-                bpart[bb * nt + tid] = pb[bb]
-            cuda.syncthreads()
-            if tid < 32:
-                for bb in range(B):
-                    s = float32(0.0)
-                    for t in range(lane, nt, 32):
-                        s += bpart[bb * nt + t]
-                    bred[bb * 32 + lane] = s
-            cuda.syncthreads()
-            for bb in range(B):
-                s = float32(0.0)
-                for t in range(32):
-                    s += bred[bb * 32 + t]
-                for r in range(RB):
-                    acc[r * B + bb] += s
+        if norm:
+            add_bias_dot(acc, pb, bpart, bred, tid)
         for r in range(RB):  # a literal bound: acc stays in registers
             rb = rb0 + r
             row = rb * 32 + lane
@@ -636,7 +643,7 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0)
                     for bb in range(B):
                         y[bb, row] = acc[r * B + bb]
 
-    return stage_x, finish
+    return stage_x, finish, add_bias_dot
 
 
 def _chunk_source(b: int) -> str:
@@ -673,16 +680,16 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
 
     ``rc``: copies of the residual codebook in shared memory (see below; the split plans use 2-8).
 
-    ``lanes`` S (split, RB = 1, one K-slice, no norm): a warp's lanes split into S groups of 32 / S rows,
+    ``lanes`` S (split, RB = 1, one K-slice): a warp's lanes split into S groups of 32 / S rows,
     group h taking chunk j + h of each of the warp's steps of S chunks; the groups' sums meet in
     shared memory with the warps'. A row-group is then 32 / S rows, so a layer of few rows gives S
     times the blocks, each with 1 / S of the gathers, without a K-split's finish through global
     memory (at 1024 outputs the row-groups of 32 fill only 32 SMs; NOTES session 41). Each chunk of
     x is padded by 16 bytes so that the groups' reads of x fall in different banks.
     """
-    if lanes != 1 and (lanes not in LANE_SPLITS or not split or RB != 1 or norm):
-        raise ValueError(f"a lane split takes {LANE_SPLITS[1:]} lane groups in the split kernel at RB = 1 without a norm; "
-                         f"got lanes={lanes}, split={split}, RB={RB}, norm={norm}")
+    if lanes != 1 and (lanes not in LANE_SPLITS or not split or RB != 1):
+        raise ValueError(f"a lane split takes {LANE_SPLITS[1:]} lane groups in the split kernel at RB = 1; "
+                         f"got lanes={lanes}, split={split}, RB={RB}")
     key = ("residual", Nm, Nr, B, warps, RB, main_shared, norm, split, rc, lanes)
     if key in _kernel_cache:
         return _kernel_cache[key]
@@ -711,7 +718,7 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     bpart_size = B * nt if norm else 1
     bred_size = B * 32 if norm else 1
     ring_size, wv_size = 2 * nreg, 8 * RB  # local array sizes must be literals
-    stage_x, finish = _common_device_functions(B, nt, RB, norm, PAD)
+    stage_x, finish, add_bias_dot = _common_device_functions(B, nt, RB, norm, PAD)
 
     @cuda.jit(device=True, **INLINE)
     def vec(ring, s, j, sh, straddle, i, mainq, dyn_i, xs, xo, ncols, acc, wv):
@@ -847,6 +854,8 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
                                 v += xs[RED + (w * nacc + i) * 32 + lane]
                             acc[i] += v
             if S > 1:  # one K-slice: lanes 0 .. 32 / S - 1 of warp 0 write the group's rows
+                if norm:
+                    add_bias_dot(acc, pb, bpart, bred, tid)
                 row = grp * RL + lane
                 if warp == 0 and lane < RL and row < n_out:
                     for bb in range(B):
@@ -940,7 +949,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     NTILES = (Nm + Nr) // 16  # mma M-tiles (16 entries each)
     TPW = -(-NTILES // warps)  # M-tiles a warp
     mma_tile = mma_table_tile(NT, BG, TS)
-    stage_x, finish = _common_device_functions(B, nt, RB, norm)
+    stage_x, finish, _ = _common_device_functions(B, nt, RB, norm)
 
     load_words = _word_loader(RB, WPC)
 
@@ -1242,15 +1251,15 @@ def plan_split(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
     """Split-kernel plan (:func:`residual_kernel` with ``split``). Without overrides: RB = 1, as many
     warps (up to 16, 8 at RB = 2) as the K-slice has chunks, a K-split only where the row-groups cannot give
     every SM a block, one block an SM walking the row-groups, and as many copies of the residual
-    codebook (up to 8) as fit. ``lanes`` S > 1: a lane split (RB = 1, one K-slice, no norm, S dividing
-    the chunks), warps enough for a step of S chunks each."""
+    codebook (up to 8) as fit. ``lanes`` S > 1: a lane split (RB = 1, one K-slice, S dividing the
+    chunks), warps enough for a step of S chunks each."""
     lanes = lanes or 1
     if lanes != 1:
         if lanes not in LANE_SPLITS:
             raise ValueError(f"lanes (lane groups a warp) must be one of {LANE_SPLITS}, got {lanes}")
-        if norm or RB not in (None, 1) or ksplit not in (None, 1) or nchunks % lanes:
-            raise ValueError(f"a lane split of {lanes} takes RB = 1, one K-slice, no norm and a number of chunks it divides; "
-                             f"got RB={RB}, ksplit={ksplit}, norm={norm}, {nchunks} chunks")
+        if RB not in (None, 1) or ksplit not in (None, 1) or nchunks % lanes:
+            raise ValueError(f"a lane split of {lanes} takes RB = 1, one K-slice and a number of chunks it divides; "
+                             f"got RB={RB}, ksplit={ksplit}, {nchunks} chunks")
         ksplit = 1
     if main not in (None, "shared"):
         raise ValueError(f"the split kernel stages both codebooks in shared memory: main must be 'shared', got {main!r}")
@@ -1449,7 +1458,7 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
                 add(kind="split", RB=RB, **kw)
                 if small:
                     add(kind="split", RB=RB, rc=2, **kw)
-        if not norm and 2 * rbs <= sms:
+        if 2 * rbs <= sms:
             # Few row-groups (1024 outputs: 32 of 32 rows on 132 SMs): lane splits of 2 and 4 give 2-4x the blocks,
             # each with a share of the gathers, and no K-split finish. Their heuristic warps and at least 4 (threads
             # to stage the codebooks), as many residual copies as fit and 2.
@@ -1676,8 +1685,7 @@ def correctness_sweep(shapes, configs=((4096, 256), (8192, 512)), batches=(1, 2,
 
     jobs = [(s, c, b, nm, None) for s in shapes for c in configs for b in batches for nm in norms]
     if forced:  # every plan knob, each one a kernel to compile
-        forced_jobs = [(shapes[0], c, 1 if p.get("kind") == "table" else 3,
-                        (bool(k % 2) if len(norms) > 1 else norms[0]) and not p.get("lanes"), p)  # a lane split takes no norm
+        forced_jobs = [(shapes[0], c, 1 if p.get("kind") == "table" else 3, bool(k % 2) if len(norms) > 1 else norms[0], p)
                        for c in configs for k, p in enumerate(FORCED_PLANS)]
         jobs += [(s, c, b, nm, p) for s, c, b, nm, p in forced_jobs if _fits(p, *s, *c, b, nm)]
     recs, failures = [], []
