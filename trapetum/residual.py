@@ -548,7 +548,7 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0)
     """What both residual kernels share: staging a K-slice of x, and writing the rows out.
 
     ``stage_x`` puts x[:, col0:col0+ncols] in shared memory as fp32 (times scale under a norm), ``pad``
-    floats after each chunk of CHUNK columns (a batch row's stride: :func:`x_stride`), and
+    floats after each chunk of CHUNK columns (a batch row's stride is then ncols + ncols / CHUNK x pad), and
     keeps each thread's part of dot(bias, x) in ``pb``; ``finish`` adds the block's dot(bias, x),
     then writes y (one K-slice) or the slice's partial, and the last block of a row-group to finish
     sums the partials (an atomic counter it resets, so the launch replays in a CUDA graph).
