@@ -175,7 +175,8 @@ def test_decode_bench_runs_an_additive_model():
     assert [r["scheme"] for r in a2] == ["2-bit additive (M=2)"] * 2
     assert a2[0]["matches_graphed_tokens"] is True and a2[0]["bits_per_weight_codes"] == 2.0
     assert a2[0]["bits_per_weight"] > 2.0  # codes plus codebooks (8 KiB a layer: most of these tiny layers) and scales
-    assert decode._parse_quantize("a4") == "A4"
+    assert decode._parse_quantize("a4") == "A4" and decode._parse_quantize("r4096+256") == "R4096+256"
+    assert decode._parse_quantize("K64") == 64 and decode._parse_quantize("none") is None
 
 
 def test_decode_bench_with_a_quantized_lm_head():

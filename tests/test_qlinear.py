@@ -136,7 +136,8 @@ def _check_codes_held_once(q, x, natural):
     y0 = q(x)
     assert q.codes.numel() == 0, "the natural codes buffer should be released once the tiled copy exists"
     assert torch.equal(q.state_dict()["codes"], natural)
-    assert torch.equal(q.codebook_tensor().codes, natural)
+    ct = q.codebook_tensor()
+    assert torch.equal(ct.indices if hasattr(ct, "indices") else ct.codes, natural)  # a residual layer's codes are its index words
     torch.testing.assert_close(q(x), y0)
     return y0
 
@@ -330,13 +331,113 @@ def test_additive_qlinear_kernel_dispatch_in_simulator():
     torch.testing.assert_close(q(x).float(), x.float() @ t.dequantize(torch.float32).T, atol=2e-2, rtol=2e-2)
 
 
-def test_saving_an_additive_model_says_it_is_not_supported(tmp_path):
-    from trapetum import decode
+def tiny_llama_256(seed=0):
+    # in_features multiples of 256: what residual codebooks (whole chunks of 32 vectors) take
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, vocab_size=96)
-    m = decode.random_llama("llama-2-7b", "A2", device="cpu", progress=False, **tiny)
-    with pytest.raises(NotImplementedError, match="additive"):
-        save_quantized(m, tmp_path / "m")
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                      vocab_size=96, max_position_embeddings=64, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("K, cls", [("A2", "AdditiveQLinear"), ("R4096+256", "ResidualQLinear")])
+def test_quantize_save_load_round_trip_of_vector_codebook_models(tmp_path, K, cls):
+    m = tiny_llama_256()
+    ref = tiny_llama_256()
+    s = quantize_model(m, K=K, iters=1, progress=False, exclude=["*.down_proj"])
+    q = qlinears(m)
+    assert len(q) == 6 and {type(v).__name__ for v in q.values()} == {cls} and s["K"] == K
+    assert all(0 < e < 0.5 for e in s["rel_mse"].values())
+    ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # the quantized model is close to the fp32 one it came from, not equal
+        a, b = m(ids).logits, ref(ids).logits
+    assert 0 < (a - b).abs().max() < 0.5 * b.abs().max()
+    folder = save_quantized(m, tmp_path / "q")
+    spec = json.loads((folder / CONFIG_FILE).read_text())["layers"]["model.layers.0.self_attn.k_proj"]
+    assert spec == {"K": K, "in_features": 256, "out_features": 128, "bias": False, **({"norm": False} if K.startswith("R") else {})}
+    m2 = load_quantized(folder)
+    assert {n: type(v).__name__ for n, v in qlinears(m2).items()} == {n: cls for n in q}
+    with torch.no_grad():
+        torch.testing.assert_close(m2(ids).logits, a, rtol=0, atol=0)
+    assert isinstance(m2.model.layers[0].mlp.down_proj, nn.Linear)
+
+
+def test_residual_layers_with_a_norm_round_trip(tmp_path):
+    from trapetum.qlinear import ResidualQLinear
+    from trapetum.residual import random_residual_tensor
+
+    m = tiny_llama_256()
+    name = "model.layers.0.self_attn.q_proj"
+    t = random_residual_tensor(256, 256, 4096, 512, seed=3, with_norm=True)
+    m.model.layers[0].self_attn.q_proj = ResidualQLinear.from_residual(t)
+    m.trapetum_quant = {"K": "R4096+512", "layers": {name: {"K": "R4096+512", "in_features": 256, "out_features": 256, "bias": False,
+                                                             "norm": True}}, "excluded": {}, "embeddings": {}}
+    folder = save_quantized(m, tmp_path / "q")
+    q2 = load_quantized(folder).get_submodule(name)
+    assert q2.norm and torch.equal(q2.dequantize(), t.dequantize())
+    load_edited(folder, lambda h: h["layers"][name].update(norm=False), "do not fit")  # then norm_scale has no place
+    load_edited(folder, lambda h: h["layers"][name].update(norm="yes"), "'norm'")
+    load_edited(folder, lambda h: h["layers"][name].update(K="R4096+300"), "Nr must be one of")
+    m.trapetum_quant["layers"][name]["norm"] = False
+    with pytest.raises(ValueError, match="trapetum_quant says"):
+        save_quantized(m, tmp_path / "other")
+
+
+def test_schemes():
+    from trapetum.qlinear import check_scheme_in_features, parse_scheme
+
+    assert parse_scheme(16) == parse_scheme("K16") == ("scalar", (16,))
+    assert parse_scheme("A4") == ("additive", (4,)) and parse_scheme("R8192+512") == ("residual", (8192, 512))
+    for bad in (32, "K32", "A3", "R4096", "R4096+300", "r4096+256", True, None, 16.0):
+        with pytest.raises(ValueError, match="K=32|unknown scheme|Nr must be one of"):
+            parse_scheme(bad)
+    check_scheme_in_features("A2", 64)
+    for K, n_in in (("R4096+256", 128), ("A2", 60), (64, 63)):
+        with pytest.raises(ValueError, match="divisible|whole bytes|not"):
+            check_scheme_in_features(K, n_in)
+    m = tiny_llama()  # hidden 64: no layer takes residual codebooks, and each says why
+    s = quantize_model(m, K="R4096+256", progress=False)
+    assert not qlinears(m) and all("divisible by 256" in why for why in s["excluded"].values())
+    with pytest.raises(ValueError, match="embedding takes scalar"):
+        quantize_model(tiny_llama(), K="A2", embedding=True, progress=False)
+
+
+def test_residual_qlinear_matches_its_dequantized_weight():
+    from trapetum.qlinear import ResidualQLinear
+    from trapetum.residual import random_residual_tensor
+
+    t = random_residual_tensor(40, 256, 4096, 256, seed=4)
+    q = ResidualQLinear.from_residual(t, bias=torch.randn(40))
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(q(x), x @ t.dequantize(torch.float32).T + q.bias.float(), atol=1e-4, rtol=1e-4)
+    assert q.bits_per_weight == pytest.approx(t.bits_per_weight) and "main=4096" in repr(q)
+    q.float()
+    assert q.main.dtype == q.res.dtype == q.bias.dtype == torch.float16 and q.codes.dtype == torch.int32
+    with pytest.raises(ValueError, match="Nm"):
+        ResidualQLinear(256, 40, Nm=1000)
+    with pytest.raises(ValueError, match="divisible by 256"):
+        ResidualQLinear(128, 40)
+
+
+@pytest.mark.skipif(not gemv.SIM, reason="the kernel dispatch on CPU tensors needs the CUDA simulator")
+def test_residual_qlinear_kernel_dispatch_in_simulator(monkeypatch):
+    from trapetum.qlinear import ResidualQLinear
+    from trapetum.residual import random_residual_tensor
+
+    t = random_residual_tensor(40, 256, 4096, 256, seed=5)  # 40 rows: untiling must drop the row-block padding
+    natural = t.indices.clone()
+    q = ResidualQLinear.from_residual(t)
+    x = torch.randn(1, 256).half()
+    W = t.dequantize(torch.float32)
+    y0 = _check_codes_held_once(q, x, natural)
+    torch.testing.assert_close(y0.float(), x.float() @ W.T, atol=2e-2, rtol=2e-2)
+    monkeypatch.setattr(qlinear, "SLAB_BYTES", 32 * 2 * 256)  # past the fused batches: slabs of 32 rows
+    x17 = torch.randn(17, 256).half()
+    torch.testing.assert_close(q(x17).float(), x17.float() @ W.T, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(q.dequantize(), t.dequantize())
+    q.float()  # a move brings the natural buffer back
+    assert torch.equal(q.codes, natural) and q._gemv is None
 
 
 @pytest.mark.skipif(not gemv.SIM, reason="the kernel dispatch on CPU tensors needs the CUDA simulator")

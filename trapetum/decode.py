@@ -861,15 +861,16 @@ def _check_cmd(args) -> int:
 
 
 def _parse_quantize(spec):
+    from .qlinear import SCHEME_HELP, parse_scheme
+
     if spec in (None, "", "none", "fp16"):
         return None
     s = str(spec).upper()
-    if s in ("A2", "A4"):
-        return s
     try:
-        return int(s.removeprefix("K"))
+        kind, params = parse_scheme(s)
     except ValueError:
-        raise SystemExit(f"--quantize takes K16, K64, K256 (scalar) or A2, A4 (additive), got {spec!r}") from None
+        raise SystemExit(f"--quantize takes {SCHEME_HELP}, got {spec!r}") from None
+    return params[0] if kind == "scalar" else s
 
 
 FUSE_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
@@ -900,7 +901,8 @@ def main(argv=None) -> int:
     g.add_argument("--prompt", default="The capital of France is")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--path", choices=PATHS, default="graphed")
-    g.add_argument("--quantize", default=None, help="K16 | K64 | K256 (default: run the model as loaded)")
+    g.add_argument("--quantize", default=None, help="K16 | K64 | K256 | A2 | A4 | R<main>+<residual>, e.g. R4096+256 "
+                                                   "(default: run the model as loaded)")
     g.add_argument("--exclude", action="append", help="glob of layer names to keep in fp16 (repeatable)")
     g.add_argument("--min-features", type=int, default=0)
     g.add_argument("--quantize-embedding", action="store_true", help="the token embedding too (QEmbedding; saves VRAM)")

@@ -2,7 +2,9 @@
 
 A QLinear holds the layer as a :class:`trapetum.codebook.CodebookTensor` (packed codes plus
 one fp16 codebook a row, as buffers, so ``.to()`` and ``state_dict()`` work) and an optional
-fp16 bias. Its forward dispatches on where the input is:
+fp16 bias; :class:`AdditiveQLinear` (AQLM-style) and :class:`ResidualQLinear` (VPTQ-style) hold
+the vector-codebook formats the same way (a layer's ``K``, its scheme: 16, "A2", "R4096+256"; see
+:func:`parse_scheme`). Its forward dispatches on where the input is:
 
 * CUDA, batch 1..16 (rows of the flattened input): the fused LUT-GEMV kernel
   (:class:`trapetum.gemv.LutGemv`), fp16 in, fp16 out, into a freshly allocated output, so a
@@ -27,6 +29,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import re
 import weakref
 from pathlib import Path
 
@@ -157,19 +160,23 @@ class QLinear(nn.Module):
     # On a GPU the codes live once, in the kernel's tiled layout: the natural buffer is released
     # when the kernel is built, and rebuilt (a permuted copy) for state_dict, moves and dequantize.
     # Holding both cost a second copy of every weight (7.9 GB instead of ~4.5 GB at 7B).
+    def _natural_codes(self) -> torch.Tensor:
+        """The ``codes`` buffer's contents rebuilt from the kernel's copy."""
+        return self._kernel_weight().codes
+
     def _restore_codes(self) -> None:
         if self._codes_in_kernel:
-            self.codes = self._kernel_weight().codes
+            self.codes = self._natural_codes()
             self._codes_in_kernel = False
 
     def _release_codes(self) -> None:
-        self.codes = torch.empty(0, dtype=torch.uint8, device=self.codes.device)
+        self.codes = torch.empty(0, dtype=self.codes.dtype, device=self.codes.device)
         self._codes_in_kernel = True
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self._codes_in_kernel:
-            destination[prefix + "codes"] = self._kernel_weight().codes
+            destination[prefix + "codes"] = self._natural_codes()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         self._restore_codes()
@@ -311,6 +318,149 @@ class AdditiveQLinear(QLinear):
         return AdditiveGemv(self.codebook_tensor(), device=device, kernels=("table",))
 
 
+class ResidualQLinear(QLinear):
+    """A QLinear backed by residual vector codebooks (VPTQ-style, :class:`trapetum.residual.ResidualTensor`):
+    ``codes`` holds the packed (main, residual) index words (int32), ``main`` and ``res`` the two fp16
+    codebooks of 8-vectors, and ``norm_scale`` / ``norm_bias`` VPTQ's optional per-input-channel norm;
+    ``K`` is "R<Nm>+<Nr>". The fused kernel is :class:`trapetum.residual.ResidualGemv` (tuned per shape on
+    its first call on a GPU); the fused decode step runs such layers unfused."""
+
+    def __init__(self, in_features: int, out_features: int, Nm: int = 4096, Nr: int = 256, norm: bool = False,
+                 bias: bool = False, device=None):
+        nn.Module.__init__(self)
+        from .residual import CHUNK, VECTOR_LEN, check_in_features as check_residual_in, index_bits
+
+        bm, br = index_bits(Nm, Nr)
+        check_residual_in(in_features)
+        if out_features <= 0:
+            raise ValueError(f"out_features must be positive, got {out_features}")
+        self.in_features, self.out_features, self.Nm, self.Nr, self.K = in_features, out_features, Nm, Nr, f"R{Nm}+{Nr}"
+        f16 = dict(dtype=torch.float16, device=device)
+        self.register_buffer("codes", torch.zeros(out_features, in_features * (bm + br) // CHUNK, dtype=torch.int32, device=device))
+        self.register_buffer("main", torch.zeros(Nm, VECTOR_LEN, **f16))
+        self.register_buffer("res", torch.zeros(Nr, VECTOR_LEN, **f16))
+        self.register_buffer("norm_scale", torch.ones(in_features, **f16) if norm else None)
+        self.register_buffer("norm_bias", torch.zeros(in_features, **f16) if norm else None)
+        self.register_buffer("bias", torch.zeros(out_features, **f16) if bias else None)
+        self.mode, self.simulate, self._gemv, self._codes_in_kernel = "fast", False, None, False
+
+    @classmethod
+    def from_residual(cls, t, bias: torch.Tensor | None = None) -> "ResidualQLinear":
+        t.validate()
+        q = cls(t.in_features, t.out_features, t.Nm, t.Nr, norm=t.has_norm, bias=bias is not None, device="meta")
+        q.codes, q.main, q.res, q.norm_scale, q.norm_bias = t.indices, t.main, t.res, t.scale, t.bias
+        if bias is not None:
+            if tuple(bias.shape) != (t.out_features,):
+                raise ValueError(f"bias shape {tuple(bias.shape)} != ({t.out_features},)")
+            q.bias = bias.detach().to(device=t.indices.device, dtype=torch.float16).clone()
+        return q
+
+    @property
+    def norm(self) -> bool:
+        return self.norm_scale is not None
+
+    def codebook_tensor(self):
+        from .residual import ResidualTensor
+
+        if self._codes_in_kernel:
+            return self._kernel_weight()
+        return ResidualTensor(self.codes, self.main, self.res, self.in_features, self.out_features, self.norm_scale, self.norm_bias)
+
+    def _kernel_weight(self):
+        return self._gemv.t
+
+    def _natural_codes(self) -> torch.Tensor:
+        return self._kernel_weight().indices
+
+    @property
+    def bits_per_weight(self) -> float:
+        return self.codebook_tensor().bits_per_weight
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, main={self.Nm}, residual={self.Nr}, "
+                f"norm={self.norm}, bias={self.bias is not None}, mode={self.mode}")
+
+    _FP16 = ("main", "res", "norm_scale", "norm_bias", "bias")
+
+    def _build_gemv(self, device, keep_natural: bool):
+        from .residual import ResidualGemv
+
+        return ResidualGemv(self.codebook_tensor(), device=device)
+
+
+# -- schemes: which codebook format a layer has --------------------------------------------------
+SCHEME_HELP = "K16, K64 or K256 (scalar codebooks), A2 or A4 (additive), R<main>+<residual> (residual, e.g. R4096+256)"
+
+
+def parse_scheme(K) -> tuple[str, tuple[int, ...]]:
+    """A layer's format from its ``K``: an int or "K<n>" (scalar codebooks of n entries a row), "A2" / "A4"
+    (additive, M codebooks) or "R<main>+<residual>" (residual vector codebooks). Returns (kind, parameters)."""
+    from .residual import index_bits
+
+    if isinstance(K, str) and re.fullmatch(r"K\d+", K):
+        K = int(K[1:])
+    if isinstance(K, int) and not isinstance(K, bool):
+        if K not in SUPPORTED_K:
+            raise ValueError(f"K={K} is not a scalar codebook size: one of {SUPPORTED_K}")
+        return "scalar", (K,)
+    if isinstance(K, str):
+        if K in ("A2", "A4"):
+            return "additive", (int(K[1]),)
+        m = re.fullmatch(r"R(\d+)\+(\d+)", K)
+        if m:
+            Nm, Nr = int(m[1]), int(m[2])
+            index_bits(Nm, Nr)
+            return "residual", (Nm, Nr)
+    raise ValueError(f"unknown scheme {K!r}: one of {SCHEME_HELP}")
+
+
+def check_scheme_in_features(K, in_features: int) -> None:
+    """Whether a layer of ``in_features`` inputs can take scheme ``K`` (ValueError saying why not)."""
+    kind, params = parse_scheme(K)
+    if kind == "scalar":
+        check_in_features(in_features, params[0])
+    elif kind == "additive":
+        from .additive import check_in_features as check_additive_in
+
+        check_additive_in(in_features, params[0])
+    else:
+        from .residual import check_in_features as check_residual_in
+
+        check_residual_in(in_features)
+
+
+def empty_layer(spec: dict, device="meta") -> QLinear:
+    """The QLinear subclass a saved layer spec names (K, in_features, out_features, bias; residual: norm),
+    with empty buffers of its shapes, to be filled by a state dict."""
+    kind, params = parse_scheme(spec["K"])
+    n_in, n_out, bias = spec["in_features"], spec["out_features"], spec["bias"]
+    if kind == "scalar":
+        return QLinear(n_in, n_out, params[0], bias=bias, device=device)
+    if kind == "additive":
+        return AdditiveQLinear(n_in, n_out, params[0], bias=bias, device=device)
+    return ResidualQLinear(n_in, n_out, *params, norm=spec.get("norm", False), bias=bias, device=device)
+
+
+def _quantize_linear(lin: nn.Linear, K, iters: int | None, seed: int, device) -> tuple[QLinear, float]:
+    """``lin`` quantized to scheme ``K`` (each format's own quantizer, plain weight error, on ``device``):
+    the layer, on the weight's device, and its relative weight MSE."""
+    kind, params = parse_scheme(K)
+    if kind == "scalar":
+        q, rep = QLinear.from_linear(lin, K=params[0], iters=25 if iters is None else iters, seed=seed, device=device)
+        return q, rep.rel_mse
+    W = lin.weight.detach().float().to(device or lin.weight.device)
+    bias = lin.bias
+    if kind == "additive":
+        from .additive import quantize_additive
+
+        t, rep = quantize_additive(W, M=params[0], seed=seed, progress=False, **({} if iters is None else {"iters": iters}))
+        return AdditiveQLinear.from_additive(t.to(lin.weight.device), bias), rep.rel_mse
+    from .residual import quantize_residual
+
+    t, rep = quantize_residual(W, *params, seed=seed, progress=False, **({} if iters is None else {"iters": iters}))
+    return ResidualQLinear.from_residual(t.to(lin.weight.device), bias), rep.rel_mse
+
+
 class QEmbedding(nn.Module):
     """``nn.Embedding`` with scalar codebook rows: a token's row is its own K-entry fp16 codebook and
     packed codes (a :class:`CodebookTensor` of (vocab, dim)), and a lookup decodes only the rows it
@@ -363,6 +513,14 @@ class QEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, K={self.K}"
 
 
+def layer_spec(q: QLinear) -> dict:
+    """What the saved format records of a quantized layer: its scheme K, shape, bias (and a residual one's norm)."""
+    spec = {"K": q.K, "in_features": q.in_features, "out_features": q.out_features, "bias": q.bias is not None}
+    if isinstance(q, ResidualQLinear):
+        spec["norm"] = q.norm
+    return spec
+
+
 def qlinears(model: nn.Module) -> dict[str, QLinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, QLinear)}
 
@@ -380,9 +538,15 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-def quantize_model(model, K: int = 16, exclude=(), min_features: int = 0, iters: int = 25, seed: int = 0,
+def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, iters: int | None = None, seed: int = 0,
                    device=None, progress: bool = True, embedding: bool = False) -> dict:
     """Replace every decoder projection (nn.Linear in model.model.layers) by a QLinear, in place.
+
+    ``K`` is the scheme (:func:`parse_scheme`): 16, 64, 256 (or "K16"...) for scalar codebooks (a
+    :class:`QLinear`), "A2" / "A4" for additive ones (:class:`AdditiveQLinear`, AQLM-style, 2 or 4
+    bits), "R<main>+<residual>" for residual vector codebooks (:class:`ResidualQLinear`, VPTQ-style).
+    Each format's quantizer minimises the plain weight error here (the accuracy pipelines add calibration);
+    ``iters``: its iterations (default: each quantizer's own; 25 for scalar k-means).
 
     ``exclude``: glob patterns on full module names (e.g. ``"*.down_proj"``, ``"model.layers.0.*"``)
     kept as nn.Linear; ``min_features``: layers whose smaller side is below it stay nn.Linear too
@@ -397,7 +561,10 @@ def quantize_model(model, K: int = 16, exclude=(), min_features: int = 0, iters:
 
     from .pipelines import decoder_linears
 
-    packing_for(K)
+    kind, params = parse_scheme(K)
+    K = params[0] if kind == "scalar" else K
+    if embedding and kind != "scalar":
+        raise ValueError(f"a quantized embedding takes scalar codebooks (K16, K64, K256), not {K!r}")
     if isinstance(exclude, str):
         exclude = (exclude,)
     linears = decoder_linears(model)
@@ -410,21 +577,20 @@ def quantize_model(model, K: int = 16, exclude=(), min_features: int = 0, iters:
             reason = f"smaller than min_features={min_features}"
         else:
             try:
-                check_in_features(lin.in_features, K)
+                check_scheme_in_features(K, lin.in_features)
             except ValueError as e:
                 reason = str(e)
         if reason:
             excluded[name] = reason
             continue
-        q, rep = QLinear.from_linear(lin, K=K, iters=iters, seed=seed, device=device)
+        q, rel_mse[name] = _quantize_linear(lin, K, iters, seed, device)
         _set_submodule(model, name, q)
-        layers[name] = {"K": K, "in_features": lin.in_features, "out_features": lin.out_features, "bias": lin.bias is not None}
-        rel_mse[name] = rep.rel_mse
+        layers[name] = layer_spec(q)
     embeddings = {}
     if embedding:
         emb = model.get_input_embeddings()
         name = next(n for n, mod in model.named_modules() if mod is emb)
-        q, rep = QEmbedding.from_embedding(emb, K=K, iters=iters, seed=seed, device=device)
+        q, rep = QEmbedding.from_embedding(emb, K=K, iters=25 if iters is None else iters, seed=seed, device=device)
         _set_submodule(model, name, q)
         embeddings[name] = q.spec()
         rel_mse[name] = rep.rel_mse
@@ -454,10 +620,10 @@ def save_quantized(model, folder: str | Path, tokenizer=None) -> Path:
     if set(found) != set(summary["layers"]):
         raise ValueError(f"model.trapetum_quant lists {sorted(summary['layers'])} but the model's QLinears are {sorted(found)}")
     embeddings = {n: m for n, m in model.named_modules() if isinstance(m, QEmbedding)}
+    for name, q in found.items():
+        if summary["layers"][name] != layer_spec(q):
+            raise ValueError(f"model.trapetum_quant says {name} is {summary['layers'][name]}, the layer is {layer_spec(q)}")
     for q in list(found.values()) + list(embeddings.values()):
-        if isinstance(q, AdditiveQLinear):
-            raise NotImplementedError("saving a model with additive codebook layers is not supported yet; "
-                                      "save its layers one by one with AdditiveTensor.save")
         q.codebook_tensor()  # refuse to write an invalid layer
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -529,16 +695,17 @@ def read_config(folder: str | Path) -> dict:
             raise QuantizedModelError(f"{path}: embedding {name}: {e}") from e
     for name, spec in h["layers"].items():
         try:
-            K, n_in, n_out = int(spec["K"]), int(spec["in_features"]), int(spec["out_features"])
+            K, n_in, n_out = spec["K"], int(spec["in_features"]), int(spec["out_features"])
             bool(spec["bias"])
         except (KeyError, TypeError, ValueError) as e:
             raise QuantizedModelError(f"{path}: layer {name} lacks K/in_features/out_features/bias: {e}") from e
-        if K not in SUPPORTED_K:
-            raise QuantizedModelError(f"{path}: layer {name} has K={K}, not one of {SUPPORTED_K}")
         try:
-            check_in_features(n_in, K)
+            kind, _ = parse_scheme(K)
+            check_scheme_in_features(K, n_in)
         except ValueError as e:
             raise QuantizedModelError(f"{path}: layer {name}: {e}") from e
+        if not isinstance(spec.get("norm", False), bool) or ("norm" in spec and kind != "residual"):
+            raise QuantizedModelError(f"{path}: layer {name}: 'norm' is a residual layer's true/false, got {spec.get('norm')!r}")
     return h
 
 
@@ -593,7 +760,7 @@ def load_quantized(folder: str | Path, device="cpu", dtype: torch.dtype | None =
 
     for name, sp in h["layers"].items():
         swap_in("layer", name, sp, nn.Linear, lambda m: (m.in_features, m.out_features), (sp["in_features"], sp["out_features"]),
-                QLinear(sp["in_features"], sp["out_features"], sp["K"], bias=sp["bias"], device="meta"))
+                empty_layer(sp, device="meta"))
     for name, sp in h["embeddings"].items():
         swap_in("embedding", name, sp, nn.Embedding, lambda m: (m.num_embeddings, m.embedding_dim), (sp["num_embeddings"], sp["embedding_dim"]),
                 QEmbedding(sp["num_embeddings"], sp["embedding_dim"], sp["K"], sp["padding_idx"], device="meta"))

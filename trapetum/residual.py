@@ -491,11 +491,16 @@ def tile_indices(words: torch.Tensor, out_features: int, b: int) -> torch.Tensor
     return words.reshape(rbs, ROW_BLOCK, nchunks, b).permute(0, 2, 3, 1).contiguous().reshape(-1)
 
 
-def untile_indices(tiled: torch.Tensor, out_features: int, n_words: int, b: int) -> torch.Tensor:
-    """The natural (out, n_words) int32 words back from :func:`tile_indices` (a copy)."""
+def untile_indices(tiled: torch.Tensor, out_features: int, n_words: int, b: int, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """The natural (out, n_words) int32 words back from :func:`tile_indices` (a copy); ``rows=(r0, r1)``
+    (r0 a multiple of 32): only those rows, untiling only their row-blocks."""
     rbs = -(-out_features // ROW_BLOCK)
-    t = tiled.reshape(rbs, n_words // b, b, ROW_BLOCK).permute(0, 3, 1, 2)
-    return t.reshape(rbs * ROW_BLOCK, n_words)[:out_features].contiguous()
+    r0, r1 = (0, out_features) if rows is None else rows
+    if r0 % ROW_BLOCK or not 0 <= r0 < r1 <= out_features:
+        raise ValueError(f"rows must be (r0, r1) with r0 a multiple of {ROW_BLOCK} and 0 <= r0 < r1 <= {out_features}, got {rows}")
+    b0, b1 = r0 // ROW_BLOCK, -(-r1 // ROW_BLOCK)
+    t = tiled.reshape(rbs, n_words // b, b, ROW_BLOCK)[b0:b1].permute(0, 3, 1, 2)
+    return t.reshape((b1 - b0) * ROW_BLOCK, n_words)[:r1 - r0].contiguous()
 
 
 _kernel_cache: dict = {}
@@ -1488,6 +1493,8 @@ class ResidualGemv:
     layout only; :attr:`t` rebuilds the natural layout on demand.
     """
 
+    max_batch = 16  # larger batches: QLinear's dequantize + cuBLAS (the correctness sweep checks up to 16)
+
     def __init__(self, t: ResidualTensor, device=None, plan: dict | None = None, tune: bool = True):
         self.device = kernel_device(device, "ResidualGemv")
         t.validate()
@@ -1622,9 +1629,12 @@ class ResidualGemv:
         self.bind(x2, y)()
         return y.reshape(self.n_out) if x.dim() == 1 else y
 
-    def dequantize(self, dtype=torch.float16) -> torch.Tensor:
-        """The (out, in) weight, built on the device with torch ops (from a transient natural copy)."""
-        return self.t.dequantize(dtype)
+    def dequantize(self, dtype=torch.float16, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The (out, in) weight, built on the device with torch ops (from a transient natural copy);
+        ``rows=(r0, r1)`` (r0 a multiple of 32): only that slab, for QLinear's large batches."""
+        r0, r1 = (0, self.n_out) if rows is None else rows
+        words = untile_indices(self._tiled_t, self.n_out, self._n_words, self.b, rows=(r0, r1))
+        return ResidualTensor(words, self._main_t, self._res_t, self.n_in, r1 - r0, self._scale_t, self._bias_t).dequantize(dtype)
 
 
 def reference(x: torch.Tensor, t: ResidualTensor, rows: int = 4096) -> torch.Tensor:
