@@ -179,6 +179,20 @@ def test_decode_bench_runs_an_additive_model():
     assert decode._parse_quantize("K64") == 64 and decode._parse_quantize("none") is None
 
 
+def test_decode_bench_runs_a_residual_model():
+    # Residual layers take in_features of whole 256-column chunks; they run unfused (the step falls back to them).
+    tiny = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, vocab_size=96)
+    recs = decode.decode_bench("llama-2-7b", Ks=("R4096+256",), paths=("eager", "graphed"), fp16_paths=("graphed",), gen_len=4,
+                               prompt_len=8, energy=False, progress=False, device="cpu", **tiny)
+    r = [r for r in recs if r["K"] == "R4096+256"]
+    assert [x["scheme"] for x in r] == ["residual 4096+256 (2.5-bit indices)"] * 2 and r[0]["bits_per_weight_codes"] == 2.5
+    assert r[0]["matches_graphed_tokens"] is True and r[0]["bits_per_weight"] > 2.5  # plus the codebooks
+    m = decode.random_llama("llama-2-7b", "R8192+512", device="cpu", progress=False, **tiny)
+    assert {type(q).__name__ for q in m.model.layers[0].modules() if isinstance(q, QLinear)} == {"ResidualQLinear"}
+    with pytest.raises(ValueError, match="do not fuse"):
+        decode.decode_bench("llama-2-7b", Ks=("R4096+256",), fuses=(True,), device="cpu", progress=False, **tiny)
+
+
 def test_decode_bench_with_a_quantized_lm_head():
     # One row per LM head option; the quantized head is a QLinear, not a projection (bits), and it
     # reads its codes instead of fp16 weights (the bandwidth bound's bytes).

@@ -383,6 +383,13 @@ def llama_config(arch: str, **overrides):
 
 def random_qlinear(in_features: int, out_features: int, K: int, device, generator=None) -> QLinear:
     """A QLinear with random codes and codebooks made on the device (speed does not depend on values)."""
+    if isinstance(K, str) and K.startswith("R"):  # "R<main>+<residual>": residual vector codebooks
+        from .qlinear import ResidualQLinear, parse_scheme
+        from .residual import random_residual_tensor
+
+        _, (Nm, Nr) = parse_scheme(K)
+        seed = 0 if generator is None else int(torch.randint(2**31, (1,), generator=generator, device=generator.device))
+        return ResidualQLinear.from_residual(random_residual_tensor(out_features, in_features, Nm, Nr, seed=seed, device=device))
     if isinstance(K, str):  # "A2" / "A4": additive codebooks with M = 2 / 4
         from .additive import random_additive_tensor
         from .qlinear import AdditiveQLinear
@@ -452,7 +459,7 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
                         parent, _, child = name.rpartition(".")
                         setattr(layer.get_submodule(parent), child, new)
                 if fuse:
-                    if isinstance(K, str):
+                    if isinstance(K, str) and K.startswith("A"):
                         for parent, names in ((layer.self_attn, GROUPS["qkv_proj"]), (layer.mlp, GROUPS["gate_up_proj"])):
                             for n in names[1:]:
                                 getattr(parent, n).codebooks = getattr(parent, names[0]).codebooks
@@ -506,10 +513,23 @@ SCHEME_NAMES = {None: "fp16", 16: "4-bit K=16", 64: "uint8 K=64", 256: "uint8 K=
                 "A2": "2-bit additive (M=2)", "A4": "4-bit additive (M=4)"}
 
 
+def scheme_label(K) -> str:
+    """A scheme's name in tables: SCHEME_NAMES, or "residual <main>+<residual> (<b> bits)"."""
+    if isinstance(K, str) and K.startswith("R"):
+        return f"residual {K[1:]} ({_bits(K):g}-bit indices)"
+    return SCHEME_NAMES.get(K, f"K={K}")
+
+
 def _bits(K):
-    """Code bits per weight: 16 for fp16, M for additive "A<M>", else 4 (K=16) or 8."""
+    """Code bits per weight: 16 for fp16, M for additive "A<M>", the index bits over 8 for residual
+    "R<main>+<residual>", else 4 (K=16) or 8."""
     if K is None:
         return 16.0
+    if isinstance(K, str) and K.startswith("R"):
+        from .qlinear import parse_scheme
+        from .residual import index_bits
+
+        return sum(index_bits(*parse_scheme(K)[1])) / 8
     if isinstance(K, str):
         return float(K[1:])
     return 8 / (2 if K == 16 else 1)
@@ -562,6 +582,11 @@ def kernel_bound(cfg, K: int | None, head_K: int | None = None, fused: bool = Fa
             fp16 = bench.time_fp16(n_in, n_out, 1)
             if K is None:
                 times[(n_in, n_out)] = fp16
+            elif isinstance(K, str) and K.startswith("R"):
+                from .qlinear import parse_scheme
+                from .residual import time_residual
+
+                times[(n_in, n_out)] = time_residual(n_in, n_out, *parse_scheme(K)[1], 1, fp16)["time_ms"]
             elif isinstance(K, str):
                 from .additive import time_additive
 
@@ -669,6 +694,9 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
 
         raise NoGPUError("decode_bench measures on a CUDA GPU and none is visible")
     cfg = llama_config(arch, **arch_overrides)
+    if any(fuses) and any(isinstance(K, str) and K.startswith("R") for K in Ks):
+        raise ValueError("residual codebook layers do not fuse (trapetum.fuse stacks scalar and additive layers): "
+                         "measure them with fuse off")
     recs = []
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=g)
@@ -676,7 +704,7 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
     fp16_vram = {}
     runs = [(f, K, h, e) for f in fuses for K, h, e in [(None, None, None)] + [(K, h, e) for K in Ks for h in heads for e in embeds]]
     for fused, K, head, embed in runs:
-        scheme = SCHEME_NAMES.get(K, f"K={K}") + ("" if head is None else f", LM head {SCHEME_NAMES.get(head, head)}")
+        scheme = scheme_label(K) + ("" if head is None else f", LM head {SCHEME_NAMES.get(head, head)}")
         scheme += "" if embed is None else f", embedding {SCHEME_NAMES.get(embed, embed)}"
         model = None
         if cuda:
@@ -847,7 +875,7 @@ def _check_cmd(args) -> int:
         r = check_equivalence(model, ids, args.tokens, path=path)
         tol = args.tol if args.tol is not None else CHECK_TOL[path]
         ok = r["first_mismatch"] is None and r["max_rel_logit_diff"] <= tol
-        print(f"{args.model} {SCHEME_NAMES.get(K, K)}: {path} vs eager, {r['matching_prefix']}/{r['tokens']} tokens equal, "
+        print(f"{args.model} {scheme_label(K)}: {path} vs eager, {r['matching_prefix']}/{r['tokens']} tokens equal, "
               f"max |logit diff| {r['max_abs_logit_diff']:.3g} ({r['max_rel_logit_diff']:.3g} of the largest logit): "
               f"{'OK' if ok else 'MISMATCH'}")
         print("eager:  ", tok.decode(r["reference_tokens"]))
