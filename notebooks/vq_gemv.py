@@ -245,8 +245,8 @@ report.styled(report.residual_cluster_trial(folder))
 # groups of 16 or 8 rows, and group *h* takes chunk *j* + *h* of each of the warp's steps, so a row-group is
 # 16 or 8 rows, the layer has two or four times the blocks, each with that share of the gathers, and a row's
 # sums meet with the warps' in shared memory, in the same block. Each chunk of x is padded by 16 bytes so
-# that the groups' reads of x land in different banks. A block still stages the whole codebooks: its time is
-# now mostly that staging. It wins where the row-groups are few and each has little work (the smallest layers
+# that the groups' reads of x land in different banks. A block still stages both whole codebooks, so the
+# staging cost measured above remains. It wins where the row-groups are few and each has little work (the smallest layers
 # gain most). At 16384 inputs it loses: a lane-split block stages all of x beside the codebooks, where a
 # block of the K-split stages a quarter of it, and we read that staging as costing more than the K-split's
 # finish. The tuner times lane splits wherever 32-row groups fill at most half the SMs, and the grid's rows at
