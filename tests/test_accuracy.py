@@ -66,6 +66,28 @@ def test_additive_2bit_beats_rtn_2bit_and_counts_its_bits():
         P.additive(torch.randn(8, 72), None, M=2)
 
 
+def test_residual_codebooks_refine_the_main_one_and_weigh_by_the_hessian():
+    # VPTQ: the residual codebook lowers the main codebook's error; with calibration, channels that matter
+    # more (the outlier inputs) are reproduced better. A layer of 320 inputs is padded to 512 for the format.
+    from trapetum.residual import quantize_residual
+
+    X, H = correlated_inputs(n=256)
+    W = torch.randn(256, 256) * 0.02
+    _, rep = quantize_residual(W, H=H, iters=4, progress=False)
+    assert rep.rel_mse < 0.8 * rep.rel_mse_main and rep.weighted
+    plain, cal = P.residual(W, None, iters=4), P.residual(W, H, iters=4)
+    assert err(W, cal, H) < err(W, plain, H)
+    assert plain.bits == 256 * 256 // 8 * 20 + (4096 + 256) * 8 * 16  # 20-bit index pairs and both fp16 codebooks
+    q = P.residual(torch.randn(16, 320) * 0.02, None, iters=2)
+    assert q.W_hat.shape == (16, 320) and q.bits == 16 * 512 // 8 * 20 + (4096 + 256) * 8 * 16
+    with pytest.raises(P.SchemeError, match="multiple"):
+        P.residual(torch.randn(8, 260), None)
+    s, opts, _ = P.get_scheme("residual", main=8192, residual=512)
+    assert P.nominal_bits(s, opts) == 22 / 8 and P.nominal_bits(*P.get_scheme("rtn")[:2]) == 4
+    with pytest.raises(P.SchemeError, match="Nm must be one of"):
+        P.get_scheme("residual", main=1000)
+
+
 def naive_gptq(W, H, group_size, damp=0.01):
     """GPTQ as the paper's equations, one column at a time over the whole matrix (no blocks, no act-order)."""
     W = W.float().clone()
@@ -345,7 +367,7 @@ def test_end_to_end_tiny_llama(tmp_path):
     for spec in ["rtn:group_size=32", "kmeans", "kmeans-act", "kmeans-awq", "awq:group_size=32,n_grid=4",
                  "kmeans-hadamard", "gptq:group_size=32", "gptq-kmeans:act_order=false", "gptq-kmeans-hadamard",
                  "hqq:group_size=32", "gptq:bits=8,group_size=64", "awq-gptq:group_size=32,n_grid=4", "hqq-gptq:group_size=32",
-                 "awq-lsq-refit:group_size=32,n_grid=4"]:
+                 "awq-lsq-refit:group_size=32,n_grid=4", "residual:iters=2"]:
         for n, m in P.decoder_linears(model).items():
             m.weight.data.copy_(saved[n])
         name, opts = P.parse_spec(spec)

@@ -793,6 +793,39 @@ def additive(W: torch.Tensor, H: torch.Tensor | None = None, *, M: int = 2, iter
                           recode=functools.partial(recode, beam=beam)))
 
 
+def residual(W: torch.Tensor, H: torch.Tensor | None = None, *, main: int = 4096, residual: int = 256, iters: int = 8,
+             seed: int = 0) -> Quantized:
+    """The residual (VPTQ-style) vector codebook of :mod:`trapetum.residual`: k-means of the 8-weight vectors
+    into ``main`` centroids, then of what they leave into ``residual`` centroids, each vector's error weighted
+    by the Hessian's diagonal when H is given (VPTQ's Hessian-weighted k-means). The format packs whole
+    chunks of 256 inputs (the kernel's words): a layer with other in_features is padded with zero columns,
+    which meet zero activations, so the product is unchanged, and its bits count the padded codes as the
+    format stores them. Bits: codes, both fp16 codebooks."""
+    from .residual import CHUNK, VECTOR_LEN, quantize_residual
+
+    n_in = W.shape[1]
+    if n_in % VECTOR_LEN:
+        raise SchemeError(f"residual codebooks quantize vectors of {VECTOR_LEN} weights: in_features={n_in} is not a multiple")
+    pad = -n_in % CHUNK
+    Wp = torch.nn.functional.pad(W.float(), (0, pad))
+    Hp = None if H is None else torch.nn.functional.pad(H.float(), (0, pad, 0, pad))
+    try:
+        t, _ = quantize_residual(Wp, Nm=main, Nr=residual, H=Hp, iters=iters, seed=seed, progress=False)
+    except ValueError as e:
+        raise SchemeError(f"residual scheme: {e}") from e
+    return Quantized(t.dequantize(torch.float32)[:, :n_in].contiguous(), t.nbytes * 8)
+
+
+_residual_q = residual  # the registry's builder takes an option named "residual"
+
+
+def _residual_bits(opts: dict) -> float:
+    """A residual scheme's index bits a weight: log2(main) + log2(residual) over the vector's 8 weights."""
+    from .residual import VECTOR_LEN, index_bits
+
+    return sum(index_bits(int(opts["main"]), int(opts["residual"]))) / VECTOR_LEN
+
+
 def _additive_decode(codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     from .additive import _decode
 
@@ -812,6 +845,12 @@ class Scheme:
     peer: str | None = None  # the PyPI package, for peers
     form: bool = False  # its quantizer returns a Form (codes + stored parameters), so it can be fine-tuned
     recode: bool = False  # its Form can update its codes toward a target weight (fine-tuning's ft_code_rounds)
+    bits_of: Callable[[dict], float] | None = None  # its nominal code bits from its options (default: options["bits"])
+
+
+def nominal_bits(scheme: Scheme, opts: dict) -> float:
+    """The code bits a weight a scheme's options name (the tables' "bits"; bits_per_weight adds what else it stores)."""
+    return scheme.bits_of(opts) if scheme.bits_of else opts["bits"]
 
 
 def _kmeans_awq(bits, iters, n_grid, clip, seed):
@@ -882,6 +921,9 @@ SCHEMES: dict[str, Scheme] = {
                # bits = M: each codebook spends an 8-bit code on 8 weights
                lambda bits, iters, beam, seed: functools.partial(additive, M=bits, iters=iters, beam=beam, seed=seed),
                dict(bits=2, iters=2, beam=4, seed=0), calibrated=True, form=True, recode=True),
+        Scheme("residual", "residual vector codebooks (VPTQ-style: main k-means of 8-vectors, then the residuals', Hessian-weighted)",
+               lambda main, residual, iters, seed: functools.partial(_residual_q, main=main, residual=residual, iters=iters, seed=seed),
+               dict(main=4096, residual=256, iters=8, seed=0), calibrated=True, bits_of=_residual_bits),
         Scheme("hqq", "hqq (peer, half-quadratic quantization per group)",
                lambda bits, group_size: functools.partial(hqq, bits=bits, group_size=group_size),
                dict(bits=4, group_size=128), calibrated=False, peer="hqq"),
@@ -955,8 +997,13 @@ def get_scheme(name: str, **options) -> tuple[Scheme, dict, Callable[..., Quanti
     if unknown:
         raise SchemeError(f"scheme {name!r} has no option(s) {sorted(unknown)}; its options: {scheme.defaults}")
     opts = {**scheme.defaults, **options}
-    if not 1 <= int(opts["bits"]) <= 8:
+    if "bits" in opts and not 1 <= int(opts["bits"]) <= 8:
         raise SchemeError(f"bits must be in [1, 8], got {opts['bits']}")
+    if scheme.bits_of:
+        try:
+            scheme.bits_of(opts)
+        except (ValueError, TypeError) as e:
+            raise SchemeError(f"scheme {name!r}: {e}") from None
     if "group_size" in opts and int(opts["group_size"]) <= 0:
         raise SchemeError(f"group_size must be positive, got {opts['group_size']}")
     if scheme.peer:  # a peer that is not installed fails here, before a run loads anything, not at its row
@@ -1330,7 +1377,7 @@ def compare(
         s = SCHEMES[name]
         elapsed = time.perf_counter() - t_start
         if time_limit_s is not None and elapsed > time_limit_s:
-            records.append(dict(base, scheme=name, label=spec, title=s.title, bits=full["bits"],
+            records.append(dict(base, scheme=name, label=spec, title=s.title, bits=nominal_bits(s, full),
                                 group_size=full.get("group_size"), options=full, bits_per_weight=None, ppl=None,
                                 quantize_seconds=None, peer=s.peer,
                                 skipped=f"not run: the run had taken {elapsed:.0f} s, past its time limit of {time_limit_s:.0f} s"))
@@ -1342,7 +1389,7 @@ def compare(
         rep = quantize(model, name, calib, calibration=calib_desc, progress=progress, threads=quantize_threads, **opts)
         r = _ppl.perplexity(model, input_ids=ids, ctx=ctx, stride=stride, progress=progress)
         records.append(dict(
-            base, scheme=name, label=spec, title=s.title, bits=rep.options["bits"],
+            base, scheme=name, label=spec, title=s.title, bits=nominal_bits(s, rep.options),
             group_size=rep.options.get("group_size"), options=rep.options,
             bits_per_weight=rep.bits_per_weight, ppl=r.ppl, quantize_seconds=rep.quantize_seconds,
             eval_seconds=r.seconds, calibration=rep.calibration, calibration_tokens=rep.calibration_tokens,
