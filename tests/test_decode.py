@@ -114,6 +114,27 @@ def test_cli_generate_from_a_saved_quantized_folder_without_tokenizer(models, tm
         decode.main(["generate", str(tmp_path / "m"), "--path", "eager", "--device", "cpu", "--no-energy"])
 
 
+@pytest.mark.parametrize("scheme", ["A2", "R4096+256"])
+def test_cli_generate_quantizes_to_a_vector_codebook_and_saves_it(tmp_path, capsys, scheme):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from test_qlinear import tiny_llama_256
+
+    words = ["<unk>"] + [f"w{i}" for i in range(95)]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tiny_llama_256(seed=7).save_pretrained(tmp_path / "fp")
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>").save_pretrained(tmp_path / "fp")
+    args = ["--prompt", "w1 w2 w3", "--max-new-tokens", "4", "--path", "eager", "--device", "cpu", "--no-energy"]
+    with pytest.raises(SystemExit, match="scalar codebook"):
+        decode.main(["generate", str(tmp_path / "fp"), "--quantize", scheme, "--quantize-embedding"] + args)
+    assert decode.main(["generate", str(tmp_path / "fp"), "--quantize", scheme, "--save", str(tmp_path / "q")] + args) == 0
+    first = capsys.readouterr().out
+    assert decode.main(["generate", str(tmp_path / "q")] + args) == 0
+    assert [l for l in first.splitlines() if not l.startswith("saved")][0] == capsys.readouterr().out.splitlines()[0]
+
+
 def test_cli_generate_quantizes_the_embedding_and_saves_it(tmp_path, capsys):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

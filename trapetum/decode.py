@@ -830,6 +830,8 @@ def _generate_cmd(args) -> int:
     K = _parse_quantize(args.quantize)
     if args.quantize_embedding and K is None:
         raise SystemExit("--quantize-embedding goes with --quantize (the embedding takes the projections' K)")
+    if args.quantize_embedding and not isinstance(K, int):
+        raise SystemExit(f"--quantize-embedding takes a scalar codebook (K16, K64, K256), not {K}")
     model, tok = load(args.model, device=args.device, quantize=K, exclude=tuple(args.exclude or ()), min_features=args.min_features,
                       embedding=args.quantize_embedding)
     if args.save:
