@@ -381,24 +381,32 @@ def llama_config(arch: str, **overrides):
     return LlamaConfig(**kw)
 
 
+def _kind(K) -> str | None:
+    """A scheme's format (:func:`trapetum.qlinear.parse_scheme`): "scalar", "additive", "residual"; None for fp16."""
+    from .qlinear import parse_scheme
+
+    return None if K is None else parse_scheme(K)[0]
+
+
 def random_qlinear(in_features: int, out_features: int, K: int, device, generator=None) -> QLinear:
     """A QLinear with random codes and codebooks made on the device (speed does not depend on values)."""
-    if isinstance(K, str) and K.startswith("R"):  # "R<main>+<residual>": residual vector codebooks
-        from .qlinear import ResidualQLinear, parse_scheme
+    from .qlinear import parse_scheme
+
+    kind, params = parse_scheme(K)
+    if kind == "residual":  # "R<main>+<residual>"
+        from .qlinear import ResidualQLinear
         from .residual import random_residual_tensor
 
-        _, (Nm, Nr) = parse_scheme(K)
-        seed = 0 if generator is None else int(torch.randint(2**31, (1,), generator=generator, device=generator.device))
-        return ResidualQLinear.from_residual(random_residual_tensor(out_features, in_features, Nm, Nr, seed=seed, device=device))
-    if isinstance(K, str):  # "A2" / "A4": additive codebooks with M = 2 / 4
+        return ResidualQLinear.from_residual(random_residual_tensor(out_features, in_features, *params, device=device, generator=generator))
+    if kind == "additive":  # "A2" / "A4": additive codebooks with M = 2 / 4
         from .additive import random_additive_tensor
         from .qlinear import AdditiveQLinear
 
-        t = random_additive_tensor(out_features, in_features, int(K[1:]), device=device, generator=generator)
+        t = random_additive_tensor(out_features, in_features, params[0], device=device, generator=generator)
         return AdditiveQLinear.from_additive(t)
     from .codebook import random_codebook_tensor
 
-    return QLinear.from_codebook(random_codebook_tensor(out_features, in_features, K, device=device, generator=generator))
+    return QLinear.from_codebook(random_codebook_tensor(out_features, in_features, params[0], device=device, generator=generator))
 
 
 @torch.no_grad()
@@ -459,7 +467,7 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
                         parent, _, child = name.rpartition(".")
                         setattr(layer.get_submodule(parent), child, new)
                 if fuse:
-                    if isinstance(K, str) and K.startswith("A"):
+                    if _kind(K) == "additive":
                         for parent, names in ((layer.self_attn, GROUPS["qkv_proj"]), (layer.mlp, GROUPS["gate_up_proj"])):
                             for n in names[1:]:
                                 getattr(parent, n).codebooks = getattr(parent, names[0]).codebooks
@@ -515,7 +523,7 @@ SCHEME_NAMES = {None: "fp16", 16: "4-bit K=16", 64: "uint8 K=64", 256: "uint8 K=
 
 def scheme_label(K) -> str:
     """A scheme's name in tables: SCHEME_NAMES, or "residual <main>+<residual> (<b> bits)"."""
-    if isinstance(K, str) and K.startswith("R"):
+    if _kind(K) == "residual":
         return f"residual {K[1:]} ({_bits(K):g}-bit indices)"
     return SCHEME_NAMES.get(K, f"K={K}")
 
@@ -525,14 +533,16 @@ def _bits(K):
     "R<main>+<residual>", else 4 (K=16) or 8."""
     if K is None:
         return 16.0
-    if isinstance(K, str) and K.startswith("R"):
-        from .qlinear import parse_scheme
-        from .residual import index_bits
+    from .qlinear import parse_scheme
 
-        return sum(index_bits(*parse_scheme(K)[1])) / 8
-    if isinstance(K, str):
-        return float(K[1:])
-    return 8 / (2 if K == 16 else 1)
+    kind, params = parse_scheme(K)
+    if kind == "residual":
+        from .residual import index_bits_per_weight
+
+        return index_bits_per_weight(*params)
+    if kind == "additive":
+        return float(params[0])
+    return 8 / (2 if params[0] == 16 else 1)
 
 
 def projection_bits(model) -> float:
@@ -575,22 +585,24 @@ def kernel_bound(cfg, K: int | None, head_K: int | None = None, fused: bool = Fa
     """
     from . import bench
 
+    from .qlinear import parse_scheme
+
+    kind, params = (None, ()) if K is None else parse_scheme(K)
     times = {}
     per_layer = 0.0
     for n_in, n_out in projection_shapes(cfg, fused).values():
         if (n_in, n_out) not in times:
             fp16 = bench.time_fp16(n_in, n_out, 1)
-            if K is None:
+            if kind is None:
                 times[(n_in, n_out)] = fp16
-            elif isinstance(K, str) and K.startswith("R"):
-                from .qlinear import parse_scheme
+            elif kind == "residual":
                 from .residual import time_residual
 
-                times[(n_in, n_out)] = time_residual(n_in, n_out, *parse_scheme(K)[1], 1, fp16)["time_ms"]
-            elif isinstance(K, str):
+                times[(n_in, n_out)] = time_residual(n_in, n_out, *params, 1, fp16)["time_ms"]
+            elif kind == "additive":
                 from .additive import time_additive
 
-                times[(n_in, n_out)] = time_additive(n_in, n_out, int(K[1:]), 1, fp16)["time_ms"]
+                times[(n_in, n_out)] = time_additive(n_in, n_out, params[0], 1, fp16)["time_ms"]
             else:
                 times[(n_in, n_out)] = bench.time_lut(n_in, n_out, K, 1, "lut", fp16)["time_ms"]
         per_layer += times[(n_in, n_out)]
@@ -694,7 +706,7 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
 
         raise NoGPUError("decode_bench measures on a CUDA GPU and none is visible")
     cfg = llama_config(arch, **arch_overrides)
-    if any(fuses) and any(isinstance(K, str) and K.startswith("R") for K in Ks):
+    if any(fuses) and any(_kind(K) == "residual" for K in Ks):
         raise ValueError("residual codebook layers do not fuse (trapetum.fuse stacks scalar and additive layers): "
                          "measure them with fuse off")
     recs = []

@@ -821,9 +821,9 @@ _residual_q = residual  # the registry's builder takes an option named "residual
 
 def _residual_bits(opts: dict) -> float:
     """A residual scheme's index bits a weight: log2(main) + log2(residual) over the vector's 8 weights."""
-    from .residual import VECTOR_LEN, index_bits
+    from .residual import index_bits_per_weight
 
-    return sum(index_bits(int(opts["main"]), int(opts["residual"]))) / VECTOR_LEN
+    return index_bits_per_weight(int(opts["main"]), int(opts["residual"]))
 
 
 def _additive_decode(codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -450,14 +450,15 @@ def _quantize_linear(lin: nn.Linear, K, iters: int | None, seed: int, device) ->
         return q, rep.rel_mse
     W = lin.weight.detach().float().to(device or lin.weight.device)
     bias = lin.bias
+    kw = dict(seed=seed, progress=False) | ({} if iters is None else {"iters": iters})  # else the quantizer's own default
     if kind == "additive":
         from .additive import quantize_additive
 
-        t, rep = quantize_additive(W, M=params[0], seed=seed, progress=False, **({} if iters is None else {"iters": iters}))
+        t, rep = quantize_additive(W, M=params[0], **kw)
         return AdditiveQLinear.from_additive(t.to(lin.weight.device), bias), rep.rel_mse
     from .residual import quantize_residual
 
-    t, rep = quantize_residual(W, *params, seed=seed, progress=False, **({} if iters is None else {"iters": iters}))
+    t, rep = quantize_residual(W, *params, **kw)
     return ResidualQLinear.from_residual(t.to(lin.weight.device), bias), rep.rel_mse
 
 

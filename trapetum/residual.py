@@ -42,7 +42,7 @@ import warnings
 
 import torch
 
-from .codebook import ROW_BLOCK, CodebookFormatError, read_layer_file
+from .codebook import ROW_BLOCK, CodebookFormatError, check_rows, read_layer_file
 from .gemv import (INLINE, SIM, _as_kernel_array, async_wait_all, check_activation, check_output, copy16_async, float2_to_half2,
                    hadd2_to_float2, half2_to_float2, kernel_device, load16, load_byte_offset, max_shared_bytes, mma_table_tile,
                    sload4, sm_count, tuning_enabled, tuning_inputs, with_shared_limit)
@@ -70,6 +70,11 @@ def index_bits(Nm: int, Nr: int) -> tuple[int, int]:
     if Nr not in SUPPORTED_RES:
         raise ValueError(f"residual codebook size Nr must be one of {SUPPORTED_RES}, got {Nr}")
     return int(math.log2(Nm)), int(math.log2(Nr))
+
+
+def index_bits_per_weight(Nm: int, Nr: int) -> float:
+    """Index bits a weight: a vector's main and residual index bits over its VECTOR_LEN weights."""
+    return sum(index_bits(Nm, Nr)) / VECTOR_LEN
 
 
 def check_in_features(in_features: int) -> None:
@@ -300,14 +305,15 @@ def _sha(t: torch.Tensor) -> str:
 
 
 def random_residual_tensor(out_features: int, in_features: int, Nm: int = 4096, Nr: int = 256, seed: int = 0, device="cpu",
-                           with_norm: bool = False) -> ResidualTensor:
-    """Random words (every b-bit field is a valid index pair) and normal codebooks, made on ``device``.
+                           with_norm: bool = False, generator: torch.Generator | None = None) -> ResidualTensor:
+    """Random words (every b-bit field is a valid index pair) and normal codebooks, made on ``device``
+    (from ``generator`` where given, else one seeded with ``seed``).
 
     The residual codebook is ~4x smaller than the main one, as k-means of residuals gives.
     """
     bm, br = index_bits(Nm, Nr)
     check_in_features(in_features)
-    g = torch.Generator(device=device).manual_seed(seed)
+    g = generator if generator is not None else torch.Generator(device=device).manual_seed(seed)
     words = torch.randint(-(2**31), 2**31, (out_features, in_features * (bm + br) // CHUNK), dtype=torch.int64,
                           device=device, generator=g).to(torch.int32)
     main = (torch.randn(Nm, VECTOR_LEN, device=device, generator=g) * 0.02).half()
@@ -495,9 +501,7 @@ def untile_indices(tiled: torch.Tensor, out_features: int, n_words: int, b: int,
     """The natural (out, n_words) int32 words back from :func:`tile_indices` (a copy); ``rows=(r0, r1)``
     (r0 a multiple of 32): only those rows, untiling only their row-blocks."""
     rbs = -(-out_features // ROW_BLOCK)
-    r0, r1 = (0, out_features) if rows is None else rows
-    if r0 % ROW_BLOCK or not 0 <= r0 < r1 <= out_features:
-        raise ValueError(f"rows must be (r0, r1) with r0 a multiple of {ROW_BLOCK} and 0 <= r0 < r1 <= {out_features}, got {rows}")
+    r0, r1 = check_rows(rows, out_features)
     b0, b1 = r0 // ROW_BLOCK, -(-r1 // ROW_BLOCK)
     t = tiled.reshape(rbs, n_words // b, b, ROW_BLOCK)[b0:b1].permute(0, 3, 1, 2)
     return t.reshape((b1 - b0) * ROW_BLOCK, n_words)[:r1 - r0].contiguous()
@@ -1632,7 +1636,7 @@ class ResidualGemv:
     def dequantize(self, dtype=torch.float16, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The (out, in) weight, built on the device with torch ops (from a transient natural copy);
         ``rows=(r0, r1)`` (r0 a multiple of 32): only that slab, for QLinear's large batches."""
-        r0, r1 = (0, self.n_out) if rows is None else rows
+        r0, r1 = check_rows(rows, self.n_out)
         words = untile_indices(self._tiled_t, self.n_out, self._n_words, self.b, rows=(r0, r1))
         return ResidualTensor(words, self._main_t, self._res_t, self.n_in, r1 - r0, self._scale_t, self._bias_t).dequantize(dtype)
 
