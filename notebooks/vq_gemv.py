@@ -144,9 +144,10 @@ report.styled(report.fp16_baseline_inversions(df))
 # in shared memory (4096 rows); the fourth adds gather blocks of one and two warps where the default
 # grid leaves SMs idle, the fifth the table built on the tensor cores, the sixth (one on each GPU) the
 # split kernel, the next (one on each GPU) the split kernel's streaming across row-groups, its copies of
-# the residual codebook and more of its plans; the newest two (H100) its lane split, described below: one
-# stopped at its time limit after the first codebook pair, the other measured only the layers of 1024
-# outputs of the second pair; the third and fourth also stopped at their time limit before the grid's end;
+# the residual codebook and more of its plans; the newest three (H100) its lane split, described below: one
+# stopped at its time limit after the first codebook pair, the next measured only the layers of 1024
+# outputs of the second pair, the newest only the 8192-main layers of 1024 outputs and 1024 or 2048 inputs,
+# the last slower than fp16 before it; the third and fourth also stopped at their time limit before the grid's end;
 # the book takes each configuration from the newest run that measured it):
 #
 
