@@ -97,6 +97,9 @@ df = report.load_decode(out if out is not None else results.DATA_DIR)
 # keeps per-layer workspaces. Rows named "LM head 4-bit K=16" also store the LM head as a 4-bit
 # codebook layer (its kernel is the projections'), and rows named "embedding 4-bit K=16" the
 # token embedding (`QEmbedding`: it saves memory, not time); every other row keeps them in fp16.
+# Rows named "residual 4096+256" store every projection as the residual (VPTQ-style) codebooks of
+# the vector-codebook chapter (`ResidualQLinear`, its tuned split or table kernel a shape), measured
+# on the compiled path and unfused: `trapetum.fuse` stacks scalar and additive layers only.
 
 # %%
 report.styled(report.decode_table(df))
