@@ -314,6 +314,13 @@ if not ft_runs:
 # further, while the perplexity on the evaluation text stayed where it was, so more passes over the
 # same generated samples do not carry over to real text at 2 bits. That points at the frozen codes,
 # not at how long the continuous parameters train, as what holds the 2-bit row back.
+#
+# Run h puts the residual (VPTQ-style) codebooks of the vector-codebook chapter through the same harness:
+# Hessian-weighted k-means of the 8-weight vectors, then of what they leave, with neither the GPTQ-style
+# error feedback nor the fine-tuning that VPTQ adds. It is a negative result for a model this small: the
+# line under the tables says how many bits its codebooks and padding add to its indices, and where its
+# perplexity lands beside the 2-bit additive codebooks. Per-layer codebooks of thousands of vectors are
+# sized for layers of millions of weights; the speed chapters measure them at those sizes.
 
 # %%
 gpu_runs = pipelines.recorded_runs(folder, model, "-gpu-")
@@ -326,6 +333,9 @@ for gpu_path, g_prov, g_run, g_ref in gpu_runs:
     display(styled_finetune_table(g_run))
 if not gpu_runs:
     display(Markdown("*No GPU accuracy run is recorded for this model.*"))
+residual_line = pipelines.residual_note(gpu_runs)
+if residual_line:
+    display(Markdown(f"*{residual_line}*"))
 cpu_vq_path = folder / f"{results.slug(model)}-additive.json"
 gpu_vq = [r for _, _, g_run, _ in gpu_runs for _, r in g_run[(g_run.scheme == "additive") & g_run.get("finetune", pd.Series(None, index=g_run.index, dtype=object)).isna()].iterrows()]
 if gpu_vq and cpu_vq_path.is_file():

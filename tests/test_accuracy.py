@@ -88,6 +88,27 @@ def test_residual_codebooks_refine_the_main_one_and_weigh_by_the_hessian():
         P.get_scheme("residual", main=1000)
 
 
+def test_residual_note_counts_the_codebooks_and_sets_the_row_beside_the_best_additive_one(tmp_path):
+    import pandas as pd
+
+    def run(*rows):
+        return pd.DataFrame([{"scheme": "reference", "label": "reference", "ppl": 20.0, "bits": None, "bits_per_weight": None},
+                             *rows])
+
+    res = {"scheme": "residual", "label": "residual", "ppl": 50.0, "bits": 2.5, "bits_per_weight": 4.2,
+           "options": {"main": 4096, "residual": 256}}
+    add = [{"scheme": "additive", "label": f"additive:{i}", "ppl": p, "bits": 2.0, "bits_per_weight": 2.15} for i, p in ((1, 80.0), (2, 60.0))]
+    hqq = {"scheme": "hqq", "label": "hqq", "ppl": 21.0, "bits": 4.0, "bits_per_weight": 4.3}
+    runs = [(tmp_path / f"m-gpu-{k}.json", {}, r, r.iloc[0]) for k, r in (("a", run(*add)), ("h", run(res, hqq)))]
+    assert P.residual_note(runs[:1]) is None  # no residual row
+    note = P.residual_note(runs)
+    assert "2.5 index bits a weight and stores 4.20" in note and "68 KiB" in note  # (4096 + 256) x 8 fp16 weights
+    assert "+150% over its run's reference" in note
+    assert "(additive:2, m-gpu-a.json) is +200% at 2.15" in note  # the better of the two additive rows
+    rows = P.scheme_rows(runs[1][2], runs[1][3])
+    assert rows["bit class"].tolist() == ["2.5-bit", "4-bit"]  # not folded into the 2-bit class
+
+
 def naive_gptq(W, H, group_size, damp=0.01):
     """GPTQ as the paper's equations, one column at a time over the whole matrix (no blocks, no act-order)."""
     W = W.float().clone()

@@ -1498,7 +1498,7 @@ def scheme_rows(run: "pd.DataFrame", ref) -> "pd.DataFrame":
     d = run[(run.scheme != "reference") & run.ppl.notna()].drop_duplicates("label", keep="last").copy()
     d["vs reference (%)"] = 100 * (d.ppl / ref.ppl - 1)
     d["kind"] = d.apply(lambda r: "peer (hqq)" if isinstance(r.get("peer"), str) else ("baseline (RTN)" if r.scheme == "rtn" else "ours"), axis=1)
-    d["bit class"] = d.bits.map(lambda b: f"{int(b)}-bit")
+    d["bit class"] = d.bits.map(lambda b: f"{b:g}-bit")  # the residual codebooks' 2.5 index bits are their own class
     return d
 
 
@@ -1572,6 +1572,39 @@ def finetune_table(run: "pd.DataFrame") -> "pd.DataFrame":
                      "KL before (nats/token)": ft.get("kl_before", float("nan")),
                      "KL after (nats/token)": ft.get("kl_after", float("nan"))})
     return pd.DataFrame(rows)
+
+
+def residual_note(runs: list[tuple]) -> str | None:
+    """What the GPU runs' residual-codebook rows (:func:`recorded_runs`) stored and scored: index bits
+    against bits a weight as stored, the per-layer codebooks and padding that make the difference, and
+    % over each row's own run reference, beside the best 2-bit additive row of those runs. None
+    without a residual row."""
+    from .residual import CHUNK, VECTOR_LEN
+
+    res, add = [], []
+    for path, _, run, ref in runs:
+        rows = scheme_rows(run, ref)
+        res += [(path, r) for _, r in rows[rows.scheme == "residual"].iterrows()]
+        a = rows[(rows.scheme == "additive") & (rows.bits == 2)]
+        if len(a):
+            add.append((path, a.loc[a["vs reference (%)"].idxmin()]))
+    if not res:
+        return None
+    parts = []
+    for path, r in res:
+        nm, nr = int(r.options["main"]), int(r.options["residual"])
+        parts.append(
+            f"{r.label} {nm} + {nr} ({path.name}) has {r.bits:g} index bits a weight and stores {r.bits_per_weight:.2f}: "
+            f"every layer keeps its own fp16 codebooks ({nm} + {nr} vectors of {VECTOR_LEN} weights, "
+            f"{(nm + nr) * VECTOR_LEN * 2 / 1024:.0f} KiB), and a layer whose inputs are not a multiple of {CHUNK} "
+            f"is stored with zero columns up to the next multiple. Its perplexity is {r.ppl:.1f}, "
+            f"{r['vs reference (%)']:+.0f}% over its run's reference")
+    note = "; ".join(parts) + "."
+    if add:
+        path, a = min(add, key=lambda pa: pa[1]["vs reference (%)"])
+        note += (f" The best 2-bit additive row of the GPU runs ({a.label}, {path.name}) is "
+                 f"{a['vs reference (%)']:+.0f}% at {a.bits_per_weight:.2f} bits a weight.")
+    return note
 
 
 def negative_results(df) -> "pd.DataFrame":
