@@ -210,8 +210,10 @@ def test_decode_bench_runs_a_residual_model():
     assert r[0]["matches_graphed_tokens"] is True and r[0]["bits_per_weight"] > 2.5  # plus the codebooks
     m = decode.random_llama("llama-2-7b", "R8192+512", device="cpu", progress=False, **tiny)
     assert {type(q).__name__ for q in m.model.layers[0].modules() if isinstance(q, QLinear)} == {"ResidualQLinear"}
-    with pytest.raises(ValueError, match="do not fuse"):
-        decode.decode_bench("llama-2-7b", Ks=("R4096+256",), fuses=(True,), device="cpu", progress=False, **tiny)
+    # fused: q/k/v and gate/up each one residual layer with one codebook set, the same tokens as unfused
+    f = decode.decode_bench("llama-2-7b", Ks=("R4096+256",), paths=("eager",), fp16_paths=("eager",), gen_len=4, prompt_len=8,
+                            energy=False, progress=False, device="cpu", fuses=(True,), **tiny)
+    assert [x["fused"] for x in f] == [True, True] and f[1]["scheme"] == r[0]["scheme"]
 
 
 def test_decode_bench_with_a_quantized_lm_head():

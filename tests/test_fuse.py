@@ -85,6 +85,34 @@ def test_additive_layers_fuse_only_with_shared_codebooks():
     torch.testing.assert_close(f(x.float()), x.float() @ ref.t(), rtol=1e-4, atol=1e-4)
 
 
+def test_residual_layers_fuse_only_with_shared_codebooks_and_norms():
+    from trapetum.qlinear import ResidualQLinear
+    from trapetum.residual import random_residual_tensor
+
+    a, b = (ResidualQLinear.from_residual(random_residual_tensor(n, 256, generator=torch.Generator().manual_seed(s), with_norm=True))
+            for n, s in ((32, 0), (16, 1)))
+    with pytest.raises(ValueError, match="different codebooks or norms"):
+        stack([a, b])
+    b.main, b.res = a.main, a.res
+    with pytest.raises(ValueError, match="different codebooks or norms"):  # the norms still differ
+        stack([a, b])
+    b.norm_scale, b.norm_bias = a.norm_scale, a.norm_bias
+    f = stack([a, b])
+    assert isinstance(f, ResidualQLinear) and f.out_features == 48 and f.norm
+    ref = torch.cat([a.dequantize(torch.float32), b.dequantize(torch.float32)])
+    torch.testing.assert_close(f.dequantize(torch.float32), ref)
+    c = ResidualQLinear.from_residual(random_residual_tensor(16, 256, 8192, 512, generator=torch.Generator().manual_seed(2)))
+    assert "different codebook sizes" in str(pytest.raises(ValueError, stack, [a, c]).value)
+
+
+def test_random_residual_groups_share_codebooks_when_fused():
+    tiny = dict(TINY, hidden_size=256, intermediate_size=512)
+    m = decode.random_llama("llama-2-7b", "R4096+256", device="cpu", progress=False, fuse=True, **tiny)
+    layer = m.model.layers[0]
+    assert is_fused(m) and type(layer.self_attn.qkv_proj.linear).__name__ == "ResidualQLinear"
+    assert layer.mlp.gate_up_proj.linear.out_features == 2 * 512
+
+
 def test_fused_decode_through_the_replayed_and_compiled_steps(monkeypatch):
     m = decode.random_llama("llama-2-7b", 16, device="cpu", progress=False, fuse=True, **TINY).float()
     assert is_fused(m)

@@ -420,8 +420,8 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
     scalar codebook QLinear too (at 7B the fp16 head is 0.26 GB, 7 % of a 4-bit model).
     ``embed_K``: the token embedding a scalar codebook :class:`~trapetum.qlinear.QEmbedding`.
     ``fuse``: each layer's q/k/v and gate/up become one layer each (:mod:`trapetum.fuse`); additive
-    groups are then built with one shared codebook set (a group quantized jointly), since layers
-    with separate codebooks do not fuse.
+    and residual groups are then built with one shared codebook set (a group quantized jointly),
+    since layers with separate codebooks do not fuse.
     """
     from .fuse import GROUPS, fuse_projections
 
@@ -467,10 +467,11 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
                         parent, _, child = name.rpartition(".")
                         setattr(layer.get_submodule(parent), child, new)
                 if fuse:
-                    if _kind(K) == "additive":
-                        for parent, names in ((layer.self_attn, GROUPS["qkv_proj"]), (layer.mlp, GROUPS["gate_up_proj"])):
-                            for n in names[1:]:
-                                getattr(parent, n).codebooks = getattr(parent, names[0]).codebooks
+                    shared = {"additive": ("codebooks",), "residual": ("main", "res")}.get(_kind(K), ())
+                    for parent, names in ((layer.self_attn, GROUPS["qkv_proj"]), (layer.mlp, GROUPS["gate_up_proj"])):
+                        for n in names[1:]:
+                            for b in shared:
+                                setattr(getattr(parent, n), b, getattr(getattr(parent, names[0]), b))
                     fuse_projections(layer)
                 layer.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
                 layer.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -706,9 +707,6 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
 
         raise NoGPUError("decode_bench measures on a CUDA GPU and none is visible")
     cfg = llama_config(arch, **arch_overrides)
-    if any(fuses) and any(_kind(K) == "residual" for K in Ks):
-        raise ValueError("residual codebook layers do not fuse (trapetum.fuse stacks scalar and additive layers): "
-                         "measure them with fuse off")
     recs = []
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=g)

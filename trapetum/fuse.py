@@ -13,16 +13,16 @@ and ``v_proj`` (``gate_proj``, ``up_proj``) become :class:`ProjectionPart` views
 computes every output; a later part slices them only when it is handed the very tensor the first
 part was, and recomputes otherwise, so an unusual call order costs time, never a wrong answer.
 
-Additive (AQLM-style) layers share their codebooks across a layer's rows, so they fuse only when
-the parts' codebooks are equal (a group quantized jointly); an AQLM checkpoint's separate
-codebooks stay unfused and the report says why.
+Additive (AQLM-style) and residual (VPTQ-style) layers share their codebooks across a layer's rows,
+so they fuse only when the parts' codebooks (and a residual layer's input-channel norm) are equal: a
+group quantized jointly. An AQLM checkpoint's separate codebooks stay unfused and the report says why.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .qlinear import AdditiveQLinear, QLinear
+from .qlinear import AdditiveQLinear, QLinear, ResidualQLinear
 
 # fused name -> the projections it replaces, in the order transformers' Llama code calls them
 GROUPS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -83,7 +83,7 @@ def _why_not(mods: list[nn.Module]) -> str | None:
     if len(kinds) != 1:
         return "mixed layer types " + ", ".join(sorted(k.__name__ for k in kinds))
     kind = kinds.pop()
-    if kind not in (nn.Linear, QLinear, AdditiveQLinear):
+    if kind not in (nn.Linear, QLinear, AdditiveQLinear, ResidualQLinear):
         return f"{kind.__name__} layers are not fusable"
     if len({m.in_features for m in mods}) != 1:
         return "different in_features"
@@ -95,6 +95,11 @@ def _why_not(mods: list[nn.Module]) -> str | None:
     elif kind is QLinear:
         if len({m.K for m in mods}) != 1:
             return "different K"
+    elif kind is ResidualQLinear:
+        if len({m.K for m in mods}) != 1:
+            return "different codebook sizes"
+        if not all(_same(m, mods[0], ("main", "res", "norm_scale", "norm_bias")) for m in mods[1:]):
+            return "residual layers with different codebooks or norms (a group fuses only if quantized jointly)"
     else:
         # the codebooks buffer stays on the module when the kernel takes the codes: no rebuild needed
         if len({m.M for m in mods}) != 1:
@@ -102,6 +107,15 @@ def _why_not(mods: list[nn.Module]) -> str | None:
         if not all(torch.equal(m.codebooks, mods[0].codebooks) for m in mods[1:]):
             return "additive layers with different codebooks (a group fuses only if quantized jointly)"
     return None
+
+
+def _same(a: nn.Module, b: nn.Module, names: tuple[str, ...]) -> bool:
+    """Whether buffers ``names`` of a and b are equal (both None counts as equal)."""
+    for n in names:
+        x, y = getattr(a, n), getattr(b, n)
+        if (x is None) != (y is None) or (x is not None and not torch.equal(x, y)):
+            return False
+    return True
 
 
 @torch.no_grad()
@@ -116,7 +130,14 @@ def stack(mods: list[nn.Module]) -> nn.Module:
 def _stack(mods: list[nn.Module]) -> nn.Module:
     bias = None if mods[0].bias is None else torch.cat([m.bias for m in mods])
     first = mods[0]
-    if isinstance(first, AdditiveQLinear):
+    if isinstance(first, ResidualQLinear):
+        from .residual import ResidualTensor
+
+        ts = [m.codebook_tensor() for m in mods]
+        t = ResidualTensor(torch.cat([t.indices for t in ts]), ts[0].main, ts[0].res, first.in_features,
+                           sum(m.out_features for m in mods), ts[0].scale, ts[0].bias)
+        new = ResidualQLinear.from_residual(t, bias)
+    elif isinstance(first, AdditiveQLinear):
         from .additive import AdditiveTensor
 
         ts = [m.codebook_tensor() for m in mods]
