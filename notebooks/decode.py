@@ -99,7 +99,9 @@ df = report.load_decode(out if out is not None else results.DATA_DIR)
 # token embedding (`QEmbedding`: it saves memory, not time); every other row keeps them in fp16.
 # Rows named "residual 4096+256" store every projection as the residual (VPTQ-style) codebooks of
 # the vector-codebook chapter (`ResidualQLinear`, its tuned split or table kernel a shape), measured
-# on the compiled path and unfused: `trapetum.fuse` stacks scalar and additive layers only.
+# on the compiled path; fused, a q/k/v or gate/up group shares one codebook set (quantized jointly),
+# as an additive group does. The fused step runs them too, but around torch ops: their kernel takes
+# no norm, SiLU or residual add.
 
 # %%
 report.styled(report.decode_table(df))
