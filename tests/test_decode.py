@@ -133,6 +133,9 @@ def test_cli_generate_quantizes_to_a_vector_codebook_and_saves_it(tmp_path, caps
     first = capsys.readouterr().out
     assert decode.main(["generate", str(tmp_path / "q")] + args) == 0
     assert [l for l in first.splitlines() if not l.startswith("saved")][0] == capsys.readouterr().out.splitlines()[0]
+    # --fuse: the groups are quantized jointly, so every one of them fuses
+    assert decode.main(["generate", str(tmp_path / "fp"), "--quantize", scheme, "--fuse"] + args) == 0
+    assert "not fused" not in capsys.readouterr().out
 
 
 def test_cli_generate_quantizes_the_embedding_and_saves_it(tmp_path, capsys):

@@ -363,6 +363,31 @@ def test_quantize_save_load_round_trip_of_vector_codebook_models(tmp_path, K, cl
     assert isinstance(m2.model.layers[0].mlp.down_proj, nn.Linear)
 
 
+@pytest.mark.parametrize("K", ["A2", "R4096+256"])
+def test_joint_quantization_shares_codebooks_so_groups_fuse_after_a_reload(tmp_path, K):
+    from trapetum.fuse import fuse_projections
+
+    m = tiny_llama_256(seed=2)
+    s = quantize_model(m, K=K, iters=1, progress=False, joint=True, exclude=["*.up_proj"])
+    attn, mlp = m.model.layers[0].self_attn, m.model.layers[0].mlp
+    books = "codebooks" if K == "A2" else "main"
+    assert torch.equal(getattr(attn.k_proj, books), getattr(attn.q_proj, books)) and s["joint"]
+    assert not torch.equal(getattr(attn.o_proj, books), getattr(attn.q_proj, books))  # o is its own group
+    assert all(0 < e < 0.5 for e in s["rel_mse"].values()) and len(s["rel_mse"]) == 6
+    # gate/up: up excluded, so gate was quantized alone, and the group stays unfused
+    m2 = load_quantized(save_quantized(m, tmp_path / "q"))
+    report = fuse_projections(m2)
+    assert report["model.layers.0.self_attn.qkv_proj"] == "fused" and report["model.layers.0.mlp.gate_up_proj"] == "mixed layer types " + \
+        ", ".join(sorted(["Linear", type(mlp.gate_proj).__name__]))
+    ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(m2(ids).logits, m(ids).logits, rtol=1e-5, atol=1e-5)
+    # without joint, the separate codebooks keep the group unfused, and the report says why
+    u = tiny_llama_256(seed=2)
+    quantize_model(u, K=K, iters=1, progress=False)
+    assert "different codebooks" in fuse_projections(u)["model.layers.0.self_attn.qkv_proj"]
+
+
 def test_residual_layers_with_a_norm_round_trip(tmp_path):
     from trapetum.qlinear import ResidualQLinear
     from trapetum.residual import random_residual_tensor

@@ -490,8 +490,9 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
 
 
 def load(name: str, device=None, dtype=None, quantize: int | None = None, exclude=(), min_features: int = 0, progress=True,
-         embedding: bool = False):
-    """(model, tokenizer or None) from a saved quantized folder, a local model folder, a hub id or 'smollm2-135m'."""
+         embedding: bool = False, joint: bool = False):
+    """(model, tokenizer or None) from a saved quantized folder, a local model folder, a hub id or 'smollm2-135m'.
+    ``quantize``, ``exclude``, ``min_features``, ``embedding``, ``joint``: as :func:`trapetum.qlinear.quantize_model`."""
     from . import ppl
     from .qlinear import is_quantized_folder, load_quantized, quantize_model
 
@@ -513,7 +514,7 @@ def load(name: str, device=None, dtype=None, quantize: int | None = None, exclud
     model, tok = ppl.load_model(name, dtype=dtype)
     if quantize:
         quantize_model(model, K=quantize, exclude=exclude, min_features=min_features, progress=progress, embedding=embedding,
-                       device=device if torch.device(device).type == "cuda" else None)
+                       device=device if torch.device(device).type == "cuda" else None, joint=joint)
     return model.to(device).eval(), tok
 
 
@@ -842,8 +843,9 @@ def _generate_cmd(args) -> int:
         raise SystemExit("--quantize-embedding goes with --quantize (the embedding takes the projections' K)")
     if args.quantize_embedding and not isinstance(K, int):
         raise SystemExit(f"--quantize-embedding takes a scalar codebook (K16, K64, K256), not {K}")
+    # --fuse: vector-codebook groups quantized jointly, since layers with separate codebooks do not fuse
     model, tok = load(args.model, device=args.device, quantize=K, exclude=tuple(args.exclude or ()), min_features=args.min_features,
-                      embedding=args.quantize_embedding)
+                      embedding=args.quantize_embedding, joint=args.fuse)
     if args.save:
         from .qlinear import save_quantized
 
@@ -949,7 +951,8 @@ def main(argv=None) -> int:
     g.add_argument("--save", default=None, help="write the quantized model to this folder")
     g.add_argument("--device", default=None)
     g.add_argument("--no-energy", action="store_true")
-    g.add_argument("--fuse", action="store_true", help="fuse q/k/v and gate/up into one layer each (after --save: the saved format is unfused)")
+    g.add_argument("--fuse", action="store_true", help="fuse q/k/v and gate/up into one layer each (after --save: the saved format is "
+                   "unfused); with --quantize A2/A4/R..., each group is quantized jointly (one codebook set) so that it can fuse")
     g.set_defaults(func=_generate_cmd)
     c = sub.add_parser("check", help="graphed vs eager: greedy tokens and logits of the same model must match")
     c.add_argument("model", help="as for generate (smollm2-135m is the offline real model)")

@@ -448,18 +448,41 @@ def _quantize_linear(lin: nn.Linear, K, iters: int | None, seed: int, device) ->
     if kind == "scalar":
         q, rep = QLinear.from_linear(lin, K=params[0], iters=25 if iters is None else iters, seed=seed, device=device)
         return q, rep.rel_mse
-    W = lin.weight.detach().float().to(device or lin.weight.device)
-    bias = lin.bias
+    return _quantize_group([lin], K, iters, seed, device)[0]
+
+
+def _quantize_group(lins: list[nn.Linear], K, iters: int | None, seed: int, device) -> list[tuple[QLinear, float]]:
+    """Vector-codebook layers that read the same input (a layer's q/k/v, its gate/up) quantized as one
+    weight, their rows stacked: one codebook set for the group, which :mod:`trapetum.fuse` needs to fuse
+    them. Returns each part's layer (on its weight's device) and relative weight MSE."""
+    kind, params = parse_scheme(K)
+    dev = lins[0].weight.device
+    W = torch.cat([lin.weight.detach().float() for lin in lins]).to(device or dev)
     kw = dict(seed=seed, progress=False) | ({} if iters is None else {"iters": iters})  # else the quantizer's own default
     if kind == "additive":
-        from .additive import quantize_additive
+        from .additive import AdditiveTensor, quantize_additive
 
         t, rep = quantize_additive(W, M=params[0], **kw)
-        return AdditiveQLinear.from_additive(t.to(lin.weight.device), bias), rep.rel_mse
-    from .residual import quantize_residual
+        t = t.to(dev)
+        rows = lambda r0, r1, b: AdditiveQLinear.from_additive(AdditiveTensor(t.codes[r0:r1], t.codebooks, t.scales[r0:r1]), b)
+    elif kind == "residual":
+        from .residual import ResidualTensor, quantize_residual
 
-    t, rep = quantize_residual(W, *params, **kw)
-    return ResidualQLinear.from_residual(t.to(lin.weight.device), bias), rep.rel_mse
+        t, rep = quantize_residual(W, *params, **kw)
+        t = t.to(dev)
+        rows = lambda r0, r1, b: ResidualQLinear.from_residual(
+            ResidualTensor(t.indices[r0:r1], t.main, t.res, t.in_features, r1 - r0, t.scale, t.bias), b)
+    else:
+        raise ValueError(f"scheme {K!r}: only vector codebooks (additive, residual) are quantized as a group")
+    if len(lins) == 1:
+        return [(rows(0, lins[0].out_features, lins[0].bias), rep.rel_mse)]
+    out, r0 = [], 0
+    for lin in lins:
+        q = rows(r0, r0 + lin.out_features, lin.bias)
+        w = lin.weight.detach().float()
+        out.append((q, float((q.dequantize(torch.float32).to(w.device) - w).pow(2).sum() / w.pow(2).sum().clamp_min(1e-30))))
+        r0 += lin.out_features
+    return out
 
 
 class QEmbedding(nn.Module):
@@ -540,7 +563,7 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, iters: int | None = None, seed: int = 0,
-                   device=None, progress: bool = True, embedding: bool = False) -> dict:
+                   device=None, progress: bool = True, embedding: bool = False, joint: bool = False) -> dict:
     """Replace every decoder projection (nn.Linear in model.model.layers) by a QLinear, in place.
 
     ``K`` is the scheme (:func:`parse_scheme`): 16, 64, 256 (or "K16"...) for scalar codebooks (a
@@ -555,8 +578,11 @@ def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, 
     in_features the packing cannot take are kept and reported. lm_head always stays; the token
     embedding too unless ``embedding`` (then a :class:`QEmbedding` with the same K; on a model whose
     lm_head shares the embedding's weight, the head keeps that weight in fp16 and the tie ends).
-    ``device``: where k-means runs (default: the weight's device). Returns the quantization
-    summary, also kept as ``model.trapetum_quant`` (what save_quantized writes).
+    ``device``: where k-means runs (default: the weight's device). ``joint``: each layer's q/k/v, and
+    its gate/up, quantized as one weight a group (rows stacked, one codebook set) where all of a group
+    is quantized, so that additive and residual layers fuse afterwards (:mod:`trapetum.fuse`: layers
+    with separate codebooks do not); scalar codebooks are per row and fuse either way. Returns the
+    quantization summary, also kept as ``model.trapetum_quant`` (what save_quantized writes).
     """
     from tqdm.auto import tqdm
 
@@ -570,23 +596,25 @@ def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, 
         exclude = (exclude,)
     linears = decoder_linears(model)
     layers, excluded, rel_mse = {}, {}, {}
-    for name, lin in tqdm(linears.items(), desc=f"quantize K={K}", disable=not progress):
-        reason = None
+    for name, lin in linears.items():
         if any(fnmatch.fnmatchcase(name, p) for p in exclude):
-            reason = "excluded by pattern"
+            excluded[name] = "excluded by pattern"
         elif min(lin.in_features, lin.out_features) < min_features:
-            reason = f"smaller than min_features={min_features}"
+            excluded[name] = f"smaller than min_features={min_features}"
         else:
             try:
                 check_scheme_in_features(K, lin.in_features)
             except ValueError as e:
-                reason = str(e)
-        if reason:
-            excluded[name] = reason
-            continue
-        q, rel_mse[name] = _quantize_linear(lin, K, iters, seed, device)
-        _set_submodule(model, name, q)
-        layers[name] = layer_spec(q)
+                excluded[name] = str(e)
+    units = _quantize_units([n for n in linears if n not in excluded], linears, joint and kind != "scalar")
+    with tqdm(total=len(linears) - len(excluded), desc=f"quantize K={K}", disable=not progress) as bar:
+        for names in units:
+            done = (_quantize_group([linears[n] for n in names], K, iters, seed, device) if len(names) > 1
+                    else [_quantize_linear(linears[names[0]], K, iters, seed, device)])
+            for name, (q, rel_mse[name]) in zip(names, done):
+                _set_submodule(model, name, q)
+                layers[name] = layer_spec(q)
+            bar.update(len(names))
     embeddings = {}
     if embedding:
         emb = model.get_input_embeddings()
@@ -595,9 +623,32 @@ def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, 
         _set_submodule(model, name, q)
         embeddings[name] = q.spec()
         rel_mse[name] = rep.rel_mse
-    summary = {"K": K, "layers": layers, "excluded": excluded, "embeddings": embeddings}
+    summary = {"K": K, "layers": layers, "excluded": excluded, "embeddings": embeddings, "joint": bool(joint and kind != "scalar")}
     model.trapetum_quant = summary
     return {**summary, "rel_mse": rel_mse}
+
+
+def _quantize_units(names: list[str], linears: dict, joint: bool) -> list[tuple[str, ...]]:
+    """The order layers are quantized in: one name at a time, or with ``joint`` a fusable group's
+    names together (:data:`trapetum.fuse.GROUPS`, all of it quantized, one input size, all with a
+    bias or none)."""
+    if not joint:
+        return [(n,) for n in names]
+    from .fuse import GROUPS
+
+    todo, units = set(names), []
+    for n in names:
+        if n not in todo:
+            continue
+        parent, _, child = n.rpartition(".")
+        group = next((tuple(f"{parent}.{c}" for c in g) for g in GROUPS.values() if g[0] == child), (n,))
+        lins = [linears.get(m) for m in group]
+        if (len(group) == 1 or not all(m in todo for m in group) or len({lin.in_features for lin in lins}) != 1
+                or len({lin.bias is None for lin in lins}) != 1):
+            group = (n,)
+        units.append(group)
+        todo -= set(group)
+    return units
 
 
 # -- save / load ---------------------------------------------------------------------------------
