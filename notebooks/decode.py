@@ -112,7 +112,7 @@ report.styled(report.decode_table(df))
 # Graphed decode only. Look at how the 4-bit model's lead over fp16 compares with the kernel
 # speedups of the previous chapter, and at which models fit under one GPU's memory.
 
-# %% mystnb={"figure": {"caption": "Decode on the fastest of the graphed paths (graphed, compiled or fused-step), batch 1: tokens per second (left) and peak VRAM (right), fp16 beside the codebook schemes. Random weights, real Llama-2 architectures.", "name": "fig-decode"}}
+# %% mystnb={"figure": {"caption": "Decode on the fastest of the graphed paths (graphed, compiled or fused-step), batch 1: tokens per second (top) and peak VRAM (bottom) of every scheme, one column a GPU, one colour a model. Random weights, real Llama-2 architectures.", "name": "fig-decode"}}
 report.fig_decode(df)
 
 # %% [markdown]
@@ -122,7 +122,7 @@ report.fig_decode(df)
 # schemes. Up and to the left is better in the speed panel, down and to the left in the memory
 # panel. A 70B model has no fp16 point: it does not fit on one GPU.
 
-# %% mystnb={"figure": {"caption": "Bits per weight against decode tok/s on the fastest graphed path (left) and peak VRAM (right), batch 1. Random weights, real Llama-2 architectures.", "name": "fig-decode-pareto"}}
+# %% mystnb={"figure": {"caption": "Bits per weight against decode tok/s on the fastest graphed path (left) and peak VRAM (right), batch 1: one point per scheme family, its fastest variant (LM head and embedding options; the table above has every row). Random weights, real Llama-2 architectures.", "name": "fig-decode-pareto"}}
 report.fig_decode_pareto(df)
 
 # %% [markdown]

@@ -445,6 +445,13 @@ def test_decode_chapter_reads_every_run_and_keeps_the_newest_per_model(tmp_path)
     _check_figure(report.fig_decode(df))
     pareto = _check_figure(report.fig_decode_pareto(df), 2)
     assert sorted(pareto[0].lines[0].get_xdata()) == [4.0, 16.0]  # one point per scheme, at its bits per weight
+    # a scheme's LM-head variant is the same family: one point, the faster of the two, and one label
+    head = df[df["scheme"] == "4-bit K=16"].assign(scheme="4-bit K=16, LM head 4-bit K=16", tok_s=lambda x: x["tok_s"] * 1.1)
+    pareto = _check_figure(report.fig_decode_pareto(pd.concat([df, head], ignore_index=True)), 2)
+    line = pareto[0].lines[0]
+    assert line.get_label().endswith("llama-2-13b")  # lines in (GPU, model) order
+    assert sorted(line.get_xdata()) == [4.0, 16.0] and max(line.get_ydata()) == pytest.approx(head.set_index("model").loc["llama-2-13b", "tok_s"])
+    assert sorted(t.get_text() for t in pareto[0].texts) == ["4-bit K=16", "fp16"]
     with pytest.raises(report.NoRecordedDataError):
         report.load_decode(tmp_path / "none")
 

@@ -1105,34 +1105,39 @@ def best_graphed(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def fig_decode(df: pd.DataFrame) -> Figure:
-    """Graphed decode: tok/s and peak VRAM by model, fp16 beside 4-bit, one bar group per GPU."""
+    """Graphed decode: tok/s (top row) and peak VRAM (bottom row) of every scheme, one column a GPU,
+    one bar colour a model (horizontal bars: the scheme names are long, and there are many)."""
+    import seaborn as sns
+
     d = best_graphed(df)
     models = sorted(d["model"].unique(), key=lambda m: float(str(m).split("-")[-1].rstrip("b") or 0))
-    series = sorted(d[["gpu_label", "scheme"]].drop_duplicates().itertuples(index=False))
+    gpus = sorted(d["gpu_label"].unique())
+    # fp16 first, then the codebook schemes by name (a scheme and its head / embedding variants together)
+    order = sorted(d["scheme"].unique(), key=lambda x: (x != "fp16", x))
+    palette = dict(zip(models, sns.color_palette("colorblind", len(models))))
     with _style():
-        fig = Figure(figsize=(11, 4.2))
-        axes = fig.subplots(1, 2)
-        w = 0.8 / max(1, len(series))
-        for i, (gpu, scheme) in enumerate(series):
-            s = d[(d["gpu_label"] == gpu) & (d["scheme"] == scheme)].drop_duplicates("model").set_index("model")
-            x = np.arange(len(models)) + (i - (len(series) - 1) / 2) * w
-            hatch = "" if scheme == "fp16" else "//"
-            gpus = sorted({g for g, _ in series})
-            for ax, col in zip(axes, ("tok_s", "vram_gb")):
-                # one colour a GPU, hatched for the codebook scheme, plain for fp16
-                ax.bar(x, [s[col].get(m, np.nan) for m in models], w, label=f"{gpu}, {scheme}",
-                       color=_GPU_COLORS[gpus.index(gpu) % len(_GPU_COLORS)], alpha=1.0 if hatch else 0.55,
-                       hatch=hatch, edgecolor="white")
-        for ax, label, title in zip(axes, ("decode tok/s (faster graphed path, batch 1)", "peak VRAM (GB)"), ("Speed", "Memory")):
-            ax.set_xticks(np.arange(len(models)), models)
-            ax.set_xlabel("model (random weights)")
-            ax.set_ylabel(label)
-            ax.set_title(title)
-        axes[1].axhline(80, color="0.3", ls=":", lw=1)
-        axes[1].annotate("80 GB (one H100)", (0, 80), xytext=(2, 3), textcoords="offset points", fontsize=8)
-        axes[0].legend(fontsize=8, frameon=False)
+        fig = Figure(figsize=(6.5 * len(gpus) + 2.5, 2.2 + 0.62 * len(order) * len(models) ** 0.5))
+        axes = fig.subplots(2, len(gpus), squeeze=False, sharey=True)
+        for j, gpu in enumerate(gpus):
+            g = d[d["gpu_label"] == gpu]
+            for i, (col, label, what) in enumerate((("tok_s", "decode tok/s (fastest graphed path, batch 1)", "speed"),
+                                                     ("vram_gb", "peak VRAM (GB)", "memory"))):
+                ax = axes[i, j]
+                sns.barplot(data=g, y="scheme", x=col, hue="model", order=order, hue_order=models, palette=palette,
+                            orient="h", ax=ax, legend=(i == 0 and j == 0))
+                ax.set_xlabel(label)
+                ax.set_ylabel("" if j else "scheme")
+                ax.set_title(f"{gpu}: {what}")
+                if col == "vram_gb" and "80GB" in gpu.replace(" ", ""):
+                    ax.axvline(80, color="0.3", ls=":", lw=1)
+                    ax.annotate("80 GB", (80, 0), xytext=(-30, -2), textcoords="offset points", fontsize=8, va="top")
+        leg = axes[0, 0].get_legend()
+        if leg is not None:
+            leg.remove()
+            fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="lower center", ncol=len(models), frameon=False,
+                       title="model (random weights); no bar: not measured or did not fit")
         fig.suptitle("Random weights, real Llama-2 architectures", fontsize=10)
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 
 
@@ -1798,10 +1803,14 @@ def fig_vq_floor(df: pd.DataFrame) -> Figure:
 
 
 def fig_decode_pareto(df: pd.DataFrame) -> Figure:
-    """Bits per weight against graphed tok/s (left) and peak VRAM (right): one line per GPU and model."""
+    """Bits per weight against graphed tok/s (left) and peak VRAM (right): one line per GPU and model,
+    one point per scheme family (its fastest variant of LM head and embedding; the table has them all),
+    each family named once a panel."""
     d = best_graphed(df).copy()
     bits = d["bits_per_weight"] if "bits_per_weight" in d else pd.Series(np.nan, index=d.index)
     d["bits"] = bits.fillna(d["bits_per_weight_codes"]).astype(float)
+    d["family"] = d["scheme"].str.split(",").str[0]  # "4-bit K=16, LM head 4-bit K=16" -> "4-bit K=16"
+    d = d.sort_values("tok_s").drop_duplicates(["gpu_label", "model", "family"], keep="last")
     lines = sorted(d[["gpu_label", "model"]].drop_duplicates().itertuples(index=False))
     gpus = sorted(d["gpu_label"].unique())
     models = sorted(d["model"].unique())
@@ -1813,9 +1822,11 @@ def fig_decode_pareto(df: pd.DataFrame) -> Figure:
             for ax, col in zip(axes, ("tok_s", "vram_gb")):
                 ax.plot(s["bits"], s[col], marker=_MARKERS[models.index(model) % len(_MARKERS)],
                         color=_GPU_COLORS[gpus.index(gpu) % len(_GPU_COLORS)], label=f"{gpu}, {model}")
-                for _, r in s.iterrows():
-                    ax.annotate(r["scheme"], (r["bits"], r[col]), xytext=(4, 4), textcoords="offset points", fontsize=7)
-        for ax, label, title in zip(axes, ("decode tok/s (faster graphed path, batch 1)", "peak VRAM (GB)"), ("Speed", "Memory")):
+        for ax, col in zip(axes, ("tok_s", "vram_gb")):
+            for fam, f in d.dropna(subset=[col]).groupby("family"):
+                top = f.loc[f[col].idxmax()]
+                ax.annotate(fam, (top["bits"], top[col]), xytext=(4, 4), textcoords="offset points", fontsize=8)
+        for ax, label, title in zip(axes, ("decode tok/s (fastest graphed path)", "peak VRAM (GB)"), ("Speed, batch 1", "Memory")):
             ax.set_xscale("log", base=2)
             ax.set_xticks([2, 3, 4, 8, 16], ["2", "3", "4", "8", "16"])
             ax.set_xlim(1.7, 20)
