@@ -431,6 +431,12 @@ def _color(scheme, i=0) -> str:
     return _SCHEME_COLORS.get(scheme, f"C{(i + 4) % 10}")
 
 
+# Colour says the scheme; these tell the kernels of one scheme apart (ours plain, the C++ counterparts
+# hatched and dashed), since a scheme's kernels share its colour.
+_KERNEL_HATCHES = {"lut": "", "cuda_cpp_4bit": "//", "cuda_cpp_4bit_mma": "..", "cuda_cpp_u8": "xx"}
+_KERNEL_LINES = {"lut": ("-", "o"), "cuda_cpp_4bit": ("--", "D"), "cuda_cpp_4bit_mma": (":", "v"), "cuda_cpp_u8": ("-.", "P")}
+
+
 def _shared_legend(fig: Figure, axes, ncols: int) -> None:
     """One legend under the panels, each label once, whichever panel drew it first."""
     seen = {}
@@ -567,7 +573,7 @@ def fig_speedup_by_shape(df: pd.DataFrame, kernels=PRODUCT_KERNELS) -> Figure:
                 here = [sh for sh in shapes if sh in s.index]
                 color = _color(scheme, i)
                 ax.bar(xs, s.loc[here, "speedup"], width=width * 0.92, color=color, label=series_label(kern, scheme),
-                       edgecolor="white", linewidth=0.5)
+                       hatch=_KERNEL_HATCHES.get(kern, ""), edgecolor="white", linewidth=0.5)
                 ax.hlines(s.loc[here, "ceiling"], xs - width * 0.46, xs + width * 0.46, colors=color,
                           linestyles="--", linewidth=2)
             ax.axhline(1.0, color="black", linewidth=1, linestyle=":")
@@ -577,13 +583,11 @@ def fig_speedup_by_shape(df: pd.DataFrame, kernels=PRODUCT_KERNELS) -> Figure:
             ax.set_xlabel("Weight shape (in_features x out_features), smallest to largest")
             ax.set_ylabel("Speedup vs torch fp16 (x)")
             ax.set_title(f"{gpu_label(gpu)}: batch 1, {MEASURED}")
-            handles, labels = ax.get_legend_handles_labels()
-            handles += [Line2D([], [], color="gray", linestyle="--", linewidth=2),
-                        Line2D([], [], color="black", linestyle=":")]
-            labels += ["ceiling: fp16 bytes / our bytes", "parity with fp16"]
-            ax.legend(handles, labels, loc="upper left", frameon=True, ncols=2)
+            ax.plot([], [], color="gray", linestyle="--", linewidth=2, label="ceiling: fp16 bytes / our bytes")
+            ax.plot([], [], color="black", linestyle=":", label="parity with fp16")
             top = np.nanmax(np.r_[g["ceiling"].to_numpy(), g["speedup"].to_numpy(), 1.0])
-            ax.set_ylim(0, top * 1.35)
+            ax.set_ylim(0, top * 1.1)
+        _shared_legend(fig, axes, ncols=3)  # below the panels: inside, it covered the small shapes' ceilings
         fig.suptitle("Speedup over fp16 by weight shape, against the byte-ratio ceiling")
     return fig
 
@@ -827,7 +831,8 @@ def fig_batch(df: pd.DataFrame) -> Figure:
             ax.plot(fp16["batch"], fp16["fp16_ms"] * 1e3, marker="s", color=_color("dense fp16"), label="torch fp16 (cuBLAS)")
             for i, (kern, s) in enumerate(g.groupby("kernel", sort=False)):
                 label = f"{kern}, {s['scheme'].iloc[0]}" + (" (fused)" if kern != "dequant+cublas" else "")
-                ax.plot(s["batch"], s["time_ms"] * 1e3, marker="o" if kern != "dequant+cublas" else "^",
+                ls, marker = _KERNEL_LINES.get(kern, ("-", "^"))
+                ax.plot(s["batch"], s["time_ms"] * 1e3, marker=marker, linestyle=ls,
                         color=_color(FOUR_BIT) if kern != "dequant+cublas" else "#9467bd", label=label)
             fused = g[g["kernel"] != "dequant+cublas"]["batch"]
             deq = g[g["kernel"] == "dequant+cublas"]["batch"]
