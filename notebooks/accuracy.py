@@ -74,9 +74,7 @@ import platform
 import shlex
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import pandas as pd
-import seaborn as sns
 import torch
 from IPython.display import Markdown, display
 from tqdm.std import TqdmWarning
@@ -185,26 +183,9 @@ if len(not_run):
 # beats with fewer bits *and* lower perplexity; the dashed line is the reference.
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [2, 1]})
-for ax, cls in zip(axes, ["4-bit", "2-bit"]):
-    d = df[df["bit class"] == cls]
-    if d.empty:
-        ax.set_visible(False)
-        continue
-    sns.scatterplot(data=d, x="bits_per_weight", y="ppl", hue="kind", style="kind", s=80, ax=ax)
-    front = pipelines.pareto_front(d)
-    ax.plot(front.bits_per_weight, front.ppl, color="0.4", lw=1, zorder=0)
-    for _, r in d.iterrows():
-        ax.annotate(r.label, (r.bits_per_weight, r.ppl), fontsize=7, xytext=(4, 2), textcoords="offset points")
-    ax.axhline(ref.ppl, ls="--", color="k", lw=1, label="reference")
-    ax.set_yscale("log")
-    ax.set_xlabel("bits per weight (incl. scales and codebooks)")
-    ax.set_ylabel("WikiText-2 perplexity")
-    ax.set_title(f"{cls} schemes")
-    ax.legend(fontsize=8)
-fig.suptitle(f"{model}: stride {int(ref.stride)}, {int(ref.tokens):,} tokens; reference = "
-             + ("Q4_1-dequantized model" if model == "smollm2-135m" else model), fontsize=10)
-fig.tight_layout()
+pipelines.pareto_figure([(f"{cls} schemes", df[df["bit class"] == cls]) for cls in ("4-bit", "2-bit") if (df["bit class"] == cls).any()],
+                        ref.ppl, f"{model}: stride {int(ref.stride)}, {int(ref.tokens):,} tokens; reference = "
+                        + ("Q4_1-dequantized model" if model == "smollm2-135m" else model))
 
 # %% [markdown]
 # ## Negative results: what was tried to close the gap, and what it did
@@ -336,6 +317,23 @@ if not gpu_runs:
 residual_line = pipelines.residual_note(gpu_runs)
 if residual_line:
     display(Markdown(f"*{residual_line}*"))
+
+# %% [markdown]
+# The GPU runs on one figure: every run scored the same full text against the same reference, so
+# their rows share one axis. Each scheme appears once, with its best perplexity over the runs (the
+# tables above give every run's row and its full spec); the 2-bit vector codebooks are here, beside
+# GPTQ and hqq at 2 bits and the 4-bit pipelines.
+
+# %%
+gpu_best = pipelines.best_rows(gpu_runs)
+if gpu_best is None:
+    display(Markdown("*No GPU accuracy run is recorded for this model.*"))
+else:
+    g_rows, g_ref, left_out = gpu_best
+    if left_out:
+        display(Markdown(f"*Left out (another reference): {', '.join(left_out)}.*"))
+    display(pipelines.pareto_figure([("the GPU runs, full text", g_rows)], g_ref.ppl,
+                                    f"{model}: {pipelines.run_scope(g_ref, 'the GPU runs')}", label="short label"))
 cpu_vq_path = folder / f"{results.slug(model)}-additive.json"
 gpu_vq = [r for _, _, g_run, _ in gpu_runs for _, r in g_run[(g_run.scheme == "additive") & g_run.get("finetune", pd.Series(None, index=g_run.index, dtype=object)).isna()].iterrows()]
 if gpu_vq and cpu_vq_path.is_file():

@@ -109,6 +109,36 @@ def test_residual_note_counts_the_codebooks_and_sets_the_row_beside_the_best_add
     assert rows["bit class"].tolist() == ["2.5-bit", "4-bit"]  # not folded into the 2-bit class
 
 
+def test_best_rows_and_the_pareto_figure_of_several_runs(tmp_path):
+    import pandas as pd
+
+    def run(ref, *rows):
+        return pd.DataFrame([{"scheme": "reference", "label": "reference", "ppl": ref, "bits": None, "bits_per_weight": None,
+                              "tokens": 1000, "stride": 2048, "token_budget": None}, *rows])
+
+    add = {"scheme": "additive", "label": "additive:iters=4", "ppl": 80.0, "bits": 2.0, "bits_per_weight": 2.15, "finetune": None}
+    add_ft = {**add, "label": "additive:ft_epochs=2", "ppl": 60.0, "finetune": {"epochs": 2}}
+    gptq = {"scheme": "gptq", "label": "gptq:bits=2", "ppl": 900.0, "bits": 2.0, "bits_per_weight": 2.33, "finetune": None}
+    hqq = {"scheme": "hqq", "label": "hqq", "ppl": 22.0, "bits": 4.0, "bits_per_weight": 4.33, "finetune": None, "peer": "hqq"}
+    awq = {"scheme": "awq", "label": "awq", "ppl": 21.5, "bits": 4.0, "bits_per_weight": 4.35, "finetune": None}
+    runs = [(tmp_path / f"m-gpu-{k}.json", {}, r, r.iloc[0]) for k, r in (
+        ("a", run(20.0, add, gptq)), ("b", run(20.0, {**add, "ppl": 70.0}, add_ft, hqq, awq)), ("c", run(19.0, awq)))]
+    assert P.best_rows([]) is None
+    rows, ref, left = P.best_rows(runs[:2])
+    assert left == [] and ref.ppl == 20.0
+    assert dict(zip(rows["short label"], rows["ppl"])) == {"additive": 70.0, "additive + fine-tuning": 60.0, "gptq 2-bit": 900.0,
+                                                           "hqq": 22.0, "awq": 21.5}  # each once, its best run
+    rows, ref, left = P.best_rows([runs[2], runs[0], runs[1]])  # the newest (last) run's reference decides
+    assert left == ["m-gpu-c.json"] and len(rows) == 5
+    fig = P.pareto_figure([("all", rows)], ref.ppl, "title", label="short label")
+    (ax,) = fig.axes
+    assert ax.get_yscale() == "log" and sorted(t.get_text() for t in ax.texts) == sorted(rows["short label"])
+    (front,) = [ln for ln in ax.lines if ln.get_color() == "0.4"]  # the Pareto front: nothing beats these on both
+    assert list(front.get_xdata()) == [2.15, 4.33, 4.35] and list(front.get_ydata()) == [60.0, 22.0, 21.5]
+    four = P.pareto_figure([("4-bit", rows[rows.bits == 4]), ("2-bit", rows[rows.bits == 2])], ref.ppl, "t")
+    assert [a.get_yscale() for a in four.axes] == ["linear", "log"]  # 20-22 would show no labelled log tick
+
+
 def naive_gptq(W, H, group_size, damp=0.01):
     """GPTQ as the paper's equations, one column at a time over the whole matrix (no blocks, no act-order)."""
     W = W.float().clone()

@@ -1641,3 +1641,78 @@ def pareto_front(df, x: str = "bits_per_weight", y: str = "ppl") -> "pd.DataFram
             keep.append(i)
             best = r[y]
     return d.loc[keep]
+
+
+def short_label(r) -> str:
+    """A row's name on a figure: the scheme, "2-bit" for the grid schemes' 2-bit rows, "+ fine-tuning"
+    when fine-tuned (the tables give the full spec)."""
+    name = r["scheme"] + (" 2-bit" if r.get("bits") == 2 and r["scheme"] in TWO_BIT_PEERS else "")
+    return name + (" + fine-tuning" if isinstance(r.get("finetune"), dict) else "")
+
+
+def _name_points(ax, d, label: str, line_pt: float = 9.0) -> None:
+    """Each row's name beside its point; a name that would print over one already placed (points of
+    equal bits and close perplexity) moves up a line until it does not, with a thin line to its point."""
+    pt = ax.figure.dpi / 72  # display pixels a typographic point
+    placed = []
+    for _, r in d.sort_values(["bits_per_weight", "ppl"]).iterrows():
+        x, y = ax.transData.transform((r.bits_per_weight, r.ppl))
+        dy = 2.0
+        while any(abs(x - px) < 60 * pt and abs(y + dy * pt - py) < line_pt * pt for px, py in placed):
+            dy += line_pt
+        placed.append((x, y + dy * pt))
+        lead = dict(arrowstyle="-", color="0.6", lw=0.5, shrinkA=0, shrinkB=4) if dy > 2 else None  # a moved name points home
+        ax.annotate(r[label], (r.bits_per_weight, r.ppl), fontsize=7, xytext=(4, dy), textcoords="offset points", arrowprops=lead)
+
+
+def pareto_figure(panels: list[tuple[str, "pd.DataFrame"]], ref_ppl: float, title: str, label: str = "label"):
+    """Perplexity against bits per weight, one panel per (title, rows of :func:`scheme_rows`): ours, the
+    peer and the RTN baseline by marker, the rows no other beats on both joined, each row named (column
+    ``label``), the reference dashed; a log axis where perplexity spans more than 10x. Returns the Figure."""
+    import matplotlib as mpl
+    import seaborn as sns
+    from matplotlib.figure import Figure
+
+    kinds = ["ours", "peer (hqq)", "baseline (RTN)"]
+    widths = [2 if d["bits_per_weight"].max() - d["bits_per_weight"].min() > 0.5 else 1 for _, d in panels]
+    fig = Figure(figsize=(4.5 + 4 * sum(widths), 4.8), layout="constrained")
+    axes = fig.subplots(1, len(panels), squeeze=False, gridspec_kw={"width_ratios": widths})[0]
+    for ax, (name, d) in zip(axes, panels):
+        here = [k for k in kinds if k in set(d["kind"])]
+        sns.scatterplot(data=d, x="bits_per_weight", y="ppl", hue="kind", style="kind", hue_order=here, style_order=here,
+                        s=80, ax=ax)
+        front = pareto_front(d)
+        ax.plot(front.bits_per_weight, front.ppl, color="0.4", lw=1, zorder=0)
+        ax.axhline(ref_ppl, ls="--", color="k", lw=1, label="reference")
+        if max(d["ppl"].max(), ref_ppl) / min(d["ppl"].min(), ref_ppl) > 10:  # else a log axis shows no labelled tick
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(mpl.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))  # 20, not 2 x 10^1
+            ax.yaxis.set_minor_formatter(mpl.ticker.NullFormatter())
+        lo, hi = d["bits_per_weight"].min(), d["bits_per_weight"].max()
+        ax.set_xlim(lo - 0.02 - 0.1 * (hi - lo), hi + 0.08 + 0.3 * (hi - lo))  # room for the names
+        ax.set_xlabel("bits per weight (incl. scales and codebooks)")
+        ax.set_ylabel("WikiText-2 perplexity")
+        ax.set_title(name)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.draw_without_rendering()  # the layout first: names are kept apart in display space
+    for ax, (_, d) in zip(axes, panels):
+        _name_points(ax, d, label)
+    return fig
+
+
+def best_rows(runs: list[tuple]) -> tuple["pd.DataFrame", object, list[str]] | None:
+    """The measured rows of several runs (:func:`recorded_runs`) on one figure: those of the runs whose
+    reference perplexity is the newest run's (same model, text and tokens, to 1e-6 relative), each
+    :func:`short_label` once with its lowest perplexity. Returns (rows, that reference row, the file
+    names of the runs left out), or None without runs."""
+    import pandas as pd
+
+    if not runs:
+        return None
+    ref = runs[-1][3]
+    same = [r for r in runs if abs(r[3].ppl / ref.ppl - 1) < 1e-6 and int(r[3].tokens) == int(ref.tokens)]
+    rows = pd.concat([scheme_rows(run, rref) for _, _, run, rref in same], ignore_index=True)
+    rows["short label"] = rows.apply(short_label, axis=1)
+    rows = rows.sort_values("ppl").drop_duplicates("short label").sort_values("bits_per_weight")
+    return rows, ref, [p.name for p, _, _, _ in runs if not any(p is q for q, _, _, _ in same)]
