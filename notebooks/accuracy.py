@@ -163,6 +163,11 @@ display(Markdown(f"**Setting.** {setting()} Recorded {prov.get('date')} at commi
 # calibration Hessian H, and the group's weights are rounded again (two rounds). A group keeps the
 # refit only where its output error falls. It stores what `awq` stores, so its bits per weight are
 # those of `awq`.
+#
+# The deployable layers (`QLinear`, run by the fused kernels) are quantized the way the `kmeans-act`
+# row is with `quantize_model(model, K=16, calib=ids)` or `trapetum generate --quantize K16 --calibrate N`:
+# a test checks that the two give the same weights. Without calibration they are the `kmeans` row; the
+# line under the table gives both rows from the newest recorded run that measured both.
 
 # %%
 cols = ["label", "title", "bit class", "bits_per_weight", "ppl", "vs reference (%)", "quantize_seconds"]
@@ -171,6 +176,9 @@ table = df.sort_values(["bits", "ppl"], ascending=[False, True])[cols].rename(co
 display(Markdown(f"*{setting()}*"))
 display(table.style.format({"bits/weight (incl. scales, codebooks)": "{:.3f}", "PPL": "{:.2f}", "vs reference (%)": "{:+.1f}",
                             "quantize (s)": "{:.0f}"}).hide(axis="index"))
+gain = pipelines.calibration_gain(pipelines.recorded_runs(folder, model, "."))
+if gain:
+    display(Markdown(f"*What calibrating the deployable codebooks buys: {gain}*"))
 if len(not_run):
     why = sorted(set(not_run.skipped.dropna())) if "skipped" in not_run else []
     display(Markdown("**Requested but not measured in this run:** " + ", ".join(f"`{x}`" for x in not_run.label)

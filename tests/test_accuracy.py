@@ -139,6 +139,21 @@ def test_best_rows_and_the_pareto_figure_of_several_runs(tmp_path):
     assert [a.get_yscale() for a in four.axes] == ["linear", "log"]  # 20-22 would show no labelled log tick
 
 
+def test_calibration_gain_reads_the_newest_run_with_both_kmeans_rows(tmp_path):
+    import pandas as pd
+
+    def run(*rows):
+        return pd.DataFrame([{"scheme": "reference", "label": "reference", "ppl": 20.0, "bits": None, "bits_per_weight": None,
+                              "tokens": 4096, "stride": 2048}, *rows])
+
+    km = {"scheme": "kmeans", "label": "kmeans", "ppl": 80.0, "bits": 4.0, "bits_per_weight": 4.375}
+    act = {**km, "scheme": "kmeans-act", "label": "kmeans-act", "ppl": 25.0}
+    runs = [(tmp_path / f"m.{k}.json", {}, r, r.iloc[0]) for k, r in (("1", run(km, act)), ("2", run({**km, "ppl": 90.0})))]
+    line = P.calibration_gain(runs)
+    assert line.startswith("Run m.1.json") and "k-means 80.00 (+300%)" in line and "25.00 (+25%), both at 4.375" in line
+    assert P.calibration_gain(runs[1:]) is None  # a run without the pair says nothing
+
+
 def naive_gptq(W, H, group_size, damp=0.01):
     """GPTQ as the paper's equations, one column at a time over the whole matrix (no blocks, no act-order)."""
     W = W.float().clone()

@@ -138,6 +138,36 @@ def test_cli_generate_quantizes_to_a_vector_codebook_and_saves_it(tmp_path, caps
     assert "not fused" not in capsys.readouterr().out
 
 
+def test_cli_generate_calibrates_the_quantizer(tmp_path, capsys, monkeypatch):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from test_qlinear import tiny_llama
+    from trapetum import qlinear
+
+    words = ["<unk>"] + [f"w{i}" for i in range(95)]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tiny_llama(seed=9).save_pretrained(tmp_path / "fp")
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>").save_pretrained(tmp_path / "fp")
+    seen = {}
+    real = qlinear.quantize_model
+
+    def spy(model, **kw):
+        seen["calib"] = kw.get("calib")
+        return real(model, **kw)
+
+    monkeypatch.setattr(qlinear, "quantize_model", spy)
+    args = ["--prompt", "w1 w2 w3", "--max-new-tokens", "4", "--path", "eager", "--device", "cpu", "--no-energy"]
+    assert decode.main(["generate", str(tmp_path / "fp"), "--quantize", "K16", "--calibrate", "3", "--calib-len", "12"] + args) == 0
+    assert tuple(seen["calib"].shape) == (3, 12)  # sampled from the model itself: no data needed
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match="goes with --quantize"):
+        decode.main(["generate", str(tmp_path / "fp"), "--calibrate", "3"] + args)
+    with pytest.raises(ValueError, match="at least 1 calibration sample"):
+        decode.main(["generate", str(tmp_path / "fp"), "--quantize", "K16", "--calibrate", "2", "--calib-len", "1"] + args)
+
+
 def test_cli_generate_quantizes_the_embedding_and_saves_it(tmp_path, capsys):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -363,6 +363,39 @@ def test_quantize_save_load_round_trip_of_vector_codebook_models(tmp_path, K, cl
     assert isinstance(m2.model.layers[0].mlp.down_proj, nn.Linear)
 
 
+def test_calibrated_quantize_model_is_the_accuracy_chapters_kmeans_act():
+    # The deployable path with calib gives exactly the weights the chapter's "kmeans-act" pipeline scores
+    # (layer by layer, importance-weighted k-means on the inputs the quantized earlier layers give).
+    from trapetum import pipelines as P
+
+    calib = torch.randint(0, 96, (4, 24), generator=torch.Generator().manual_seed(3))
+    m, ref, plain = tiny_llama(seed=8), tiny_llama(seed=8), tiny_llama(seed=8)
+    s = quantize_model(m, K=16, iters=4, progress=False, calib=calib, batch_size=3)
+    P.quantize(ref, "kmeans-act", calib, iters=4, progress=False, batch_size=3)
+    assert s["calibration_tokens"] == 96 and len(s["layers"]) == 14
+    for name, q in qlinears(m).items():
+        torch.testing.assert_close(q.dequantize(torch.float32), ref.get_submodule(name).weight, rtol=0, atol=0)
+    quantize_model(plain, K=16, iters=4, progress=False)  # uncalibrated: other weights
+    assert not torch.equal(qlinears(plain)["model.layers.1.mlp.down_proj"].codebook, qlinears(m)["model.layers.1.mlp.down_proj"].codebook)
+    for bad, why in ((calib.float(), "LongTensor"), (calib[0], "LongTensor"), (calib[:0], "non-empty")):
+        with pytest.raises(ValueError, match=why):
+            quantize_model(tiny_llama(seed=8), K=16, progress=False, calib=bad)
+    with pytest.raises(ValueError, match="batch_size"):
+        quantize_model(tiny_llama(seed=8), K=16, progress=False, calib=calib, batch_size=0)
+
+
+@pytest.mark.parametrize("K", ["A2", "R4096+256"])
+def test_calibrated_vector_codebooks_weigh_by_the_inputs(K):
+    m, plain = tiny_llama_256(seed=4), tiny_llama_256(seed=4)
+    calib = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(5))
+    quantize_model(m, K=K, iters=1, progress=False, calib=calib, joint=True)
+    quantize_model(plain, K=K, iters=1, progress=False, joint=True)
+    a, b = qlinears(m)["model.layers.0.self_attn.q_proj"], qlinears(plain)["model.layers.0.self_attn.q_proj"]
+    books = "codebooks" if K == "A2" else "main"
+    assert not torch.equal(getattr(a, books), getattr(b, books))  # H moved the codebooks
+    assert torch.equal(getattr(a, books), getattr(qlinears(m)["model.layers.0.self_attn.v_proj"], books))  # still one set a group
+
+
 @pytest.mark.parametrize("K", ["A2", "R4096+256"])
 def test_joint_quantization_shares_codebooks_so_groups_fuse_after_a_reload(tmp_path, K):
     from trapetum.fuse import fuse_projections

@@ -490,9 +490,11 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
 
 
 def load(name: str, device=None, dtype=None, quantize: int | None = None, exclude=(), min_features: int = 0, progress=True,
-         embedding: bool = False, joint: bool = False):
+         embedding: bool = False, joint: bool = False, calibrate: int = 0, calib_source: str = "generated", calib_len: int = 512):
     """(model, tokenizer or None) from a saved quantized folder, a local model folder, a hub id or 'smollm2-135m'.
-    ``quantize``, ``exclude``, ``min_features``, ``embedding``, ``joint``: as :func:`trapetum.qlinear.quantize_model`."""
+    ``quantize``, ``exclude``, ``min_features``, ``embedding``, ``joint``: as :func:`trapetum.qlinear.quantize_model`;
+    ``calibrate`` > 0: calibration-aware, on that many samples of ``calib_len`` tokens from ``calib_source``
+    ("generated": sampled from the model itself, offline; or a :func:`trapetum.pipelines.calibration_text` source)."""
     from . import ppl
     from .qlinear import is_quantized_folder, load_quantized, quantize_model
 
@@ -512,10 +514,31 @@ def load(name: str, device=None, dtype=None, quantize: int | None = None, exclud
             pass
         return model, tok
     model, tok = ppl.load_model(name, dtype=dtype)
+    calib = None
+    if calibrate and not quantize:
+        raise ValueError("calibrate goes with quantize (it calibrates the quantizer)")
+    if calibrate:
+        model = model.to(device).eval()  # the calibration forwards run where the model will
+        calib = calibration_tokens(model, tok, calibrate, calib_source, calib_len, progress)
     if quantize:
         quantize_model(model, K=quantize, exclude=exclude, min_features=min_features, progress=progress, embedding=embedding,
-                       device=device if torch.device(device).type == "cuda" else None, joint=joint)
+                       device=device if torch.device(device).type == "cuda" else None, joint=joint, calib=calib)
     return model.to(device).eval(), tok
+
+
+def calibration_tokens(model, tok, n: int, source: str = "generated", seq_len: int = 512, progress: bool = True) -> torch.Tensor:
+    """n calibration samples of seq_len token ids for :func:`trapetum.qlinear.quantize_model`: sampled from the
+    model itself ("generated", needs no data) or windows of a :func:`trapetum.pipelines.calibration_text` source."""
+    from . import pipelines
+
+    if tok is None:
+        raise ValueError("calibration needs the model's tokenizer, and this model has none")
+    if n < 1 or seq_len < 2:
+        raise ValueError(f"need at least 1 calibration sample of at least 2 tokens, got {n} of {seq_len}")
+    if source == pipelines.GENERATED:
+        return pipelines.generated_calibration_ids(model, tok, n, seq_len, progress=progress)
+    text, _ = pipelines.calibration_text(source)
+    return pipelines.calibration_ids(tok, text, n, seq_len)
 
 
 # -- benchmark ------------------------------------------------------------------------------------
@@ -843,9 +866,12 @@ def _generate_cmd(args) -> int:
         raise SystemExit("--quantize-embedding goes with --quantize (the embedding takes the projections' K)")
     if args.quantize_embedding and not isinstance(K, int):
         raise SystemExit(f"--quantize-embedding takes a scalar codebook (K16, K64, K256), not {K}")
+    if args.calibrate and K is None:
+        raise SystemExit("--calibrate goes with --quantize (it calibrates the quantizer)")
     # --fuse: vector-codebook groups quantized jointly, since layers with separate codebooks do not fuse
     model, tok = load(args.model, device=args.device, quantize=K, exclude=tuple(args.exclude or ()), min_features=args.min_features,
-                      embedding=args.quantize_embedding, joint=args.fuse)
+                      embedding=args.quantize_embedding, joint=args.fuse, calibrate=args.calibrate, calib_source=args.calib_source,
+                      calib_len=args.calib_len)
     if args.save:
         from .qlinear import save_quantized
 
@@ -948,6 +974,12 @@ def main(argv=None) -> int:
     g.add_argument("--exclude", action="append", help="glob of layer names to keep in fp16 (repeatable)")
     g.add_argument("--min-features", type=int, default=0)
     g.add_argument("--quantize-embedding", action="store_true", help="the token embedding too (QEmbedding; saves VRAM)")
+    g.add_argument("--calibrate", type=int, default=0, metavar="N",
+                   help="calibration-aware quantizing on N samples (activation-aware k-means for K16..K256, H-weighted "
+                        "additive and residual codebooks); without it the quantizer minimises the plain weight error")
+    g.add_argument("--calib-source", default="generated", choices=["generated", "pydoc", "wikitext2-train", "auto"],
+                   help="generated: sampled from the model itself (needs no data); pydoc: CPython's documentation text")
+    g.add_argument("--calib-len", type=int, default=512, help="tokens a calibration sample")
     g.add_argument("--save", default=None, help="write the quantized model to this folder")
     g.add_argument("--device", default=None)
     g.add_argument("--no-energy", action="store_true")

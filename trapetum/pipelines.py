@@ -1716,3 +1716,19 @@ def best_rows(runs: list[tuple]) -> tuple["pd.DataFrame", object, list[str]] | N
     rows["short label"] = rows.apply(short_label, axis=1)
     rows = rows.sort_values("ppl").drop_duplicates("short label").sort_values("bits_per_weight")
     return rows, ref, [p.name for p, _, _, _ in runs if not any(p is q for q, _, _, _ in same)]
+
+
+def calibration_gain(runs: list[tuple]) -> str | None:
+    """What calibration buys the deployable scalar codebooks: the newest run (:func:`recorded_runs`) that
+    scored both "kmeans" (plain k-means, what ``quantize_model`` does without ``calib``) and "kmeans-act"
+    (what it does with ``calib``), as one line; None where no run has both."""
+    for path, _, run, ref in reversed(runs):
+        rows = scheme_rows(run, ref).set_index("scheme")
+        if {"kmeans", "kmeans-act"} <= set(rows.index):
+            k, a = rows.loc["kmeans"], rows.loc["kmeans-act"]
+            bits = (f"both at {a.bits_per_weight:.3f}" if abs(a.bits_per_weight - k.bits_per_weight) < 1e-9
+                    else f"at {k.bits_per_weight:.3f} and {a.bits_per_weight:.3f}")
+            return (f"Run {path.name} ({int(ref.tokens):,} tokens, stride {int(ref.stride)}; reference {ref.ppl:.2f}): plain "
+                    f"k-means {k.ppl:.2f} ({k['vs reference (%)']:+.0f}%), activation-aware k-means {a.ppl:.2f} "
+                    f"({a['vs reference (%)']:+.0f}%), {bits} bits a weight.")
+    return None

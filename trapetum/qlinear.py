@@ -100,14 +100,14 @@ class QuantizedModelError(ValueError):
     """A saved quantized model is missing, corrupt, tampered or does not match its config."""
 
 
-def _kmeans_weight(module: nn.Module, kind: type, K: int, iters: int, seed: int, device):
-    """Per-row k-means of ``module.weight`` (:func:`trapetum.codebook.quantize`, run on ``device``),
-    returned on the weight's device with the report."""
+def _kmeans_weight(module: nn.Module, kind: type, K: int, iters: int, seed: int, device, importance=None):
+    """Per-row k-means of ``module.weight`` (:func:`trapetum.codebook.quantize`, run on ``device``;
+    ``importance`` (in,) weighs each input column), returned on the weight's device with the report."""
     from .codebook import quantize
 
     if not isinstance(module, kind):
         raise TypeError(f"expected an nn.{kind.__name__}, got {type(module).__name__}")
-    ct, rep = quantize(module.weight.detach().float(), K=K, iters=iters, seed=seed, device=device)
+    ct, rep = quantize(module.weight.detach().float(), K=K, iters=iters, seed=seed, importance=importance, device=device)
     return ct.to(module.weight.device), rep
 
 
@@ -142,9 +142,10 @@ class QLinear(nn.Module):
         return q
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, K: int = 16, iters: int = 25, seed: int = 0, device=None):
-        """Per-row k-means of ``linear.weight`` (:func:`trapetum.codebook.quantize`); returns (QLinear, report)."""
-        ct, rep = _kmeans_weight(linear, nn.Linear, K, iters, seed, device)
+    def from_linear(cls, linear: nn.Linear, K: int = 16, iters: int = 25, seed: int = 0, device=None, importance=None):
+        """Per-row k-means of ``linear.weight`` (:func:`trapetum.codebook.quantize`; ``importance``: the
+        activation-aware weights of its input columns, E[x_i^2]); returns (QLinear, report)."""
+        ct, rep = _kmeans_weight(linear, nn.Linear, K, iters, seed, device, importance)
         return cls.from_codebook(ct, linear.bias), rep
 
     def codebook_tensor(self) -> CodebookTensor:
@@ -441,24 +442,28 @@ def empty_layer(spec: dict, device="meta") -> QLinear:
     return ResidualQLinear(n_in, n_out, *params, norm=spec.get("norm", False), bias=bias, device=device)
 
 
-def _quantize_linear(lin: nn.Linear, K, iters: int | None, seed: int, device) -> tuple[QLinear, float]:
-    """``lin`` quantized to scheme ``K`` (each format's own quantizer, plain weight error, on ``device``):
-    the layer, on the weight's device, and its relative weight MSE."""
+def _quantize_linear(lin: nn.Linear, K, iters: int | None, seed: int, device, H: torch.Tensor | None = None) -> tuple[QLinear, float]:
+    """``lin`` quantized to scheme ``K`` (each format's own quantizer, on ``device``; with ``H`` = E[x x^T]
+    of its input, the calibration-aware one): the layer, on the weight's device, and its relative weight MSE."""
     kind, params = parse_scheme(K)
     if kind == "scalar":
-        q, rep = QLinear.from_linear(lin, K=params[0], iters=25 if iters is None else iters, seed=seed, device=device)
+        imp = None if H is None else torch.diagonal(H).clamp_min(0)  # activation-aware k-means: E[x_i^2] per column
+        q, rep = QLinear.from_linear(lin, K=params[0], iters=25 if iters is None else iters, seed=seed, device=device,
+                                     importance=imp)
         return q, rep.rel_mse
-    return _quantize_group([lin], K, iters, seed, device)[0]
+    return _quantize_group([lin], K, iters, seed, device, H)[0]
 
 
-def _quantize_group(lins: list[nn.Linear], K, iters: int | None, seed: int, device) -> list[tuple[QLinear, float]]:
+def _quantize_group(lins: list[nn.Linear], K, iters: int | None, seed: int, device, H: torch.Tensor | None = None
+                    ) -> list[tuple[QLinear, float]]:
     """Vector-codebook layers that read the same input (a layer's q/k/v, its gate/up) quantized as one
     weight, their rows stacked: one codebook set for the group, which :mod:`trapetum.fuse` needs to fuse
-    them. Returns each part's layer (on its weight's device) and relative weight MSE."""
+    them; with ``H`` (their input's E[x x^T]) to the calibration-aware objective. Returns each part's layer
+    (on its weight's device) and relative weight MSE."""
     kind, params = parse_scheme(K)
     dev = lins[0].weight.device
     W = torch.cat([lin.weight.detach().float() for lin in lins]).to(device or dev)
-    kw = dict(seed=seed, progress=False) | ({} if iters is None else {"iters": iters})  # else the quantizer's own default
+    kw = dict(seed=seed, progress=False, H=None if H is None else H.float().to(W.device)) | ({} if iters is None else {"iters": iters})
     if kind == "additive":
         from .additive import AdditiveTensor, quantize_additive
 
@@ -563,14 +568,21 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, iters: int | None = None, seed: int = 0,
-                   device=None, progress: bool = True, embedding: bool = False, joint: bool = False) -> dict:
+                   device=None, progress: bool = True, embedding: bool = False, joint: bool = False,
+                   calib: torch.Tensor | None = None, batch_size: int = 8) -> dict:
     """Replace every decoder projection (nn.Linear in model.model.layers) by a QLinear, in place.
 
     ``K`` is the scheme (:func:`parse_scheme`): 16, 64, 256 (or "K16"...) for scalar codebooks (a
     :class:`QLinear`), "A2" / "A4" for additive ones (:class:`AdditiveQLinear`, AQLM-style, 2 or 4
     bits), "R<main>+<residual>" for residual vector codebooks (:class:`ResidualQLinear`, VPTQ-style).
-    Each format's quantizer minimises the plain weight error here (the accuracy pipelines add calibration);
-    ``iters``: its iterations (default: each quantizer's own; 25 for scalar k-means).
+    Without ``calib`` each format's quantizer minimises the plain weight error. ``calib`` (LongTensor
+    [n_samples, seq_len] of token ids, never the evaluation text; see
+    :func:`trapetum.pipelines.generated_calibration_ids`) makes it calibration-aware, as the accuracy
+    chapter's pipelines are: the decoder layers are quantized in order, each on the inputs the layers
+    before it, already quantized, give (``batch_size`` samples a forward), with each projection's input
+    statistics H = E[x x^T]: activation-aware k-means (importance E[x_i^2]; the chapter's "kmeans-act")
+    for scalar codebooks, the H-weighted objectives of the additive and residual quantizers.
+    ``iters``: the quantizer's iterations (default: each quantizer's own; 25 for scalar k-means).
 
     ``exclude``: glob patterns on full module names (e.g. ``"*.down_proj"``, ``"model.layers.0.*"``)
     kept as nn.Linear; ``min_features``: layers whose smaller side is below it stay nn.Linear too
@@ -606,15 +618,23 @@ def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, 
                 check_scheme_in_features(K, lin.in_features)
             except ValueError as e:
                 excluded[name] = str(e)
-    units = _quantize_units([n for n in linears if n not in excluded], linears, joint and kind != "scalar")
-    with tqdm(total=len(linears) - len(excluded), desc=f"quantize K={K}", disable=not progress) as bar:
-        for names in units:
-            done = (_quantize_group([linears[n] for n in names], K, iters, seed, device) if len(names) > 1
-                    else [_quantize_linear(linears[names[0]], K, iters, seed, device)])
-            for name, (q, rel_mse[name]) in zip(names, done):
-                _set_submodule(model, name, q)
-                layers[name] = layer_spec(q)
-            bar.update(len(names))
+    todo = [n for n in linears if n not in excluded]
+    joint = joint and kind != "scalar"
+
+    def run(names, H=None):
+        done = (_quantize_group([linears[n] for n in names], K, iters, seed, device, H) if len(names) > 1
+                else [_quantize_linear(linears[names[0]], K, iters, seed, device, H)])
+        for name, (q, rel_mse[name]) in zip(names, done):
+            _set_submodule(model, name, q)
+            layers[name] = layer_spec(q)
+        bar.update(len(names))
+
+    with tqdm(total=len(todo), desc=f"quantize K={K}" + (" (calibrated)" if calib is not None else ""), disable=not progress) as bar:
+        if calib is None:
+            for names in _quantize_units(todo, linears, joint):
+                run(names)
+        else:
+            _calibrated(model, calib, batch_size, todo, linears, joint, run)
     embeddings = {}
     if embedding:
         emb = model.get_input_embeddings()
@@ -623,9 +643,36 @@ def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, 
         _set_submodule(model, name, q)
         embeddings[name] = q.spec()
         rel_mse[name] = rep.rel_mse
-    summary = {"K": K, "layers": layers, "excluded": excluded, "embeddings": embeddings, "joint": bool(joint and kind != "scalar")}
+    summary = {"K": K, "layers": layers, "excluded": excluded, "embeddings": embeddings, "joint": joint,
+               "calibration_tokens": 0 if calib is None else int(calib.numel())}
     model.trapetum_quant = summary
     return {**summary, "rel_mse": rel_mse}
+
+
+@torch.no_grad()
+def _calibrated(model, calib: torch.Tensor, batch_size: int, todo: list[str], linears: dict, joint: bool, run) -> None:
+    """Quantize ``todo`` layer by layer (``run(names, H)``), each decoder layer's projections with the input
+    statistics that the calibration tokens give them after every earlier layer is quantized (GPTQ's order)."""
+    from .pipelines import _layer_inputs, _run_layer, _SecondMoments, decoder_layers
+
+    if not isinstance(calib, torch.Tensor) or calib.dim() != 2 or calib.numel() == 0 or calib.dtype not in (torch.int32, torch.int64):
+        raise ValueError("calib must be a non-empty LongTensor [n_samples, seq_len] of token ids, got "
+                         + (f"{calib.dtype} of shape {tuple(calib.shape)}" if isinstance(calib, torch.Tensor) else type(calib).__name__))
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    layers = decoder_layers(model)
+    inputs = _layer_inputs(model, layers, calib, batch_size)
+    for i, layer in enumerate(layers):
+        mine = [n for n in todo if n.startswith(f"model.layers.{i}.")]
+        if mine:
+            stats = _SecondMoments({n: linears[n] for n in mine})
+            try:
+                _run_layer(layer, inputs)
+            finally:
+                stats.remove()
+            for names in _quantize_units(mine, linears, joint):
+                run(names, stats.H(names[0]))  # a group's parts read one input: one H
+        inputs = _run_layer(layer, inputs)  # the next layer sees this one quantized
 
 
 def _quantize_units(names: list[str], linears: dict, joint: bool) -> list[tuple[str, ...]]:
