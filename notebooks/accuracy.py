@@ -341,7 +341,8 @@ else:
     if left_out:
         display(Markdown(f"*Left out (another reference): {', '.join(left_out)}.*"))
     display(pipelines.pareto_figure([("the GPU runs, full text", g_rows)], g_ref.ppl,
-                                    f"{model}: {pipelines.run_scope(g_ref, 'the GPU runs')}", label="short label"))
+                                    f"{model}: {pipelines.run_scope(g_ref, 'the GPU runs')}; reference = "
+                                    + ("Q4_1-dequantized model" if model == "smollm2-135m" else model), label="short label"))
 cpu_vq_path = folder / f"{results.slug(model)}-additive.json"
 gpu_vq = [r for _, _, g_run, _ in gpu_runs for _, r in g_run[(g_run.scheme == "additive") & g_run.get("finetune", pd.Series(None, index=g_run.index, dtype=object)).isna()].iterrows()]
 if gpu_vq and cpu_vq_path.is_file():
