@@ -114,18 +114,23 @@ def test_cli_generate_from_a_saved_quantized_folder_without_tokenizer(models, tm
         decode.main(["generate", str(tmp_path / "m"), "--path", "eager", "--device", "cpu", "--no-energy"])
 
 
-@pytest.mark.parametrize("scheme", ["A2", "R4096+256"])
-def test_cli_generate_quantizes_to_a_vector_codebook_and_saves_it(tmp_path, capsys, scheme):
+def _local_model(folder, model):
+    """``model`` saved as a local Hugging Face folder with a word-level tokenizer over its 96 ids (w0..w94)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-
-    from test_qlinear import tiny_llama_256
 
     words = ["<unk>"] + [f"w{i}" for i in range(95)]
     tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tiny_llama_256(seed=7).save_pretrained(tmp_path / "fp")
-    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>").save_pretrained(tmp_path / "fp")
+    model.save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>").save_pretrained(folder)
+
+
+@pytest.mark.parametrize("scheme", ["A2", "R4096+256"])
+def test_cli_generate_quantizes_to_a_vector_codebook_and_saves_it(tmp_path, capsys, scheme):
+    from test_qlinear import tiny_llama_256
+
+    _local_model(tmp_path / "fp", tiny_llama_256(seed=7))
     args = ["--prompt", "w1 w2 w3", "--max-new-tokens", "4", "--path", "eager", "--device", "cpu", "--no-energy"]
     with pytest.raises(SystemExit, match="scalar codebook"):
         decode.main(["generate", str(tmp_path / "fp"), "--quantize", scheme, "--quantize-embedding"] + args)
@@ -139,17 +144,10 @@ def test_cli_generate_quantizes_to_a_vector_codebook_and_saves_it(tmp_path, caps
 
 
 def test_cli_generate_calibrates_the_quantizer(tmp_path, capsys, monkeypatch):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     from test_qlinear import tiny_llama
     from trapetum import qlinear
 
-    words = ["<unk>"] + [f"w{i}" for i in range(95)]
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tiny_llama(seed=9).save_pretrained(tmp_path / "fp")
-    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>").save_pretrained(tmp_path / "fp")
+    _local_model(tmp_path / "fp", tiny_llama(seed=9))
     seen = {}
     real = qlinear.quantize_model
 
@@ -169,16 +167,9 @@ def test_cli_generate_calibrates_the_quantizer(tmp_path, capsys, monkeypatch):
 
 
 def test_cli_generate_quantizes_the_embedding_and_saves_it(tmp_path, capsys):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     from test_qlinear import tiny_llama
 
-    words = ["<unk>"] + [f"w{i}" for i in range(95)]
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tiny_llama(seed=7).save_pretrained(tmp_path / "fp")
-    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>").save_pretrained(tmp_path / "fp")
+    _local_model(tmp_path / "fp", tiny_llama(seed=7))
     args = ["--prompt", "w1 w2 w3", "--max-new-tokens", "4", "--path", "eager", "--device", "cpu", "--no-energy"]
     with pytest.raises(SystemExit, match="goes with --quantize"):
         decode.main(["generate", str(tmp_path / "fp"), "--quantize-embedding"] + args)
