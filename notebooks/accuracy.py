@@ -167,7 +167,8 @@ display(Markdown(f"**Setting.** {setting()} Recorded {prov.get('date')} at commi
 # The deployable layers (`QLinear`, run by the fused kernels) are quantized the way the `kmeans-act`
 # row is with `quantize_model(model, K=16, calib=ids)` or `trapetum generate --quantize K16 --calibrate N`:
 # a test checks that the two give the same weights. Without calibration they are the `kmeans` row; the
-# line under the table gives both rows from the newest recorded run that measured both.
+# lines under the table give both rows from the newest recorded run that measured both, and the
+# deployable layers themselves measured the same way.
 
 # %%
 cols = ["label", "title", "bit class", "bits_per_weight", "ppl", "vs reference (%)", "quantize_seconds"]
@@ -179,6 +180,9 @@ display(table.style.format({"bits/weight (incl. scales, codebooks)": "{:.3f}", "
 gain = pipelines.calibration_gain(pipelines.recorded_runs(folder, model, "."))
 if gain:
     display(Markdown(f"*What calibrating the deployable codebooks buys: {gain}*"))
+deployed = pipelines.calibration_gain(pipelines.recorded_runs(folder, model, "-deployable"))
+if deployed:
+    display(Markdown(f"*The deployable `QLinear` layers themselves (`quantize_model` without and with `calib`), scored the same way: {deployed}*"))
 if len(not_run):
     why = sorted(set(not_run.skipped.dropna())) if "skipped" in not_run else []
     display(Markdown("**Requested but not measured in this run:** " + ", ".join(f"`{x}`" for x in not_run.label)
