@@ -467,11 +467,11 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
                         parent, _, child = name.rpartition(".")
                         setattr(layer.get_submodule(parent), child, new)
                 if fuse:
-                    shared = {"additive": ("codebooks",), "residual": ("main", "res")}.get(_kind(K), ())
                     for parent, names in ((layer.self_attn, GROUPS["qkv_proj"]), (layer.mlp, GROUPS["gate_up_proj"])):
+                        first = getattr(parent, names[0])
                         for n in names[1:]:
-                            for b in shared:
-                                setattr(getattr(parent, n), b, getattr(getattr(parent, names[0]), b))
+                            for b in getattr(first, "SHARED", ()):  # vector codebooks: one set a group
+                                setattr(getattr(parent, n), b, getattr(first, b))
                     fuse_projections(layer)
                 layer.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
                 layer.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -519,26 +519,13 @@ def load(name: str, device=None, dtype=None, quantize: int | None = None, exclud
         raise ValueError("calibrate goes with quantize (it calibrates the quantizer)")
     if calibrate:
         model = model.to(device).eval()  # the calibration forwards run where the model will
-        calib = calibration_tokens(model, tok, calibrate, calib_source, calib_len, progress)
+        from .pipelines import calibration_tokens
+
+        calib = calibration_tokens(model, tok, calibrate, calib_source, calib_len, progress=progress)[0]
     if quantize:
         quantize_model(model, K=quantize, exclude=exclude, min_features=min_features, progress=progress, embedding=embedding,
                        device=device if torch.device(device).type == "cuda" else None, joint=joint, calib=calib)
     return model.to(device).eval(), tok
-
-
-def calibration_tokens(model, tok, n: int, source: str = "generated", seq_len: int = 512, progress: bool = True) -> torch.Tensor:
-    """n calibration samples of seq_len token ids for :func:`trapetum.qlinear.quantize_model`: sampled from the
-    model itself ("generated", needs no data) or windows of a :func:`trapetum.pipelines.calibration_text` source."""
-    from . import pipelines
-
-    if tok is None:
-        raise ValueError("calibration needs the model's tokenizer, and this model has none")
-    if n < 1 or seq_len < 2:
-        raise ValueError(f"need at least 1 calibration sample of at least 2 tokens, got {n} of {seq_len}")
-    if source == pipelines.GENERATED:
-        return pipelines.generated_calibration_ids(model, tok, n, seq_len, progress=progress)
-    text, _ = pipelines.calibration_text(source)
-    return pipelines.calibration_ids(tok, text, n, seq_len)
 
 
 # -- benchmark ------------------------------------------------------------------------------------

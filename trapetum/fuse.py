@@ -98,13 +98,13 @@ def _why_not(mods: list[nn.Module]) -> str | None:
     elif kind is ResidualQLinear:
         if len({m.K for m in mods}) != 1:
             return "different codebook sizes"
-        if not all(_same(m, mods[0], ("main", "res", "norm_scale", "norm_bias")) for m in mods[1:]):
+        if not all(_same(m, mods[0], kind.SHARED) for m in mods[1:]):
             return "residual layers with different codebooks or norms (a group fuses only if quantized jointly)"
     else:
         # the codebooks buffer stays on the module when the kernel takes the codes: no rebuild needed
         if len({m.M for m in mods}) != 1:
             return "different numbers of codebooks"
-        if not all(torch.equal(m.codebooks, mods[0].codebooks) for m in mods[1:]):
+        if not all(_same(m, mods[0], kind.SHARED) for m in mods[1:]):
             return "additive layers with different codebooks (a group fuses only if quantized jointly)"
     return None
 

@@ -135,11 +135,15 @@ class QLinear(nn.Module):
         ct.validate()
         q = cls(ct.in_features, ct.out_features, ct.K, bias=bias is not None, device="meta")
         q.codes, q.codebook = ct.codes, ct.codebook
-        if bias is not None:
-            if tuple(bias.shape) != (ct.out_features,):
-                raise ValueError(f"bias shape {tuple(bias.shape)} != ({ct.out_features},)")
-            q.bias = bias.detach().to(device=ct.codes.device, dtype=torch.float16).clone()
+        q._take_bias(bias)
         return q
+
+    def _take_bias(self, bias: torch.Tensor | None) -> None:
+        """The from_* constructors' bias: an fp16 copy beside the codes, checked against out_features."""
+        if bias is not None:
+            if tuple(bias.shape) != (self.out_features,):
+                raise ValueError(f"bias shape {tuple(bias.shape)} != ({self.out_features},)")
+            self.bias = bias.detach().to(device=self.codes.device, dtype=torch.float16).clone()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, K: int = 16, iters: int = 25, seed: int = 0, device=None, importance=None):
@@ -265,6 +269,8 @@ class AdditiveQLinear(QLinear):
     """A QLinear backed by an additive (AQLM-style) codebook: M codebooks of 256 vectors of 8,
     per-output scales (:class:`trapetum.additive.AdditiveTensor`); ``scheme`` is "A<M>"."""
 
+    SHARED = ("codebooks",)  # what a layer's rows share: layers fuse (trapetum.fuse) only where these are equal
+
     def __init__(self, in_features: int, out_features: int, M: int = 2, bias: bool = False, device=None):
         nn.Module.__init__(self)
         from .additive import D, K, check_in_features as check_additive_in, check_M
@@ -326,6 +332,8 @@ class ResidualQLinear(QLinear):
     ``K`` is "R<Nm>+<Nr>". The fused kernel is :class:`trapetum.residual.ResidualGemv` (tuned per shape on
     its first call on a GPU); the fused decode step runs such layers unfused."""
 
+    SHARED = ("main", "res", "norm_scale", "norm_bias")  # as AdditiveQLinear.SHARED
+
     def __init__(self, in_features: int, out_features: int, Nm: int = 4096, Nr: int = 256, norm: bool = False,
                  bias: bool = False, device=None):
         nn.Module.__init__(self)
@@ -350,10 +358,7 @@ class ResidualQLinear(QLinear):
         t.validate()
         q = cls(t.in_features, t.out_features, t.Nm, t.Nr, norm=t.has_norm, bias=bias is not None, device="meta")
         q.codes, q.main, q.res, q.norm_scale, q.norm_bias = t.indices, t.main, t.res, t.scale, t.bias
-        if bias is not None:
-            if tuple(bias.shape) != (t.out_features,):
-                raise ValueError(f"bias shape {tuple(bias.shape)} != ({t.out_features},)")
-            q.bias = bias.detach().to(device=t.indices.device, dtype=torch.float16).clone()
+        q._take_bias(bias)
         return q
 
     @property
