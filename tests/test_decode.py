@@ -164,6 +164,13 @@ def test_cli_generate_calibrates_the_quantizer(tmp_path, capsys, monkeypatch):
         decode.main(["generate", str(tmp_path / "fp"), "--calibrate", "3"] + args)
     with pytest.raises(ValueError, match="at least 1 calibration sample"):
         decode.main(["generate", str(tmp_path / "fp"), "--quantize", "K16", "--calibrate", "2", "--calib-len", "1"] + args)
+    # --finetune: the same samples train the codebooks afterwards
+    assert decode.main(["generate", str(tmp_path / "fp"), "--quantize", "K16", "--calibrate", "3", "--calib-len", "12", "--finetune", "1"] + args) == 0
+    assert "fine-tuned" in capsys.readouterr().out
+    for extra, why in ((["--quantize", "K16", "--finetune", "1"], "goes with --calibrate"),
+                       (["--quantize", "A2", "--calibrate", "2", "--finetune", "1"], "scalar codebooks")):
+        with pytest.raises(SystemExit, match=why):
+            decode.main(["generate", str(tmp_path / "fp")] + extra + args)
 
 
 def test_cli_generate_quantizes_the_embedding_and_saves_it(tmp_path, capsys):

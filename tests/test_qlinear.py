@@ -384,6 +384,54 @@ def test_calibrated_quantize_model_is_the_accuracy_chapters_kmeans_act():
         quantize_model(tiny_llama(seed=8), K=16, progress=False, calib=calib, batch_size=0)
 
 
+def test_finetune_trains_the_codebooks_and_norms_with_the_codes_fixed(tmp_path):
+    # quantize_model(finetune=...) is the chapter's kmeans-act with ft_epochs: same codes, trained codebook
+    # entries and norms, closer to the unquantized model on the calibration tokens, still a saved-format QLinear
+    from trapetum.finetune import kl_to_teacher
+
+    calib = torch.randint(0, 96, (8, 24), generator=torch.Generator().manual_seed(3))
+    teacher, plain, m = tiny_llama(seed=8), tiny_llama(seed=8), tiny_llama(seed=8)
+    quantize_model(plain, K=16, iters=4, progress=False, calib=calib, batch_size=3, exclude=["*.down_proj"])
+    s = quantize_model(m, K=16, iters=4, progress=False, calib=calib, batch_size=3, exclude=["*.down_proj"],
+                       finetune=dict(epochs=6, lr=1e-2, batch=4))
+    ft = s["finetune"]
+    assert ft["epochs"] == 6 and ft["norms"] and ft["kl_after"] < 0.8 * ft["kl_before"] and m.trapetum_quant["finetune"] == ft
+    before, after = qlinears(plain), qlinears(m)
+    assert set(after) == set(s["layers"]) and len(after) == 12  # down_proj stayed nn.Linear
+    for name, q in after.items():
+        assert torch.equal(q.codes, before[name].codes)  # the codes are the calibrated quantizer's
+        assert q.codebook.dtype == torch.float16 and not torch.equal(q.codebook, before[name].codebook)
+    assert torch.equal(m.model.layers[1].mlp.down_proj.weight, plain.model.layers[1].mlp.down_proj.weight)  # excluded: untouched
+    assert not torch.equal(m.model.norm.weight, plain.model.norm.weight) and m.model.norm.weight.dtype == torch.float32
+    with torch.no_grad():
+        kl = {k: float(kl_to_teacher(mm(calib).logits, teacher(calib).logits)) for k, mm in (("plain", plain), ("ft", m))}
+    assert kl["ft"] < 0.8 * kl["plain"]
+    m2 = load_quantized(save_quantized(m, tmp_path / "q"))  # the trained norms travel with the file
+    ids = calib[:2, :10]
+    with torch.no_grad():
+        torch.testing.assert_close(m2(ids).logits, m(ids).logits, rtol=0, atol=0)
+
+
+def test_finetune_of_an_fp16_model_leaves_every_tensor_in_its_dtype():
+    calib = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(4))
+    m = tiny_llama(seed=5).half()
+    quantize_model(m, K=16, iters=2, progress=False, calib=calib, embedding=True, finetune=1)
+    dtypes = {n: t.dtype for n, t in m.state_dict().items() if t.is_floating_point()}
+    assert set(dtypes.values()) == {torch.float16}, dtypes  # trained in fp32, then cast back
+    assert isinstance(m.model.embed_tokens, QEmbedding) and len(qlinears(m)) == 14
+
+
+def test_finetune_refuses_what_it_cannot_do():
+    calib = torch.randint(0, 96, (2, 8))
+    for kw, why in ((dict(finetune=2), "needs calib"), (dict(finetune={"epochs": 1, "lr": 1e-3, "steps": 3}, calib=calib), "dict of epochs"),
+                    (dict(finetune=-1, calib=calib), "epochs >= 1"), (dict(finetune=True, calib=calib), "number of epochs"),
+                    (dict(finetune={"lr": 1e-3}, calib=calib), "epochs >= 1"), (dict(K="A2", finetune=1, calib=calib), "scalar codebooks")):
+        m = tiny_llama_256(seed=1) if kw.get("K") == "A2" else tiny_llama(seed=1)
+        with pytest.raises(ValueError, match=why):
+            quantize_model(m, **({"K": 16} | kw), iters=1, progress=False)
+        assert not qlinears(m)  # refused before anything was quantized
+
+
 @pytest.mark.parametrize("K", ["A2", "R4096+256"])
 def test_calibrated_vector_codebooks_weigh_by_the_inputs(K):
     m, plain = tiny_llama_256(seed=4), tiny_llama_256(seed=4)

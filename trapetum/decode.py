@@ -490,11 +490,13 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
 
 
 def load(name: str, device=None, dtype=None, quantize: int | None = None, exclude=(), min_features: int = 0, progress=True,
-         embedding: bool = False, joint: bool = False, calibrate: int = 0, calib_source: str = "generated", calib_len: int = 512):
+         embedding: bool = False, joint: bool = False, calibrate: int = 0, calib_source: str = "generated", calib_len: int = 512,
+         finetune: int = 0):
     """(model, tokenizer or None) from a saved quantized folder, a local model folder, a hub id or 'smollm2-135m'.
     ``quantize``, ``exclude``, ``min_features``, ``embedding``, ``joint``: as :func:`trapetum.qlinear.quantize_model`;
     ``calibrate`` > 0: calibration-aware, on that many samples of ``calib_len`` tokens from ``calib_source``
-    ("generated": sampled from the model itself, offline; or a :func:`trapetum.pipelines.calibration_text` source)."""
+    ("generated": sampled from the model itself, offline; or a :func:`trapetum.pipelines.calibration_text` source);
+    ``finetune`` > 0: then that many epochs of distillation over the same samples (quantize_model's ``finetune``)."""
     from . import ppl
     from .qlinear import is_quantized_folder, load_quantized, quantize_model
 
@@ -517,6 +519,8 @@ def load(name: str, device=None, dtype=None, quantize: int | None = None, exclud
     calib = None
     if calibrate and not quantize:
         raise ValueError("calibrate goes with quantize (it calibrates the quantizer)")
+    if finetune and not calibrate:
+        raise ValueError("finetune goes with calibrate (it trains on the calibration samples)")
     if calibrate:
         model = model.to(device).eval()  # the calibration forwards run where the model will
         from .pipelines import calibration_tokens
@@ -524,7 +528,8 @@ def load(name: str, device=None, dtype=None, quantize: int | None = None, exclud
         calib = calibration_tokens(model, tok, calibrate, calib_source, calib_len, progress=progress)[0]
     if quantize:
         quantize_model(model, K=quantize, exclude=exclude, min_features=min_features, progress=progress, embedding=embedding,
-                       device=device if torch.device(device).type == "cuda" else None, joint=joint, calib=calib)
+                       device=device if torch.device(device).type == "cuda" else None, joint=joint, calib=calib,
+                       finetune=finetune or None)
     return model.to(device).eval(), tok
 
 
@@ -855,10 +860,18 @@ def _generate_cmd(args) -> int:
         raise SystemExit(f"--quantize-embedding takes a scalar codebook (K16, K64, K256), not {K}")
     if args.calibrate and K is None:
         raise SystemExit("--calibrate goes with --quantize (it calibrates the quantizer)")
+    if args.finetune and not args.calibrate:
+        raise SystemExit("--finetune goes with --calibrate N (it trains on those N samples)")
+    if args.finetune and not isinstance(K, int):
+        raise SystemExit(f"--finetune trains scalar codebooks (K16, K64, K256), not {K}")
     # --fuse: vector-codebook groups quantized jointly, since layers with separate codebooks do not fuse
     model, tok = load(args.model, device=args.device, quantize=K, exclude=tuple(args.exclude or ()), min_features=args.min_features,
                       embedding=args.quantize_embedding, joint=args.fuse, calibrate=args.calibrate, calib_source=args.calib_source,
-                      calib_len=args.calib_len)
+                      calib_len=args.calib_len, finetune=args.finetune)
+    ft = getattr(model, "trapetum_quant", {}).get("finetune")
+    if ft:
+        print(f"fine-tuned {ft['epochs']} epochs ({ft['seconds']:.0f} s): KL to the unquantized model on the first "
+              f"{ft['eval_samples']} calibration samples {ft['kl_before']:.4f} -> {ft['kl_after']:.4f} nats/token")
     if args.save:
         from .qlinear import save_quantized
 
@@ -967,6 +980,10 @@ def main(argv=None) -> int:
     g.add_argument("--calib-source", default="generated", choices=["generated", "pydoc", "wikitext2-train", "auto"],
                    help="generated: sampled from the model itself (needs no data); pydoc: CPython's documentation text")
     g.add_argument("--calib-len", type=int, default=512, help="tokens a calibration sample")
+    g.add_argument("--finetune", type=int, default=0, metavar="EPOCHS",
+                   help="after a calibrated K16..K256 quantizing, train the codebook entries and norms (codes fixed) for "
+                        "EPOCHS passes over the calibration samples, to match the unquantized model's next-token "
+                        "distribution; keeps a copy of the model while it runs")
     g.add_argument("--save", default=None, help="write the quantized model to this folder")
     g.add_argument("--device", default=None)
     g.add_argument("--no-energy", action="store_true")

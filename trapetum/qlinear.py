@@ -574,7 +574,7 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, iters: int | None = None, seed: int = 0,
                    device=None, progress: bool = True, embedding: bool = False, joint: bool = False,
-                   calib: torch.Tensor | None = None, batch_size: int = 8) -> dict:
+                   calib: torch.Tensor | None = None, batch_size: int = 8, finetune: int | dict | None = None) -> dict:
     """Replace every decoder projection (nn.Linear in model.model.layers) by a QLinear, in place.
 
     ``K`` is the scheme (:func:`parse_scheme`): 16, 64, 256 (or "K16"...) for scalar codebooks (a
@@ -598,9 +598,19 @@ def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, 
     ``device``: where k-means runs (default: the weight's device). ``joint``: each layer's q/k/v, and
     its gate/up, quantized as one weight a group (rows stacked, one codebook set) where all of a group
     is quantized, so that additive and residual layers fuse afterwards (:mod:`trapetum.fuse`: layers
-    with separate codebooks do not); scalar codebooks are per row and fuse either way. Returns the
-    quantization summary, also kept as ``model.trapetum_quant`` (what save_quantized writes).
+    with separate codebooks do not); scalar codebooks are per row and fuse either way.
+    ``finetune`` (scalar codebooks, with ``calib``): afterwards, train every codebook entry and the
+    RMSNorm weights, codes fixed, so that the quantized model's next-token distribution matches the
+    unquantized one's on ``calib`` (KL distillation, :func:`trapetum.finetune.finetune`; the accuracy
+    chapter's "kmeans-act" with ``ft_epochs``): the number of epochs, or a dict of ``epochs`` and
+    :data:`FINETUNE_DEFAULTS`' keys. It keeps a frozen copy of the unquantized model while it runs
+    and trains in float32 (an fp16 model is cast up and back), so it needs about four times the
+    model's fp16 bytes of memory. Returns the quantization summary, also kept as
+    ``model.trapetum_quant`` (what save_quantized writes); with ``finetune`` its "finetune" entry
+    holds the options and the :class:`~trapetum.finetune.FinetuneReport`.
     """
+    import copy
+
     from tqdm.auto import tqdm
 
     from .pipelines import decoder_linears
@@ -611,6 +621,8 @@ def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, 
         raise ValueError(f"a quantized embedding takes scalar codebooks (K16, K64, K256), not {K!r}")
     if isinstance(exclude, str):
         exclude = (exclude,)
+    ft = _finetune_options(finetune, kind, K, calib)
+    teacher = copy.deepcopy(model).eval() if ft else None
     linears = decoder_linears(model)
     layers, excluded, rel_mse = {}, {}, {}
     for name, lin in linears.items():
@@ -650,8 +662,82 @@ def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, 
         rel_mse[name] = rep.rel_mse
     summary = {"K": K, "layers": layers, "excluded": excluded, "embeddings": embeddings, "joint": joint,
                "calibration_tokens": 0 if calib is None else int(calib.numel())}
+    if ft:
+        summary["finetune"] = {**ft, **_finetune_codebooks(model, teacher, calib, list(layers), ft, progress).as_dict()}
+        del teacher
     model.trapetum_quant = summary
     return {**summary, "rel_mse": rel_mse}
+
+
+FINETUNE_DEFAULTS = dict(lr=1e-3, batch=8, norms=True)  # quantize_model's finetune (see trapetum.finetune.finetune)
+
+
+def _finetune_options(finetune, kind: str, K, calib) -> dict | None:
+    """quantize_model's ``finetune`` as finetune()'s keywords, or None; ValueError before any work is done."""
+    if finetune is None or finetune is False or finetune == 0:
+        return None
+    opts = {"epochs": finetune} if isinstance(finetune, int) and not isinstance(finetune, bool) else finetune
+    if not isinstance(opts, dict) or set(opts) - {"epochs", *FINETUNE_DEFAULTS}:
+        raise ValueError(f"finetune is a number of epochs or a dict of epochs, {', '.join(FINETUNE_DEFAULTS)}; got {finetune!r}")
+    opts = {**FINETUNE_DEFAULTS, **opts}
+    if not isinstance(opts.get("epochs"), int) or isinstance(opts["epochs"], bool) or opts["epochs"] < 1:
+        raise ValueError(f"finetune needs epochs >= 1, got {opts.get('epochs')!r}")
+    if kind != "scalar":
+        raise ValueError(f"finetune trains scalar codebooks (K16, K64, K256); {K!r} layers are not supported yet")
+    if calib is None:
+        raise ValueError("finetune needs calib: the tokens on which the quantized model learns to match the unquantized one")
+    return opts
+
+
+def _as_stored(codes: torch.Tensor) -> torch.Tensor:
+    """The decode of a layer fine-tuning leaves alone (kept as nn.Linear): its weight is its "codes"."""
+    return codes
+
+
+def _finetune_codebooks(model, teacher, calib: torch.Tensor, names: list[str], opts: dict, progress: bool):
+    """Train the codebook entries of the QLinears ``names`` (and the norms, if ``opts`` say so) by distillation
+    from ``teacher``, codes fixed: while it trains each is an nn.Linear whose weight is decoded from its codes
+    and codebook (a :class:`~trapetum.pipelines.Form`), then a QLinear again with the trained codebook, rounded
+    to fp16. Returns the FinetuneReport."""
+    from .finetune import finetune as run
+    from .pipelines import Form, _codebook_decode, decoder_linears
+
+    dtype = next(model.parameters()).dtype
+    forms, built = {}, {}
+    for name in names:
+        q = model.get_submodule(name)
+        ct = q.codebook_tensor()
+        lin = nn.Linear(q.in_features, q.out_features, bias=q.bias is not None, device=ct.codes.device, dtype=dtype)
+        with torch.no_grad():
+            lin.weight.copy_(ct.dequantize(dtype))
+            if q.bias is not None:
+                lin.bias.copy_(q.bias)
+        forms[name] = Form(unpack_codes(ct.codes, ct.K), {"cb": ct.codebook.float()}, _codebook_decode)
+        built[name] = (ct, q.bias)
+        _set_submodule(model, name, lin)
+    for name, lin in decoder_linears(model).items():
+        forms.setdefault(name, Form(lin.weight.detach(), {}, _as_stored))
+    # fp32 while training (Adam's steps on fp16 norm weights would round away), every tensor's own dtype after
+    # (module.float() casts parameters in place but replaces buffers, so they are named by module and key)
+    kept = {(id(mod), k): t.dtype for mod in model.modules() for k, t in [*mod._parameters.items(), *mod._buffers.items()]
+            if t is not None and t.is_floating_point()}
+    try:
+        model.float(), teacher.float()
+        report = run(model, teacher, forms, calib, epochs=opts["epochs"], lr=opts["lr"], batch=opts["batch"],
+                     norms=opts["norms"], progress=progress)
+    finally:
+        for mod in model.modules():
+            for k, t in mod._parameters.items():
+                if t is not None and kept.get((id(mod), k), t.dtype) != t.dtype:
+                    t.data = t.data.to(kept[id(mod), k])
+            for k, t in mod._buffers.items():
+                if t is not None and kept.get((id(mod), k), t.dtype) != t.dtype:
+                    mod._buffers[k] = t.to(kept[id(mod), k])
+        for name, (ct, bias) in built.items():  # trained or not (an error), every layer is a QLinear again
+            cb = forms[name].params["cb"].to(device=ct.codebook.device, dtype=torch.float16)
+            _set_submodule(model, name, QLinear.from_codebook(
+                CodebookTensor(ct.codes, cb, ct.K, ct.in_features, ct.out_features), bias))
+    return report
 
 
 @torch.no_grad()
