@@ -412,9 +412,14 @@ def test_finetune_trains_the_codebooks_and_norms_with_the_codes_fixed(tmp_path):
         torch.testing.assert_close(m2(ids).logits, m(ids).logits, rtol=0, atol=0)
 
 
-def test_finetune_of_an_fp16_model_leaves_every_tensor_in_its_dtype():
+def test_finetune_of_an_fp16_model_leaves_every_tensor_in_its_dtype(monkeypatch):
     calib = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(4))
     m = tiny_llama(seed=5).half()
+
+    def refuse(self):  # as transformers' PreTrainedModel.float() does for a model it loaded from GGUF
+        raise ValueError("`.float()` is not supported for quantized model")
+
+    monkeypatch.setattr(type(m), "float", refuse)
     quantize_model(m, K=16, iters=2, progress=False, calib=calib, embedding=True, finetune=1)
     dtypes = {n: t.dtype for n, t in m.state_dict().items() if t.is_floating_point()}
     assert set(dtypes.values()) == {torch.float16}, dtypes  # trained in fp32, then cast back

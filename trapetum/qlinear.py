@@ -722,7 +722,7 @@ def _finetune_codebooks(model, teacher, calib: torch.Tensor, names: list[str], o
     kept = {(id(mod), k): t.dtype for mod in model.modules() for k, t in [*mod._parameters.items(), *mod._buffers.items()]
             if t is not None and t.is_floating_point()}
     try:
-        model.float(), teacher.float()
+        nn.Module.float(model), nn.Module.float(teacher)  # transformers' own float() refuses models loaded from GGUF
         report = run(model, teacher, forms, calib, epochs=opts["epochs"], lr=opts["lr"], batch=opts["batch"],
                      norms=opts["norms"], progress=progress)
     finally:
