@@ -168,7 +168,10 @@ display(Markdown(f"**Setting.** {setting()} Recorded {prov.get('date')} at commi
 # row is with `quantize_model(model, K=16, calib=ids)` or `trapetum generate --quantize K16 --calibrate N`:
 # a test checks that the two give the same weights. Without calibration they are the `kmeans` row; the
 # lines under the table give both rows from the newest recorded run that measured both, and the
-# deployable layers themselves measured the same way.
+# deployable layers themselves measured the same way. `quantize_model(..., finetune=N)` (`generate
+# --finetune N`) then trains their codebook entries and norms on the same calibration samples, codes
+# fixed, as the GPU runs' `kmeans-act` rows with fine-tuning do; the last line gives what that bought
+# the deployable layers on the GPU.
 
 # %%
 cols = ["label", "title", "bit class", "bits_per_weight", "ppl", "vs reference (%)", "quantize_seconds"]
@@ -183,6 +186,9 @@ if gain:
 deployed = pipelines.calibration_gain(pipelines.recorded_runs(folder, model, "-deployable"))
 if deployed:
     display(Markdown(f"*The deployable `QLinear` layers themselves (`quantize_model` without and with `calib`), scored the same way: {deployed}*"))
+tuned = pipelines.finetune_gain(pipelines.recorded_runs(folder, model, "-deployable"))
+if tuned:
+    display(Markdown(f"*And fine-tuned (`quantize_model(..., calib=ids, finetune=4)`, `generate --finetune 4`): {tuned}*"))
 if len(not_run):
     why = sorted(set(not_run.skipped.dropna())) if "skipped" in not_run else []
     display(Markdown("**Requested but not measured in this run:** " + ", ".join(f"`{x}`" for x in not_run.label)

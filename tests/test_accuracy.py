@@ -152,6 +152,25 @@ def test_calibration_gain_reads_the_newest_run_with_both_kmeans_rows(tmp_path):
     line = P.calibration_gain(runs)
     assert line.startswith("Run m.1.json") and "k-means 80.00 (+300%)" in line and "25.00 (+25%), both at 4.375" in line
     assert P.calibration_gain(runs[1:]) is None  # a run without the pair says nothing
+    tuned = {**act, "label": "kmeans-act ft", "ppl": 22.0, "finetune": {"epochs": 4}}
+    line = P.calibration_gain([(tmp_path / "m.3.json", {}, run(km, act, tuned), run(km).iloc[0])])
+    assert "activation-aware k-means 25.00" in line  # the quantizer's row, not the fine-tuned one
+
+
+def test_finetune_gain_reads_the_newest_run_with_kmeans_act_before_and_after(tmp_path):
+    import pandas as pd
+
+    def run(*rows):
+        return pd.DataFrame([{"scheme": "reference", "label": "reference", "ppl": 20.0, "bits": None, "bits_per_weight": None,
+                              "tokens": 4096, "stride": 2048, "finetune": None}, *rows])
+
+    act = {"scheme": "kmeans-act", "label": "kmeans-act", "ppl": 30.0, "bits": 4.0, "bits_per_weight": 4.375, "finetune": None}
+    ft = lambda ppl, lr: {**act, "label": f"kmeans-act ft {lr}", "ppl": ppl, "finetune": {"epochs": 4, "norms": True, "lr": lr}}
+    runs = [(tmp_path / f"m.{k}.json", {}, r, r.iloc[0]) for k, r in (("1", run(act, ft(27.0, 1e-3), ft(25.0, 3e-4))), ("2", run(act)))]
+    line = P.finetune_gain(runs)
+    assert line.startswith("Run m.1.json") and "k-means 30.00 (+50%)" in line and "4 epochs" in line
+    assert "codebook entries and norms (codes fixed) 25.00 (+25%)" in line  # the best of the fine-tuned rows
+    assert P.finetune_gain(runs[1:]) is None and P.finetune_gain([]) is None
 
 
 def naive_gptq(W, H, group_size, damp=0.01):

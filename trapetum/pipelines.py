@@ -1729,12 +1729,37 @@ def best_rows(runs: list[tuple]) -> tuple["pd.DataFrame", object, list[str]] | N
     return rows, ref, [p.name for p, _, _, _ in runs if not any(p is q for q, _, _, _ in same)]
 
 
+def finetune_gain(runs: list[tuple]) -> str | None:
+    """What end-to-end fine-tuning buys the deployable scalar codebooks: the newest run (:func:`recorded_runs`)
+    that scored "kmeans-act" both without and with fine-tuning (what ``quantize_model(calib=...)`` does without
+    and with ``finetune``), its best fine-tuned row, as one line; None where no run has both."""
+    for path, _, run, ref in reversed(runs):
+        rows = scheme_rows(run, ref)
+        if "finetune" not in rows:
+            continue
+        act = rows[rows.scheme == "kmeans-act"]
+        tuned = act[act.finetune.notna()]
+        plain = act[act.finetune.isna()]
+        if len(tuned) and len(plain):
+            a, b = plain.iloc[0], tuned.sort_values("ppl").iloc[0]
+            ft = b.finetune
+            what = "codebook entries and norms" if ft.get("norms", ft.get("ft_norms")) else "codebook entries"
+            return (f"Run {path.name} ({int(ref.tokens):,} tokens, stride {int(ref.stride)}; reference {ref.ppl:.2f}): "
+                    f"activation-aware k-means {a.ppl:.2f} ({a['vs reference (%)']:+.0f}%); after {ft.get('epochs', ft.get('ft_epochs'))} "
+                    f"epochs of fine-tuning its {what} (codes fixed) {b.ppl:.2f} ({b['vs reference (%)']:+.0f}%), "
+                    f"at {b.bits_per_weight:.3f} bits a weight either way.")
+    return None
+
+
 def calibration_gain(runs: list[tuple]) -> str | None:
     """What calibration buys the deployable scalar codebooks: the newest run (:func:`recorded_runs`) that
     scored both "kmeans" (plain k-means, what ``quantize_model`` does without ``calib``) and "kmeans-act"
     (what it does with ``calib``), as one line; None where no run has both."""
     for path, _, run, ref in reversed(runs):
-        rows = scheme_rows(run, ref).set_index("scheme")
+        rows = scheme_rows(run, ref)
+        if "finetune" in rows:  # the quantizers alone: a fine-tuned kmeans-act row is finetune_gain's
+            rows = rows[rows.finetune.isna()]
+        rows = rows.drop_duplicates("scheme", keep="last").set_index("scheme")
         if {"kmeans", "kmeans-act"} <= set(rows.index):
             k, a = rows.loc["kmeans"], rows.loc["kmeans-act"]
             bits = (f"both at {a.bits_per_weight:.3f}" if abs(a.bits_per_weight - k.bits_per_weight) < 1e-9
