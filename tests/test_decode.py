@@ -168,7 +168,7 @@ def test_cli_generate_calibrates_the_quantizer(tmp_path, capsys, monkeypatch):
     assert decode.main(["generate", str(tmp_path / "fp"), "--quantize", "K16", "--calibrate", "3", "--calib-len", "12", "--finetune", "1"] + args) == 0
     assert "fine-tuned" in capsys.readouterr().out
     for extra, why in ((["--quantize", "K16", "--finetune", "1"], "goes with --calibrate"),
-                       (["--quantize", "A2", "--calibrate", "2", "--finetune", "1"], "scalar codebooks")):
+                       (["--quantize", "R4096+256", "--calibrate", "2", "--finetune", "1"], "additive")):
         with pytest.raises(SystemExit, match=why):
             decode.main(["generate", str(tmp_path / "fp")] + extra + args)
 

@@ -426,12 +426,34 @@ def test_finetune_of_an_fp16_model_leaves_every_tensor_in_its_dtype(monkeypatch)
     assert isinstance(m.model.embed_tokens, QEmbedding) and len(qlinears(m)) == 14
 
 
+def test_finetune_of_additive_layers_keeps_a_joint_group_on_one_codebook_set(tmp_path):
+    from trapetum.finetune import kl_to_teacher
+    from trapetum.fuse import fuse_projections
+
+    calib = torch.randint(0, 96, (6, 16), generator=torch.Generator().manual_seed(6))
+    teacher, plain, m = tiny_llama_256(seed=3), tiny_llama_256(seed=3), tiny_llama_256(seed=3)
+    quantize_model(plain, K="A2", iters=1, progress=False, calib=calib, joint=True)
+    s = quantize_model(m, K="A2", iters=1, progress=False, calib=calib, joint=True, finetune=dict(epochs=8, batch=3))
+    assert s["finetune"]["lr"] == qlinear.FINETUNE_LR["additive"] and s["finetune"]["kl_after"] < 0.8 * s["finetune"]["kl_before"]
+    before, after = qlinears(plain), qlinears(m)
+    for name, q in after.items():
+        assert torch.equal(q.codes, before[name].codes) and q.codebooks.dtype == q.scales.dtype == torch.float16
+        assert not torch.equal(q.codebooks, before[name].codebooks) and not torch.equal(q.scales, before[name].scales)
+    attn = m.model.layers[0].self_attn
+    assert torch.equal(attn.q_proj.codebooks, attn.k_proj.codebooks) and torch.equal(attn.q_proj.codebooks, attn.v_proj.codebooks)
+    with torch.no_grad():
+        kl = [float(kl_to_teacher(mm(calib).logits, teacher(calib).logits)) for mm in (plain, m)]
+    assert kl[1] < 0.8 * kl[0]
+    m2 = load_quantized(save_quantized(m, tmp_path / "q"))
+    assert set(fuse_projections(m2).values()) == {"fused"}  # the trained group still fuses
+
+
 def test_finetune_refuses_what_it_cannot_do():
     calib = torch.randint(0, 96, (2, 8))
     for kw, why in ((dict(finetune=2), "needs calib"), (dict(finetune={"epochs": 1, "lr": 1e-3, "steps": 3}, calib=calib), "dict of epochs"),
                     (dict(finetune=-1, calib=calib), "epochs >= 1"), (dict(finetune=True, calib=calib), "number of epochs"),
-                    (dict(finetune={"lr": 1e-3}, calib=calib), "epochs >= 1"), (dict(K="A2", finetune=1, calib=calib), "scalar codebooks")):
-        m = tiny_llama_256(seed=1) if kw.get("K") == "A2" else tiny_llama(seed=1)
+                    (dict(finetune={"lr": 1e-3}, calib=calib), "epochs >= 1"), (dict(K="R4096+256", finetune=1, calib=calib), "not supported")):
+        m = tiny_llama_256(seed=1) if "K" in kw else tiny_llama(seed=1)
         with pytest.raises(ValueError, match=why):
             quantize_model(m, **({"K": 16} | kw), iters=1, progress=False)
         assert not qlinears(m)  # refused before anything was quantized

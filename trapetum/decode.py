@@ -862,8 +862,8 @@ def _generate_cmd(args) -> int:
         raise SystemExit("--calibrate goes with --quantize (it calibrates the quantizer)")
     if args.finetune and not args.calibrate:
         raise SystemExit("--finetune goes with --calibrate N (it trains on those N samples)")
-    if args.finetune and not isinstance(K, int):
-        raise SystemExit(f"--finetune trains scalar codebooks (K16, K64, K256), not {K}")
+    if args.finetune and not (isinstance(K, int) or K in ("A2", "A4")):
+        raise SystemExit(f"--finetune trains scalar (K16, K64, K256) and additive (A2, A4) codebooks, not {K}")
     # --fuse: vector-codebook groups quantized jointly, since layers with separate codebooks do not fuse
     model, tok = load(args.model, device=args.device, quantize=K, exclude=tuple(args.exclude or ()), min_features=args.min_features,
                       embedding=args.quantize_embedding, joint=args.fuse, calibrate=args.calibrate, calib_source=args.calib_source,
@@ -981,7 +981,7 @@ def main(argv=None) -> int:
                    help="generated: sampled from the model itself (needs no data); pydoc: CPython's documentation text")
     g.add_argument("--calib-len", type=int, default=512, help="tokens a calibration sample")
     g.add_argument("--finetune", type=int, default=0, metavar="EPOCHS",
-                   help="after a calibrated K16..K256 quantizing, train the codebook entries and norms (codes fixed) for "
+                   help="after a calibrated K16..K256, A2 or A4 quantizing, train the codebooks and norms (codes fixed) for "
                         "EPOCHS passes over the calibration samples, to match the unquantized model's next-token "
                         "distribution; keeps a copy of the model while it runs")
     g.add_argument("--save", default=None, help="write the quantized model to this folder")

@@ -57,10 +57,13 @@ class FinetuneReport:
 class _FormWeight(nn.Module):
     """The parametrization: a linear's weight = its form's decode of the fixed codes and the trainable parameters."""
 
-    def __init__(self, form):
+    def __init__(self, form, shared: dict):
         super().__init__()
         self.register_buffer("codes", form.codes, persistent=False)
-        self.values = nn.ParameterDict({k: nn.Parameter(v.detach().float().clone()) for k, v in form.params.items()})
+        for v in form.params.values():  # a tensor several forms hold (a joint group's codebooks) is one parameter
+            if id(v) not in shared:
+                shared[id(v)] = (v, nn.Parameter(v.detach().float().clone()))
+        self.values = nn.ParameterDict({k: shared[id(v)][1] for k, v in form.params.items()})
         self.decode = form.decode
 
         self.recode = form.recode
@@ -220,7 +223,8 @@ def finetune(model, teacher, forms: dict, calib: torch.Tensor, *, epochs: int = 
     ``model``'s next-token distribution matches ``teacher``'s on ``calib`` (LongTensor [n, seq_len]).
 
     model: the quantized model (its decoder linears named as in ``forms``); teacher: the unquantized
-    model, frozen (only its logits are used). Adam for ``epochs`` passes over the calibration
+    model, frozen (only its logits are used). A params tensor that several forms hold (the same
+    object: one codebook set for a joint group) trains as one parameter, so the group keeps one set. Adam for ``epochs`` passes over the calibration
     samples in seeded random order, ``batch`` samples a step, cosine decay of the step size to 0.
     lr is relative: a tensor's step size is lr x its initial mean |value|, because the parameters
     differ by orders of magnitude (a 4-bit step ~1e-3, an AWQ input scale ~1) and one absolute lr
@@ -267,12 +271,12 @@ def finetune(model, teacher, forms: dict, calib: torch.Tensor, *, epochs: int = 
         p.requires_grad_(False)
     for p in teacher.parameters():
         p.requires_grad_(False)
-    mods = {}
+    mods, shared = {}, {}
     try:
         for name, lin in linears.items():
-            mods[name] = _FormWeight(forms[name]).to(dev)
+            mods[name] = _FormWeight(forms[name], shared).to(dev)
             parametrize.register_parametrization(lin, "weight", mods[name], unsafe=True)
-        trained = [v for m in mods.values() for v in m.values.values()]
+        trained = list({id(v): v for m in mods.values() for v in m.values.values()}.values())
         if norms:
             trained += [p.requires_grad_(True) for p in norm_weights(model).values()]
         report = FinetuneReport(epochs=epochs, steps=0, lr=lr, batch=batch, eval_samples=n_eval, norms=norms,

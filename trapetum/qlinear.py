@@ -599,11 +599,12 @@ def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, 
     its gate/up, quantized as one weight a group (rows stacked, one codebook set) where all of a group
     is quantized, so that additive and residual layers fuse afterwards (:mod:`trapetum.fuse`: layers
     with separate codebooks do not); scalar codebooks are per row and fuse either way.
-    ``finetune`` (scalar codebooks, with ``calib``): afterwards, train every codebook entry and the
-    RMSNorm weights, codes fixed, so that the quantized model's next-token distribution matches the
-    unquantized one's on ``calib`` (KL distillation, :func:`trapetum.finetune.finetune`; the accuracy
-    chapter's "kmeans-act" with ``ft_epochs``): the number of epochs, or a dict of ``epochs`` and
-    :data:`FINETUNE_DEFAULTS`' keys. It keeps a frozen copy of the unquantized model while it runs
+    ``finetune`` (scalar and additive codebooks, with ``calib``): afterwards, train every codebook
+    entry (and the additive layers' scales) and the RMSNorm weights, codes fixed, so that the quantized
+    model's next-token distribution matches the unquantized one's on ``calib`` (KL distillation,
+    :func:`trapetum.finetune.finetune`; the accuracy chapter's "kmeans-act" and "additive" with
+    ``ft_epochs``); a joint group keeps one codebook set. The number of epochs, or a dict of ``epochs``,
+    ``lr`` (default :data:`FINETUNE_LR` of the format), ``batch`` and ``norms``. It keeps a frozen copy of the unquantized model while it runs
     and trains in float32 (an fp16 model is cast up and back), so it needs about four times the
     model's fp16 bytes of memory. Returns the quantization summary, also kept as
     ``model.trapetum_quant`` (what save_quantized writes); with ``finetune`` its "finetune" entry
@@ -669,7 +670,9 @@ def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, 
     return {**summary, "rel_mse": rel_mse}
 
 
-FINETUNE_DEFAULTS = dict(lr=1e-3, batch=8, norms=True)  # quantize_model's finetune (see trapetum.finetune.finetune)
+FINETUNE_DEFAULTS = dict(lr=None, batch=8, norms=True)  # quantize_model's finetune (see trapetum.finetune.finetune)
+# The relative step sizes that did best on SmolLM2 (NOTES: accuracy run i for scalar, run d for additive codebooks)
+FINETUNE_LR = {"scalar": 1e-3, "additive": 3e-3}
 
 
 def _finetune_options(finetune, kind: str, K, calib) -> dict | None:
@@ -680,10 +683,12 @@ def _finetune_options(finetune, kind: str, K, calib) -> dict | None:
     if not isinstance(opts, dict) or set(opts) - {"epochs", *FINETUNE_DEFAULTS}:
         raise ValueError(f"finetune is a number of epochs or a dict of epochs, {', '.join(FINETUNE_DEFAULTS)}; got {finetune!r}")
     opts = {**FINETUNE_DEFAULTS, **opts}
+    if opts["lr"] is None:
+        opts["lr"] = FINETUNE_LR.get(kind)
     if not isinstance(opts.get("epochs"), int) or isinstance(opts["epochs"], bool) or opts["epochs"] < 1:
         raise ValueError(f"finetune needs epochs >= 1, got {opts.get('epochs')!r}")
-    if kind != "scalar":
-        raise ValueError(f"finetune trains scalar codebooks (K16, K64, K256); {K!r} layers are not supported yet")
+    if kind not in ("scalar", "additive"):
+        raise ValueError(f"finetune trains scalar (K16, K64, K256) and additive (A2, A4) codebooks; {K!r} layers are not supported yet")
     if calib is None:
         raise ValueError("finetune needs calib: the tokens on which the quantized model learns to match the unquantized one")
     return opts
@@ -694,26 +699,45 @@ def _as_stored(codes: torch.Tensor) -> torch.Tensor:
     return codes
 
 
+def _trainable(q, pool: list):
+    """(the :class:`~trapetum.pipelines.Form` of QLinear or AdditiveQLinear ``q``: its codes and its stored
+    parameters in fp32, the layer built back from a form). Codebooks equal to one already in ``pool`` (a joint
+    group's one set) are that same tensor, so fine-tuning trains them as one."""
+    from .pipelines import Form, _additive_decode, _codebook_decode
+
+    bias = q.bias
+    if isinstance(q, AdditiveQLinear):
+        from .additive import AdditiveTensor
+
+        t = q.codebook_tensor()
+        books = t.codebooks.float()
+        books = next((b for b in pool if b.shape == books.shape and b.device == books.device and torch.equal(b, books)), books)
+        pool.append(books)
+        return (Form(t.codes, {"codebooks": books, "scales": t.scales.float()}, _additive_decode),
+                lambda f: AdditiveQLinear.from_additive(AdditiveTensor(t.codes, f.params["codebooks"].to(t.codebooks), f.params["scales"].to(t.scales)), bias))
+    ct = q.codebook_tensor()
+    return (Form(unpack_codes(ct.codes, ct.K), {"cb": ct.codebook.float()}, _codebook_decode),
+            lambda f: QLinear.from_codebook(CodebookTensor(ct.codes, f.params["cb"].to(ct.codebook), ct.K, ct.in_features, ct.out_features), bias))
+
+
 def _finetune_codebooks(model, teacher, calib: torch.Tensor, names: list[str], opts: dict, progress: bool):
-    """Train the codebook entries of the QLinears ``names`` (and the norms, if ``opts`` say so) by distillation
-    from ``teacher``, codes fixed: while it trains each is an nn.Linear whose weight is decoded from its codes
-    and codebook (a :class:`~trapetum.pipelines.Form`), then a QLinear again with the trained codebook, rounded
-    to fp16. Returns the FinetuneReport."""
+    """Train the codebooks (and scales) of the quantized layers ``names``, and the norms if ``opts`` say so, by
+    distillation from ``teacher``, codes fixed: while it trains each layer is an nn.Linear whose weight is decoded
+    from its codes and stored parameters (a :class:`~trapetum.pipelines.Form`), then the same kind of layer again
+    with the trained parameters, rounded to fp16. Returns the FinetuneReport."""
     from .finetune import finetune as run
-    from .pipelines import Form, _codebook_decode, decoder_linears
+    from .pipelines import Form, decoder_linears
 
     dtype = next(model.parameters()).dtype
-    forms, built = {}, {}
+    forms, built, pool = {}, {}, []
     for name in names:
         q = model.get_submodule(name)
-        ct = q.codebook_tensor()
-        lin = nn.Linear(q.in_features, q.out_features, bias=q.bias is not None, device=ct.codes.device, dtype=dtype)
+        forms[name], built[name] = _trainable(q, pool)
+        lin = nn.Linear(q.in_features, q.out_features, bias=q.bias is not None, device=forms[name].codes.device, dtype=dtype)
         with torch.no_grad():
-            lin.weight.copy_(ct.dequantize(dtype))
+            lin.weight.copy_(forms[name].W_hat())
             if q.bias is not None:
                 lin.bias.copy_(q.bias)
-        forms[name] = Form(unpack_codes(ct.codes, ct.K), {"cb": ct.codebook.float()}, _codebook_decode)
-        built[name] = (ct, q.bias)
         _set_submodule(model, name, lin)
     for name, lin in decoder_linears(model).items():
         forms.setdefault(name, Form(lin.weight.detach(), {}, _as_stored))
@@ -733,10 +757,8 @@ def _finetune_codebooks(model, teacher, calib: torch.Tensor, names: list[str], o
             for k, t in mod._buffers.items():
                 if t is not None and kept.get((id(mod), k), t.dtype) != t.dtype:
                     mod._buffers[k] = t.to(kept[id(mod), k])
-        for name, (ct, bias) in built.items():  # trained or not (an error), every layer is a QLinear again
-            cb = forms[name].params["cb"].to(device=ct.codebook.device, dtype=torch.float16)
-            _set_submodule(model, name, QLinear.from_codebook(
-                CodebookTensor(ct.codes, cb, ct.K, ct.in_features, ct.out_features), bias))
+        for name, rebuild in built.items():  # trained or not (an error), every layer is a quantized one again
+            _set_submodule(model, name, rebuild(forms[name]))
     return report
 
 
