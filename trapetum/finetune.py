@@ -57,9 +57,10 @@ class FinetuneReport:
 class _FormWeight(nn.Module):
     """The parametrization: a linear's weight = its form's decode of the fixed codes and the trainable parameters."""
 
-    def __init__(self, form, shared: dict):
+    def __init__(self, form, shared: dict | None = None):
         super().__init__()
         self.register_buffer("codes", form.codes, persistent=False)
+        shared = {} if shared is None else shared
         for v in form.params.values():  # a tensor several forms hold (a joint group's codebooks) is one parameter
             if id(v) not in shared:
                 shared[id(v)] = (v, nn.Parameter(v.detach().float().clone()))

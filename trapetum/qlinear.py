@@ -605,8 +605,8 @@ def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, 
     :func:`trapetum.finetune.finetune`; the accuracy chapter's "kmeans-act" and "additive" with
     ``ft_epochs``); a joint group keeps one codebook set. The number of epochs, or a dict of ``epochs``,
     ``lr`` (default :data:`FINETUNE_LR` of the format), ``batch`` and ``norms``. It keeps a frozen copy of the unquantized model while it runs
-    and trains in float32 (an fp16 model is cast up and back), so it needs about four times the
-    model's fp16 bytes of memory. Returns the quantization summary, also kept as
+    and trains in float32 (an fp16 model is cast up and back), so it needs about three times the
+    model's fp16 bytes of memory, and activations. Returns the quantization summary, also kept as
     ``model.trapetum_quant`` (what save_quantized writes); with ``finetune`` its "finetune" entry
     holds the options and the :class:`~trapetum.finetune.FinetuneReport`.
     """
@@ -746,7 +746,7 @@ def _finetune_codebooks(model, teacher, calib: torch.Tensor, names: list[str], o
     kept = {(id(mod), k): t.dtype for mod in model.modules() for k, t in [*mod._parameters.items(), *mod._buffers.items()]
             if t is not None and t.is_floating_point()}
     try:
-        nn.Module.float(model), nn.Module.float(teacher)  # transformers' own float() refuses models loaded from GGUF
+        nn.Module.float(model)  # transformers' own float() refuses models loaded from GGUF; the teacher only gives logits
         report = run(model, teacher, forms, calib, epochs=opts["epochs"], lr=opts["lr"], batch=opts["batch"],
                      norms=opts["norms"], progress=progress)
     finally:
