@@ -170,8 +170,9 @@ display(Markdown(f"**Setting.** {setting()} Recorded {prov.get('date')} at commi
 # lines under the table give both rows from the newest recorded run that measured both, and the
 # deployable layers themselves measured the same way. `quantize_model(..., finetune=N)` (`generate
 # --finetune N`) then trains their codebook entries and norms on the same calibration samples, codes
-# fixed, as the GPU runs' `kmeans-act` rows with fine-tuning do; the last line gives what that bought
-# the deployable layers on the GPU.
+# fixed, as the GPU runs' `kmeans-act` rows with fine-tuning do; the last lines give what that bought
+# the deployable layers: the 4-bit ones on the GPU, and the 2-bit additive ones (`K="A2"`, codebooks and
+# scales trained) on the CPU, with fewer tokens.
 
 # %%
 cols = ["label", "title", "bit class", "bits_per_weight", "ppl", "vs reference (%)", "quantize_seconds"]
@@ -186,9 +187,13 @@ if gain:
 deployed = pipelines.calibration_gain(pipelines.recorded_runs(folder, model, "-deployable"))
 if deployed:
     display(Markdown(f"*The deployable `QLinear` layers themselves (`quantize_model` without and with `calib`), scored the same way: {deployed}*"))
-tuned = pipelines.finetune_gain(pipelines.recorded_runs(folder, model, "-deployable"))
+deployable_runs = pipelines.recorded_runs(folder, model, "-deployable")
+tuned = pipelines.finetune_gain(deployable_runs)
 if tuned:
     display(Markdown(f"*And fine-tuned (`quantize_model(..., calib=ids, finetune=4)`, `generate --finetune 4`): {tuned}*"))
+tuned_a2 = pipelines.finetune_gain(deployable_runs, "additive")
+if tuned_a2:
+    display(Markdown(f"*The deployable 2-bit additive layers (`quantize_model(model, K=\"A2\", calib=ids[, finetune=6])`): {tuned_a2}*"))
 if len(not_run):
     why = sorted(set(not_run.skipped.dropna())) if "skipped" in not_run else []
     display(Markdown("**Requested but not measured in this run:** " + ", ".join(f"`{x}`" for x in not_run.label)

@@ -171,6 +171,12 @@ def test_finetune_gain_reads_the_newest_run_with_kmeans_act_before_and_after(tmp
     assert line.startswith("Run m.1.json") and "k-means 30.00 (+50%)" in line and "4 epochs" in line
     assert "codebook entries and norms (codes fixed) 25.00 (+25%)" in line  # the best of the fine-tuned rows
     assert P.finetune_gain(runs[1:]) is None and P.finetune_gain([]) is None
+    add = {**act, "scheme": "additive", "label": "additive", "ppl": 100.0, "bits": 2.0, "bits_per_weight": 2.153}
+    runs = [(tmp_path / "m.4.json", {}, run(act, add, {**add, "label": "additive ft", "ppl": 60.0, "finetune": {"epochs": 6, "norms": False}}),
+             run().iloc[0])]
+    line = P.finetune_gain(runs, "additive")
+    assert "the additive codebooks 100.00 (+400%)" in line and "its codebooks and scales (codes fixed) 60.00 (+200%), at 2.153" in line
+    assert P.finetune_gain(runs) is None  # kmeans-act without a fine-tuned row
 
 
 def naive_gptq(W, H, group_size, damp=0.01):

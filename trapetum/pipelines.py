@@ -1729,24 +1729,31 @@ def best_rows(runs: list[tuple]) -> tuple["pd.DataFrame", object, list[str]] | N
     return rows, ref, [p.name for p, _, _, _ in runs if not any(p is q for q, _, _, _ in same)]
 
 
-def finetune_gain(runs: list[tuple]) -> str | None:
-    """What end-to-end fine-tuning buys the deployable scalar codebooks: the newest run (:func:`recorded_runs`)
-    that scored "kmeans-act" both without and with fine-tuning (what ``quantize_model(calib=...)`` does without
-    and with ``finetune``), its best fine-tuned row, as one line; None where no run has both."""
+# finetune_gain's words for a scheme and for what its fine-tuning trains
+_FT_WORDS = {"kmeans-act": ("activation-aware k-means", ["codebook entries"]),
+             "additive": ("the additive codebooks", ["codebooks", "scales"])}
+
+
+def finetune_gain(runs: list[tuple], scheme: str = "kmeans-act") -> str | None:
+    """What end-to-end fine-tuning buys a deployable format: the newest run (:func:`recorded_runs`) that scored
+    ``scheme`` ("kmeans-act": what ``quantize_model(K=16, calib=...)`` makes; "additive": K="A2") both without and
+    with fine-tuning (``finetune``), with its best fine-tuned row, as one line; None where no run has both."""
+    name, what = _FT_WORDS[scheme]
     for path, _, run, ref in reversed(runs):
         rows = scheme_rows(run, ref)
         if "finetune" not in rows:
             continue
-        act = rows[rows.scheme == "kmeans-act"]
-        tuned = act[act.finetune.notna()]
-        plain = act[act.finetune.isna()]
+        mine = rows[rows.scheme == scheme]
+        tuned = mine[mine.finetune.notna()]
+        plain = mine[mine.finetune.isna()]
         if len(tuned) and len(plain):
             a, b = plain.iloc[0], tuned.sort_values("ppl").iloc[0]
             ft = b.finetune
-            what = "codebook entries and norms" if ft.get("norms", ft.get("ft_norms")) else "codebook entries"
+            items = what + (["norms"] if ft.get("norms", ft.get("ft_norms")) else [])
+            trained = ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else items[0]
             return (f"Run {path.name} ({int(ref.tokens):,} tokens, stride {int(ref.stride)}; reference {ref.ppl:.2f}): "
-                    f"activation-aware k-means {a.ppl:.2f} ({a['vs reference (%)']:+.0f}%); after {ft.get('epochs', ft.get('ft_epochs'))} "
-                    f"epochs of fine-tuning its {what} (codes fixed) {b.ppl:.2f} ({b['vs reference (%)']:+.0f}%), "
+                    f"{name} {a.ppl:.2f} ({a['vs reference (%)']:+.0f}%); after {ft.get('epochs', ft.get('ft_epochs'))} "
+                    f"epochs of fine-tuning its {trained} (codes fixed) {b.ppl:.2f} ({b['vs reference (%)']:+.0f}%), "
                     f"at {b.bits_per_weight:.3f} bits a weight either way.")
     return None
 
