@@ -406,7 +406,8 @@ def test_finetune_trains_the_codebooks_and_norms_with_the_codes_fixed(tmp_path):
     with torch.no_grad():
         kl = {k: float(kl_to_teacher(mm(calib).logits, teacher(calib).logits)) for k, mm in (("plain", plain), ("ft", m))}
     assert kl["ft"] < 0.8 * kl["plain"]
-    m2 = load_quantized(save_quantized(m, tmp_path / "q"))  # the trained norms travel with the file
+    m2 = load_quantized(save_quantized(m, tmp_path / "q"))  # the trained norms travel with the file, and how it was made
+    assert m2.trapetum_quant["finetune"]["kl_after"] == ft["kl_after"] and m2.trapetum_quant["calibration_tokens"] == calib.numel()
     ids = calib[:2, :10]
     with torch.no_grad():
         torch.testing.assert_close(m2(ids).logits, m(ids).logits, rtol=0, atol=0)

@@ -869,7 +869,7 @@ def _generate_cmd(args) -> int:
                       embedding=args.quantize_embedding, joint=args.fuse, calibrate=args.calibrate, calib_source=args.calib_source,
                       calib_len=args.calib_len, finetune=args.finetune)
     ft = getattr(model, "trapetum_quant", {}).get("finetune")
-    if ft:
+    if ft and args.finetune:  # fine-tuned now (a saved model's record of it travels in trapetum.json)
         print(f"fine-tuned {ft['epochs']} epochs ({ft['seconds']:.0f} s): KL to the unquantized model on the first "
               f"{ft['eval_samples']} calibration samples {ft['kl_before']:.4f} -> {ft['kl_after']:.4f} nats/token")
     if args.save:

@@ -856,6 +856,9 @@ def save_quantized(model, folder: str | Path, tokenizer=None) -> Path:
         "layers": summary["layers"],
         "excluded": summary["excluded"],
         "embeddings": {n: q.spec() for n, q in embeddings.items()},
+        # how the layers were made (not needed to load them): calibration and fine-tuning, if any
+        "calibration_tokens": int(summary.get("calibration_tokens", 0)),
+        "finetune": summary.get("finetune"),
         "tied": tied,
         "tensors": {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "sha256": _sha(t)} for n, t in tensors.items()},
     }
@@ -1002,7 +1005,10 @@ def load_quantized(folder: str | Path, device="cpu", dtype: torch.dtype | None =
             for p in m.parameters(recurse=False):
                 if p.is_floating_point():
                     p.data = p.data.to(dtype)
-    model.trapetum_quant = {"K": h.get("K"), "layers": h["layers"], "excluded": h["excluded"], "embeddings": h["embeddings"]}
+    model.trapetum_quant = {"K": h.get("K"), "layers": h["layers"], "excluded": h["excluded"], "embeddings": h["embeddings"],
+                            "calibration_tokens": h.get("calibration_tokens", 0)}  # files before session 43 have neither
+    if h.get("finetune"):
+        model.trapetum_quant["finetune"] = h["finetune"]
     return model.to(device).eval()
 
 
