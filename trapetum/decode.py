@@ -852,6 +852,7 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
 # -- command line ---------------------------------------------------------------------------------
 def _generate_cmd(args) -> int:
     from .energy import projections
+    from .qlinear import FINETUNE_LR
 
     K = _parse_quantize(args.quantize)
     if args.quantize_embedding and K is None:
@@ -862,7 +863,7 @@ def _generate_cmd(args) -> int:
         raise SystemExit("--calibrate goes with --quantize (it calibrates the quantizer)")
     if args.finetune and not args.calibrate:
         raise SystemExit("--finetune goes with --calibrate N (it trains on those N samples)")
-    if args.finetune and not (isinstance(K, int) or K in ("A2", "A4")):
+    if args.finetune and _kind(K) not in FINETUNE_LR:
         raise SystemExit(f"--finetune trains scalar (K16, K64, K256) and additive (A2, A4) codebooks, not {K}")
     # --fuse: vector-codebook groups quantized jointly, since layers with separate codebooks do not fuse
     model, tok = load(args.model, device=args.device, quantize=K, exclude=tuple(args.exclude or ()), min_features=args.min_features,

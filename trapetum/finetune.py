@@ -61,8 +61,8 @@ class _FormWeight(nn.Module):
         super().__init__()
         self.register_buffer("codes", form.codes, persistent=False)
         shared = {} if shared is None else shared
-        for v in form.params.values():  # a tensor several forms hold (a joint group's codebooks) is one parameter
-            if id(v) not in shared:
+        for v in form.params.values():  # a tensor several forms hold (a joint group's codebooks) is one parameter;
+            if id(v) not in shared:  # v is kept beside it, so its id is not reused while the map lives
                 shared[id(v)] = (v, nn.Parameter(v.detach().float().clone()))
         self.values = nn.ParameterDict({k: shared[id(v)][1] for k, v in form.params.items()})
         self.decode = form.decode

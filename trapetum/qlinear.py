@@ -671,7 +671,8 @@ def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, 
 
 
 FINETUNE_DEFAULTS = dict(lr=None, batch=8, norms=True)  # quantize_model's finetune (see trapetum.finetune.finetune)
-# The relative step sizes that did best on SmolLM2 (NOTES: accuracy run i for scalar, run d for additive codebooks)
+# The formats quantize_model can fine-tune, each with the relative step size that did best on SmolLM2 (NOTES:
+# accuracy run i for scalar, run d for additive codebooks)
 FINETUNE_LR = {"scalar": 1e-3, "additive": 3e-3}
 
 
@@ -687,7 +688,7 @@ def _finetune_options(finetune, kind: str, K, calib) -> dict | None:
         opts["lr"] = FINETUNE_LR.get(kind)
     if not isinstance(opts.get("epochs"), int) or isinstance(opts["epochs"], bool) or opts["epochs"] < 1:
         raise ValueError(f"finetune needs epochs >= 1, got {opts.get('epochs')!r}")
-    if kind not in ("scalar", "additive"):
+    if kind not in FINETUNE_LR:
         raise ValueError(f"finetune trains scalar (K16, K64, K256) and additive (A2, A4) codebooks; {K!r} layers are not supported yet")
     if calib is None:
         raise ValueError("finetune needs calib: the tokens on which the quantized model learns to match the unquantized one")
@@ -711,8 +712,10 @@ def _trainable(q, pool: list):
 
         t = q.codebook_tensor()
         books = t.codebooks.float()
-        books = next((b for b in pool if b.shape == books.shape and b.device == books.device and torch.equal(b, books)), books)
-        pool.append(books)
+        same = next((b for b in pool if b.shape == books.shape and b.device == books.device and torch.equal(b, books)), None)
+        if same is None:
+            pool.append(books)
+        books = books if same is None else same
         return (Form(t.codes, {"codebooks": books, "scales": t.scales.float()}, _additive_decode),
                 lambda f: AdditiveQLinear.from_additive(AdditiveTensor(t.codes, f.params["codebooks"].to(t.codebooks), f.params["scales"].to(t.scales)), bias))
     ct = q.codebook_tensor()
