@@ -1795,16 +1795,31 @@ def correctness_sweep(shapes, Ms=(2, 4), batches=(1, 2, 3, 8, 16), seed: int = 0
     return recs
 
 
-def additive_launchers(n_in: int, n_out: int, M: int, batch: int, seed: int = 0):
+def additive_launchers(n_in: int, n_out: int, M: int, batch: int, seed: int = 0, pre: str = "", post: str = "",
+                       kernels: tuple[str, ...] = AdditiveGemv.FAMILIES):
     """Rotated copies of one random additive weight (each AdditiveGemv holds its own tiled codes),
-    all bound to the same x and y."""
-    from .bench import copies_for
+    all bound to the same x and y (with ``pre`` / ``post``, the fused operations' operands:
+    :func:`trapetum.bench.bind_rotated`)."""
+    from .bench import bind_rotated, copies_for
 
     t = random_additive_tensor(n_out, n_in, M, seed=seed, device="cuda")
-    gemvs = [AdditiveGemv(t) for _ in range(copies_for(t.nbytes))]
-    x = torch.randn(batch, n_in, device="cuda", dtype=torch.float16)
-    y = torch.empty(batch, n_out, device="cuda", dtype=torch.float16)
-    return [g.bind(x, y) for g in gemvs], (gemvs, x, y, t)
+    gemvs = [AdditiveGemv(t, kernels=kernels) for _ in range(copies_for(t.nbytes))]
+    launchers, x, y = bind_rotated(gemvs, n_in, n_out, batch, pre, post)
+    return launchers, (gemvs, x, y, t)
+
+
+def time_fused_additive(n_in: int, n_out: int, M: int, pre: str = "", post: str = "", seed: int = 0) -> float:
+    """Milliseconds of one batch-1 additive kernel with fused operations, as
+    :class:`trapetum.step.FusedStep` launches it (the table kernel, :class:`trapetum.qlinear.AdditiveQLinear`'s
+    only family, at its own tuned fused plan), timed as :func:`trapetum.bench.time_graph` replays over
+    rotated copies. Correctness of these kernels is :func:`trapetum.step.kernel_checks`'s."""
+    from .bench import time_graph
+
+    launchers, keep = additive_launchers(n_in, n_out, M, 1, seed=seed, pre=pre, post=post, kernels=("table",))
+    ms = time_graph(launchers)
+    del launchers, keep
+    torch.cuda.empty_cache()
+    return ms
 
 
 def time_additive(n_in: int, n_out: int, M: int, batch: int, fp16_ms: float, seed: int = 0) -> dict:

@@ -138,12 +138,19 @@ def lut_launchers(n_in: int, n_out: int, K: int, batch: int, variant: str = "lut
     ``post`` (see :meth:`LutGemv.bind`) a random norm weight, x of 2 n_in columns for "silu", and
     y as its own residual for "add"."""
     ct = random_codebook_tensor(n_out, n_in, K, seed=seed, device="cuda")
-    k = copies_for(ct.nbytes)
-    gemvs = [LutGemv(ct, variant=variant, kernels=kernels) for _ in range(k)]
+    gemvs = [LutGemv(ct, variant=variant, kernels=kernels) for _ in range(copies_for(ct.nbytes))]
+    launchers, x, y = bind_rotated(gemvs, n_in, n_out, batch, pre, post)
+    return launchers, (gemvs, x, y)
+
+
+def bind_rotated(gemvs: list, n_in: int, n_out: int, batch: int, pre: str = "", post: str = ""):
+    """Launchers of ``gemvs`` (rotated copies of one weight, any format's GEMV with ``bind``) all on
+    the same x and y, and that x and y. With ``pre`` / ``post`` (see :meth:`LutGemv.bind`): a random
+    norm weight, x of 2 n_in columns for "silu", and y as its own residual for "add"."""
     x = torch.randn(batch, 2 * n_in if pre == "silu" else n_in, device="cuda", dtype=torch.float16)
     y = torch.randn(batch, n_out, device="cuda", dtype=torch.float16) if post else torch.empty(batch, n_out, device="cuda", dtype=torch.float16)
     w = (torch.rand(n_in, device="cuda") + 0.5).half() if pre == "rms" else None
-    return [g.bind(x, y, pre=pre, post=post, norm_weight=w, res=y if post else None) for g in gemvs], (gemvs, x, y)
+    return [g.bind(x, y, pre=pre, post=post, norm_weight=w, res=y if post else None) for g in gemvs], x, y
 
 
 def poisoned_check(gemv, x: torch.Tensor, ref: Callable[[torch.Tensor], torch.Tensor], what: str) -> float:

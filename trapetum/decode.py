@@ -594,11 +594,12 @@ def kernel_bound(cfg, K: int | None, head_K: int | None = None, fused: bool = Fa
     The graphed path's tok/s over this bound is the share of a token spent in these kernels;
     the rest is attention, norms, rotary, residual adds and the gaps between graph nodes.
 
-    ``step`` (a scalar codebook K, ``fused``): also the bound of the kernels the fused step itself
-    launches (``step_*`` keys): each projection's lut kernel with the norm, SiLU or residual add
-    it fuses (:data:`STEP_OPS`) at its own tuned plan, and a codebook LM head with its norm. These
-    can be slower than the fastest plans (a tensor-core kernel where the lut kernel is the only one
-    taking the fused operations) but spare the step the separate norm, SiLU and add launches.
+    ``step`` (a scalar or additive K, ``fused``): also the bound of the kernels the fused step itself
+    launches (``step_*`` keys): each projection's kernel with the norm, SiLU or residual add it
+    fuses (:data:`STEP_OPS`) at its own tuned plan (the lut kernel, or the additive table kernel),
+    and a codebook LM head with its norm. These can be slower than the fastest plans (a tensor-core
+    or streaming kernel where only the lut or table kernel takes the fused operations) but spare the
+    step the separate norm, SiLU and add launches.
     """
     from . import bench
 
@@ -629,8 +630,16 @@ def kernel_bound(cfg, K: int | None, head_K: int | None = None, fused: bool = Fa
     ms = cfg.num_hidden_layers * per_layer + head
     out = {"kernel_ms_per_token": ms, "implied_tok_s": 1e3 / ms, "lm_head_ms": head,
            "kernel_ms_by_shape": json.dumps({f"{a}x{b}": t for (a, b), t in times.items()})}
-    if step and fused and isinstance(K, int):
-        by_op = {name: bench.time_fused(n_in, n_out, K, *STEP_OPS[name]) for name, (n_in, n_out) in projection_shapes(cfg, True).items()}
+    if step and fused and kind in ("scalar", "additive"):
+        if kind == "additive":
+            from .additive import time_fused_additive
+
+            def op_ms(n_in, n_out, pre, post):
+                return time_fused_additive(n_in, n_out, params[0], pre, post)
+        else:
+            def op_ms(n_in, n_out, pre, post):
+                return bench.time_fused(n_in, n_out, params[0], pre, post)
+        by_op = {name: op_ms(n_in, n_out, *STEP_OPS[name]) for name, (n_in, n_out) in projection_shapes(cfg, True).items()}
         by_op["lm_head"] = bench.time_fused(cfg.hidden_size, cfg.vocab_size, head_K, "rms") if head_K is not None else head
         step_ms = cfg.num_hidden_layers * sum(v for k, v in by_op.items() if k != "lm_head") + by_op["lm_head"]
         out.update(step_kernel_ms_per_token=step_ms, step_implied_tok_s=1e3 / step_ms, step_kernel_ms_by_op=json.dumps(by_op))
