@@ -75,6 +75,7 @@ from .gemv import (
 )
 from .bench import TOLERANCE, poisoned_check  # TOLERANCE: max |y - ref| / max |ref| a kernel may be off by
 from .kmeans import check_finite
+from .tuning import PlanCache
 
 FORMAT_VERSION = 1
 KIND = "additive-codebook"
@@ -1440,7 +1441,7 @@ def stream_candidates(n_out: int, n_in: int, sms: int, smem: int) -> list[Stream
     return out
 
 
-_TUNED: dict = {}
+_TUNED = PlanCache("additive", AdditivePlan, StreamPlan)
 _LIMITED: dict = {}
 
 

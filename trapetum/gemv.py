@@ -36,6 +36,7 @@ from numba import config as _nb_config  # noqa: E402
 from numba import cuda, float32, int32, int64, uint16, uint32  # noqa: E402
 
 from .codebook import CHUNK_BYTES, ROW_BLOCK, CodebookTensor, check_rows, codes_per_byte, tile, untile  # noqa: E402
+from .tuning import PlanCache  # noqa: E402
 
 SIM = bool(_nb_config.ENABLE_CUDASIM)
 u32, i32 = uint32, int32  # short names for the kernels' explicitly 32-bit arithmetic (pair_table_builder)
@@ -2433,7 +2434,7 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
     return out
 
 
-_TUNED: dict = {}
+_TUNED = PlanCache("lut", LaunchPlan)
 TC_KERNELS = ("mma", "wide", "tile")  # the 4-bit tensor-core kernels: own shared-memory layouts, opt-in limits
 
 

@@ -47,6 +47,7 @@ from .gemv import (INLINE, SIM, _as_kernel_array, async_wait_all, check_activati
                    hadd2_to_float2, half2_to_float2, kernel_device, load16, load_byte_offset, max_shared_bytes, mma_table_tile,
                    sload4, sm_count, tuning_enabled, tuning_inputs, with_shared_limit)
 from .kmeans import check_finite
+from .tuning import PlanCache
 
 from numba import cuda, float32, int32, uint32  # noqa: E402  (gemv set numba's environment first)
 
@@ -1486,7 +1487,7 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
     return out or [plan_residual(n_out, nchunks, Nm, Nr, B, sms, norm, budget)]
 
 
-_TUNED: dict = {}
+_TUNED = PlanCache("residual", ResidualPlan)
 
 
 class ResidualGemv:

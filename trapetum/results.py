@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from .tuning import cache_path
+
 PACKAGE_ROOT = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_ROOT.parent
 DATA_DIR = REPO_ROOT / "data"
@@ -146,6 +148,8 @@ def provenance(command: str | None = None, **extra) -> dict:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": command if command is not None else " ".join(shlex.quote(a) for a in sys.argv),
         "format_version": FORMAT_VERSION,
+        # plans may come from an earlier process's tuning (trapetum.tuning); "off": tuned in this one
+        "plan_cache": str(plan_cache) if (plan_cache := cache_path()) is not None else "off",
     }
     prov.update(extra)
     return prov
