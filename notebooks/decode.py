@@ -120,7 +120,8 @@ report.fig_decode(df)
 #
 # The Pareto view: each line is one model on one GPU, from its fp16 point to its codebook
 # schemes. Up and to the left is better in the speed panel, down and to the left in the memory
-# panel. A 70B model has no fp16 point: it does not fit on one GPU.
+# panel. A 70B model has no fp16 point on the H100: its fp16 weights alone do not fit in its
+# memory (the table's out-of-memory row). The H200's larger memory holds them.
 
 # %% mystnb={"figure": {"caption": "Bits per weight against decode tok/s on the fastest graphed path (left) and peak VRAM (right), batch 1: one point per scheme family, its fastest variant (LM head and embedding options; the table above has every row). Random weights, real Llama-2 architectures.", "name": "fig-decode-pareto"}}
 report.fig_decode_pareto(df)
