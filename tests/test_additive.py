@@ -175,7 +175,10 @@ def test_stream_plans_refuse_what_they_cannot_run():
     assert [p.ksplit for p in A.stream_candidates(14336, 4096, 132, 227 * 1024)] == [1, 2, 4]  # 8 chunks: 6 is 4 again
     with pytest.raises(ValueError, match="spill"):  # 55 quads a block: 2 a warp of 32, whose 64 registers cannot hold them
         A.plan_stream(14336, 4096, 132, 227 * 1024, warps=32, ksplit=2)
-    assert not AdditiveGemv(t, plan={"kernel": "stream", "warps": 4}).fusable(1)
+    assert AdditiveGemv(t, plan={"kernel": "stream", "warps": 4}).fusable(1)  # batch 1 takes the fused operations
+    with pytest.raises(ValueError, match="batch 1"):  # batch 2 is not the streaming kernel's
+        AdditiveGemv(t, plan={"kernel": "stream", "warps": 4}).bind(x_for(1024, 2), torch.zeros(2, 16, dtype=torch.float16),
+                                                                    post="add", res=torch.zeros(2, 16, dtype=torch.float16))
     with pytest.raises(ValueError, match="kernels"):
         AdditiveGemv(t, kernels=("stream",))  # the table kernel serves every batch
     with pytest.raises(ValueError, match="leave the streaming kernel out"):
@@ -675,6 +678,35 @@ def test_fused_operations_match_the_float64_reference(pre, post, M, batch, plan)
     err = max_rel_err(y, reference(x, t, pre, post, w, res, eps))
     assert torch.isfinite(y).all() and err <= TOL, err
     assert g.fused_plan(batch, pre, post).build == "mma"
+
+
+@pytest.mark.parametrize("pre,post", [("rms", ""), ("silu", ""), ("", "add"), ("rms", "add"), ("silu", "add")])
+@pytest.mark.parametrize("n_out,n_in,plan", [
+    (38, 1088, {"warps": 4, "ksplit": 2, "slots": 3}),  # K-split 2: the last block adds res; x zero-padded past 1088
+    (21, 576, {"warps": 4, "ksplit": 1, "slots": 2}),  # one K-slice: each row's own write adds res
+])
+def test_stream_kernel_fuses_the_step_operations(pre, post, n_out, n_in, plan):
+    # Staged x is normalised (rms: over the whole row, not the block's slice) or gated on its way to
+    # shared memory, rounded as transformers' fp16 Llama rounds it; res is added where y is written.
+    t = with_bias(random_additive_tensor(n_out, n_in, 2, seed=n_out), seed=n_in)
+    g = AdditiveGemv(t, plan={"kernel": "stream", **plan})
+    assert g.fusable(1)
+    x = x_for(2 * n_in if pre == "silu" else n_in, 1, seed=3) * 3
+    w = (torch.rand(n_in, generator=torch.Generator().manual_seed(5)) + 0.5).half()
+    res = x_for(n_out, 1, seed=9)
+    y = torch.full((1, n_out), float("nan"), dtype=torch.float16)
+    g.bind(x, y, pre=pre, post=post, norm_weight=w if pre == "rms" else None, res=res if post else None)()
+    err = max_rel_err(y, reference(x, t, pre, post, w, res, 1e-5))
+    assert torch.isfinite(y).all() and err <= TOL, err
+    assert isinstance(g.fused_plan(1, pre, post), A.StreamPlan) and g._tiled_t is None  # one layout held
+
+
+def test_stream_fused_residual_add_may_update_its_input_in_place():
+    t = random_additive_tensor(38, 1088, 2, seed=2)
+    x, h = x_for(1088, 1, seed=4), x_for(38, 1, seed=6)
+    want = reference(x, t, post="add", res=h)
+    AdditiveGemv(t, plan={"kernel": "stream", "warps": 4, "ksplit": 2, "slots": 2}).bind(x, h, post="add", res=h)()
+    assert max_rel_err(h, want) <= TOL
 
 
 def test_rms_input_in_the_thousands_is_normalised_before_fp16():

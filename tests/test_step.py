@@ -82,8 +82,9 @@ def test_the_graphed_fused_step_needs_a_gpu(model):
 def test_kernel_checks_pass_on_small_shapes():
     recs = kernel_checks(
         shapes=((64, 96),), attention_cases=((4, 2, 16),), positions=(0, 20), device="cpu", plans=({"ksplit": 2},),
-        vocabs=(300,), additive_plans=({"warps": 2, "build": "mma", "table": "fp16"},))
-    assert [r["kind"] for r in recs] == ["gemv"] * 3 + ["additive"] * 3 + ["attention"] * 2 + ["greedy"]
+        vocabs=(300,), additive_plans=({"warps": 2, "build": "mma", "table": "fp16"}, {"kernel": "stream", "warps": 4, "ksplit": 1, "slots": 2}))
+    assert [r["kind"] for r in recs] == ["gemv"] * 3 + ["additive"] * 6 + ["attention"] * 2 + ["greedy"]
+    assert sum("stream" in r.get("plan", "") for r in recs) == 3  # the streaming kernel with each fused operation
     assert all(r["finite"] and r["max_rel_err"] < 2e-3 for r in recs), recs
 
 

@@ -1079,10 +1079,13 @@ def stream_shared_bytes(nchunks: int, ksplit: int) -> int:
     return 4 * (2 * STREAM_TABLE_WORDS + -(-nchunks // ksplit) * STREAM_X_WORDS)
 
 
-def stream_kernel(warps: int, QW: int, D2: int):
+def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
     """The streaming additive GEMV (M = 2, batch 1; see the comment above ``STREAM_GROUPS``) for
     blocks of ``warps`` warps, each warp owning up to ``QW`` quads of rows, and ``D2`` code slots a
-    warp (chunks c + 1 .. c + D2 - 1 load while chunk c is summed).
+    warp (chunks c + 1 .. c + D2 - 1 load while chunk c is summed). ``pre`` / ``post``: the decode
+    step's fused operations, as :func:`additive_kernel` takes them, applied where x is staged
+    (``"rms"``: the block first sums the squares of the whole row; ``"silu"``: x32 = [a | b]) and
+    where y is written (``"add"``: y = res + W x, res may be y itself).
 
     Grid (row-groups, K-slices). A block:
     1. copies its K-slice of x to shared memory (cp.async, zeros past in_features), loads its first
@@ -1102,12 +1105,17 @@ def stream_kernel(warps: int, QW: int, D2: int):
     Arguments: x32 (1, in/2) int32 view of fp16 x; codes (:func:`stream_codes`); cb32 (2*256*4,)
     int32 view of the fp16 codebooks; scales, bias (out,) fp16; y (1, out) fp16; ws (ksplit, 1, out)
     fp32; counters (row-groups,) int32; n_out; nq (quads); nch (chunks a row); cps (chunks a
-    K-slice); qpb (quads a block); cbexp (:func:`codebook_exponent`).
+    K-slice); qpb (quads a block); cbexp (:func:`codebook_exponent`); g32 (the norm weight's int32
+    view), res, eps: the fused operands (unread without them).
     """
-    key = (warps, QW, D2)
+    key = (warps, QW, D2, pre, post)
     if key in _stream_cache:
         return _stream_cache[key]
     check_stream_shape(warps, D2)
+    check_ops(pre, post)
+    RMS, SILU, ADD = pre == "rms", pre == "silu", post == "add"
+    row_sumsq, _, irms_of = rms_sums(1, warps)
+    WSQ = (warps, 1) if RMS else (1, 1)  # shared: the warps' shares of the row's sum of squares
     nt = warps * 32
     KT = 64 // warps  # k-tiles (8 entries of one codebook) a warp builds every chunk
     SLOT = QW * STREAM_ROWS  # code words a lane holds a chunk
@@ -1200,10 +1208,18 @@ def stream_kernel(warps: int, QW: int, D2: int):
 
     # launch_bounds: one block an SM (its tables take most of the shared memory); without them ptxas
     # gave 16-warp blocks of 4 quads a warp 137 registers, which 512 threads cannot launch with.
+    @cuda.jit(device=True, **INLINE)
+    def with_res(v, res, row):
+        # post="add": the residual, read and written back (as y) by the same thread
+        if ADD:
+            v += float32(res[0, row])
+        return v
+
     @cuda.jit(**({} if SIM else {"launch_bounds": (nt,)}))
-    def kernel(x32, codes, cb32, scales, bias, y, ws, counters, n_out, nq, nch, cps, qpb, cbexp):
+    def kernel(x32, codes, cb32, scales, bias, y, ws, counters, n_out, nq, nch, cps, qpb, cbexp, g32, res, eps):
         sm = cuda.shared.array(0, int32)
         last = cuda.shared.array(1, int32)
+        wsq = cuda.shared.array(WSQ, float32)
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = uint32(tid) & uint32(31)
@@ -1215,14 +1231,30 @@ def stream_kernel(warps: int, QW: int, D2: int):
         c1 = int32(min(c0 + cps, nch))
         nc = c1 - c0
 
-        # 1. x's K-slice to shared memory; the first chunks' codes; B fragments
+        # 1. x's K-slice to shared memory (fused: through registers, normalised or gated on the
+        #    way); the first chunks' codes; B fragments
         xrow = x32[0]
-        nx = xrow.shape[0]
+        nx = (xrow.shape[0] >> 1) if SILU else xrow.shape[0]  # x's words (silu: a's; b's follow)
+        irms = float32(1.0)
+        if RMS:
+            row_sumsq(x32, wsq, tid, warp)
+            cuda.syncthreads()
+            irms = irms_of(wsq, 0, xrow.shape[0] * 2, eps)
         nxw = nc * STREAM_X_WORDS
         for i in range(tid * 4, nxw, nt * 4):
             gw = c0 * STREAM_X_WORDS + i
-            if gw < nx:
-                copy16_async(sm, XO + i, xrow, gw)
+            if gw < nx:  # in_features is a multiple of 8: a 4-word piece is all in or all out
+                if RMS or SILU:
+                    w0, w1, w2, w3 = load16(xrow, gw)
+                    for k in range(4):
+                        w = w0 if k == 0 else w1 if k == 1 else w2 if k == 2 else w3
+                        if RMS:
+                            w = rms_word(w, g32[gw + k], irms)
+                        else:
+                            w = silu_word(w, xrow[nx + gw + k])
+                        sm[XO + i + k] = w
+                else:
+                    copy16_async(sm, XO + i, xrow, gw)
             else:
                 sm[XO + i], sm[XO + i + 1], sm[XO + i + 2], sm[XO + i + 3] = zero, zero, zero, zero
         ring = cuda.local.array(RING, int32)
@@ -1268,14 +1300,14 @@ def stream_kernel(warps: int, QW: int, D2: int):
                     if lane == uint32(r) and row < n_out:
                         v *= float32(scales[row])
                         if nsplit == 1:
-                            y[0, row] = v + float32(bias[row])
+                            y[0, row] = with_res(v + float32(bias[row]), res, row)
                         else:
                             ws[split, 0, row] = v
         if nsplit > 1 and last_to_finish(counters, cuda.blockIdx.x, nsplit, last, tid):
             for i in range(tid, qn * STREAM_ROWS, nt):
                 row = qb0 * STREAM_ROWS + i
                 if row < n_out:
-                    y[0, row] = sum_splits(ws, nsplit, 0, row) + float32(bias[row])
+                    y[0, row] = with_res(sum_splits(ws, nsplit, 0, row) + float32(bias[row]), res, row)
 
     _stream_cache[key] = kernel
     return kernel
@@ -1386,7 +1418,7 @@ class StreamPlan:
     nch: int
     shared_bytes: int
     kernel: str = "stream"
-    build: str = "stream"  # (an AdditivePlan's table build; the streaming kernel takes no fused operations)
+    build: str = "stream"  # (in an AdditivePlan, the table build)
 
     def label(self) -> str:
         return f"additive stream: {self.warps} warps, K-split {self.ksplit}, {self.slots} code slots"
@@ -1461,7 +1493,9 @@ class AdditiveGemv:
     or ``{"kernel": "stream", ...}`` for :func:`plan_stream` (warps, ksplit, slots); otherwise tuned on a
     GPU (``tune=True``) or taken from the heuristic. ``kernels``: the families the tuner may pick from:
     "table" (:func:`additive_kernel`, every batch and the fused operations) and "stream"
-    (:func:`stream_kernel`, M=2 at batch 1, plain GEMVs; a layer that uses both holds its codes twice).
+    (:func:`stream_kernel`, M=2 at batch 1; a layer that uses both holds its codes twice). The streaming
+    kernel takes the fused operations too, as a fixed plan: the tuner times it for plain GEMVs only
+    until its fused variants have been checked on a GPU (NOTES, session 44).
     """
 
     max_batch = MAX_FUSED_BATCH  # larger batches: QLinear's dequantize + cuBLAS
@@ -1545,9 +1579,11 @@ class AdditiveGemv:
 
     def _launch_parts(self, B: int, plan, pre: str = "", post: str = ""):
         if isinstance(plan, StreamPlan):
-            if B != 1 or pre or post:
-                raise ValueError(f"{plan.label()}: the streaming kernel runs batch 1 without fused operations")
-            kern = stream_kernel(plan.warps, plan.QW, plan.slots)
+            if B != 1:
+                raise ValueError(f"{plan.label()}: the streaming kernel runs batch 1")
+            if pre == "rms" and plan.shared_bytes + 4 * (1 + plan.warps) > (OPTIN_SIM if SIM else self._smem()):  # as _prepare plans it
+                raise ValueError(f"{plan}: its tables leave no room for pre='rms' sums of squares ({4 * plan.warps} bytes)")
+            kern = stream_kernel(plan.warps, plan.QW, plan.slots, pre, post)
             grid = plan.grid(self.n_out)
             rows, ncounters = self.n_out, grid[0]
         else:
@@ -1589,7 +1625,7 @@ class AdditiveGemv:
         # simulator copies every array argument back after a launch, and an unchanged y would win)
         if isinstance(plan, StreamPlan):  # tiled: the codes in stream_codes' layout
             return (xa, tiled, self._cb32, self._sc, self._bias, ya, views[0], views[1], self.n_out, stream_quads(self.n_out),
-                    plan.nch, plan.cps, plan.qpb, self._cbexp)
+                    plan.nch, plan.cps, plan.qpb, self._cbexp) + (fused or (xa, xa, 0.0))
         return (xa, tiled, self._cb32, self._sc, self._bias, ya, views[0], views[1], self.n_out, self.rbs, self.nchunks,
                 self._cbexp) + (fused or (xa, xa, 0.0))
 
@@ -1652,11 +1688,11 @@ class AdditiveGemv:
 
     def fusable(self, B: int = 1) -> bool:
         """Whether :meth:`bind` can fuse the decode step's pre/post operations at batch ``B``: the
-        tensor-core table build takes them, so a fixed plan must be one (a tuned or heuristic fused
-        call takes its own)."""
+        tensor-core table build and the streaming kernel take them, so a fixed plan must be one of
+        those (a tuned or heuristic fused call takes its own)."""
         if B > MAX_FUSED_BATCH:
             return False
-        return self.fixed_plan is None or self._prepare(B)[1].build == "mma"
+        return self.fixed_plan is None or self._prepare(B)[1].build in ("mma", "stream")
 
     def fused_plan(self, B: int, pre: str, post: str) -> AdditivePlan:
         """The plan a :meth:`bind` with these fused operations launches (tuned for them on a GPU)."""
@@ -1672,7 +1708,7 @@ class AdditiveGemv:
             else:  # the heuristic plan with its table built on the tensor cores
                 plan = plan_additive(self.n_out, self.nchunks, self.M, B, sm_count(self.device), self._smem(), build="mma")
             self._fused_plans[k] = self._launch_parts(B, plan, pre, post)
-            self._hold("tiled")
+            self._hold("stream" if isinstance(plan, StreamPlan) else "tiled")
         return self._fused_plans[k]
 
     def bind(self, x: torch.Tensor, out: torch.Tensor, pre: str = "", post: str = "", norm_weight: torch.Tensor | None = None,

@@ -218,7 +218,9 @@ FUSIONS = (("rms", ""), ("", "add"), ("silu", "add"))  # qkv / gate_up, o_proj, 
 
 def kernel_checks(shapes=((4096, 4096), (4096, 12288), (11008, 4096)), attention_cases=((32, 32, 128), (64, 8, 128)),
                   positions=(0, 5, 127, 128, 300, 530), device="cuda", seed=0, plans=(None, {"ksplit": 2}),
-                  vocabs=(32000, 50257), additive_plans=(None, {"cps": 4, "build": "mma", "table": "fp16"})) -> list[dict]:
+                  vocabs=(32000, 50257), additive_plans=(None, {"cps": 4, "build": "mma", "table": "fp16"},
+                                                          {"kernel": "stream", "ksplit": 1, "warps": 16, "slots": 2},
+                                                          {"kernel": "stream", "ksplit": 2, "warps": 8, "slots": 3})) -> list[dict]:
     """Every fused GEMV operation at ``shapes`` (in, out), for the 4-bit scalar codebook at ``plans``
     and the 2-bit additive one at ``additive_plans`` (kind "gemv" / "additive"), and the attention
     kernel for (heads, KV heads, head_dim) at ``positions``, against float64 references on fresh
