@@ -129,3 +129,29 @@ def test_every_gemv_family_tunes_through_a_plan_cache():
     assert isinstance(gemv._TUNED, PlanCache) and set(gemv._TUNED.types) == {"LaunchPlan"}
     assert isinstance(additive._TUNED, PlanCache) and set(additive._TUNED.types) == {"AdditivePlan", "StreamPlan"}
     assert isinstance(residual._TUNED, PlanCache) and set(residual._TUNED.types) == {"ResidualPlan"}
+
+
+def test_the_plans_command_lists_and_clears(plan_file, capsys):
+    from trapetum.cli import main
+
+    assert main(["plans"]) == 0 and f"{plan_file}: 0 plans" in capsys.readouterr().out  # no file yet
+    PlanCache("lut", gemv.LaunchPlan)[KEY] = gemv.LaunchPlan(warps=4, ksplit=2, cps=8, shared_bytes=0)
+    assert main(["plans"]) == 0
+    out = capsys.readouterr().out
+    assert f"{plan_file}: 1 plans" in out and "LaunchPlan(" in out and "ksplit=2" in out and "other sources" not in out
+    assert main(["plans", "--clear"]) == 0 and f"removed {plan_file}" in capsys.readouterr().out
+    assert not plan_file.exists() and KEY not in PlanCache("lut", gemv.LaunchPlan)
+    assert main(["plans", "--clear"]) == 0 and "no plan file" in capsys.readouterr().out
+
+
+def test_the_plans_command_names_a_stale_or_broken_file(plan_file, capsys, monkeypatch):
+    from trapetum.cli import main
+
+    PlanCache("lut", gemv.LaunchPlan)[KEY] = gemv.LaunchPlan(warps=4, ksplit=2, cps=8, shared_bytes=0)
+    doc = json.loads(plan_file.read_text())
+    plan_file.write_text(json.dumps({**doc, "source_id": "0" * 64}))
+    assert main(["plans"]) == 0 and "tuned by other sources" in capsys.readouterr().out
+    plan_file.write_text("{broken")
+    assert main(["plans"]) == 2 and "--clear" in capsys.readouterr().err
+    monkeypatch.setenv(tuning.ENV, "off")
+    assert main(["plans"]) == 0 and "=off" in capsys.readouterr().out

@@ -230,6 +230,27 @@ def _measure_options(g) -> None:
 DECODE_COMMANDS = ("generate", "check", "bench")
 
 
+def _plans(args) -> int:
+    from . import tuning
+
+    if args.clear:
+        gone = tuning.clear_file()
+        print(f"removed {gone}" if gone else f"no plan file to remove ({tuning.cache_path() or tuning.ENV + '=off'})")
+        return 0
+    try:
+        path, current, rows = tuning.cached_plans()
+    except ValueError as e:
+        print(f"trapetum plans: {e}", file=sys.stderr)
+        return 2
+    if path is None:
+        print(f"{tuning.ENV}=off: plans are tuned in each process and kept in it only")
+        return 0
+    print(f"{path}: {len(rows)} plans" + ("" if current or not rows else ", tuned by other sources (ignored: they will be tuned again)"))
+    for r in rows:
+        print(f"  {r['family']:9s} {r['key']}\n            {r['type']}({', '.join(f'{k}={v}' for k, v in r['fields'].items())})")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="trapetum", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -260,6 +281,9 @@ def main(argv=None) -> int:
                    help="continue a run that stopped part way, from its <out>/<gpu>/vq_gemv.partial.jsonl "
                         "(same commit and GPU): what it holds is kept, the rest is measured")
     v.set_defaults(func=_vq)
+    t = sub.add_parser("plans", help="the tuned launch plans kept across processes (trapetum.tuning): list or --clear")
+    t.add_argument("--clear", action="store_true", help="remove the file: every shape is tuned again")
+    t.set_defaults(func=_plans)
     # generate / check / bench live in trapetum.decode; `trapetum generate ...` hands them over.
     for name in DECODE_COMMANDS:
         sub.add_parser(name, add_help=False, help=f"see python -m trapetum.decode {name} --help")

@@ -149,3 +149,28 @@ class PlanCache:
                 _WARNED.add(path)
                 warnings.warn(f"cannot write the plan cache {path}: {e}; plans stay in this process only "
                               f"(set {ENV}=off to stop trying)", stacklevel=3)
+
+
+def cached_plans() -> tuple[Path | None, bool, list[dict]]:
+    """What the plan file holds: (its path or None where off, whether it was tuned by these sources,
+    one row per plan: family, key, type, fields)."""
+    path = cache_path()
+    if path is None or not path.is_file():
+        return path, False, []
+    try:
+        doc = json.loads(path.read_text())
+        plans = doc["plans"]
+        rows = [{"family": fam, "key": k, "type": e["type"], "fields": e["fields"]} for fam, entries in plans.items()
+                for k, e in entries.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"the plan cache {path} cannot be read ({e}); `trapetum plans --clear` removes it") from e
+    return path, doc.get("source_id") == _source_id() and doc.get("format_version") == FORMAT_VERSION, rows
+
+
+def clear_file() -> Path | None:
+    """Remove the plan file (the next tuning starts over); its path, or None if there was none."""
+    path = cache_path()
+    if path is None or not path.exists():
+        return None
+    path.unlink()
+    return path
