@@ -733,6 +733,20 @@ def codebook_exponent(codebooks: torch.Tensor) -> int:
     return math.frexp(l1)[1] if l1 > 0 else 0
 
 
+def residual_add(post: str):
+    """The kernels' ``with_res(v, res, b, row)``: v + res[b, row] where ``post`` is "add" (the decode
+    step's residual, read and written back as y by the same thread, so res may be y), else v."""
+    ADD = post == "add"
+
+    @cuda.jit(device=True, **INLINE)
+    def with_res(v, res, b, row):
+        if ADD:
+            v += float32(res[b, row])
+        return v
+
+    return with_res
+
+
 def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma: bool = False, table: str = "fp32",
                     pre: str = "", post: str = ""):
     """The fused additive GEMV for M codebooks and batch B (compiled on first use, per plan).
@@ -773,7 +787,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
     check_ops(pre, post)
     if (pre or post) and not mma:
         raise ValueError("fused operations need the tensor-core table build (build='mma')")
-    RMS, SILU, ADD = pre == "rms", pre == "silu", post == "add"
+    RMS, SILU = pre == "rms", pre == "silu"
     half = table == "fp16"
     key = (M, B, bt, warps, RB, cps, mma, table, pre, post)
     if key in _kernel_cache:
@@ -836,12 +850,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
                         for bb in range(bt):
                             acc[bb] += lookup(lut, uint32(((bb * G + c * gpc + gi) * PS + m * K) * esize) + o)
 
-    @cuda.jit(device=True, **INLINE)
-    def with_res(v, res, b, row):
-        # post="add": the residual, read and written back (as y) by the same thread
-        if ADD:
-            v += float32(res[b, row])
-        return v
+    with_res = residual_add(post)
 
     @cuda.jit(device=True, **INLINE)
     def row_block(ring, cur, nxt, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out, up, res):
@@ -1113,7 +1122,7 @@ def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
         return _stream_cache[key]
     check_stream_shape(warps, D2)
     check_ops(pre, post)
-    RMS, SILU, ADD = pre == "rms", pre == "silu", post == "add"
+    RMS, SILU = pre == "rms", pre == "silu"
     row_sumsq, _, irms_of = rms_sums(1, warps)
     WSQ = (warps, 1) if RMS else (1, 1)  # shared: the warps' shares of the row's sum of squares
     nt = warps * 32
@@ -1208,12 +1217,7 @@ def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
 
     # launch_bounds: one block an SM (its tables take most of the shared memory); without them ptxas
     # gave 16-warp blocks of 4 quads a warp 137 registers, which 512 threads cannot launch with.
-    @cuda.jit(device=True, **INLINE)
-    def with_res(v, res, row):
-        # post="add": the residual, read and written back (as y) by the same thread
-        if ADD:
-            v += float32(res[0, row])
-        return v
+    with_res = residual_add(post)
 
     @cuda.jit(**({} if SIM else {"launch_bounds": (nt,)}))
     def kernel(x32, codes, cb32, scales, bias, y, ws, counters, n_out, nq, nch, cps, qpb, cbexp, g32, res, eps):
@@ -1300,14 +1304,14 @@ def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
                     if lane == uint32(r) and row < n_out:
                         v *= float32(scales[row])
                         if nsplit == 1:
-                            y[0, row] = with_res(v + float32(bias[row]), res, row)
+                            y[0, row] = with_res(v + float32(bias[row]), res, 0, row)
                         else:
                             ws[split, 0, row] = v
         if nsplit > 1 and last_to_finish(counters, cuda.blockIdx.x, nsplit, last, tid):
             for i in range(tid, qn * STREAM_ROWS, nt):
                 row = qb0 * STREAM_ROWS + i
                 if row < n_out:
-                    y[0, row] = with_res(sum_splits(ws, nsplit, 0, row) + float32(bias[row]), res, row)
+                    y[0, row] = with_res(sum_splits(ws, nsplit, 0, row) + float32(bias[row]), res, 0, row)
 
     _stream_cache[key] = kernel
     return kernel
