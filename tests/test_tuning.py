@@ -155,3 +155,14 @@ def test_the_plans_command_names_a_stale_or_broken_file(plan_file, capsys, monke
     assert main(["plans"]) == 2 and "--clear" in capsys.readouterr().err
     monkeypatch.setenv(tuning.ENV, "off")
     assert main(["plans"]) == 0 and "=off" in capsys.readouterr().out
+
+
+def test_no_home_directory_keeps_plans_in_memory(monkeypatch):
+    monkeypatch.delenv(tuning.ENV, raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(tuning.Path, "home", staticmethod(no_home))
+    assert tuning.cache_path() is None and results.provenance("x")["plan_cache"] == "off"

@@ -36,7 +36,13 @@ def cache_path() -> Path | None:
         return None
     if v:
         return Path(v).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trapetum" / "plans.json"
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = Path.home() / ".cache"
+        except RuntimeError:  # no home directory (some containers): plans stay in memory
+            return None
+    return Path(base) / "trapetum" / "plans.json"
 
 
 def _source_id() -> str:
