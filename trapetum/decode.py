@@ -631,15 +631,10 @@ def kernel_bound(cfg, K: int | None, head_K: int | None = None, fused: bool = Fa
     out = {"kernel_ms_per_token": ms, "implied_tok_s": 1e3 / ms, "lm_head_ms": head,
            "kernel_ms_by_shape": json.dumps({f"{a}x{b}": t for (a, b), t in times.items()})}
     if step and fused and kind in ("scalar", "additive"):
-        if kind == "additive":
-            from .additive import time_fused_additive
+        from .additive import time_fused_additive
 
-            def op_ms(n_in, n_out, pre, post):
-                return time_fused_additive(n_in, n_out, params[0], pre, post)
-        else:
-            def op_ms(n_in, n_out, pre, post):
-                return bench.time_fused(n_in, n_out, params[0], pre, post)
-        by_op = {name: op_ms(n_in, n_out, *STEP_OPS[name]) for name, (n_in, n_out) in projection_shapes(cfg, True).items()}
+        op_ms = time_fused_additive if kind == "additive" else bench.time_fused  # (n_in, n_out, K or M, pre, post)
+        by_op = {name: op_ms(n_in, n_out, params[0], *STEP_OPS[name]) for name, (n_in, n_out) in projection_shapes(cfg, True).items()}
         by_op["lm_head"] = bench.time_fused(cfg.hidden_size, cfg.vocab_size, head_K, "rms") if head_K is not None else head
         step_ms = cfg.num_hidden_layers * sum(v for k, v in by_op.items() if k != "lm_head") + by_op["lm_head"]
         out.update(step_kernel_ms_per_token=step_ms, step_implied_tok_s=1e3 / step_ms, step_kernel_ms_by_op=json.dumps(by_op))
