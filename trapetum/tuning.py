@@ -51,20 +51,32 @@ def _source_id() -> str:
     return source_id()
 
 
+def _load(path: Path) -> dict:
+    """The plan file as its JSON object; ValueError where it cannot be read or is not a plan cache."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(str(e)) from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("plans", {}), dict):
+        raise ValueError("not a plan cache (expected an object with 'plans')")
+    return doc
+
+
+def _tuned_by(doc: dict, sid: str) -> bool:
+    """Whether the sources ``sid`` (and this file format) wrote ``doc``: only then are its plans used."""
+    return doc.get("format_version") == FORMAT_VERSION and doc.get("source_id") == sid
+
+
 def _read(path: Path, sid: str) -> dict:
     """The file's plans by family ({} where it is absent, unreadable or from other sources)."""
     if not path.is_file():
         return {}
     try:
-        doc = json.loads(path.read_text())
-        if not isinstance(doc, dict) or not isinstance(doc.get("plans", {}), dict):
-            raise ValueError("not a plan cache (expected an object with 'plans')")
-    except (OSError, ValueError) as e:
+        doc = _load(path)
+    except ValueError as e:
         warnings.warn(f"ignoring the plan cache {path}: {e}; plans will be tuned again", stacklevel=3)
         return {}
-    if doc.get("format_version") != FORMAT_VERSION or doc.get("source_id") != sid:
-        return {}
-    return doc["plans"]
+    return doc["plans"] if _tuned_by(doc, sid) else {}
 
 
 class PlanCache:
@@ -164,13 +176,12 @@ def cached_plans() -> tuple[Path | None, bool, list[dict]]:
     if path is None or not path.is_file():
         return path, False, []
     try:
-        doc = json.loads(path.read_text())
-        plans = doc["plans"]
-        rows = [{"family": fam, "key": k, "type": e["type"], "fields": e["fields"]} for fam, entries in plans.items()
+        doc = _load(path)
+        rows = [{"family": fam, "key": k, "type": e["type"], "fields": e["fields"]} for fam, entries in doc.get("plans", {}).items()
                 for k, e in entries.items()]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"the plan cache {path} cannot be read ({e}); `trapetum plans --clear` removes it") from e
-    return path, doc.get("source_id") == _source_id() and doc.get("format_version") == FORMAT_VERSION, rows
+    return path, _tuned_by(doc, _source_id()), rows
 
 
 def clear_file() -> Path | None:
