@@ -140,6 +140,8 @@ def test_stream_layout_and_its_inverse(n_out, n_in):
     nq, nch = -(-n_out // 4), -(-(n_in // 8) // 64)
     assert w.dtype == torch.int32 and w.numel() == nch * nq * 32 * 4
     assert torch.equal(A.unstream_codes(w, n_out, n_in // 8), t.codes)
+    for r0, r1 in ((0, 1), (4, n_out), (n_out // 8 * 4, n_out)):  # row slabs copy only their quads
+        assert torch.equal(A.unstream_codes(w, n_out, n_in // 8, rows=(r0, r1)), t.codes[r0:r1])
     # word ((c * quads + q) * 32 + s) * 4 + r: row 4q + r's codes of groups 64c + s and 64c + s + 32
     b = w.view(torch.uint8).reshape(nch, nq, 32, 4, 4)
     row, grp = min(n_out - 1, 5), min(n_in // 8 - 1, 3)
@@ -155,6 +157,46 @@ def test_a_stream_layer_holds_one_copy_of_its_codes_until_called_both_ways():
     g.fixed_plan = {"warps": 2}  # a batch-3 call needs the table kernel: its layout comes back, both are held
     check(g, x_for(1088, 3), t)
     assert g._tiled_t is not None and g._stream_t is not None
+
+
+@pytest.mark.parametrize("pre,post", [("", ""), ("rms", "add"), ("silu", "add")])
+def test_a_single_layout_stream_layer_runs_small_batches_a_row_at_a_time(pre, post):
+    # A model's layer (single_layout) whose batch-1 plan is the streaming kernel keeps only that layout:
+    # batches 2..16, plain or fused, launch it once a row instead of bringing the tiled codes back.
+    n_out, n_in, B = 38, 1088, 3
+    t = with_bias(random_additive_tensor(n_out, n_in, 2, seed=5), seed=6)
+    g = AdditiveGemv(t, plan={"kernel": "stream", "warps": 4, "ksplit": 2, "slots": 2}, single_layout=True)
+    x = x_for(2 * n_in if pre == "silu" else n_in, B, seed=3) * 3
+    w = (torch.rand(n_in, generator=torch.Generator().manual_seed(5)) + 0.5).half()
+    h = x_for(n_out, B, seed=9)
+    want = reference(x, t, pre, post, w, h, 1e-5)
+    y = h if post else torch.full((B, n_out), float("nan"), dtype=torch.float16)  # the add in place, as the step does
+    g.bind(x, y, pre=pre, post=post, norm_weight=w if pre == "rms" else None, res=h if post else None)()
+    err = max_rel_err(y, want)
+    assert torch.isfinite(y).all() and err <= TOL, err
+    assert isinstance(g.plan(B), A.StreamPlan) and g._tiled_t is None and g._stream_t is not None
+    assert g._kernels_for(B, False) == g._kernels_for(1, True) == ("stream",) and g._kernels_for(1, False) == A.AdditiveGemv.FAMILIES
+    assert torch.equal(g.dequantize(rows=(32, 38)), t.dequantize()[32:38].half())  # the prefill's slabs, from that layout
+    table = AdditiveGemv(t, plan={"warps": 2}, single_layout=True)
+    assert table._kernels_for(1, True) == table._kernels_for(4, False) == ("table",)
+
+
+def test_fused_tuning_candidates_follow_the_family_and_leave_room_for_the_norm(monkeypatch):
+    t = random_additive_tensor(4096, 14336, 2, seed=0)
+    g = AdditiveGemv(t, tune=False)
+    monkeypatch.setattr(g, "_smem", lambda: 227 * 1024)
+    monkeypatch.setattr(A, "sm_count", lambda device: 132)
+    both = g._candidates(1, "rms", "", A.AdditiveGemv.FAMILIES)
+    assert {type(p) for p in both} == {A.AdditivePlan, A.StreamPlan}
+    assert all(p.build == "mma" for p in both if isinstance(p, A.AdditivePlan))  # the fused table kernel builds on tensor cores
+    streams = g._candidates(1, "rms", "", ("stream",))
+    assert streams and all(isinstance(p, A.StreamPlan) and p.shared_bytes + 4 * (1 + p.warps) <= 227 * 1024 for p in streams)
+    tight = A.plan_stream(4096, 14336, 132, 227 * 1024, warps=A.STREAM_WARPS).shared_bytes + 66  # K-split 1 fits, its norm sums do not
+    monkeypatch.setattr(g, "_smem", lambda: tight)
+    assert 1 not in {p.ksplit for p in g._candidates(1, "rms", "", ("stream",))}
+    assert 1 in {p.ksplit for p in g._candidates(1, "silu", "add", ("stream",))}
+    assert all(isinstance(p, A.AdditivePlan) for p in g._candidates(1, "", "add", ("table",)))
+    assert g._candidates(2, "", "", ("stream",)) == []  # the streaming kernel is batch 1's
 
 
 def test_stream_plans_refuse_what_they_cannot_run():

@@ -1076,11 +1076,14 @@ def stream_codes(codes: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.int32)
 
 
-def unstream_codes(words: torch.Tensor, n_out: int, G: int) -> torch.Tensor:
-    """The inverse of :func:`stream_codes`: (out, G, 2) uint8."""
+def unstream_codes(words: torch.Tensor, n_out: int, G: int, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """The inverse of :func:`stream_codes`: (out, G, 2) uint8; ``rows=(r0, r1)``: only those rows
+    (r0 a multiple of 4), copying only their quads."""
     nq, nch = stream_quads(n_out), stream_chunks(G)
-    t = words.view(torch.uint8).reshape(nch, nq, 32, STREAM_ROWS, 2, 2).permute(1, 3, 0, 4, 2, 5)
-    return t.reshape(nq * STREAM_ROWS, nch * STREAM_GROUPS, 2)[:n_out, :G].contiguous()
+    r0, r1 = (0, n_out) if rows is None else rows
+    q0, q1 = r0 // STREAM_ROWS, stream_quads(r1)
+    t = words.view(torch.uint8).reshape(nch, nq, 32, STREAM_ROWS, 2, 2)[:, q0:q1].permute(1, 3, 0, 4, 2, 5)
+    return t.reshape((q1 - q0) * STREAM_ROWS, nch * STREAM_GROUPS, 2)[:r1 - r0, :G].contiguous()
 
 
 def stream_shared_bytes(nchunks: int, ksplit: int) -> int:
@@ -1497,16 +1500,19 @@ class AdditiveGemv:
     or ``{"kernel": "stream", ...}`` for :func:`plan_stream` (warps, ksplit, slots); otherwise tuned on a
     GPU (``tune=True``) or taken from the heuristic. ``kernels``: the families the tuner may pick from:
     "table" (:func:`additive_kernel`, every batch and the fused operations) and "stream"
-    (:func:`stream_kernel`, M=2 at batch 1; a layer that uses both holds its codes twice). The streaming
-    kernel takes the fused operations too, as a fixed plan: the tuner times it for plain GEMVs only
-    until its fused variants have been checked on a GPU (NOTES, session 44).
+    (:func:`stream_kernel`, M=2 at batch 1, with or without the fused operations; a layer that uses
+    both holds its codes twice). ``single_layout``: the batch-1 plain plan picks the family every call
+    of this weight then uses, so it holds one copy of its codes (a model's layers,
+    :class:`trapetum.qlinear.AdditiveQLinear`): its fused plans are tuned within that family, and
+    where it is the streaming kernel a batch of 2 to 16 runs it a row at a time (B reads of the
+    2-bit codes: less traffic than rebuilding the fp16 weight for cuBLAS at every such batch).
     """
 
     max_batch = MAX_FUSED_BATCH  # larger batches: QLinear's dequantize + cuBLAS
     FAMILIES = ("table", "stream")
 
     def __init__(self, t: AdditiveTensor, device=None, plan: dict | None = None, tune: bool = True,
-                 kernels: tuple[str, ...] = FAMILIES):
+                 kernels: tuple[str, ...] = FAMILIES, single_layout: bool = False):
         self.device = kernel_device(device, "AdditiveGemv")
         if not isinstance(t, AdditiveTensor):
             raise TypeError(f"AdditiveGemv takes an AdditiveTensor, got {type(t).__name__}")
@@ -1515,7 +1521,7 @@ class AdditiveGemv:
             raise ValueError(f"kernels must be 'table' and optionally 'stream' (the table kernel serves every batch), got {kernels}")
         if plan is not None and plan.get("kernel") == "stream" and "stream" not in kernels:
             raise ValueError("a streaming plan was asked for with kernels that leave the streaming kernel out")
-        self.kernels = tuple(kernels)
+        self.kernels, self.single_layout = tuple(kernels), bool(single_layout)
         t = t.to(self.device)
         self.M, self.n_in, self.n_out = t.M, t.in_features, t.out_features
         self.fixed_plan = plan
@@ -1548,7 +1554,7 @@ class AdditiveGemv:
         r0, r1 = (0, self.n_out) if rows is None else rows
         if self._tiled_t is not None:
             return untile(self._tiled_t, self.n_out, self._ncode_bytes, rows=rows).reshape(r1 - r0, self.n_in // D, self.M)
-        return unstream_codes(self._stream_t, self.n_out, self._G)[r0:r1]
+        return unstream_codes(self._stream_t, self.n_out, self._G, rows=(r0, r1))
 
     def _hold(self, layout: str) -> None:
         """Make sure the codes are held in ``layout`` ("tiled" or "stream"), and drop a layout no
@@ -1601,9 +1607,22 @@ class AdditiveGemv:
         counters = torch.zeros(ncounters, dtype=torch.int32, device=self.device)
         return kern, plan, grid, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters))
 
+    def _rows_by_one(self, B: int) -> bool:
+        """Whether a batch-B call runs the batch-1 streaming plan a row at a time (single_layout)."""
+        return B > 1 and self.single_layout and isinstance(self._prepare(1)[1], StreamPlan)
+
+    def _kernels_for(self, B: int, fused: bool) -> tuple[str, ...]:
+        """The families a batch-B call's tuner picks from: single_layout keeps every call but the
+        plain batch-1 one (which decides) to the family of that one."""
+        if self.single_layout and (B > 1 or fused):
+            return ("stream",) if isinstance(self._prepare(1)[1], StreamPlan) else ("table",)
+        return self.kernels
+
     def _prepare(self, B: int):
         if B in self._plans:
             return self._plans[B]
+        if self._rows_by_one(B):
+            return self._prepare(1)
         sms, smem = sm_count(self.device), self._smem()
         if self.fixed_plan is not None and self.fixed_plan.get("kernel") == "stream":
             if B != 1 or self.M != 2:
@@ -1636,31 +1655,36 @@ class AdditiveGemv:
     def tune(self, B: int = 1, pre: str = "", post: str = "") -> AdditivePlan:
         """Time every candidate plan (CUDA-graph replays over copies of the codes exceeding the L2)
         and keep the fastest; cached per GPU model and shape. With fused operations (see
-        :func:`additive_kernel`) only the tensor-core builds are candidates, timed with them."""
+        :func:`additive_kernel`) only the tensor-core table builds and the streaming kernel are
+        candidates, timed with them."""
         fused = bool(pre or post)
-        key = (torch.cuda.get_device_name(self.device), "additive", self.M, B, self.n_in, self.n_out, pre, post, self.kernels)
+        kernels = self._kernels_for(B, fused)
+        key = (torch.cuda.get_device_name(self.device), "additive", self.M, B, self.n_in, self.n_out, pre, post, kernels)
         if key in _TUNED:
             return _TUNED[key]
         from .bench import pick_fastest
 
-        cands = [p for p in candidate_plans(self.n_out, self.nchunks, self.M, B, sm_count(self.device), self._smem())
-                 if p.build == "mma" or not fused]
-        streaming = B == 1 and self.M == 2 and not fused and "stream" in self.kernels and tuning_enabled("additive-stream")
-        if streaming:
-            cands += stream_candidates(self.n_out, self.n_in, sm_count(self.device), self._smem())
+        cands = self._candidates(B, pre, post, kernels)
         if not cands:
-            raise ValueError(f"no tensor-core additive plan fits this device's shared memory for M={self.M}, batch {B}")
+            raise ValueError(f"no additive plan of {kernels} fits this device's shared memory for M={self.M}, batch {B}"
+                             + (f" with {pre or post}" if fused else ""))
         if len(cands) == 1:
             _TUNED[key] = cands[0]
             return cands[0]
+        tables = any(isinstance(p, AdditivePlan) for p in cands)
+        streaming = any(isinstance(p, StreamPlan) for p in cands)
         # each layout from the one held, or rebuilt once from the natural codes
-        natural = None if self._tiled_t is not None and (self._stream_t is not None or not streaming) else self._natural()
-        tiled = self._tiled_t if self._tiled_t is not None else tile_codes(natural)
-        copies, views, xa, ya = tuning_inputs(tiled, self.weight_bytes, self.n_in, self.n_out, B, self.device)
-        scopies, sviews = None, None  # the same weight in the streaming layout
-        if streaming:
+        natural = (None if (self._tiled_t is not None or not tables) and (self._stream_t is not None or not streaming)
+                   else self._natural())
+        copies = views = scopies = sviews = None
+        if tables:
+            tiled = self._tiled_t if self._tiled_t is not None else tile_codes(natural)
+            copies, views, xa, ya = tuning_inputs(tiled, self.weight_bytes, self.n_in, self.n_out, B, self.device)
+        if streaming:  # the same weight in the streaming layout
             held = self._stream_t if self._stream_t is not None else stream_codes(natural)
-            scopies, sviews, _, _ = tuning_inputs(held, self.weight_bytes, self.n_in, self.n_out, B, self.device)
+            scopies, sviews, sx, sy = tuning_inputs(held, self.weight_bytes, self.n_in, self.n_out, B, self.device)
+            if not tables:
+                xa, ya = sx, sy
         extra = ()
         if fused:
             xa, extra, _keep = fused_tuning_operands(self.n_in, self.n_out, B, pre, post, self.device)
@@ -1689,6 +1713,17 @@ class AdditiveGemv:
             raise RuntimeError(f"no additive plan launches for M={self.M}, batch {B}, {self.n_in}x{self.n_out}")
         _TUNED[key] = best
         return best
+
+    def _candidates(self, B: int, pre: str, post: str, kernels: tuple[str, ...]) -> list:
+        """The plans :meth:`tune` times: the table kernel's (fused: tensor-core builds only) and, at
+        batch 1 for M=2, the streaming kernel's (pre='rms': those leaving room for its sums of squares)."""
+        sms, smem = sm_count(self.device), self._smem()
+        cands = [p for p in candidate_plans(self.n_out, self.nchunks, self.M, B, sms, smem)
+                 if p.build == "mma" or not (pre or post)] if "table" in kernels else []
+        if B == 1 and self.M == 2 and "stream" in kernels and tuning_enabled("additive-stream"):
+            cands += [p for p in stream_candidates(self.n_out, self.n_in, sms, smem)
+                      if pre != "rms" or p.shared_bytes + 4 * (1 + p.warps) <= smem]
+        return cands
 
     def fusable(self, B: int = 1) -> bool:
         """Whether :meth:`bind` can fuse the decode step's pre/post operations at batch ``B``: the
@@ -1727,6 +1762,14 @@ class AdditiveGemv:
             x2 = self.check_input(x)
         B = x2.shape[0]
         check_output(out, B, self.n_out, x2.device)
+        if self._rows_by_one(B):
+            rows = [self.bind(x2[i:i + 1], out[i:i + 1], pre, post, norm_weight, eps, None if res is None else res[i:i + 1])
+                    for i in range(B)]
+
+            def launch_rows():
+                for go in rows:
+                    go()
+            return launch_rows
         kern, plan, grid, _owners, views = self._prepare_fused(B, pre, post) if fused else self._prepare(B)
         ya = _as_kernel_array(out)
         xa = _as_kernel_array(x2.view(torch.int32))
@@ -1837,26 +1880,27 @@ def correctness_sweep(shapes, Ms=(2, 4), batches=(1, 2, 3, 8, 16), seed: int = 0
 
 
 def additive_launchers(n_in: int, n_out: int, M: int, batch: int, seed: int = 0, pre: str = "", post: str = "",
-                       kernels: tuple[str, ...] = AdditiveGemv.FAMILIES):
-    """Rotated copies of one random additive weight (each AdditiveGemv holds its own tiled codes),
+                       kernels: tuple[str, ...] = AdditiveGemv.FAMILIES, single_layout: bool = False):
+    """Rotated copies of one random additive weight (each AdditiveGemv holds its own codes),
     all bound to the same x and y (with ``pre`` / ``post``, the fused operations' operands:
     :func:`trapetum.bench.bind_rotated`)."""
     from .bench import bind_rotated, copies_for
 
     t = random_additive_tensor(n_out, n_in, M, seed=seed, device="cuda")
-    gemvs = [AdditiveGemv(t, kernels=kernels) for _ in range(copies_for(t.nbytes))]
+    gemvs = [AdditiveGemv(t, kernels=kernels, single_layout=single_layout) for _ in range(copies_for(t.nbytes))]
     launchers, x, y = bind_rotated(gemvs, n_in, n_out, batch, pre, post)
     return launchers, (gemvs, x, y, t)
 
 
 def time_fused_additive(n_in: int, n_out: int, M: int, pre: str = "", post: str = "", seed: int = 0) -> float:
     """Milliseconds of one batch-1 additive kernel with fused operations, as
-    :class:`trapetum.step.FusedStep` launches it (the table kernel, :class:`trapetum.qlinear.AdditiveQLinear`'s
-    only family, at its own tuned fused plan), timed as :func:`trapetum.bench.time_graph` replays over
-    rotated copies. Correctness of these kernels is :func:`trapetum.step.kernel_checks`'s."""
+    :class:`trapetum.step.FusedStep` launches it (as :class:`trapetum.qlinear.AdditiveQLinear` builds it:
+    the family of its plain batch-1 plan, at its own tuned fused plan), timed as
+    :func:`trapetum.bench.time_graph` replays over rotated copies. Correctness of these kernels is
+    :func:`trapetum.step.kernel_checks`'s."""
     from .bench import time_graph
 
-    launchers, keep = additive_launchers(n_in, n_out, M, 1, seed=seed, pre=pre, post=post, kernels=("table",))
+    launchers, keep = additive_launchers(n_in, n_out, M, 1, seed=seed, pre=pre, post=post, single_layout=True)
     ms = time_graph(launchers)
     del launchers, keep
     torch.cuda.empty_cache()

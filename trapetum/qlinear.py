@@ -320,9 +320,8 @@ class AdditiveQLinear(QLinear):
     def _build_gemv(self, device, keep_natural: bool):
         from .additive import AdditiveGemv
 
-        # The table kernel only: a model's layers are called fused (decode step) and at batches above 1
-        # (prefill), which the streaming kernel does not serve, so one code layout a layer (VRAM).
-        return AdditiveGemv(self.codebook_tensor(), device=device, kernels=("table",))
+        # One code layout a layer (VRAM): its batch-1 plan picks the kernel family for every call.
+        return AdditiveGemv(self.codebook_tensor(), device=device, single_layout=True)
 
 
 class ResidualQLinear(QLinear):
