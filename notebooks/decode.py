@@ -46,8 +46,9 @@
 # path's tok/s over the tok/s implied by timing each projection's kernel (and the LM head) alone,
 # at the tuner's fastest plan for it: what is left is attention, norms, rotary, sampling and the
 # gaps between kernels. *Share of own kernel bound* is the same over the kernels the path itself
-# launches: for the fused step, each projection's lut kernel with the norm, SiLU or residual add it
-# fuses, at its own tuned plan (other graphed paths launch the kernels the first bound times; a
+# launches: for the fused step, each projection's fused kernel with the norm, SiLU or residual add it
+# fuses, at its own tuned plan: the lut kernel for the scalar formats, the table or streaming kernel for
+# the 2-bit additive one, whichever the layer's batch-1 plan picked (other graphed paths launch the kernels the first bound times; a
 # fused-step run that did not time its own kernels keeps the first share, a lower bound on this one).
 
 # %%
@@ -142,9 +143,11 @@ report.fig_decode_pareto(df)
 # above). For the fused step those are its fused projection kernels; what they leave is attention,
 # rotary, sampling and the gaps between graph nodes. The table's *share of kernel bound* sets the
 # same row against every projection at its fastest plan, which at some shapes is a tensor-core
-# kernel: the difference between the two is what fusing costs in kernel time, since the lut kernel
-# is the only one that takes the step's RMSNorm, SiLU and residual add with it (the norm and the add
-# would otherwise be launches of their own).
+# kernel: the difference between the two is what fusing costs in kernel time. For the scalar formats
+# the lut kernel is the only one that takes the step's RMSNorm, SiLU and residual add with it (the
+# norm and the add would otherwise be launches of their own). For the 2-bit additive format both of
+# its kernels take them, so what is left is the fused operations' own cost: a block of an RMSNorm-fused
+# kernel sums the squares of the whole input row before it can build its first table.
 
 # %%
 report.styled(report.decode_targets(df))

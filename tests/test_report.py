@@ -479,7 +479,8 @@ def test_decode_targets_take_each_targets_best_graphed_row(tmp_path):
             rec("llama-2-7b", "4-bit K=16", "eager", 999.0, 1.0),  # not a graphed path: never a target's row
             rec("llama-2-7b", "2-bit additive (M=2)", "fused-step", 300.0, 2.0, 0.75),
             rec("llama-2-70b", "fp16", "graphed", None, None) | {"oom": True},
-            rec("llama-2-70b", "2-bit additive (M=2)", "compiled", 60.0, 20.0, 0.5)]
+            rec("llama-2-70b", "2-bit additive (M=2)", "compiled", 60.0, 20.0, 0.5),
+            rec("llama-2-70b", "2-bit additive (M=2), LM head 4-bit K=16", "fused-step", 55.0, 19.0, 0.45, sb=0.88)]
     results.save("decode", recs, prov, folder=tmp_path)
     df = report.load_decode(tmp_path).assign(copy_gbps=300.0)
     t = report.decode_targets(df).set_index("target (issue 4)")
@@ -499,6 +500,11 @@ def test_decode_targets_take_each_targets_best_graphed_row(tmp_path):
     assert (kern["ours"], kern["kernel bound"], kern["met"]) == ("90 %", "–", "yes") and "fused-step" in kern["row"]
     k13 = t.loc[report.DECODE_TARGETS[6][0]]  # a compiled row runs the kernels the kernel bound times: its 83 %
     assert (k13["ours"], k13["met"]) == ("83 %", "no") and "compiled" in k13["row"]
+    k7 = t.loc[report.DECODE_TARGETS[7][0]]  # the 2-bit fused-step row has no step bound: its kernel bound's share
+    assert (k7["ours"], k7["met"]) == ("75 %", "no")
+    # 70B: no fp16 fits, so the fastest row is picked by tok/s (the compiled 60, not the fused step's 55 at 88 %)
+    k70 = t.loc[report.DECODE_TARGETS[8][0]]
+    assert (k70["ours"], k70["met"]) == ("50 %", "no") and "compiled" in k70["row"]
 
 
 def test_measure_auto_follows_the_gpu(monkeypatch):
