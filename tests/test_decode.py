@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -449,3 +450,27 @@ def test_check_cli_checks_each_path_on_one_model_load(monkeypatch, tmp_path):
     assert [(r["check"], r["passed"]) for r in recs] == [("graphed vs eager", True), ("fused-step vs eager", False)]
     with pytest.raises(SystemExit, match="--path takes"):
         decode.main(["check", "m", "--path", "graphed,fast"])
+
+
+def test_kernel_bound_sums_the_layers_and_records_each_kernels_plan_and_error(monkeypatch):
+    # The timers are the GPU's; here they are stand-ins that give each shape a known time and plan.
+    from trapetum import additive, bench
+
+    cfg = decode.llama_config("llama-2-7b")
+    shapes = decode.projection_shapes(cfg, True)
+    ms = {s: 0.001 * (i + 1) for i, s in enumerate(shapes.values())}
+    monkeypatch.setattr(bench, "time_fp16", lambda n_in, n_out, b: 1.0)
+    monkeypatch.setattr(additive, "time_additive", lambda n_in, n_out, M, b, f: {
+        "time_ms": ms[(n_in, n_out)], "plan": f"plan {n_in}", "max_rel_err": 1e-4 * n_in / 4096})
+    monkeypatch.setattr(bench, "time_lut", lambda n_in, n_out, K, b, v, f: {
+        "time_ms": 0.03, "plan_kernel": "lut", "warps": 8, "ksplit": 1, "max_rel_err": 2e-4})
+    monkeypatch.setattr(additive, "time_fused_additive", lambda n_in, n_out, M, pre, post: 2 * ms[(n_in, n_out)])
+    monkeypatch.setattr(bench, "time_fused", lambda n_in, n_out, K, pre: 0.04)
+    b = decode.kernel_bound(cfg, "A2", 16, True, step=True)
+    assert b["kernel_ms_per_token"] == pytest.approx(32 * sum(ms.values()) + 0.03)
+    assert b["step_kernel_ms_per_token"] == pytest.approx(32 * 2 * sum(ms.values()) + 0.04)
+    plans = json.loads(b["kernel_plan_by_shape"])
+    assert plans["11008x4096"] == "plan 11008" and plans["lm_head"] == "plan_kernel lut, warps 8, ksplit 1"
+    assert b["kernel_max_rel_err"] == pytest.approx(1e-4 * 11008 / 4096)  # the worst of the kernels timed
+    fp16 = decode.kernel_bound(cfg, None, fused=True)
+    assert fp16["kernel_ms_per_token"] == pytest.approx(32 * 4 + 1.0) and "kernel_plan_by_shape" not in fp16

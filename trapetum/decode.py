@@ -592,7 +592,9 @@ def kernel_bound(cfg, K: int | None, head_K: int | None = None, fused: bool = Fa
     replays over L2-rotated copies (trapetum.bench) at its fastest plan, summed over the layers.
 
     The graphed path's tok/s over this bound is the share of a token spent in these kernels;
-    the rest is attention, norms, rotary, residual adds and the gaps between graph nodes.
+    the rest is attention, norms, rotary, residual adds and the gaps between graph nodes. For a
+    codebook K the result also names each kernel's plan (``kernel_plan_by_shape``) and the worst
+    error of the kernels timed, each checked on fresh inputs (``kernel_max_rel_err``).
 
     ``step`` (a scalar or additive K, ``fused``): also the bound of the kernels the fused step itself
     launches (``step_*`` keys): each projection's kernel with the norm, SiLU or residual add it
@@ -607,7 +609,7 @@ def kernel_bound(cfg, K: int | None, head_K: int | None = None, fused: bool = Fa
     from .qlinear import parse_scheme
 
     kind, params = (None, ()) if K is None else parse_scheme(K)
-    times = {}
+    times, recs = {}, {}  # recs: each timed codebook kernel's record (its plan and its checked error)
     per_layer = 0.0
     for n_in, n_out in projection_shapes(cfg, fused).values():
         if (n_in, n_out) not in times:
@@ -617,20 +619,27 @@ def kernel_bound(cfg, K: int | None, head_K: int | None = None, fused: bool = Fa
             elif kind == "residual":
                 from .residual import time_residual
 
-                times[(n_in, n_out)] = time_residual(n_in, n_out, *params, 1, fp16)["time_ms"]
+                recs[(n_in, n_out)] = time_residual(n_in, n_out, *params, 1, fp16)
             elif kind == "additive":
                 from .additive import time_additive
 
-                times[(n_in, n_out)] = time_additive(n_in, n_out, params[0], 1, fp16)["time_ms"]
+                recs[(n_in, n_out)] = time_additive(n_in, n_out, params[0], 1, fp16)
             else:
-                times[(n_in, n_out)] = bench.time_lut(n_in, n_out, K, 1, "lut", fp16)["time_ms"]
+                recs[(n_in, n_out)] = bench.time_lut(n_in, n_out, K, 1, "lut", fp16)
+            if (n_in, n_out) in recs:
+                times[(n_in, n_out)] = recs[(n_in, n_out)]["time_ms"]
         per_layer += times[(n_in, n_out)]
     head = bench.time_fp16(cfg.hidden_size, cfg.vocab_size, 1)
     if head_K is not None:
-        head = bench.time_lut(cfg.hidden_size, cfg.vocab_size, head_K, 1, "lut", head)["time_ms"]
+        recs["lm_head"] = bench.time_lut(cfg.hidden_size, cfg.vocab_size, head_K, 1, "lut", head)
+        head = recs["lm_head"]["time_ms"]
     ms = cfg.num_hidden_layers * per_layer + head
     out = {"kernel_ms_per_token": ms, "implied_tok_s": 1e3 / ms, "lm_head_ms": head,
            "kernel_ms_by_shape": json.dumps({f"{a}x{b}": t for (a, b), t in times.items()})}
+    if recs:
+        name = {k: k if isinstance(k, str) else f"{k[0]}x{k[1]}" for k in recs}
+        out.update(kernel_plan_by_shape=json.dumps({name[k]: _plan_label(r) for k, r in recs.items()}),
+                   kernel_max_rel_err=max(r["max_rel_err"] for r in recs.values()))
     if step and fused and kind in ("scalar", "additive"):
         from .additive import time_fused_additive
 
@@ -640,6 +649,14 @@ def kernel_bound(cfg, K: int | None, head_K: int | None = None, fused: bool = Fa
         step_ms = cfg.num_hidden_layers * sum(v for k, v in by_op.items() if k != "lm_head") + by_op["lm_head"]
         out.update(step_kernel_ms_per_token=step_ms, step_implied_tok_s=1e3 / step_ms, step_kernel_ms_by_op=json.dumps(by_op))
     return out
+
+
+def _plan_label(rec: dict) -> str:
+    """The plan a timing record ran, in words: the additive label, or the lut / residual plan's fields."""
+    if rec.get("plan"):
+        return rec["plan"]
+    keys = ("plan_kernel", "variant", "warps", "rb", "ksplit", "stages", "walk", "lanes")
+    return ", ".join(f"{k} {rec[k]}" for k in keys if rec.get(k) is not None)
 
 
 def _release_gpu_memory() -> None:
