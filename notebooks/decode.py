@@ -153,6 +153,19 @@ report.fig_decode_pareto(df)
 report.styled(report.decode_targets(df))
 
 # %% [markdown]
+# Where the rest of a fused-step token goes. Runs with `--profile` also record, in the same process
+# and after the timed run, torch.profiler's kernel times over graph replays of one token. Below, for
+# each such row: the token's wall time; the bound of its own kernels, each timed alone as above; the
+# same kernels inside the step; attention; the other kernels (sampling, rotary); and the time between
+# kernels. The wall time is the last four added together. So the gap to the bound is attention, the other
+# kernels and the time between them, plus whatever the projections lose (or gain) by running in
+# sequence. Timed alone, each projection's copies are rotated past the L2; in the step they follow
+# one another.
+
+# %%
+report.styled(report.decode_step_profile(df))
+
+# %% [markdown]
 # ## A real model: each graphed path against eager
 #
 # Speed above is measured on random weights; correctness is checked on a real pretrained model,

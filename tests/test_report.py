@@ -507,6 +507,30 @@ def test_decode_targets_take_each_targets_best_graphed_row(tmp_path):
     assert (k70["ours"], k70["met"]) == ("50 %", "no") and "compiled" in k70["row"]
 
 
+def test_decode_step_profile_splits_a_token_into_its_parts():
+    prof = {"wall_us": 1000.0, "kernel_us": 950.0, "gaps_us": 50.0,
+            "rows": [["trapetum::additive::stream_kernel::_3clocals_3e::kernel[abi:v1]", 80.0, 500.0],
+                     ["trapetum::additive::additive_kernel::_3clocals_3e::kernel[abi:v2]", 80.0, 300.0],
+                     ["trapetum::attention::attention_kernel::_3clocals_3e::kernel[abi:v3]", 80.0, 100.0],
+                     ["trapetum::gemv::lut_kernel::_3clocals_3e::kernel[abi:v4]", 1.0, 40.0],
+                     ["trapetum::greedy::greedy_kernel::_3clocals_3e::kernel[abi:v5]", 1.0, 10.0]]}
+    base = {"gpu_label": "H100", "model": "llama-2-70b", "scheme": "2-bit additive (M=2)", "tok_s": 1e3}
+    df = pd.DataFrame([base | {"path": "fused-step", "profile": json.dumps(prof), "step_kernel_ms_per_token": 0.8,
+                               "kernel_ms_per_token": 0.7},
+                       base | {"path": "fused-step", "profile": json.dumps(prof), "step_kernel_ms_per_token": np.nan,
+                               "kernel_ms_per_token": 0.7, "model": "llama-2-7b"},  # no step bound: the kernel bound
+                       base | {"path": "compiled", "profile": json.dumps(prof)},  # only the fused step is profiled
+                       base | {"path": "fused-step", "profile": None}])
+    t = report.decode_step_profile(df)
+    assert len(t) == 2
+    r = t.iloc[0]
+    assert (r["own kernels in the step (us)"], r["attention (us)"], r["other kernels (us)"], r["between kernels (us)"]) == (840.0, 100.0, 10.0, 50.0)
+    assert r["own kernels alone (us)"] == pytest.approx(800.0) and t.iloc[1]["own kernels alone (us)"] == pytest.approx(700.0)
+    parts = ["own kernels in the step (us)", "attention (us)", "other kernels (us)", "between kernels (us)"]
+    assert r[parts].sum() == pytest.approx(r["token (us)"])
+    assert report.decode_step_profile(df.drop(columns="profile")).empty
+
+
 def test_measure_auto_follows_the_gpu(monkeypatch):
     import torch
 

@@ -1105,6 +1105,42 @@ def decode_targets(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+_PROJECTION_MODULES = ("trapetum::gemv::", "trapetum::additive::", "trapetum::residual::")
+
+
+def _profile_part(kernel: str) -> str:
+    """Which part of a fused-step token a profiled kernel (its demangled name) belongs to."""
+    if kernel.startswith(_PROJECTION_MODULES):
+        return "projections"
+    return "attention" if kernel.startswith("trapetum::attention::") else "other"
+
+
+def decode_step_profile(df: pd.DataFrame) -> pd.DataFrame:
+    """Where a graphed fused-step token goes, for each fused-step row that recorded a profile
+    (``bench --profile``: torch.profiler over graph replays in the same process): the token's wall
+    time, its own kernels' bound (the projection and LM-head kernels it launches, each timed alone),
+    the same kernels' time inside the step, attention, the other kernels (sampling, rotary) and the
+    time between kernels. Wall = in-step projections + attention + other + between; the gap to the
+    bound is the last three plus what the projections lose in sequence. Empty where none was profiled."""
+    cols = ["GPU", "Model (random weights)", "Scheme", "tok/s", "token (us)", "own kernels alone (us)",
+            "own kernels in the step (us)", "attention (us)", "other kernels (us)", "between kernels (us)"]
+    if "profile" not in df:
+        return pd.DataFrame(columns=cols)
+    d = df[(df["path"] == "fused-step") & df["profile"].notna()]
+    rows = []
+    for _, r in d.iterrows():
+        p = json.loads(r["profile"])
+        parts = {"projections": 0.0, "attention": 0.0, "other": 0.0}
+        for name, _calls, us in p["rows"]:
+            parts[_profile_part(name)] += us
+        bound = r.get("step_kernel_ms_per_token")
+        bound = r.get("kernel_ms_per_token") if bound is None or pd.isna(bound) else bound
+        rows.append(dict(zip(cols, (r["gpu_label"], r["model"], r["scheme"], r["tok_s"], p["wall_us"],
+                                    np.nan if bound is None else 1e3 * float(bound), parts["projections"], parts["attention"],
+                                    parts["other"], p["gaps_us"]))))
+    return pd.DataFrame(rows, columns=cols)
+
+
 def best_graphed(df: pd.DataFrame) -> pd.DataFrame:
     """Per GPU, model and scheme, the fastest of its graphed paths (graphed, compiled, fused-step)."""
     d = df[df["path"].isin(GRAPHED_PATHS) & df["tok_s"].notna()]
