@@ -1480,6 +1480,11 @@ def stream_candidates(n_out: int, n_in: int, sms: int, smem: int) -> list[Stream
     return out
 
 
+def stream_rms_fits(plan: StreamPlan, smem: int) -> bool:
+    """Whether a streaming plan's block leaves room in ``smem`` for pre='rms' sums of squares (a word a warp and one)."""
+    return plan.shared_bytes + 4 * (1 + plan.warps) <= smem
+
+
 _TUNED = PlanCache("additive", AdditivePlan, StreamPlan)
 _LIMITED: dict = {}
 
@@ -1591,7 +1596,7 @@ class AdditiveGemv:
         if isinstance(plan, StreamPlan):
             if B != 1:
                 raise ValueError(f"{plan.label()}: the streaming kernel runs batch 1")
-            if pre == "rms" and plan.shared_bytes + 4 * (1 + plan.warps) > (OPTIN_SIM if SIM else self._smem()):  # as _prepare plans it
+            if pre == "rms" and not stream_rms_fits(plan, OPTIN_SIM if SIM else self._smem()):  # as _prepare plans it
                 raise ValueError(f"{plan}: its tables leave no room for pre='rms' sums of squares ({4 * plan.warps} bytes)")
             kern = stream_kernel(plan.warps, plan.QW, plan.slots, pre, post)
             grid = plan.grid(self.n_out)
@@ -1607,16 +1612,18 @@ class AdditiveGemv:
         counters = torch.zeros(ncounters, dtype=torch.int32, device=self.device)
         return kern, plan, grid, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters))
 
+    def _family(self) -> str:
+        """The family of the plain batch-1 plan ("stream" or "table"): single_layout's every call keeps to it."""
+        return "stream" if isinstance(self._prepare(1)[1], StreamPlan) else "table"
+
     def _rows_by_one(self, B: int) -> bool:
         """Whether a batch-B call runs the batch-1 streaming plan a row at a time (single_layout)."""
-        return B > 1 and self.single_layout and isinstance(self._prepare(1)[1], StreamPlan)
+        return B > 1 and self.single_layout and self._family() == "stream"
 
     def _kernels_for(self, B: int, fused: bool) -> tuple[str, ...]:
         """The families a batch-B call's tuner picks from: single_layout keeps every call but the
         plain batch-1 one (which decides) to the family of that one."""
-        if self.single_layout and (B > 1 or fused):
-            return ("stream",) if isinstance(self._prepare(1)[1], StreamPlan) else ("table",)
-        return self.kernels
+        return (self._family(),) if self.single_layout and (B > 1 or fused) else self.kernels
 
     def _prepare(self, B: int):
         if B in self._plans:
@@ -1721,8 +1728,7 @@ class AdditiveGemv:
         cands = [p for p in candidate_plans(self.n_out, self.nchunks, self.M, B, sms, smem)
                  if p.build == "mma" or not (pre or post)] if "table" in kernels else []
         if B == 1 and self.M == 2 and "stream" in kernels and tuning_enabled("additive-stream"):
-            cands += [p for p in stream_candidates(self.n_out, self.n_in, sms, smem)
-                      if pre != "rms" or p.shared_bytes + 4 * (1 + p.warps) <= smem]
+            cands += [p for p in stream_candidates(self.n_out, self.n_in, sms, smem) if pre != "rms" or stream_rms_fits(p, smem)]
         return cands
 
     def fusable(self, B: int = 1) -> bool:

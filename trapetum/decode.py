@@ -610,25 +610,24 @@ def kernel_bound(cfg, K: int | None, head_K: int | None = None, fused: bool = Fa
 
     kind, params = (None, ()) if K is None else parse_scheme(K)
     times, recs = {}, {}  # recs: each timed codebook kernel's record (its plan and its checked error)
-    per_layer = 0.0
-    for n_in, n_out in projection_shapes(cfg, fused).values():
-        if (n_in, n_out) not in times:
-            fp16 = bench.time_fp16(n_in, n_out, 1)
-            if kind is None:
-                times[(n_in, n_out)] = fp16
-            elif kind == "residual":
-                from .residual import time_residual
+    shapes = list(projection_shapes(cfg, fused).values())
+    for n_in, n_out in dict.fromkeys(shapes):  # each shape timed once, however many projections share it
+        fp16 = bench.time_fp16(n_in, n_out, 1)
+        if kind is None:
+            times[(n_in, n_out)] = fp16
+            continue
+        if kind == "residual":
+            from .residual import time_residual
 
-                recs[(n_in, n_out)] = time_residual(n_in, n_out, *params, 1, fp16)
-            elif kind == "additive":
-                from .additive import time_additive
+            rec = time_residual(n_in, n_out, *params, 1, fp16)
+        elif kind == "additive":
+            from .additive import time_additive
 
-                recs[(n_in, n_out)] = time_additive(n_in, n_out, params[0], 1, fp16)
-            else:
-                recs[(n_in, n_out)] = bench.time_lut(n_in, n_out, K, 1, "lut", fp16)
-            if (n_in, n_out) in recs:
-                times[(n_in, n_out)] = recs[(n_in, n_out)]["time_ms"]
-        per_layer += times[(n_in, n_out)]
+            rec = time_additive(n_in, n_out, params[0], 1, fp16)
+        else:
+            rec = bench.time_lut(n_in, n_out, K, 1, "lut", fp16)
+        recs[(n_in, n_out)], times[(n_in, n_out)] = rec, rec["time_ms"]
+    per_layer = sum(times[s] for s in shapes)
     head = bench.time_fp16(cfg.hidden_size, cfg.vocab_size, 1)
     if head_K is not None:
         recs["lm_head"] = bench.time_lut(cfg.hidden_size, cfg.vocab_size, head_K, 1, "lut", head)
