@@ -706,6 +706,7 @@ def test_check_additive_large_inputs_reach_beyond_fp16_and_pass():
 @pytest.mark.parametrize("M,batch,plan", [
     (2, 1, {"cps": 1, "warps": 2, "build": "mma", "table": "fp16"}),  # K-split 2: the last block adds res
     (4, 2, {"cps": 2, "warps": 2, "bt": 1, "build": "mma"}),  # one K-slice, two batch tiles (irms a row each)
+    (2, 3, {"cps": 1, "warps": 2, "bt": 2, "build": "mma", "table": "fp16"}),  # K-split 2, a tile of 2 and one of 1
     (2, 1, None),  # no plan: the fused call builds its table on the tensor cores, the plain call need not
 ])
 def test_fused_operations_match_the_float64_reference(pre, post, M, batch, plan):
@@ -752,7 +753,7 @@ def test_stream_fused_residual_add_may_update_its_input_in_place():
 
 
 def test_rms_input_in_the_thousands_is_normalised_before_fp16():
-    # The norm runs before x becomes an fp16 B fragment: g * x itself would overflow fp16 here.
+    # g * x would overflow fp16 here: it is scaled by a power of two before it becomes a B fragment.
     t = random_additive_tensor(40, 128, 2, seed=4)
     x = x_for(128, 1, seed=2) * 3000
     x[0, 5] = 60000.0
@@ -760,6 +761,23 @@ def test_rms_input_in_the_thousands_is_normalised_before_fp16():
     y = torch.full((1, 40), float("nan"), dtype=torch.float16)
     AdditiveGemv(t, plan={"cps": 1, "warps": 2, "build": "mma", "table": "fp16"}).bind(x, y, pre="rms", norm_weight=w)()
     assert torch.isfinite(y).all() and max_rel_err(y, reference(x, t, "rms", "", w, None, 1e-5)) <= TOL
+
+
+@pytest.mark.parametrize("cps", [2, 1])  # one K-slice; two, meeting in the workspace
+def test_rms_rows_of_any_scale_share_a_batch_tile(cps):
+    # 1 / rms multiplies the row sums, so each batch row's g * x is scaled on its own: a row of 1e-6
+    # (normalised to O(1) by a small eps) beside one of 3000 would otherwise sit in fp16's subnormals
+    # (~1 % off), and a row of zeros gives y = bias.
+    t = with_bias(random_additive_tensor(40, 128, 2, seed=4), seed=6)
+    x = (x_for(128, 4, seed=2).float() * torch.tensor([[3000.0], [1e-6], [1.0], [0.0]])).half()
+    w = (torch.rand(128, generator=torch.Generator().manual_seed(5)) + 0.5).half()
+    y = torch.full((4, 40), float("nan"), dtype=torch.float16)
+    g = AdditiveGemv(t, plan={"cps": cps, "warps": 2, "bt": 2, "build": "mma", "table": "fp16"})
+    g.bind(x, y, pre="rms", norm_weight=w, eps=1e-14)()
+    want = reference(x, t, "rms", "", w, None, 1e-14)
+    for b in range(3):
+        assert max_rel_err(y[b:b + 1], want[b:b + 1]) <= TOL, b
+    assert torch.equal(y[3], t.bias)
 
 
 def test_fused_residual_add_may_update_its_input_in_place():

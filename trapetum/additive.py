@@ -69,6 +69,7 @@ from .gemv import (
     sum_splits,
     tuning_enabled,
     tuning_inputs,
+    warp_max_f32,
     warp_max_u32,
     warp_sum_f32,
     with_shared_limit,
@@ -747,6 +748,18 @@ def residual_add(post: str):
     return with_res
 
 
+@cuda.jit(device=True, **INLINE)
+def inv_rms(sumsq, n, eps):
+    """1 / rms of a row of ``n`` inputs whose squares sum to ``sumsq`` (LlamaRMSNorm, fp32)."""
+    return float32(1.0) / math.sqrt(sumsq / float32(n) + float32(eps))
+
+
+def table_ws_columns(n_rows: int, pre: str) -> int:
+    """Columns of the table kernel's K-slice workspace: a partial an output row, and with pre='rms' one
+    more, where each K-slice leaves its sum of squares of x."""
+    return n_rows + (pre == "rms")
+
+
 def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma: bool = False, table: str = "fp32",
                     pre: str = "", post: str = ""):
     """The fused additive GEMV for M codebooks and batch B (compiled on first use, per plan).
@@ -773,12 +786,18 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
     one warp-wide max, and ``cbexp``: every codebook entry's L1 norm is below 2**cbexp), and
     multiplies its sums by 2**s. s is 0 for ordinary activations; the sums stay fp32.
     The decode step's operations fuse as into :func:`trapetum.gemv.lut_kernel` (mma build only: they
-    act on x where the build reads it, as fp16 B fragments, rounded as transformers' fp16 Llama rounds them):
-    ``pre="rms"``: x is RMS-normalised by g (the block's warps sum the rows' squares between them
-    while the first codes load, one barrier, then every thread takes 1 / rms of its rows); ``pre="silu"``: x32 = [a | b], x = silu(a) * b;
+    act on x where the build reads it, as fp16 B fragments):
+    ``pre="rms"``: y = (1 / rms) W (g * x). 1 / rms is a scalar a row, so it stays off the table: the
+    build takes g * x in fp32, scaled by a power of two a batch row (max below 2) before it becomes
+    fp16, and every warp sums its slice's squares from the words it already holds (no read of the
+    whole row, no barrier before the build; NOTES, session 46). With one K-slice the block applies
+    1 / rms where it writes y; with several, each slice leaves its sum of squares in the workspace's
+    last column and the last block takes 1 / rms of their sum as it adds the partials.
+    ``pre="silu"``: x32 = [a | b], x = silu(a) * b, rounded as transformers' fp16 Llama rounds it;
     ``post="add"``: y = res + W x (res may be y itself).
     Arguments: x32 (B, in/2) int32 view of fp16 x; tiled int32 codes; cb32 (M*256*4,) int32 view of
-    the fp16 codebooks; scales, bias (out,) fp16; y (B, out) fp16; ws (ksplit, B, out_pad) fp32;
+    the fp16 codebooks; scales, bias (out,) fp16; y (B, out) fp16; ws (ksplit, B, out_pad) fp32
+    (pre="rms": out_pad + 1 columns, see :func:`table_ws_columns`);
     counters int32 (row-groups x batch tiles); n_out; rbs (row-blocks); nchunks (chunks a row);
     cbexp (:func:`codebook_exponent`; unused by fp32 tables); g32 (the norm weight's int32 view),
     res, eps: the fused operands (unread without them).
@@ -792,8 +811,6 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
     key = (M, B, bt, warps, RB, cps, mma, table, pre, post)
     if key in _kernel_cache:
         return _kernel_cache[key]
-    row_sumsq, _, irms_of = rms_sums(B, warps)
-    WSQ = (warps, B) if RMS else (1, 1)  # shared: the warps' shares of the rows' sums of squares
     gpc = groups_per_chunk(M)
     G = cps * gpc
     nt = warps * 32
@@ -805,6 +822,7 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
     PS = lut_stride(M, mma)
     BG = bt * G  # table columns
     NT = -(-BG // 8)  # mma N-tiles
+    NT2 = 2 * NT
     TILES = pairs // 16  # mma M-tiles
     TPW = -(-TILES // warps)
     afr_size = 2 * TPW if mma else 1  # A fragments a lane holds
@@ -853,9 +871,9 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
     with_res = residual_add(post)
 
     @cuda.jit(device=True, **INLINE)
-    def row_block(ring, cur, nxt, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out, up, res):
+    def row_block(ring, cur, nxt, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out, fac, res):
         # Prefetch the warp's next row-block into slot nxt, sum this one's (slot cur), then
-        # 4. scale and write y, or this K-slice's partial.
+        # 4. scale (fac: each batch row's factor, see build_mma) and write y, or this K-slice's partial.
         nr = r + warps
         fetch(ring, nxt, tiled, rb0 + nr if nr < RB else rbs, rbs, nchunks, j0, j1)
         for bb in range(bt):
@@ -864,13 +882,13 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
         rb = rb0 + r
         row = rb * 32 + cuda.laneid
         if rb < rbs and row < n_out:
-            sc = float32(scales[row]) * up
+            sc = float32(scales[row])
             for bb in range(bt):
                 if b0 + bb < B:
                     if nsplit == 1:
-                        y[b0 + bb, row] = with_res(acc[bb] * sc + float32(bias[row]), res, b0 + bb, row)
+                        y[b0 + bb, row] = with_res(acc[bb] * (sc * fac[bb]) + float32(bias[row]), res, b0 + bb, row)
                     else:
-                        ws[split, b0 + bb, row] = acc[bb] * sc
+                        ws[split, b0 + bb, row] = acc[bb] * (sc * fac[bb])
 
     @cuda.jit(device=True, **INLINE)
     def load_a(afr, cb32, tid):
@@ -886,28 +904,67 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
             e += uint32(16 * warps)
 
     @cuda.jit(device=True, **INLINE)
-    def build_mma(lut, x32, afr, b0, g0, g1, tid, cbexp, g32, irms):
+    def column(n, gl):
+        # N-tile n's column for lane group gl: (c, batch row c / G, group c % G); signed, as numba
+        # types int64 + uint64 as float64.
+        c = uint32(8 * n) + gl
+        if bt == 1:
+            return c, int32(0), int32(c)
+        return c, int32(c // uint32(G)), int32(c % uint32(G))
+
+    @cuda.jit(device=True, **INLINE)
+    def rms_fragments(bx, x32, g32, b0, g0, g1, gl, t, fac, ssq):
+        # pre="rms": bx = fp16(g * x / 2**s_b), s_b a batch row's least power of two keeping its max
+        # below 2 (g * x in the thousands would overflow fp16; 1 / rms, which would have kept it small,
+        # multiplies the row sums instead); fac[b] *= 2**s_b; ssq[b] = the slice's sum of x**2, every
+        # lane holding it (each of x's words sits in exactly one lane's fragments).
+        px = cuda.local.array(NT2, float32)
+        mx = cuda.local.array(bt, float32)
+        for bb in range(bt):
+            mx[bb] = float32(0.0)
+            ssq[bb] = float32(0.0)
+        for n in range(NT):
+            c, bb, g = column(n, gl)
+            px[2 * n] = px[2 * n + 1] = float32(0.0)
+            if c < uint32(BG) and b0 + bb < B and g0 + g < g1:
+                wi = 4 * (g0 + g) + int32(t)
+                a, b = half2_to_float2(x32[b0 + bb, wi])
+                ga, gb = half2_to_float2(g32[wi])
+                ssq[bb] += a * a + b * b
+                px[2 * n], px[2 * n + 1] = a * ga, b * gb
+                mx[bb] = max(mx[bb], max(abs(px[2 * n]), abs(px[2 * n + 1])))
+        for bb in range(bt):
+            ssq[bb] = warp_sum_f32(ssq[bb])
+            s = min(max(math.frexp(warp_max_f32(mx[bb]))[1] - 1, -100), 100)  # max < 2**(s + 1)
+            fac[bb] *= float32(math.ldexp(float32(1.0), s))
+            mx[bb] = float32(math.ldexp(float32(1.0), -s))
+        for n in range(NT):
+            c, bb, g = column(n, gl)
+            f = mx[bb] if c < uint32(BG) else float32(0.0)
+            bx[n] = float2_to_half2(px[2 * n] * f, px[2 * n + 1] * f)
+
+    @cuda.jit(device=True, **INLINE)
+    def build_mma(lut, x32, afr, b0, g0, g1, tid, cbexp, g32, fac, ssq):
         # Lane (g, t) = (lane / 4, lane % 4). B fragment of N-tile n: column c = 8n + g = (batch row
         # c / G, group c % G), x's 32-bit word t of that group (dimensions 2t, 2t + 1), zero past
         # the slice or the batch. A fragment of M-tile i: words t of entries 16i + g and 16i + g + 8.
-        # Returns the factor the slice's sums must be multiplied by (fp16 tables: 2**s, see above).
+        # Multiplies fac (a batch row's factor for its sums, 1 on entry) by 2**s (fp16 tables, see above).
         lane = uint32(tid) & uint32(31)
         gl = lane >> uint32(2)
         t = lane & uint32(3)
         bx = cuda.local.array(NT, int32)
-        for n in range(NT):
-            c = uint32(8 * n) + gl
-            bb = int32(c // uint32(G))  # signed: numba types int64 + uint64 as float64
-            g = int32(c % uint32(G))
-            bx[n] = 0
-            if c < uint32(BG) and b0 + bb < B and g0 + g < g1:
-                wi = 4 * (g0 + g) + int32(t)
-                w = x32[b0 + bb, wi]
-                if RMS:
-                    w = rms_word(w, g32[wi], irms[bb])
-                elif SILU:
-                    w = silu_word(w, x32[b0 + bb, (x32.shape[1] >> 1) + wi])
-                bx[n] = w
+        if RMS:
+            rms_fragments(bx, x32, g32, b0, g0, g1, gl, t, fac, ssq)
+        else:
+            for n in range(NT):
+                c, bb, g = column(n, gl)
+                bx[n] = 0
+                if c < uint32(BG) and b0 + bb < B and g0 + g < g1:
+                    wi = 4 * (g0 + g) + int32(t)
+                    w = x32[b0 + bb, wi]
+                    if SILU:
+                        w = silu_word(w, x32[b0 + bb, (x32.shape[1] >> 1) + wi])
+                    bx[n] = w
         up = float32(1.0)
         down = float32(1.0)
         if half:
@@ -925,13 +982,13 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
             if e < uint32(pairs):  # warp-uniform: mma needs all 32 lanes
                 mma_tile(lut, uint32(0), e, t, afr[2 * k], afr[2 * k + 1], bx, down)
             e += uint32(16 * warps)
-        return up
+        for bb in range(bt):
+            fac[bb] *= up
 
     @cuda.jit
     def kernel(x32, tiled, cb32, scales, bias, y, ws, counters, n_out, rbs, nchunks, cbexp, g32, res, eps):
         lut = cuda.shared.array(0, uint16 if half else float32)  # [b][g][m][k]
         last = cuda.shared.array(1, int32)
-        wsq = cuda.shared.array(WSQ, float32)
         tid = cuda.threadIdx.x
         warp = tid // 32
         rb0 = cuda.blockIdx.x * RB
@@ -952,17 +1009,19 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
         # 2. The table.
         g0 = j0 * gpc
         g1 = j1 * gpc
-        up = float32(1.0)
-        irms = cuda.local.array(bt, float32)
-        if RMS:  # while this block's first codes and A fragments load
-            row_sumsq(x32, wsq, tid, warp)
-            cuda.syncthreads()
+        fac = cuda.local.array(bt, float32)
+        ssq = cuda.local.array(bt, float32)
         for bb in range(bt):
-            irms[bb] = float32(1.0)
-            if RMS and b0 + bb < B:
-                irms[bb] = irms_of(wsq, b0 + bb, x32.shape[1] * 2, eps)
+            fac[bb] = float32(1.0)
         if mma:
-            up = build_mma(lut, x32, afr, b0, g0, g1, tid, cbexp, g32, irms)
+            build_mma(lut, x32, afr, b0, g0, g1, tid, cbexp, g32, fac, ssq)
+        if RMS:
+            for bb in range(bt):
+                if b0 + bb < B:
+                    if nsplit == 1:
+                        fac[bb] *= inv_rms(ssq[bb], x32.shape[1] * 2, eps)
+                    elif tid == 0:  # the same value from every row-group's block of this slice
+                        ws[split, b0 + bb, ws.shape[2] - 1] = ssq[bb]
         cbv = cuda.local.array(cbv_size, float32)
         for i in range(0 if mma else ppt):
             p = tid + i * nt
@@ -1001,19 +1060,26 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
         #    out twice so that every ring index is a constant and the ring stays in registers.
         acc = cuda.local.array(bt, float32)
         while r < RB:
-            row_block(ring, 0, regs, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out, up, res)
+            row_block(ring, 0, regs, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out, fac, res)
             r += warps
             if r < RB:
-                row_block(ring, regs, 0, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out, up, res)
+                row_block(ring, regs, 0, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out, fac, res)
                 r += warps
 
         cidx = cuda.blockIdx.x + cuda.gridDim.x * cuda.blockIdx.z
         if nsplit > 1 and last_to_finish(counters, cidx, nsplit, last, tid):
+            for bb in range(bt):  # pre="rms": 1 / rms of the slices' sums of squares
+                fac[bb] = float32(1.0)
+                if RMS and b0 + bb < B:
+                    fac[bb] = inv_rms(sum_splits(ws, nsplit, b0 + bb, ws.shape[2] - 1), x32.shape[1] * 2, eps)
             for i in range(tid, RB * 32 * bt, nt):
                 bb = i // (RB * 32)
                 row = rb0 * 32 + (i - bb * RB * 32)
                 if row < n_out and b0 + bb < B:
-                    y[b0 + bb, row] = with_res(sum_splits(ws, nsplit, b0 + bb, row) + float32(bias[row]), res, b0 + bb, row)
+                    v = sum_splits(ws, nsplit, b0 + bb, row)
+                    if RMS:
+                        v *= fac[bb]
+                    y[b0 + bb, row] = with_res(v + float32(bias[row]), res, b0 + bb, row)
 
     _kernel_cache[key] = kernel
     return kernel
@@ -1602,12 +1668,10 @@ class AdditiveGemv:
             grid = plan.grid(self.n_out)
             rows, ncounters = self.n_out, grid[0]
         else:
-            if pre == "rms" and plan.shared_bytes + 4 * (1 + plan.warps * B) > self._smem():
-                raise ValueError(f"{plan}: its table leaves no room for pre='rms' sums of squares ({4 * plan.warps * B} bytes)")
             kern = additive_kernel(self.M, B, plan.bt, plan.warps, plan.RB, plan.cps, plan.build == "mma", plan.table, pre, post)
             groups = -(-self.rbs // plan.RB)
             grid = (groups, plan.ksplit, -(-B // plan.bt))
-            rows, ncounters = self.rbs * ROW_BLOCK, groups * grid[2]
+            rows, ncounters = table_ws_columns(self.rbs * ROW_BLOCK, pre), groups * grid[2]
         ws = torch.empty(plan.ksplit, B, rows, dtype=torch.float32, device=self.device)
         counters = torch.zeros(ncounters, dtype=torch.int32, device=self.device)
         return kern, plan, grid, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters))
