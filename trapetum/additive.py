@@ -43,12 +43,14 @@ from .gemv import (
     apply_post,
     apply_pre,
     async_wait_all,
+    bits_float,
     check_activation,
     check_fused,
     check_ops,
     check_output,
     copy16_async,
     float2_to_half2,
+    float_bits,
     fused_operands,
     fused_tuning_operands,
     half2_to_float2,
@@ -57,6 +59,7 @@ from .gemv import (
     load16,
     load16_stream,
     load_byte_offset,
+    load_cg,
     load_half_byte_offset,
     max_shared_bytes,
     mma_m16n8k8,
@@ -69,7 +72,6 @@ from .gemv import (
     sum_splits,
     tuning_enabled,
     tuning_inputs,
-    warp_max_f32,
     warp_max_u32,
     warp_sum_f32,
     with_shared_limit,
@@ -919,9 +921,9 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
         # multiplies the row sums instead); fac[b] *= 2**s_b; ssq[b] = the slice's sum of x**2, every
         # lane holding it (each of x's words sits in exactly one lane's fragments).
         px = cuda.local.array(NT2, float32)
-        mx = cuda.local.array(bt, float32)
+        mx = cuda.local.array(bt, uint32)  # bits of the largest |g * x|, then of the row's 2**-s
         for bb in range(bt):
-            mx[bb] = float32(0.0)
+            mx[bb] = uint32(0)
             ssq[bb] = float32(0.0)
         for n in range(NT):
             c, bb, g = column(n, gl)
@@ -932,15 +934,16 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
                 ga, gb = half2_to_float2(g32[wi])
                 ssq[bb] += a * a + b * b
                 px[2 * n], px[2 * n + 1] = a * ga, b * gb
-                mx[bb] = max(mx[bb], max(abs(px[2 * n]), abs(px[2 * n + 1])))
+                mx[bb] = max(mx[bb], max(float_bits(abs(px[2 * n])), float_bits(abs(px[2 * n + 1]))))
         for bb in range(bt):
             ssq[bb] = warp_sum_f32(ssq[bb])
-            s = min(max(math.frexp(warp_max_f32(mx[bb]))[1] - 1, -100), 100)  # max < 2**(s + 1)
-            fac[bb] *= float32(math.ldexp(float32(1.0), s))
-            mx[bb] = float32(math.ldexp(float32(1.0), -s))
+            # the max's biased exponent E: max < 2**(E - 126) = 2**(s + 1); s kept where 2**±s is normal
+            s = min(max(int32(warp_max_u32(mx[bb]) >> uint32(23)) - 127, -100), 100)
+            fac[bb] *= bits_float(uint32(127 + s) << uint32(23))
+            mx[bb] = uint32(127 - s) << uint32(23)
         for n in range(NT):
             c, bb, g = column(n, gl)
-            f = mx[bb] if c < uint32(BG) else float32(0.0)
+            f = bits_float(mx[bb]) if c < uint32(BG) else float32(0.0)
             bx[n] = float2_to_half2(px[2 * n] * f, px[2 * n + 1] * f)
 
     @cuda.jit(device=True, **INLINE)
@@ -1068,10 +1071,14 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
 
         cidx = cuda.blockIdx.x + cuda.gridDim.x * cuda.blockIdx.z
         if nsplit > 1 and last_to_finish(counters, cidx, nsplit, last, tid):
-            for bb in range(bt):  # pre="rms": 1 / rms of the slices' sums of squares
-                fac[bb] = float32(1.0)
-                if RMS and b0 + bb < B:
-                    fac[bb] = inv_rms(sum_splits(ws, nsplit, b0 + bb, ws.shape[2] - 1), x32.shape[1] * 2, eps)
+            for bb in range(bt):  # pre="rms": 1 / rms of the slices' sums of squares, which every warp
+                fac[bb] = float32(1.0)  # loads a slice a lane (one L2 round trip, not nsplit / 8 of them)
+                if RMS:
+                    v = float32(0.0)
+                    if b0 + bb < B:
+                        for sp in range(cuda.laneid, nsplit, 32):
+                            v += load_cg(ws, sp, b0 + bb, ws.shape[2] - 1)
+                    fac[bb] = inv_rms(warp_sum_f32(v), x32.shape[1] * 2, eps)
             for i in range(tid, RB * 32 * bt, nt):
                 bb = i // (RB * 32)
                 row = rb0 * 32 + (i - bb * RB * 32)

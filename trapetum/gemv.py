@@ -132,6 +132,18 @@ if SIM:
         a[i] = np.array([v], dtype=np.float32).astype(np.float16).view(np.uint16)[0]
 
     @cuda.jit(device=True)
+    def silu(v):
+        return np.float32(v / (1.0 + math.exp(-float(v)))) if v > -80 else np.float32(0.0) * v
+
+    @cuda.jit(device=True)
+    def float_bits(f):
+        return np.array([f], dtype=np.float32).view(np.uint32)[0]
+
+    @cuda.jit(device=True)
+    def bits_float(u):
+        return np.array([int(u) & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0]
+
+    @cuda.jit(device=True)
     def warp_max_u32(v):
         lane = cuda.threadIdx.x % 32
         key = (cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x // 32)
@@ -241,7 +253,7 @@ if SIM:
 else:
     from llvmlite import ir
     from numba import types
-    from numba.cuda import cgutils
+    from numba.cuda import cgutils, libdevice
     from numba.cuda.extending import intrinsic
 
     @intrinsic
@@ -373,6 +385,36 @@ else:
 
         def codegen(context, builder, sig, args):
             return _half2_to_floats(context, builder, sig, builder.fadd(*(_as_half2(builder, v) for v in args)))
+
+        return sig, codegen
+
+    @cuda.jit(device=True, forceinline=True)
+    def silu(v):
+        """v * sigmoid(v) in fp32 from ex2.approx and div.approx (~4 instructions; libdevice's exact
+        expf and IEEE division cost the fused SiLU + add kernels 0.9-1.6 us of a 15 us launch, NOTES,
+        session 46): a few ulp of fp32, far below the fp16 rounding that follows. exp(-v) = inf
+        gives v * 0 = -0, as silu tends to."""
+        return libdevice.fast_fdividef(v, float32(1.0) + libdevice.fast_expf(-v))
+
+    @intrinsic
+    def float_bits(typingctx, f):
+        """The bits of an fp32 value, as uint32 (a positive float's order is its bits' order)."""
+        sig = types.uint32(types.float32)
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+
+        return sig, codegen
+
+    @intrinsic
+    def bits_float(typingctx, u):
+        """The fp32 value of 32 bits (uint32 or int32)."""
+        sig = types.float32(u)
+
+        def codegen(context, builder, sig, args):
+            x = args[0]
+            x = builder.trunc(x, ir.IntType(32)) if x.type.width > 32 else x
+            return builder.bitcast(x, ir.FloatType())
 
         return sig, codegen
 
@@ -828,7 +870,7 @@ def rms_word(w, gw, irms):
 def silu_word(w, uw):
     """fp16(fp16(silu(a)) * b) of the gate pair ``w`` and the up pair ``uw`` (LlamaMLP in fp16)."""
     a, b = half2_to_float2(w)
-    a, b = half2_to_float2(float2_to_half2(a / (float32(1.0) + math.exp(-a)), b / (float32(1.0) + math.exp(-b))))
+    a, b = half2_to_float2(float2_to_half2(silu(a), silu(b)))
     c, d = half2_to_float2(uw)
     return float2_to_half2(a * c, b * d)
 
@@ -1002,8 +1044,8 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
             a, b = a * c, b * d
         elif SILU:
             c, d = half2_to_float2(u)
-            a = a / (float32(1.0) + math.exp(-a)) * c
-            b = b / (float32(1.0) + math.exp(-b)) * d
+            a = silu(a) * c
+            b = silu(b) * d
         xs[o], xs[o + 1] = a, b
         return sq
 
