@@ -59,6 +59,7 @@ from .gemv import (
     load16,
     load16_stream,
     load_byte_offset,
+    load_cg,
     load_half_byte_offset,
     max_shared_bytes,
     mma_m16n8k8,
@@ -68,7 +69,6 @@ from .gemv import (
     rms_word,
     silu_word,
     sm_count,
-    split_sums,
     sum_splits,
     tuning_enabled,
     tuning_inputs,
@@ -871,61 +871,6 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
                             acc[bb] += lookup(lut, uint32(((bb * G + c * gpc + gi) * PS + m * K) * esize) + o)
 
     with_res = residual_add(post)
-    FR = -(-(RB * 32 * bt) // nt)  # outputs a thread of the last block finishes
-    # Batch 1: all of a thread's outputs (and, pre="rms", the row's sums of squares) summed at once;
-    # batch tiles one output at a time, as more at once costs the kernel registers (56 -> 128 at bt=4).
-    FG = FR if bt == 1 else 1
-    FOLD = RMS and bt == 1
-    FN = FG + (1 if FOLD else 0)
-    group_sums = split_sums(FN, 16 if bt == 1 else 8)
-    row_sums = split_sums(bt, 8)
-
-    @cuda.jit(device=True, **INLINE)
-    def finish_output(tid, k, rb0):
-        # The last block's k-th output of thread tid: (index, batch row in the tile, row).
-        i = tid + k * nt
-        if bt == 1:
-            return i, int32(0), rb0 * 32 + i
-        bb = i // (RB * 32)
-        return i, bb, rb0 * 32 + (i - bb * RB * 32)
-
-    @cuda.jit(device=True, **INLINE)
-    def finish(ws, y, bias, res, tid, rb0, b0, n_out, nsplit, n_in, eps):
-        # The last block of a row-group: every K-slice's partial of its outputs, and pre="rms" each
-        # slice's sum of squares of x (the workspace's last column).
-        bi = cuda.local.array(FN, int32)
-        ri = cuda.local.array(FN, int32)
-        tot = cuda.local.array(FN, float32)
-        irs = cuda.local.array(bt, float32)
-        last_col = ws.shape[2] - 1
-        if RMS and not FOLD:
-            tb = cuda.local.array(bt, int32)
-            tr = cuda.local.array(bt, int32)
-            ti = cuda.local.array(bt, float32)
-            for bb in range(bt):
-                tb[bb] = min(b0 + bb, B - 1)
-                tr[bb] = last_col
-            row_sums(ws, nsplit, tb, tr, ti)
-            for bb in range(bt):
-                irs[bb] = inv_rms(ti[bb], n_in, eps)
-        for k0 in range(0, FR, FG):
-            for k in range(FG):
-                i, bb, row = finish_output(tid, k0 + k, rb0)
-                bi[k] = min(b0 + bb, B - 1)  # past the outputs: an output's, read and not used
-                ri[k] = min(row, n_out - 1)
-            if FOLD:
-                bi[FG] = b0
-                ri[FG] = last_col
-            group_sums(ws, nsplit, bi, ri, tot)
-            if FOLD:
-                irs[0] = inv_rms(tot[FG], n_in, eps)
-            for k in range(FG):
-                i, bb, row = finish_output(tid, k0 + k, rb0)
-                if i < RB * 32 * bt and row < n_out and b0 + bb < B:
-                    v = tot[k]
-                    if RMS:
-                        v *= irs[bb]
-                    y[b0 + bb, row] = with_res(v + float32(bias[row]), res, b0 + bb, row)
 
     @cuda.jit(device=True, **INLINE)
     def row_block(ring, cur, nxt, lut, acc, tiled, scales, bias, y, ws, r, rb0, rbs, nchunks, j0, j1, b0, split, nsplit, n_out, fac, res):
@@ -1126,7 +1071,22 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
 
         cidx = cuda.blockIdx.x + cuda.gridDim.x * cuda.blockIdx.z
         if nsplit > 1 and last_to_finish(counters, cidx, nsplit, last, tid):
-            finish(ws, y, bias, res, tid, rb0, b0, n_out, nsplit, x32.shape[1] * 2, eps)
+            for bb in range(bt):  # pre="rms": 1 / rms of the slices' sums of squares, which every warp
+                fac[bb] = float32(1.0)  # loads a slice a lane (one L2 round trip, not nsplit / 8 of them)
+                if RMS:
+                    v = float32(0.0)
+                    if b0 + bb < B:
+                        for sp in range(cuda.laneid, nsplit, 32):
+                            v += load_cg(ws, sp, b0 + bb, ws.shape[2] - 1)
+                    fac[bb] = inv_rms(warp_sum_f32(v), x32.shape[1] * 2, eps)
+            for i in range(tid, RB * 32 * bt, nt):
+                bb = i // (RB * 32)
+                row = rb0 * 32 + (i - bb * RB * 32)
+                if row < n_out and b0 + bb < B:
+                    v = sum_splits(ws, nsplit, b0 + bb, row)
+                    if RMS:
+                        v *= fac[bb]
+                    y[b0 + bb, row] = with_res(v + float32(bias[row]), res, b0 + bb, row)
 
     _kernel_cache[key] = kernel
     return kernel

@@ -748,34 +748,6 @@ def sum_splits8(ws, nsplit, b, blast, row):
     return s0, s1, s2, s3, s4, s5, s6, s7
 
 
-def split_sums(n: int, loads: int = 16):
-    """A last block's sums over K-slices for ``n`` outputs a thread at once: ``sums(ws, nsplit, bi, ri,
-    tot)`` leaves in tot[k] the sum over slices of ws[:, bi[k], ri[k]] (k < n; bi, ri valid indices),
-    S slices x n loads in flight a round (S up to 8, S x n at most ``loads``: the finish's
-    registers are the kernel's). A thread that summed its outputs one after another waited n x nsplit / 8 serial
-    L2 round trips on the launch's critical path, not about nsplit / S (NOTES, session 46). Slices
-    are summed in order: the result does not depend on timing."""
-    S = max(1, min(8, loads // n))
-    V = S * n
-
-    @cuda.jit(device=True, **INLINE)
-    def sums(ws, nsplit, bi, ri, tot):
-        for k in range(n):
-            tot[k] = float32(0.0)
-        for sp0 in range(0, nsplit, S):
-            v = cuda.local.array(V, float32)
-            for s in range(S):
-                sp = min(sp0 + s, nsplit - 1)  # past the last slice: read again, not added
-                for k in range(n):
-                    v[s * n + k] = load_cg(ws, sp, bi[k], ri[k])
-            for s in range(S):
-                if sp0 + s < nsplit:
-                    for k in range(n):
-                        tot[k] += v[s * n + k]
-
-    return sums
-
-
 @cuda.jit(device=True)
 def load4(a, i):
     return a[i], a[i + 1], a[i + 2], a[i + 3]
