@@ -54,6 +54,7 @@ from .gemv import (
     fused_operands,
     fused_tuning_operands,
     half2_to_float2,
+    inv_rms,
     kernel_device,
     last_to_finish,
     load16,
@@ -748,12 +749,6 @@ def residual_add(post: str):
         return v
 
     return with_res
-
-
-@cuda.jit(device=True, **INLINE)
-def inv_rms(sumsq, n, eps):
-    """1 / rms of a row of ``n`` inputs whose squares sum to ``sumsq`` (LlamaRMSNorm, fp32)."""
-    return float32(1.0) / math.sqrt(sumsq / float32(n) + float32(eps))
 
 
 def table_ws_columns(n_rows: int, pre: str) -> int:

@@ -932,6 +932,12 @@ def check_fused(g, x: torch.Tensor, out: torch.Tensor, pre: str, post: str, norm
     return x2
 
 
+@cuda.jit(device=True, **INLINE)
+def inv_rms(sumsq, n, eps):
+    """1 / rms of a row of ``n`` inputs whose squares sum to ``sumsq`` (LlamaRMSNorm, fp32)."""
+    return float32(1.0) / math.sqrt(sumsq / float32(n) + float32(eps))
+
+
 def rms_sums(B: int, warps: int):
     """Device functions for a fused RMSNorm's statistics in a block of ``warps`` warps and batch B
     (the lut and additive kernels): ``row_sumsq(x32, wsq, tid, warp)`` leaves each warp's share of
@@ -977,7 +983,7 @@ def rms_sums(B: int, warps: int):
         t = float32(0.0)
         for w in range(warps):
             t += wsq[w, bb]
-        return float32(1.0) / math.sqrt(t / float32(n) + float32(eps))
+        return inv_rms(t, n, eps)
 
     return row_sumsq, warp_sums, irms_of
 
