@@ -133,6 +133,53 @@ def test_stream_tables_scale_activations_in_the_thousands():
     check(AdditiveGemv(t, plan={"kernel": "stream", "warps": 4, "ksplit": 1, "slots": 2}), x, t)
 
 
+# The chunk kernel: one chunk's table a block, rows streamed through it in tiles of 16 or 32.
+@pytest.mark.parametrize(
+    "n_out, n_in, plan",
+    [
+        (150, 1088, {"warps": 4, "tile": 4, "rows": 128}),  # 3 chunks (the last half padding), 2 row-groups, 2 tiles a warp
+        (70, 512, {"warps": 4, "tile": 8, "rows": 64}),  # one chunk: y written by the tiles themselves
+        (21, 1024, {"warps": 2, "tile": 8, "rows": 32}),  # a quad of 1 row; tiles mostly past the last row
+    ],
+)
+def test_chunk_kernel_matches_float64(n_out, n_in, plan):
+    t = with_bias(random_additive_tensor(n_out, n_in, 2, seed=n_out), seed=n_in)
+    g = AdditiveGemv(t, plan={"kernel": "chunk", **plan})
+    p = g.plan(1)
+    assert isinstance(p, A.StreamPlan) and p.tile == plan["tile"] and p.ksplit == -(-n_in // 512) and p.qpb % (p.tile * p.warps) == 0
+    check(g, x_for(n_in, 1, seed=n_out), t)
+    assert g._tiled_t is None and g._stream_t is not None  # the streaming kernel's layout
+
+
+@pytest.mark.parametrize("pre,post", [("rms", "add"), ("silu", "add"), ("", "add")])
+def test_chunk_kernel_fused_operations(pre, post):
+    n_out, n_in = 70, 1088
+    t = with_bias(random_additive_tensor(n_out, n_in, 2, seed=7), seed=8)
+    g = AdditiveGemv(t, plan={"kernel": "chunk", "warps": 4, "tile": 4, "rows": 64})
+    x = x_for(2 * n_in if pre == "silu" else n_in, 1, seed=3) * 3
+    w = (torch.rand(n_in, generator=torch.Generator().manual_seed(5)) + 0.5).half()
+    h = x_for(n_out, 1, seed=9)
+    want = reference(x, t, pre, post, w, h, 1e-5)
+    g.bind(x, h, pre=pre, post=post, norm_weight=w if pre == "rms" else None, res=h)()  # the add in place, as the step does
+    err = max_rel_err(h, want)
+    assert torch.isfinite(h).all() and err <= TOL, err
+
+
+def test_chunk_plans_and_their_errors():
+    p = A.plan_chunk(14336, 4096, 227 * 1024, warps=8, tile=4, rows=512)
+    assert (p.qpb * 4, p.ksplit, p.grid(14336)) == (512, 8, (28, 8)) and "a chunk a block" in p.label()
+    assert A.plan_chunk(64, 4096, 227 * 1024, rows=4096).qpb == 32  # never past the layer's rows (a round of tiles)
+    for kw in ({"warps": 12}, {"tile": 2}, {"rows": 0}):
+        with pytest.raises(ValueError, match="chunk plan"):
+            A.plan_chunk(64, 512, 227 * 1024, **kw)
+    with pytest.raises(ValueError, match="shared memory"):
+        A.plan_chunk(64, 512, 48 * 1024)
+    got = A.chunk_candidates(14336, 4096, 227 * 1024)
+    assert got and len({q.label() for q in got}) == len(got) and all(q.tile for q in got)
+    with pytest.raises(ValueError, match="leave the streaming kernel out"):
+        AdditiveGemv(random_additive_tensor(16, 512, 2), plan={"kernel": "chunk"}, kernels=("table",))
+
+
 @pytest.mark.parametrize("n_out, n_in", [(38, 1088), (4, 512), (130, 64)])
 def test_stream_layout_and_its_inverse(n_out, n_in):
     t = random_additive_tensor(n_out, n_in, 2, seed=n_out)

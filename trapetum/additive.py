@@ -75,6 +75,7 @@ from .gemv import (
     tuning_inputs,
     warp_max_u32,
     warp_sum_f32,
+    warp_xor_f32,
     with_shared_limit,
 )
 from .bench import TOLERANCE, poisoned_check  # TOLERANCE: max |y - ref| / max |ref| a kernel may be off by
@@ -1159,60 +1160,21 @@ def stream_shared_bytes(nchunks: int, ksplit: int) -> int:
     return 4 * (2 * STREAM_TABLE_WORDS + -(-nchunks // ksplit) * STREAM_X_WORDS)
 
 
-def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
-    """The streaming additive GEMV (M = 2, batch 1; see the comment above ``STREAM_GROUPS``) for
-    blocks of ``warps`` warps, each warp owning up to ``QW`` quads of rows, and ``D2`` code slots a
-    warp (chunks c + 1 .. c + D2 - 1 load while chunk c is summed). ``pre`` / ``post``: the decode
-    step's fused operations, as :func:`additive_kernel` takes them, applied where x is staged
-    (``"rms"``: the block first sums the squares of the whole row; ``"silu"``: x32 = [a | b]) and
-    where y is written (``"add"``: y = res + W x, res may be y itself).
+def _stream_parts(warps: int, tables: int, pre: str):
+    """The device functions the two streaming kernels share, for blocks of ``warps`` warps whose
+    shared memory holds ``tables`` chunk tables and then x (``pre``: how x is staged):
 
-    Grid (row-groups, K-slices). A block:
-    1. copies its K-slice of x to shared memory (cp.async, zeros past in_features), loads its first
-       chunks' codes (``ld.global.nc``, past L1) and its warps' B fragments (codebook entries, the
-       same every chunk);
-    2. builds chunk 0's table: T[k][m][s] = (x_g . C_m[k], x_{g+32} . C_m[k]) for g = 64c + s, one
-       ``mma.m16n8k8`` for 8 groups (and their partners 32 on) x 8 entries; lane (g, t) stores its
-       fragment's words rotated by t (three selects a word) so a warp's 32 stores fall in 32 banks.
-       Entries are fp16, each chunk's scaled by its own 2**-s (s from the chunk's max |x|, which
-       every warp finds from its A fragments, as :func:`additive_kernel` does a K-slice's) and its
-       sums by 2**s;
-    3. for every chunk: loads chunk c + D2 - 1's codes, builds chunk c + 1's table into the other
-       buffer, looks up chunk c (a code byte moved into a lane's table address by one byte permute),
-       one barrier;
-    4. sums each row's 32 lane partials (shuffles), scales, and writes y, or with a K-split its
-       partial, the last block of the row-group summing them (as :func:`additive_kernel`).
-    Arguments: x32 (1, in/2) int32 view of fp16 x; codes (:func:`stream_codes`); cb32 (2*256*4,)
-    int32 view of the fp16 codebooks; scales, bias (out,) fp16; y (1, out) fp16; ws (ksplit, 1, out)
-    fp32; counters (row-groups,) int32; n_out; nq (quads); nch (chunks a row); cps (chunks a
-    K-slice); qpb (quads a block); cbexp (:func:`codebook_exponent`); g32 (the norm weight's int32
-    view), res, eps: the fused operands (unread without them).
+    - ``build(sm, bfr, lc, buf, warp, lane, cbexp)``: chunk ``lc`` (of the staged x) into table
+      ``buf`` (see :func:`stream_kernel`, step 2); returns the factor 2**s its sums must be multiplied by;
+    - ``stage_x(sm, x32, g32, irms, c0, nc, tid)``: chunks c0 .. c0 + nc - 1 of x to shared memory
+      (cp.async, or through registers normalised by ``irms`` / gated by SiLU), zeros past in_features;
+    - ``load_bfr(bfr, cb32, warp, lane)``: the warp's B fragments (its k-tiles of codebook entries).
     """
-    key = (warps, QW, D2, pre, post)
-    if key in _stream_cache:
-        return _stream_cache[key]
-    check_stream_shape(warps, D2)
-    check_ops(pre, post)
     RMS, SILU = pre == "rms", pre == "silu"
-    row_sumsq, _, irms_of = rms_sums(1, warps)
-    WSQ = (warps, 1) if RMS else (1, 1)  # shared: the warps' shares of the row's sum of squares
     nt = warps * 32
     KT = 64 // warps  # k-tiles (8 entries of one codebook) a warp builds every chunk
-    SLOT = QW * STREAM_ROWS  # code words a lane holds a chunk
-    RING = D2 * SLOT
-    XO = 2 * STREAM_TABLE_WORDS  # word offset of x in shared memory
+    XO = tables * STREAM_TABLE_WORDS  # word offset of x in shared memory
     zero = int32(0)
-
-    @cuda.jit(device=True, **INLINE)
-    def fetch(ring, o, codes, c, c1, qb0, qn, nq, warp, lane):
-        for i in range(QW):
-            ql = warp + i * warps
-            if c < c1 and ql < qn:
-                # read once: past L1 (session 38: -5 % at 4096 x 14336, -20 % at 16384 x 53248 against ld.global)
-                ring[o + 4 * i], ring[o + 4 * i + 1], ring[o + 4 * i + 2], ring[o + 4 * i + 3] = load16_stream(
-                    codes, ((uint32(c) * uint32(nq) + uint32(qb0 + ql)) * uint32(32) + lane) * uint32(4))
-            else:
-                ring[o + 4 * i], ring[o + 4 * i + 1], ring[o + 4 * i + 2], ring[o + 4 * i + 3] = zero, zero, zero, zero
 
     @cuda.jit(device=True, **INLINE)
     def pick(w0, w1, w2, w3, r):
@@ -1222,7 +1184,6 @@ def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
 
     @cuda.jit(device=True, **INLINE)
     def build(sm, bfr, lc, buf, warp, lane, cbexp):
-        # Returns the factor 2**s the chunk's sums must be multiplied by (see the kernel's step 2).
         gid = lane >> uint32(2)
         t = lane & uint32(3)
         xo = uint32(XO) + uint32(lc) * uint32(STREAM_X_WORDS) + lane
@@ -1258,6 +1219,94 @@ def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
                 for e in range(2):
                     sm[kb + uint32(64 * e) + (r << uint32(3))] = pick(wd[e], wd[2 + e], wd[4 + e], wd[6 + e], r)
         return up
+
+    @cuda.jit(device=True, **INLINE)
+    def stage_x(sm, x32, g32, irms, c0, nc, tid):
+        xrow = x32[0]
+        nx = (xrow.shape[0] >> 1) if SILU else xrow.shape[0]  # x's words (silu: a's; b's follow)
+        nxw = nc * STREAM_X_WORDS
+        for i in range(tid * 4, nxw, nt * 4):
+            gw = c0 * STREAM_X_WORDS + i
+            if gw < nx:  # in_features is a multiple of 8: a 4-word piece is all in or all out
+                if RMS or SILU:
+                    w0, w1, w2, w3 = load16(xrow, gw)
+                    for k in range(4):
+                        w = w0 if k == 0 else w1 if k == 1 else w2 if k == 2 else w3
+                        if RMS:
+                            w = rms_word(w, g32[gw + k], irms)
+                        else:
+                            w = silu_word(w, xrow[nx + gw + k])
+                        sm[XO + i + k] = w
+                else:
+                    copy16_async(sm, XO + i, xrow, gw)
+            else:
+                sm[XO + i], sm[XO + i + 1], sm[XO + i + 2], sm[XO + i + 3] = zero, zero, zero, zero
+
+    @cuda.jit(device=True, **INLINE)
+    def load_bfr(bfr, cb32, warp, lane):
+        gid = lane >> uint32(2)
+        t = lane & uint32(3)
+        for j in range(KT):  # B of k-tile kt: entry (kt & 31) * 8 + gid of codebook kt >> 5, word t
+            kt = uint32(warp + j * warps)
+            bfr[j] = cb32[(((kt >> uint32(5)) << uint32(8)) + ((kt & uint32(31)) << uint32(3)) + gid) * uint32(4) + t]
+
+    return build, stage_x, load_bfr
+
+
+def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
+    """The streaming additive GEMV (M = 2, batch 1; see the comment above ``STREAM_GROUPS``) for
+    blocks of ``warps`` warps, each warp owning up to ``QW`` quads of rows, and ``D2`` code slots a
+    warp (chunks c + 1 .. c + D2 - 1 load while chunk c is summed). ``pre`` / ``post``: the decode
+    step's fused operations, as :func:`additive_kernel` takes them, applied where x is staged
+    (``"rms"``: the block first sums the squares of the whole row; ``"silu"``: x32 = [a | b]) and
+    where y is written (``"add"``: y = res + W x, res may be y itself).
+
+    Grid (row-groups, K-slices). A block:
+    1. copies its K-slice of x to shared memory (cp.async, zeros past in_features), loads its first
+       chunks' codes (``ld.global.nc``, past L1) and its warps' B fragments (codebook entries, the
+       same every chunk);
+    2. builds chunk 0's table: T[k][m][s] = (x_g . C_m[k], x_{g+32} . C_m[k]) for g = 64c + s, one
+       ``mma.m16n8k8`` for 8 groups (and their partners 32 on) x 8 entries; lane (g, t) stores its
+       fragment's words rotated by t (three selects a word) so a warp's 32 stores fall in 32 banks.
+       Entries are fp16, each chunk's scaled by its own 2**-s (s from the chunk's max |x|, which
+       every warp finds from its A fragments, as :func:`additive_kernel` does a K-slice's) and its
+       sums by 2**s;
+    3. for every chunk: loads chunk c + D2 - 1's codes, builds chunk c + 1's table into the other
+       buffer, looks up chunk c (a code byte moved into a lane's table address by one byte permute),
+       one barrier;
+    4. sums each row's 32 lane partials (shuffles), scales, and writes y, or with a K-split its
+       partial, the last block of the row-group summing them (as :func:`additive_kernel`).
+    Arguments: x32 (1, in/2) int32 view of fp16 x; codes (:func:`stream_codes`); cb32 (2*256*4,)
+    int32 view of the fp16 codebooks; scales, bias (out,) fp16; y (1, out) fp16; ws (ksplit, 1, out)
+    fp32; counters (row-groups,) int32; n_out; nq (quads); nch (chunks a row); cps (chunks a
+    K-slice); qpb (quads a block); cbexp (:func:`codebook_exponent`); g32 (the norm weight's int32
+    view), res, eps: the fused operands (unread without them).
+    """
+    key = (warps, QW, D2, pre, post)
+    if key in _stream_cache:
+        return _stream_cache[key]
+    check_stream_shape(warps, D2)
+    check_ops(pre, post)
+    RMS = pre == "rms"
+    row_sumsq, _, irms_of = rms_sums(1, warps)
+    WSQ = (warps, 1) if RMS else (1, 1)  # shared: the warps' shares of the row's sum of squares
+    nt = warps * 32
+    KT = 64 // warps  # k-tiles (8 entries of one codebook) a warp builds every chunk
+    SLOT = QW * STREAM_ROWS  # code words a lane holds a chunk
+    RING = D2 * SLOT
+    build, stage_x, load_bfr = _stream_parts(warps, 2, pre)
+    zero = int32(0)
+
+    @cuda.jit(device=True, **INLINE)
+    def fetch(ring, o, codes, c, c1, qb0, qn, nq, warp, lane):
+        for i in range(QW):
+            ql = warp + i * warps
+            if c < c1 and ql < qn:
+                # read once: past L1 (session 38: -5 % at 4096 x 14336, -20 % at 16384 x 53248 against ld.global)
+                ring[o + 4 * i], ring[o + 4 * i + 1], ring[o + 4 * i + 2], ring[o + 4 * i + 3] = load16_stream(
+                    codes, ((uint32(c) * uint32(nq) + uint32(qb0 + ql)) * uint32(32) + lane) * uint32(4))
+            else:
+                ring[o + 4 * i], ring[o + 4 * i + 1], ring[o + 4 * i + 2], ring[o + 4 * i + 3] = zero, zero, zero, zero
 
     @cuda.jit(device=True, **INLINE)
     def look(sm, ring, o, acc, tb, lane, qn, warp, up):
@@ -1308,39 +1357,17 @@ def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
 
         # 1. x's K-slice to shared memory (fused: through registers, normalised or gated on the
         #    way); the first chunks' codes; B fragments
-        xrow = x32[0]
-        nx = (xrow.shape[0] >> 1) if SILU else xrow.shape[0]  # x's words (silu: a's; b's follow)
         irms = float32(1.0)
         if RMS:
             row_sumsq(x32, wsq, tid, warp)
             cuda.syncthreads()
-            irms = irms_of(wsq, 0, xrow.shape[0] * 2, eps)
-        nxw = nc * STREAM_X_WORDS
-        for i in range(tid * 4, nxw, nt * 4):
-            gw = c0 * STREAM_X_WORDS + i
-            if gw < nx:  # in_features is a multiple of 8: a 4-word piece is all in or all out
-                if RMS or SILU:
-                    w0, w1, w2, w3 = load16(xrow, gw)
-                    for k in range(4):
-                        w = w0 if k == 0 else w1 if k == 1 else w2 if k == 2 else w3
-                        if RMS:
-                            w = rms_word(w, g32[gw + k], irms)
-                        else:
-                            w = silu_word(w, xrow[nx + gw + k])
-                        sm[XO + i + k] = w
-                else:
-                    copy16_async(sm, XO + i, xrow, gw)
-            else:
-                sm[XO + i], sm[XO + i + 1], sm[XO + i + 2], sm[XO + i + 3] = zero, zero, zero, zero
+            irms = irms_of(wsq, 0, x32[0].shape[0] * 2, eps)
+        stage_x(sm, x32, g32, irms, c0, nc, tid)
         ring = cuda.local.array(RING, int32)
         for s in range(D2 - 1):
             fetch(ring, s * SLOT, codes, c0 + s, c1, qb0, qn, nq, warp, lane)
         bfr = cuda.local.array(KT, int32)
-        gid = lane >> uint32(2)
-        t = lane & uint32(3)
-        for j in range(KT):  # B of k-tile kt: entry (kt & 31) * 8 + gid of codebook kt >> 5, word t
-            kt = uint32(warp + j * warps)
-            bfr[j] = cb32[(((kt >> uint32(5)) << uint32(8)) + ((kt & uint32(31)) << uint32(3)) + gid) * uint32(4) + t]
+        load_bfr(bfr, cb32, warp, lane)
         async_wait_all()
         cuda.syncthreads()
 
@@ -1385,6 +1412,159 @@ def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
                     y[0, row] = with_res(sum_splits(ws, nsplit, 0, row) + float32(bias[row]), res, 0, row)
 
     _stream_cache[key] = kernel
+    return kernel
+
+
+# -- the chunk kernel (M = 2, batch 1): one chunk a block, its rows streamed -----------------
+# Why: the streaming kernel's rows stay in registers over a K-slice, so a block owns only ~100 rows
+# at 4096 x 14336 and builds every chunk's 64 KiB table for those few (its table stores outnumber its
+# lookups), and it meets at a barrier every chunk (NOTES, session 38). Here a block builds one chunk's
+# table once and streams as many rows through it as the plan gives it (hundreds to thousands), a warp
+# a tile of 16 or 32 rows at a time, the next tile's codes in flight while it looks up this one, no
+# barrier after the build. A tile's 32 lanes (one a group pair) meet by a halving exchange that leaves
+# lane l with row l (or l / 2) of the tile: one shuffle a row. Chunks of a row meet as K-slices do.
+_chunk_cache: dict = {}
+CHUNK_TILES = (4, 8)  # quads (of 4 rows) a warp's tile: 16 or 32 rows
+
+
+def _halver(n: int, o: int):
+    """One step of a warp's halving exchange: ``acc[0:n]`` -> ``acc[0:n/2]``, each lane keeping the
+    half its lane bit ``o`` picks and adding its partner's (lane ^ o) copy of that half."""
+    h = n // 2
+
+    @cuda.jit(device=True, **INLINE)
+    def halve(acc, lane):
+        upper = (lane & uint32(o)) != uint32(0)
+        for i in range(h):
+            lo, hi = acc[i], acc[i + h]  # both loaded, then selected: a select of addresses would keep acc in local memory
+            keep = hi if upper else lo
+            send = lo if upper else hi
+            acc[i] = keep + warp_xor_f32(send, o)
+
+    return halve
+
+
+def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = ""):
+    """The chunk kernel (M = 2, batch 1; see the comment above): grid (row-groups, chunks), a block
+    of ``warps`` warps builds its chunk's table (as :func:`stream_kernel`'s step 2, from x staged with
+    ``pre``) and its warps walk the row-group's quads ``QT`` at a time: 16-byte code loads a lane
+    (``ld.global.nc``; the next tile's issued before this tile's lookups), four lookups a row and
+    lane, then the halving exchange. Each row's chunk sum, times the table's factor and the row's
+    scale, goes to the workspace (one chunk: to y, with bias and ``post``); the last block of a
+    row-group sums the chunks (as :func:`additive_kernel`). Arguments as :func:`stream_kernel`'s
+    (``cps`` is 1 and unread; ``qpb`` a multiple of ``QT``)."""
+    key = (warps, QT, pre, post)
+    if key in _chunk_cache:
+        return _chunk_cache[key]
+    if 64 % warps or QT not in CHUNK_TILES:
+        raise ValueError(f"chunk plan: warps must divide 64 and a tile be {CHUNK_TILES} quads, got {warps}, {QT}")
+    check_ops(pre, post)
+    RMS = pre == "rms"
+    row_sumsq, _, irms_of = rms_sums(1, warps)
+    WSQ = (warps, 1) if RMS else (1, 1)
+    nt = warps * 32
+    KT = 64 // warps
+    ROWS = QT * STREAM_ROWS  # rows a tile: code words a lane holds for one
+    RING = 2 * ROWS  # two tiles' code words: the next one loads while this one is looked up
+    SHIFT = 6 - ROWS.bit_length()  # the tile row lane l ends the exchange with: l >> SHIFT
+    OWNER = (1 << SHIFT) - 1  # lanes l & OWNER == 0 write it
+    build, stage_x, load_bfr = _stream_parts(warps, 1, pre)
+    h16, h8, h4, h2, h1 = (_halver(ROWS >> k, 16 >> k) for k in range(5))
+    with_res = residual_add(post)
+    zero = int32(0)
+
+    @cuda.jit(device=True, **INLINE)
+    def fetch(ring, o, codes, c, q0, qend, nq, lane):
+        for i in range(QT):
+            if q0 + i < qend:
+                ring[o + 4 * i], ring[o + 4 * i + 1], ring[o + 4 * i + 2], ring[o + 4 * i + 3] = load16_stream(
+                    codes, ((uint32(c) * uint32(nq) + uint32(q0 + i)) * uint32(32) + lane) * uint32(4))
+            else:
+                ring[o + 4 * i], ring[o + 4 * i + 1], ring[o + 4 * i + 2], ring[o + 4 * i + 3] = zero, zero, zero, zero
+
+    @cuda.jit(device=True, **INLINE)
+    def tile(sm, ring, o, acc, lane, q0, c, nsplit, up, rend, scales, bias, y, ws, res):
+        l0 = lane << uint32(2)  # byte offsets as stream_kernel's look: codebook 0, group s
+        l1 = l0 | uint32(128)
+        l2 = l0 | uint32(2)
+        l3 = l0 | uint32(130)
+        for i in range(ROWS):
+            w = uint32(ring[o + i])
+            v = load_half_byte_offset(sm, prmt(w, l0, uint32(0x7604)))
+            v += load_half_byte_offset(sm, prmt(w, l1, uint32(0x7614)))
+            v += load_half_byte_offset(sm, prmt(w, l2, uint32(0x7624)))
+            v += load_half_byte_offset(sm, prmt(w, l3, uint32(0x7634)))
+            acc[i] = v
+        h16(acc, lane)
+        h8(acc, lane)
+        h4(acc, lane)
+        h2(acc, lane)
+        if ROWS == 32:
+            h1(acc, lane)
+        else:
+            acc[0] += warp_xor_f32(acc[0], 1)
+        row = q0 * STREAM_ROWS + int32(lane >> uint32(SHIFT))
+        if lane & uint32(OWNER) == uint32(0) and row < rend:
+            v = acc[0] * up * float32(scales[row])
+            if nsplit == 1:
+                y[0, row] = with_res(v + float32(bias[row]), res, 0, row)
+            else:
+                ws[c, 0, row] = v
+
+    @cuda.jit(**({} if SIM else {"launch_bounds": (nt,)}))
+    def kernel(x32, codes, cb32, scales, bias, y, ws, counters, n_out, nq, nch, cps, qpb, cbexp, g32, res, eps):
+        sm = cuda.shared.array(0, int32)
+        last = cuda.shared.array(1, int32)
+        wsq = cuda.shared.array(WSQ, float32)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = uint32(tid) & uint32(31)
+        qb0 = cuda.blockIdx.x * qpb
+        qend = min(qb0 + qpb, nq)
+        c = cuda.blockIdx.y
+        nsplit = cuda.gridDim.y
+        step = warps * QT
+        q = qb0 + warp * QT
+        rend = min(n_out, qend * STREAM_ROWS)  # rows past it are the next block's, or padding
+
+        # 1. the first tile's codes in flight; x's chunk (fused: normalised or gated); B fragments
+        ring = cuda.local.array(RING, int32)
+        fetch(ring, 0, codes, c, q, qend, nq, lane)
+        irms = float32(1.0)
+        if RMS:
+            row_sumsq(x32, wsq, tid, warp)
+            cuda.syncthreads()
+            irms = irms_of(wsq, 0, x32[0].shape[0] * 2, eps)
+        stage_x(sm, x32, g32, irms, c, 1, tid)
+        bfr = cuda.local.array(KT, int32)
+        load_bfr(bfr, cb32, warp, lane)
+        async_wait_all()
+        cuda.syncthreads()
+
+        # 2. the chunk's table (fp16, scaled by 2**-s; sums by up = 2**s)
+        up = build(sm, bfr, 0, 0, warp, lane, cbexp)
+        cuda.syncthreads()
+
+        # 3. the row tiles, two code slots written out so their indices are constants
+        acc = cuda.local.array(ROWS, float32)
+        while q < qend:
+            fetch(ring, ROWS, codes, c, q + step, qend, nq, lane)
+            tile(sm, ring, 0, acc, lane, q, c, nsplit, up, rend, scales, bias, y, ws, res)
+            q += step
+            if q >= qend:
+                break
+            fetch(ring, 0, codes, c, q + step, qend, nq, lane)
+            tile(sm, ring, ROWS, acc, lane, q, c, nsplit, up, rend, scales, bias, y, ws, res)
+            q += step
+
+        # 4. the row-group's chunks, summed by the last block to finish
+        if nsplit > 1 and last_to_finish(counters, cuda.blockIdx.x, nsplit, last, tid):
+            for i in range(tid, (qend - qb0) * STREAM_ROWS, nt):
+                row = qb0 * STREAM_ROWS + i
+                if row < n_out:
+                    y[0, row] = with_res(sum_splits(ws, nsplit, 0, row) + float32(bias[row]), res, 0, row)
+
+    _chunk_cache[key] = kernel
     return kernel
 
 
@@ -1494,8 +1674,12 @@ class StreamPlan:
     shared_bytes: int
     kernel: str = "stream"
     build: str = "stream"  # (in an AdditivePlan, the table build)
+    tile: int = 0  # the chunk kernel's quads a warp tile (:func:`chunk_kernel`); 0: :func:`stream_kernel`
 
     def label(self) -> str:
+        if self.tile:
+            return (f"additive chunk: {self.warps} warps, a chunk a block, {self.qpb * STREAM_ROWS} rows a block "
+                    f"in tiles of {self.tile * STREAM_ROWS}")
         return f"additive stream: {self.warps} warps, K-split {self.ksplit}, {self.slots} code slots"
 
     def grid(self, n_out: int) -> tuple[int, int]:
@@ -1529,6 +1713,44 @@ def plan_stream(n_out: int, n_in: int, sms: int, smem: int, warps: int = 8, kspl
     if nbytes + 64 > smem:
         raise ValueError(f"the streaming kernel needs {nbytes} bytes of shared memory a block; this GPU allows {smem}")
     return StreamPlan(warps, ksplit, slots, qpb, QW, cps, nch, nbytes)
+
+
+def chunk_shared_bytes() -> int:
+    """Dynamic shared memory of a chunk-kernel block: one chunk table and its slice of x."""
+    return 4 * (STREAM_TABLE_WORDS + STREAM_X_WORDS)
+
+
+def plan_chunk(n_out: int, n_in: int, smem: int, warps: int = 8, tile: int = 4, rows: int = 512) -> StreamPlan:
+    """The chunk kernel's plan for an (out, in) M=2 layer: grid (row-groups, chunks), a block of
+    ``warps`` warps over about ``rows`` rows (rounded to whole rounds of its warps' tiles of ``tile``
+    quads). Raises ValueError where it cannot run."""
+    if 64 % warps or tile not in CHUNK_TILES:
+        raise ValueError(f"chunk plan: warps must divide 64 and a tile be {CHUNK_TILES} quads, got {warps}, {tile}")
+    if rows < 1:
+        raise ValueError(f"chunk plan: rows a block must be positive, got {rows}")
+    nq, nch = stream_quads(n_out), stream_chunks(n_in // D)
+    per = warps * tile  # quads a block's warps take in one round
+    qpb = min(per * max(1, round(rows / (per * STREAM_ROWS))), -(-nq // per) * per)
+    nbytes = chunk_shared_bytes()
+    if nbytes + 64 > smem:
+        raise ValueError(f"the chunk kernel needs {nbytes} bytes of shared memory a block; this GPU allows {smem}")
+    return StreamPlan(warps, nch, 2, qpb, 0, 1, nch, nbytes, tile=tile)
+
+
+CHUNK_PLANS = ((8, 4, 256), (8, 4, 512), (8, 4, 1024), (8, 8, 512), (8, 8, 1024), (16, 4, 512), (16, 4, 1024))  # (warps, tile, rows)
+
+
+def chunk_candidates(n_out: int, n_in: int, smem: int) -> list[StreamPlan]:
+    """The chunk kernel's plans the tuner times for an M=2 layer at batch 1 (distinct ones only)."""
+    out = []
+    for w, qt, rows in CHUNK_PLANS:
+        try:
+            p = plan_chunk(n_out, n_in, smem, warps=w, tile=qt, rows=rows)
+        except ValueError:
+            continue
+        if p not in out:
+            out.append(p)
+    return out
 
 
 STREAM_WARPS = 16
@@ -1570,11 +1792,12 @@ class AdditiveGemv:
 
     Holds the codes only in the kernels' layouts (:attr:`t` rebuilds the natural tensor).
     ``plan``: optional overrides for :func:`plan_additive` (keys warps, RB, cps, ksplit, bt, build, table),
-    or ``{"kernel": "stream", ...}`` for :func:`plan_stream` (warps, ksplit, slots); otherwise tuned on a
+    ``{"kernel": "stream", ...}`` for :func:`plan_stream` (warps, ksplit, slots) or ``{"kernel": "chunk", ...}``
+    for :func:`plan_chunk` (warps, tile, rows); otherwise tuned on a
     GPU (``tune=True``) or taken from the heuristic. ``kernels``: the families the tuner may pick from:
     "table" (:func:`additive_kernel`, every batch and the fused operations) and "stream"
-    (:func:`stream_kernel`, M=2 at batch 1, with or without the fused operations; a layer that uses
-    both holds its codes twice). ``single_layout``: the batch-1 plain plan picks the family every call
+    (:func:`stream_kernel` and :func:`chunk_kernel`, which read the same layout: M=2 at batch 1, with
+    or without the fused operations; a layer that uses both families holds its codes twice). ``single_layout``: the batch-1 plain plan picks the family every call
     of this weight then uses, so it holds one copy of its codes (a model's layers,
     :class:`trapetum.qlinear.AdditiveQLinear`): its fused plans are tuned within that family, and
     where it is the streaming kernel a batch of 2 to 16 runs it a row at a time (B reads of the
@@ -1592,7 +1815,7 @@ class AdditiveGemv:
         t.validate()
         if "table" not in kernels or set(kernels) - set(self.FAMILIES):
             raise ValueError(f"kernels must be 'table' and optionally 'stream' (the table kernel serves every batch), got {kernels}")
-        if plan is not None and plan.get("kernel") == "stream" and "stream" not in kernels:
+        if plan is not None and plan.get("kernel") in ("stream", "chunk") and "stream" not in kernels:
             raise ValueError("a streaming plan was asked for with kernels that leave the streaming kernel out")
         self.kernels, self.single_layout = tuple(kernels), bool(single_layout)
         t = t.to(self.device)
@@ -1666,7 +1889,8 @@ class AdditiveGemv:
                 raise ValueError(f"{plan.label()}: the streaming kernel runs batch 1")
             if pre == "rms" and not stream_rms_fits(plan, OPTIN_SIM if SIM else self._smem()):  # as _prepare plans it
                 raise ValueError(f"{plan}: its tables leave no room for pre='rms' sums of squares ({4 * plan.warps} bytes)")
-            kern = stream_kernel(plan.warps, plan.QW, plan.slots, pre, post)
+            kern = (chunk_kernel(plan.warps, plan.tile, pre, post) if plan.tile else
+                    stream_kernel(plan.warps, plan.QW, plan.slots, pre, post))
             grid = plan.grid(self.n_out)
             rows, ncounters = self.n_out, grid[0]
         else:
@@ -1697,11 +1921,13 @@ class AdditiveGemv:
         if self._rows_by_one(B):
             return self._prepare(1)
         sms, smem = sm_count(self.device), self._smem()
-        if self.fixed_plan is not None and self.fixed_plan.get("kernel") == "stream":
+        if self.fixed_plan is not None and self.fixed_plan.get("kernel") in ("stream", "chunk"):
             if B != 1 or self.M != 2:
                 raise ValueError(f"a streaming plan runs M=2 at batch 1, asked for M={self.M}, batch {B}")
             kw = {k: v for k, v in self.fixed_plan.items() if k != "kernel"}
-            plan = plan_stream(self.n_out, self.n_in, sms, OPTIN_SIM if SIM else smem, **kw)
+            smem = OPTIN_SIM if SIM else smem
+            plan = (plan_chunk(self.n_out, self.n_in, smem, **kw) if self.fixed_plan["kernel"] == "chunk"
+                    else plan_stream(self.n_out, self.n_in, sms, smem, **kw))
         elif self.fixed_plan is not None:
             plan = plan_additive(self.n_out, self.nchunks, self.M, B, sms, smem, **self.fixed_plan)
         elif self.tune_on_gpu:
@@ -1794,7 +2020,8 @@ class AdditiveGemv:
         cands = [p for p in candidate_plans(self.n_out, self.nchunks, self.M, B, sms, smem)
                  if p.build == "mma" or not (pre or post)] if "table" in kernels else []
         if B == 1 and self.M == 2 and "stream" in kernels and tuning_enabled("additive-stream"):
-            cands += [p for p in stream_candidates(self.n_out, self.n_in, sms, smem) if pre != "rms" or stream_rms_fits(p, smem)]
+            streams = stream_candidates(self.n_out, self.n_in, sms, smem) + chunk_candidates(self.n_out, self.n_in, smem)
+            cands += [p for p in streams if pre != "rms" or stream_rms_fits(p, smem)]
         return cands
 
     def fusable(self, B: int = 1) -> bool:
@@ -1928,6 +2155,9 @@ def correctness_sweep(shapes, Ms=(2, 4), batches=(1, 2, 3, 8, 16), seed: int = 0
     if 2 in Ms:
         big += [(shapes[0], 2, 1, dict(kernel="stream", ksplit=2, warps=16, slots=2))]
         jobs += [(s, 2, 1, dict(kernel="stream", ksplit=ks, warps=w, slots=d)) for s in shapes[:2] for ks in (1, 2) for w, d in ((8, 3), (16, 2))]
+        # the chunk kernel: tiles of 16 and 32 rows, one row-group and several
+        big += [(shapes[0], 2, 1, dict(kernel="chunk", warps=8, tile=8, rows=512))]
+        jobs += [(s, 2, 1, dict(kernel="chunk", warps=w, tile=qt, rows=r)) for s in shapes[:2] for w, qt, r in ((8, 4, 256), (16, 4, 1024))]
     jobs += big
     recs, failures = [], []
     for i, job in enumerate(tqdm(jobs, desc="additive correctness", disable=not progress)):

@@ -156,6 +156,12 @@ if SIM:
         return np.float32(sum(float(u) for u in _sim_exchange(key, lane, float(v))))
 
     @cuda.jit(device=True)
+    def warp_xor_f32(v, k):
+        lane = cuda.threadIdx.x % 32
+        key = (cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x // 32)
+        return np.float32(_sim_exchange(key, lane, float(v))[lane ^ int(k)])
+
+    @cuda.jit(device=True)
     def warp_max_f32(v):
         lane = cuda.threadIdx.x % 32
         key = (cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x // 32)
@@ -617,6 +623,11 @@ else:
             v += cuda.shfl_xor_sync(0xFFFFFFFF, v, k)
             k >>= 1
         return v
+
+    @cuda.jit(device=True)
+    def warp_xor_f32(v, k):
+        """Lane ``lane ^ k``'s ``v`` (all lanes call it)."""
+        return cuda.shfl_xor_sync(0xFFFFFFFF, v, k)
 
     @cuda.jit(device=True)
     def warp_max_f32(v):
