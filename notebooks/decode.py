@@ -47,7 +47,7 @@
 # at the tuner's fastest plan for it: what is left is attention, norms, rotary, sampling and the
 # gaps between kernels. *Share of own kernel bound* is the same over the kernels the path itself
 # launches: for the fused step, each projection's fused kernel with the norm, SiLU or residual add it
-# fuses, at its own tuned plan: the lut kernel for the scalar formats, the table or streaming kernel for
+# fuses, at its own tuned plan: the lut kernel for the scalar formats, the table, streaming or chunk kernel for
 # the 2-bit additive one, whichever the layer's batch-1 plan picked (other graphed paths launch the kernels the first bound times; a
 # fused-step run that did not time its own kernels keeps the first share, a lower bound on this one).
 

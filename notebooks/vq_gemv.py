@@ -350,6 +350,28 @@ report.styled(report.additive_stream_probe(folder))
 report.styled(report.additive_stream_skeleton(folder))
 
 # %% [markdown]
+# ### A third kernel: one chunk a block, its rows streamed (2-bit, batch 1)
+#
+# The streaming kernel keeps its rows' sums in registers for a whole K-slice, so a block can own only
+# about a hundred rows at the mid shapes, and it builds every chunk's 64 KiB table for those few rows:
+# its table stores outnumber its lookups, and it meets at a barrier every chunk.
+# `trapetum.additive.chunk_kernel` turns the loop inside out. A block builds the table of a single
+# chunk once and then streams hundreds to thousands of rows through it, with no barrier after the
+# build. Each warp takes a tile of 16 or 32 rows at a time, and the next tile's codes load while it
+# looks up this one. Lanes still own groups, so lookups stay conflict-free. A tile's 32 lane sums
+# meet by a halving exchange: at each step a lane keeps half of its rows and takes its partner's
+# copy of that half, so lane l ends with row l (or l / 2), one shuffle a row. The chunks of a row
+# meet as K-slices do (the last block of a row-group adds them up). It reads the streaming kernel's
+# code layout and shares its table build, and it takes the decode step's fused norm, SiLU and add.
+# The tuner times its plans beside the other two kernels'. The probe below checked every chunk plan
+# against float64 with outputs poisoned first, fused operations included. It then timed, in one
+# process, the plan the tuner had picked before this kernel existed (forced) and every chunk plan.
+# Compare the additive table above, whose newest run has the chunk kernel among the candidates.
+
+# %%
+report.styled(report.additive_chunk_probe(folder))
+
+# %% [markdown]
 # ## How far from the bytes
 #
 # How fast could any kernel of these formats be? A GEMV at batch 1 must read its code bytes from DRAM

@@ -505,6 +505,12 @@ def test_decode_targets_take_each_targets_best_graphed_row(tmp_path):
     # 70B: no fp16 fits, so the fastest row is picked by tok/s (the compiled 60, not the fused step's 55 at 88 %)
     k70 = t.loc[report.DECODE_TARGETS[8][0]]
     assert (k70["ours"], k70["met"]) == ("50 %", "no") and "compiled" in k70["row"]
+    # a faster row measured without its kernel bound: nothing to say of it, not the slower row's share
+    recs.append(rec("llama-2-70b", "2-bit additive (M=2), LM head 4-bit K=16", "fused-step", 70.0, 19.0))
+    recs.remove(recs[-2])
+    results.save("decode", recs, prov, folder=tmp_path)
+    k70 = report.decode_targets(report.load_decode(tmp_path).assign(copy_gbps=300.0)).set_index("target (issue 4)").loc[report.DECODE_TARGETS[8][0]]
+    assert (k70["ours"], k70["met"]) == ("–", "–") and "fused-step" in k70["row"]
 
 
 def test_decode_step_profile_splits_a_token_into_its_parts():

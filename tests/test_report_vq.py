@@ -342,6 +342,29 @@ def test_additive_stream_probe_takes_each_shapes_fastest_plan(tmp_path):
     assert report.additive_stream_probe(tmp_path / "nothing").empty
 
 
+def test_additive_chunk_probe_sets_the_fastest_chunk_plan_beside_the_previous_pick(tmp_path):
+    import json
+
+    recs = [{"kind": "check", "passed": True}] * 3
+    for name, label, ms in (("old", "additive: 8 warps, RB 16, K-split 16, fp16 table", 0.0164),
+                            ("chunk0", "additive chunk: 8 warps, a chunk a block, 256 rows a block in tiles of 16", 0.0154),
+                            ("chunk3", "additive chunk: 8 warps, a chunk a block, 512 rows a block in tiles of 32", 0.0128)):
+        recs.append({"kind": "time", "name": name, "label": label, "in_features": 4096, "out_features": 14336, "time_ms": ms,
+                     "fp16_ms": 0.042})
+    recs.append({"kind": "time", "name": "old", "label": "x", "in_features": 4096, "out_features": 4096, "time_ms": 0.008,
+                 "fp16_ms": 0.016})  # no chunk plan timed at this shape: no row
+    (tmp_path / "_runs").mkdir()
+    prov = {"gpu": "NVIDIA H100 80GB HBM3", "git_commit": "1d524d4aa", "date": "2026-11-27T23:00"}
+    (tmp_path / "_runs" / "chunk-probe-x-h100.json").write_text(json.dumps({"provenance": prov, "records": recs}))
+    t = report.additive_chunk_probe(tmp_path)
+    assert list(t["in x out"]) == ["4096 x 14336"] and t["probe"][0] == "1d524d4 (3/3 checks)"
+    assert t["fastest chunk plan"][0] == "8 warps, a chunk a block, 512 rows a block in tiles of 32"
+    assert t["previous pick"][0] == "8 warps, RB 16, K-split 16, fp16 table"
+    assert np.isclose(t["chunk (us)"][0], 12.8) and np.isclose(t["previous / chunk"][0], 0.0164 / 0.0128)
+    assert np.isclose(t["chunk: speedup"][0], 0.042 / 0.0128)
+    assert report.additive_chunk_probe(tmp_path / "nothing").empty
+
+
 def test_additive_stream_skeleton_puts_each_variant_in_a_column(tmp_path):
     import json
 

@@ -1082,7 +1082,8 @@ def decode_targets(df: pd.DataFrame) -> pd.DataFrame:
     bound was measured; VRAM has no such bound. The "kernel" rows take the fastest row (as the speed
     rows do, not the one closest to its bound) and give its tok/s over the bound of the kernels it
     launches (issue 4: "its own per-layer kernel times"): for a fused-step row its fused projection
-    kernels at their own plans, whose fastest-plan bound is the decode table's "share of kernel bound"."""
+    kernels at their own plans, whose fastest-plan bound is the decode table's "share of kernel bound";
+    "–" where that row's bound was not measured."""
     t = decode_table(df)
     t = t[~t["Path"].str.contains("out of memory") & ~t["Path"].str.startswith(("naive", "eager")) & t["tok/s"].notna()]
     rows = []
@@ -1092,7 +1093,9 @@ def decode_targets(df: pd.DataFrame) -> pd.DataFrame:
             col = {"speed": "vs fastest fp16", "vram": "VRAM vs fp16", "bandwidth": "share of bandwidth bound",
                    "kernel": "share of own kernel bound"}[kind]
             pick = "tok/s" if kind == "kernel" else col  # the fastest row, with or without an fp16 beside it (70B on an H100)
-            m = m[m[col].notna() & m[pick].notna()]
+            # a kernel row is the fastest row even where its bound was not measured ("–"): an older, slower
+            # row's share would describe kernels the fastest row no longer runs
+            m = m[m[pick].notna() & (True if kind == "kernel" else m[col].notna())]
             best = None if m.empty else (m.loc[m[pick].idxmin()] if kind == "vram" else m.loc[m[pick].idxmax()])
             ours = np.nan if best is None else float(best[col])
             ceiling = (np.nan if best is None or kind in ("vram", "kernel")
@@ -1568,6 +1571,31 @@ def additive_stream_probe(folder=None) -> pd.DataFrame:
                          "fastest streaming plan": f"{plan['warps']} warps, K-split {ks}, {plan['slots']} code slots",
                          "streaming (us)": float(best["time_us"]), "streaming: speedup": float(best["fp16_us"] / best["time_us"]),
                          "table kernel, tuned (us)": float(tab["time_us"].min()) if len(tab) else float("nan"), "probe": probe})
+    return pd.DataFrame(rows)
+
+
+ADDITIVE_CHUNK_PROBES = "_runs/chunk-probe-*.json"  # the chunk kernel's probe: the previous pick and every chunk plan
+
+
+def additive_chunk_probe(folder=None) -> pd.DataFrame:
+    """The chunk kernel's probe (M=2, batch 1), one row a GPU and shape: torch fp16, the plan the
+    tuner had picked before the kernel existed (table or streaming kernel, forced) and the fastest
+    chunk plan, both timed in the probe's process (fastest of two interleaved passes), and the probe
+    (its commit and how many checks passed before it timed anything)."""
+    rows = []
+    for prov, probe, t in _probe_runs(folder, ADDITIVE_CHUNK_PROBES, short=True):
+        if t.empty:
+            continue
+        for (n_in, n_out), g in t.groupby(["in_features", "out_features"], sort=False):
+            old, chunk = g[g["name"] == "old"], g[g["name"].str.startswith("chunk")]
+            if old.empty or chunk.empty:
+                continue
+            best, was = chunk.loc[chunk["time_ms"].idxmin()], old.iloc[0]
+            rows.append({"GPU": gpu_label(prov.get("gpu", "")), "in x out": shape_label((int(n_in), int(n_out))),
+                         "torch fp16 (us)": 1e3 * float(best["fp16_ms"]), "previous pick": str(was["label"]).split(": ", 1)[-1],
+                         "previous (us)": 1e3 * float(was["time_ms"]), "fastest chunk plan": str(best["label"]).split(": ", 1)[-1],
+                         "chunk (us)": 1e3 * float(best["time_ms"]), "chunk: speedup": float(best["fp16_ms"] / best["time_ms"]),
+                         "previous / chunk": float(was["time_ms"] / best["time_ms"]), "probe": probe})
     return pd.DataFrame(rows)
 
 
