@@ -18,7 +18,10 @@ power of two so no entry overflows) for its K-slice of groups, then each lane st
 codes (pre-tiled so a warp's 16-byte-a-lane loads are contiguous, as :func:`trapetum.codebook.tile`
 does for the scalar format) and adds M lookups a group. Rows of different warps share the table; K-slices of different blocks meet in an fp32
 workspace that the last block to finish reduces (an atomic counter it resets, so it replays in a
-CUDA graph).
+CUDA graph). At M = 2 and batch 1 two more kernels read their own code layout, with lanes over groups
+so every lookup is conflict-free: :func:`stream_kernel` (a block's rows over a K-slice, its chunks'
+tables built in turn) and :func:`chunk_kernel` (one chunk's table a block, many rows streamed through
+it); the tuner picks among all three.
 """
 from __future__ import annotations
 
