@@ -1171,7 +1171,11 @@ def _stream_parts(warps: int, tables: int, pre: str):
       ``buf`` (see :func:`stream_kernel`, step 2); returns the factor 2**s its sums must be multiplied by;
     - ``stage_x(sm, x32, g32, irms, c0, nc, tid)``: chunks c0 .. c0 + nc - 1 of x to shared memory
       (cp.async, or through registers normalised by ``irms`` / gated by SiLU), zeros past in_features;
-    - ``load_bfr(bfr, cb32, warp, lane)``: the warp's B fragments (its k-tiles of codebook entries).
+    - ``load_bfr(bfr, cb32, warp, lane)``: the warp's B fragments (its k-tiles of codebook entries);
+    - ``start(...)``: a block's prologue from those: x staged, B fragments loaded, chunk ``c0``'s table
+      built in table 0; returns its factor.
+
+    ``build`` and ``start`` are returned.
     """
     RMS, SILU = pre == "rms", pre == "silu"
     nt = warps * 32
@@ -1253,7 +1257,30 @@ def _stream_parts(warps: int, tables: int, pre: str):
             kt = uint32(warp + j * warps)
             bfr[j] = cb32[(((kt >> uint32(5)) << uint32(8)) + ((kt & uint32(31)) << uint32(3)) + gid) * uint32(4) + t]
 
-    return build, stage_x, load_bfr
+    row_sumsq, _, irms_of = rms_sums(1, warps)
+
+    @cuda.jit(device=True, **INLINE)
+    def start(sm, x32, g32, cb32, bfr, wsq, c0, nc, tid, warp, lane, cbexp, eps):
+        # A block's prologue, its first code loads already issued: chunks c0 .. c0 + nc - 1 of x staged
+        # (pre='rms': after the whole row's sum of squares), the B fragments, chunk c0's table in
+        # table 0; returns that table's factor (build's).
+        irms = float32(1.0)
+        if RMS:
+            row_sumsq(x32, wsq, tid, warp)
+            cuda.syncthreads()
+            irms = irms_of(wsq, 0, x32[0].shape[0] * 2, eps)
+        stage_x(sm, x32, g32, irms, c0, nc, tid)
+        load_bfr(bfr, cb32, warp, lane)
+        async_wait_all()
+        cuda.syncthreads()
+        # fp16 entries: each chunk's table is scaled by 2**-s, s the least that keeps every entry below
+        # 2**15 whatever the codes (from max |x| over the chunk and cbexp, as in additive_kernel; s is 0
+        # for ordinary activations), and its sums multiplied by 2**s.
+        up = build(sm, bfr, 0, 0, warp, lane, cbexp)
+        cuda.syncthreads()
+        return up
+
+    return build, start
 
 
 def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
@@ -1290,14 +1317,12 @@ def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
         return _stream_cache[key]
     check_stream_shape(warps, D2)
     check_ops(pre, post)
-    RMS = pre == "rms"
-    row_sumsq, _, irms_of = rms_sums(1, warps)
-    WSQ = (warps, 1) if RMS else (1, 1)  # shared: the warps' shares of the row's sum of squares
+    WSQ = (warps, 1) if pre == "rms" else (1, 1)  # shared: the warps' shares of the row's sum of squares
     nt = warps * 32
     KT = 64 // warps  # k-tiles (8 entries of one codebook) a warp builds every chunk
     SLOT = QW * STREAM_ROWS  # code words a lane holds a chunk
     RING = D2 * SLOT
-    build, stage_x, load_bfr = _stream_parts(warps, 2, pre)
+    build, start = _stream_parts(warps, 2, pre)
     zero = int32(0)
 
     @cuda.jit(device=True, **INLINE)
@@ -1358,27 +1383,13 @@ def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
         c1 = int32(min(c0 + cps, nch))
         nc = c1 - c0
 
-        # 1. x's K-slice to shared memory (fused: through registers, normalised or gated on the
-        #    way); the first chunks' codes; B fragments
-        irms = float32(1.0)
-        if RMS:
-            row_sumsq(x32, wsq, tid, warp)
-            cuda.syncthreads()
-            irms = irms_of(wsq, 0, x32[0].shape[0] * 2, eps)
-        stage_x(sm, x32, g32, irms, c0, nc, tid)
+        # 1-2. the first chunks' codes; x's K-slice to shared memory (fused: through registers,
+        #      normalised or gated on the way); B fragments; chunk 0's table
         ring = cuda.local.array(RING, int32)
         for s in range(D2 - 1):
             fetch(ring, s * SLOT, codes, c0 + s, c1, qb0, qn, nq, warp, lane)
         bfr = cuda.local.array(KT, int32)
-        load_bfr(bfr, cb32, warp, lane)
-        async_wait_all()
-        cuda.syncthreads()
-
-        # 2. chunk 0's table. fp16 entries: each chunk's table is scaled by 2**-s, s the least that keeps
-        #    every entry below 2**15 whatever the codes (from max |x| over the chunk and cbexp, as in
-        #    additive_kernel; s is 0 for ordinary activations), and its sums multiplied by 2**s.
-        up = build(sm, bfr, 0, 0, warp, lane, cbexp)
-        cuda.syncthreads()
+        up = start(sm, x32, g32, cb32, bfr, wsq, c0, nc, tid, warp, lane, cbexp, eps)
 
         # 3. the chunks, the loop body written out D2 times so every code slot index is a constant
         acc = cuda.local.array(SLOT, float32)
@@ -1462,16 +1473,14 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = ""):
     if 64 % warps or QT not in CHUNK_TILES:
         raise ValueError(f"chunk plan: warps must divide 64 and a tile be {CHUNK_TILES} quads, got {warps}, {QT}")
     check_ops(pre, post)
-    RMS = pre == "rms"
-    row_sumsq, _, irms_of = rms_sums(1, warps)
-    WSQ = (warps, 1) if RMS else (1, 1)
+    WSQ = (warps, 1) if pre == "rms" else (1, 1)
     nt = warps * 32
     KT = 64 // warps
     ROWS = QT * STREAM_ROWS  # rows a tile: code words a lane holds for one
     RING = 2 * ROWS  # two tiles' code words: the next one loads while this one is looked up
     SHIFT = 6 - ROWS.bit_length()  # the tile row lane l ends the exchange with: l >> SHIFT
     OWNER = (1 << SHIFT) - 1  # lanes l & OWNER == 0 write it
-    build, stage_x, load_bfr = _stream_parts(warps, 1, pre)
+    _, start = _stream_parts(warps, 1, pre)
     h16, h8, h4, h2, h1 = (_halver(ROWS >> k, 16 >> k) for k in range(5))
     with_res = residual_add(post)
     zero = int32(0)
@@ -1533,20 +1542,9 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = ""):
         # 1. the first tile's codes in flight; x's chunk (fused: normalised or gated); B fragments
         ring = cuda.local.array(RING, int32)
         fetch(ring, 0, codes, c, q, qend, nq, lane)
-        irms = float32(1.0)
-        if RMS:
-            row_sumsq(x32, wsq, tid, warp)
-            cuda.syncthreads()
-            irms = irms_of(wsq, 0, x32[0].shape[0] * 2, eps)
-        stage_x(sm, x32, g32, irms, c, 1, tid)
         bfr = cuda.local.array(KT, int32)
-        load_bfr(bfr, cb32, warp, lane)
-        async_wait_all()
-        cuda.syncthreads()
-
         # 2. the chunk's table (fp16, scaled by 2**-s; sums by up = 2**s)
-        up = build(sm, bfr, 0, 0, warp, lane, cbexp)
-        cuda.syncthreads()
+        up = start(sm, x32, g32, cb32, bfr, wsq, c, 1, tid, warp, lane, cbexp, eps)
 
         # 3. the row tiles, two code slots written out so their indices are constants
         acc = cuda.local.array(ROWS, float32)
