@@ -206,13 +206,15 @@ def test_a_stream_layer_holds_one_copy_of_its_codes_until_called_both_ways():
     assert g._tiled_t is not None and g._stream_t is not None
 
 
-@pytest.mark.parametrize("pre,post", [("", ""), ("rms", "add"), ("silu", "add")])
-def test_a_single_layout_stream_layer_runs_small_batches_a_row_at_a_time(pre, post):
-    # A model's layer (single_layout) whose batch-1 plan is the streaming kernel keeps only that layout:
-    # batches 2..16, plain or fused, launch it once a row instead of bringing the tiled codes back.
+@pytest.mark.parametrize("pre,post,plan", [("", "", "stream"), ("rms", "add", "stream"), ("silu", "add", "stream"), ("rms", "add", "chunk")])
+def test_a_single_layout_stream_layer_runs_small_batches_a_row_at_a_time(pre, post, plan):
+    # A model's layer (single_layout) whose batch-1 plan is the streaming (or chunk) kernel keeps only that
+    # layout: batches 2..16, plain or fused, launch it once a row instead of bringing the tiled codes back.
     n_out, n_in, B = 38, 1088, 3
     t = with_bias(random_additive_tensor(n_out, n_in, 2, seed=5), seed=6)
-    g = AdditiveGemv(t, plan={"kernel": "stream", "warps": 4, "ksplit": 2, "slots": 2}, single_layout=True)
+    plan = ({"kernel": "stream", "warps": 4, "ksplit": 2, "slots": 2} if plan == "stream" else
+            {"kernel": "chunk", "warps": 4, "tile": 4, "rows": 32})
+    g = AdditiveGemv(t, plan=plan, single_layout=True)
     x = x_for(2 * n_in if pre == "silu" else n_in, B, seed=3) * 3
     w = (torch.rand(n_in, generator=torch.Generator().manual_seed(5)) + 0.5).half()
     h = x_for(n_out, B, seed=9)
