@@ -285,7 +285,10 @@ report.fig_additive(df)
 # is one `PRMT`). Both tuners choose between fp32 and fp16 table entries; an fp16 table halves the
 # shared memory a block needs, so its slices can be longer (the *table* column above says which each
 # record used; the numba kernel scales an fp16 slice by a power of two where an entry would exceed
-# fp16's range). Runs recorded before the numba kernel had fp16 tables show it without them.
+# fp16's range). Runs recorded before the numba kernel had fp16 tables show it without them. Since
+# the chunk kernel (below) joined the tuner's candidates, numba's 2-bit pick at batch 1 is a different
+# design from the C++ program's, which has no counterpart of it: for those rows the ratio compares two
+# kernels, not two compilers of one (the *plan* column names the numba kernel).
 #
 
 # %%

@@ -138,6 +138,8 @@ def test_additive_table_labels():
     lab = report.additive_table_label
     assert lab({"kernel": "additive", "build": "mma", "table": "fp16"}) == "fp16, tensor cores"
     assert lab({"kernel": "additive", "build": "stream", "table": "fp16"}) == "fp16, tensor cores (streaming kernel)"
+    assert lab({"kernel": "additive", "build": "stream", "table": "fp16",
+                "plan": "additive chunk: 8 warps, a chunk a block, 512 rows a block in tiles of 32"}) == "fp16, tensor cores (chunk kernel)"
     assert lab({"kernel": "additive", "build": "fma", "table": float("nan")}) == "fp32, multiply-adds"  # runs before fp16 tables
     assert lab({"kernel": "cuda_cpp_additive", "plan": "rows256 w8 cps4 spb1 ks16 lut16"}) == "fp16, tensor cores"
     assert lab({"kernel": "cuda_cpp_additive", "plan": "rows256 w8 cps4 spb1 ks16 lut32"}) == "fp32, tensor cores"

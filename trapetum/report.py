@@ -1453,8 +1453,9 @@ def additive_table_label(rec: dict) -> str:
     before the tensor-core build recorded no ``build``, before fp16 tables no ``table``: both were
     the only kind then, multiply-adds and fp32)."""
     build, table, plan = rec.get("build"), rec.get("table"), rec.get("plan")
-    if rec.get("kernel") == "additive" and build == "stream":
-        return "fp16, tensor cores (streaming kernel)"
+    if rec.get("kernel") == "additive" and build == "stream":  # the chunk kernel's plans are StreamPlans too
+        which = "chunk" if isinstance(plan, str) and plan.startswith("additive chunk") else "streaming"
+        return f"fp16, tensor cores ({which} kernel)"
     if rec.get("kernel") == "additive":
         how = "tensor cores" if build == "mma" else "multiply-adds"
         return f"{table if isinstance(table, str) else 'fp32'}, {how}"
