@@ -1175,7 +1175,7 @@ def _stream_parts(warps: int, tables: int, pre: str):
     - ``start(...)``: a block's prologue from those: x staged, B fragments loaded, chunk ``c0``'s table
       built in table 0; returns its factor.
 
-    ``build`` and ``start`` are returned.
+    ``build``, ``start`` and ``ids(qpb)`` (thread, warp, lane, the block's first quad) are returned.
     """
     RMS, SILU = pre == "rms", pre == "silu"
     nt = warps * 32
@@ -1280,7 +1280,13 @@ def _stream_parts(warps: int, tables: int, pre: str):
         cuda.syncthreads()
         return up
 
-    return build, start
+    @cuda.jit(device=True, **INLINE)
+    def ids(qpb):
+        # (thread, warp, lane, the block's first quad of rows)
+        tid = cuda.threadIdx.x
+        return tid, tid // 32, uint32(tid) & uint32(31), cuda.blockIdx.x * qpb
+
+    return build, start, ids
 
 
 def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
@@ -1322,7 +1328,7 @@ def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
     KT = 64 // warps  # k-tiles (8 entries of one codebook) a warp builds every chunk
     SLOT = QW * STREAM_ROWS  # code words a lane holds a chunk
     RING = D2 * SLOT
-    build, start = _stream_parts(warps, 2, pre)
+    build, start, ids = _stream_parts(warps, 2, pre)
     zero = int32(0)
 
     @cuda.jit(device=True, **INLINE)
@@ -1372,10 +1378,7 @@ def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
         sm = cuda.shared.array(0, int32)
         last = cuda.shared.array(1, int32)
         wsq = cuda.shared.array(WSQ, float32)
-        tid = cuda.threadIdx.x
-        warp = tid // 32
-        lane = uint32(tid) & uint32(31)
-        qb0 = cuda.blockIdx.x * qpb
+        tid, warp, lane, qb0 = ids(qpb)
         qn = min(qpb, nq - qb0)  # quads of this block
         split = cuda.blockIdx.y
         nsplit = cuda.gridDim.y
@@ -1480,7 +1483,7 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = ""):
     RING = 2 * ROWS  # two tiles' code words: the next one loads while this one is looked up
     SHIFT = 6 - ROWS.bit_length()  # the tile row lane l ends the exchange with: l >> SHIFT
     OWNER = (1 << SHIFT) - 1  # lanes l & OWNER == 0 write it
-    _, start = _stream_parts(warps, 1, pre)
+    _, start, ids = _stream_parts(warps, 1, pre)
     h16, h8, h4, h2, h1 = (_halver(ROWS >> k, 16 >> k) for k in range(5))
     with_res = residual_add(post)
     zero = int32(0)
@@ -1528,10 +1531,7 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = ""):
         sm = cuda.shared.array(0, int32)
         last = cuda.shared.array(1, int32)
         wsq = cuda.shared.array(WSQ, float32)
-        tid = cuda.threadIdx.x
-        warp = tid // 32
-        lane = uint32(tid) & uint32(31)
-        qb0 = cuda.blockIdx.x * qpb
+        tid, warp, lane, qb0 = ids(qpb)
         qend = min(qb0 + qpb, nq)
         c = cuda.blockIdx.y
         nsplit = cuda.gridDim.y
