@@ -1107,6 +1107,7 @@ STREAM_GROUPS = 64  # groups a chunk: a table word holds groups s and s + 32
 STREAM_TABLE_WORDS = K * 2 * 32  # a chunk's table: 256 entries x 2 codebooks x 32 words (64 KiB)
 STREAM_X_WORDS = STREAM_GROUPS * D // 2  # a chunk's slice of x: 512 fp16 values in 256 words
 STREAM_ROWS = 4  # rows a lane's 16-byte code load covers (a "quad")
+CHUNK_TILES = (4, 8)  # quads a warp's tile in the chunk kernel (:func:`chunk_kernel`): 16 or 32 rows
 _stream_cache: dict = {}
 
 
@@ -1130,6 +1131,11 @@ def stream_slices(nch: int, ksplit: int) -> tuple[int, int]:
 def check_stream_shape(warps: int, slots: int) -> None:
     if 64 % warps or slots not in (2, 3):
         raise ValueError(f"streaming plan: warps must divide 64 and code slots be 2 or 3, got {warps}, {slots}")
+
+
+def check_chunk_shape(warps: int, tile: int) -> None:
+    if 64 % warps or tile not in CHUNK_TILES:
+        raise ValueError(f"chunk plan: warps must divide 64 and a tile be {CHUNK_TILES} quads, got {warps}, {tile}")
 
 
 def stream_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -1163,19 +1169,21 @@ def stream_shared_bytes(nchunks: int, ksplit: int) -> int:
     return 4 * (2 * STREAM_TABLE_WORDS + -(-nchunks // ksplit) * STREAM_X_WORDS)
 
 
-def _stream_parts(warps: int, tables: int, pre: str):
+def _stream_parts(warps: int, tables: int, pre: str, post: str):
     """The device functions the two streaming kernels share, for blocks of ``warps`` warps whose
-    shared memory holds ``tables`` chunk tables and then x (``pre``: how x is staged):
+    shared memory holds ``tables`` chunk tables and then x (``pre``: how x is staged; ``post``: how
+    y is written). Returned, in this order:
 
     - ``build(sm, bfr, lc, buf, warp, lane, cbexp)``: chunk ``lc`` (of the staged x) into table
       ``buf`` (see :func:`stream_kernel`, step 2); returns the factor 2**s its sums must be multiplied by;
-    - ``stage_x(sm, x32, g32, irms, c0, nc, tid)``: chunks c0 .. c0 + nc - 1 of x to shared memory
-      (cp.async, or through registers normalised by ``irms`` / gated by SiLU), zeros past in_features;
-    - ``load_bfr(bfr, cb32, warp, lane)``: the warp's B fragments (its k-tiles of codebook entries);
-    - ``start(...)``: a block's prologue from those: x staged, B fragments loaded, chunk ``c0``'s table
-      built in table 0; returns its factor.
-
-    ``build``, ``start`` and ``ids(qpb)`` (thread, warp, lane, the block's first quad) are returned.
+    - ``start(sm, x32, g32, cb32, bfr, wsq, c0, nc, tid, warp, lane, cbexp, eps)``: a block's prologue:
+      chunks c0 .. c0 + nc - 1 of x staged (cp.async, or through registers normalised or gated), the
+      warp's B fragments ``bfr`` loaded, chunk c0's table built in table 0; returns its factor;
+    - ``ids(qpb)``: (thread, warp, lane, the block's first quad of rows);
+    - ``lookup(sm, w, l0)``: the sum of code word w's four table entries (l0: the lane's byte offset of
+      codebook 0, group s, in the table read);
+    - ``finish(y, ws, bias, res, nsplit, qb0, nrows, n_out, tid)``: the last block of a row-group adds
+      the K-slices' partials of its ``nrows`` rows, the bias and ``post``.
     """
     RMS, SILU = pre == "rms", pre == "silu"
     nt = warps * 32
@@ -1286,7 +1294,31 @@ def _stream_parts(warps: int, tables: int, pre: str):
         tid = cuda.threadIdx.x
         return tid, tid // 32, uint32(tid) & uint32(31), cuda.blockIdx.x * qpb
 
-    return build, start, ids
+    @cuda.jit(device=True, **INLINE)
+    def quad(codes, c, q, nq, lane, ok):
+        if ok:
+            # read once: past L1 (session 38: -5 % at 4096 x 14336, -20 % at 16384 x 53248 against ld.global)
+            return load16_stream(codes, ((uint32(c) * uint32(nq) + uint32(q)) * uint32(32) + lane) * uint32(4))
+        return zero, zero, zero, zero
+
+    @cuda.jit(device=True, **INLINE)
+    def lookup(sm, w, l0):
+        v = load_half_byte_offset(sm, prmt(w, l0, uint32(0x7604)))  # byte 0 -> bits 8..15
+        v += load_half_byte_offset(sm, prmt(w, l0 | uint32(128), uint32(0x7614)))  # codebook 1
+        v += load_half_byte_offset(sm, prmt(w, l0 | uint32(2), uint32(0x7624)))  # high half: group s + 32
+        v += load_half_byte_offset(sm, prmt(w, l0 | uint32(130), uint32(0x7634)))
+        return v
+
+    with_res = residual_add(post)
+
+    @cuda.jit(device=True, **INLINE)
+    def finish(y, ws, bias, res, nsplit, qb0, nrows, n_out, tid):
+        for i in range(tid, nrows, nt):
+            row = qb0 * STREAM_ROWS + i
+            if row < n_out:
+                y[0, row] = with_res(sum_splits(ws, nsplit, 0, row) + float32(bias[row]), res, 0, row)
+
+    return build, start, ids, lookup, finish
 
 
 def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
@@ -1328,9 +1360,11 @@ def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
     KT = 64 // warps  # k-tiles (8 entries of one codebook) a warp builds every chunk
     SLOT = QW * STREAM_ROWS  # code words a lane holds a chunk
     RING = D2 * SLOT
-    build, start, ids = _stream_parts(warps, 2, pre)
+    build, start, ids, lookup, finish = _stream_parts(warps, 2, pre, post)
     zero = int32(0)
 
+    # Each kernel keeps its own fetch: the same load-or-zero as a shared device function changed
+    # ptxas's register allocation here (103 -> 106 at 16 warps, a 4-byte spill at 8 warps, 3 slots).
     @cuda.jit(device=True, **INLINE)
     def fetch(ring, o, codes, c, c1, qb0, qn, nq, warp, lane):
         for i in range(QW):
@@ -1344,19 +1378,11 @@ def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
 
     @cuda.jit(device=True, **INLINE)
     def look(sm, ring, o, acc, tb, lane, qn, warp, up):
-        l0 = (lane << uint32(2)) | tb  # byte offsets: codebook 0, low half (group s)
-        l1 = l0 | uint32(128)  # codebook 1
-        l2 = l0 | uint32(2)  # high half (group s + 32)
-        l3 = l0 | uint32(130)
+        l0 = (lane << uint32(2)) | tb  # byte offset: codebook 0, low half (group s), table tb
         for i in range(QW):
             if warp + i * warps < qn:  # warp-uniform
                 for r in range(STREAM_ROWS):
-                    w = uint32(ring[o + 4 * i + r])
-                    v = load_half_byte_offset(sm, prmt(w, l0, uint32(0x7604)))  # byte 0 -> bits 8..15
-                    v += load_half_byte_offset(sm, prmt(w, l1, uint32(0x7614)))
-                    v += load_half_byte_offset(sm, prmt(w, l2, uint32(0x7624)))
-                    v += load_half_byte_offset(sm, prmt(w, l3, uint32(0x7634)))
-                    acc[4 * i + r] = cuda.fma(v, up, acc[4 * i + r])
+                    acc[4 * i + r] = cuda.fma(lookup(sm, uint32(ring[o + 4 * i + r]), l0), up, acc[4 * i + r])
 
     @cuda.jit(device=True, **INLINE)
     def step(sm, ring, slot, bfr, acc, codes, c0, c1, lc, nc, qb0, qn, nq, warp, lane, cbexp, up):
@@ -1371,7 +1397,7 @@ def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
 
     # launch_bounds: one block an SM (its tables take most of the shared memory); without them ptxas
     # gave 16-warp blocks of 4 quads a warp 137 registers, which 512 threads cannot launch with.
-    with_res = residual_add(post)
+    with_res = residual_add(post)  # where one K-slice writes y
 
     @cuda.jit(**({} if SIM else {"launch_bounds": (nt,)}))
     def kernel(x32, codes, cb32, scales, bias, y, ws, counters, n_out, nq, nch, cps, qpb, cbexp, g32, res, eps):
@@ -1423,10 +1449,7 @@ def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
                         else:
                             ws[split, 0, row] = v
         if nsplit > 1 and last_to_finish(counters, cuda.blockIdx.x, nsplit, last, tid):
-            for i in range(tid, qn * STREAM_ROWS, nt):
-                row = qb0 * STREAM_ROWS + i
-                if row < n_out:
-                    y[0, row] = with_res(sum_splits(ws, nsplit, 0, row) + float32(bias[row]), res, 0, row)
+            finish(y, ws, bias, res, nsplit, qb0, qn * STREAM_ROWS, n_out, tid)
 
     _stream_cache[key] = kernel
     return kernel
@@ -1441,7 +1464,6 @@ def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
 # barrier after the build. A tile's 32 lanes (one a group pair) meet by a halving exchange that leaves
 # lane l with row l (or l / 2) of the tile: one shuffle a row. Chunks of a row meet as K-slices do.
 _chunk_cache: dict = {}
-CHUNK_TILES = (4, 8)  # quads (of 4 rows) a warp's tile: 16 or 32 rows
 
 
 def _halver(n: int, o: int):
@@ -1473,8 +1495,7 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = ""):
     key = (warps, QT, pre, post)
     if key in _chunk_cache:
         return _chunk_cache[key]
-    if 64 % warps or QT not in CHUNK_TILES:
-        raise ValueError(f"chunk plan: warps must divide 64 and a tile be {CHUNK_TILES} quads, got {warps}, {QT}")
+    check_chunk_shape(warps, QT)
     check_ops(pre, post)
     WSQ = (warps, 1) if pre == "rms" else (1, 1)
     nt = warps * 32
@@ -1483,9 +1504,9 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = ""):
     RING = 2 * ROWS  # two tiles' code words: the next one loads while this one is looked up
     SHIFT = 6 - ROWS.bit_length()  # the tile row lane l ends the exchange with: l >> SHIFT
     OWNER = (1 << SHIFT) - 1  # lanes l & OWNER == 0 write it
-    _, start, ids = _stream_parts(warps, 1, pre)
+    _, start, ids, lookup, finish = _stream_parts(warps, 1, pre, post)
     h16, h8, h4, h2, h1 = (_halver(ROWS >> k, 16 >> k) for k in range(5))
-    with_res = residual_add(post)
+    with_res = residual_add(post)  # where a layer of one chunk writes y
     zero = int32(0)
 
     @cuda.jit(device=True, **INLINE)
@@ -1499,17 +1520,9 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = ""):
 
     @cuda.jit(device=True, **INLINE)
     def tile(sm, ring, o, acc, lane, q0, c, nsplit, up, rend, scales, bias, y, ws, res):
-        l0 = lane << uint32(2)  # byte offsets as stream_kernel's look: codebook 0, group s
-        l1 = l0 | uint32(128)
-        l2 = l0 | uint32(2)
-        l3 = l0 | uint32(130)
+        l0 = lane << uint32(2)  # the one table's byte offset: codebook 0, group s
         for i in range(ROWS):
-            w = uint32(ring[o + i])
-            v = load_half_byte_offset(sm, prmt(w, l0, uint32(0x7604)))
-            v += load_half_byte_offset(sm, prmt(w, l1, uint32(0x7614)))
-            v += load_half_byte_offset(sm, prmt(w, l2, uint32(0x7624)))
-            v += load_half_byte_offset(sm, prmt(w, l3, uint32(0x7634)))
-            acc[i] = v
+            acc[i] = lookup(sm, uint32(ring[o + i]), l0)
         h16(acc, lane)
         h8(acc, lane)
         h4(acc, lane)
@@ -1560,10 +1573,7 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = ""):
 
         # 4. the row-group's chunks, summed by the last block to finish
         if nsplit > 1 and last_to_finish(counters, cuda.blockIdx.x, nsplit, last, tid):
-            for i in range(tid, (qend - qb0) * STREAM_ROWS, nt):
-                row = qb0 * STREAM_ROWS + i
-                if row < n_out:
-                    y[0, row] = with_res(sum_splits(ws, nsplit, 0, row) + float32(bias[row]), res, 0, row)
+            finish(y, ws, bias, res, nsplit, qb0, (qend - qb0) * STREAM_ROWS, n_out, tid)
 
     _chunk_cache[key] = kernel
     return kernel
@@ -1673,12 +1683,12 @@ class StreamPlan:
     cps: int
     nch: int
     shared_bytes: int
-    kernel: str = "stream"
+    kernel: str = "stream"  # or "chunk": :func:`chunk_kernel` (the same code layout)
     build: str = "stream"  # (in an AdditivePlan, the table build)
-    tile: int = 0  # the chunk kernel's quads a warp tile (:func:`chunk_kernel`); 0: :func:`stream_kernel`
+    tile: int = 0  # the chunk kernel's quads a warp tile
 
     def label(self) -> str:
-        if self.tile:
+        if self.kernel == "chunk":
             return (f"additive chunk: {self.warps} warps, a chunk a block, {self.qpb * STREAM_ROWS} rows a block "
                     f"in tiles of {self.tile * STREAM_ROWS}")
         return f"additive stream: {self.warps} warps, K-split {self.ksplit}, {self.slots} code slots"
@@ -1725,8 +1735,7 @@ def plan_chunk(n_out: int, n_in: int, smem: int, warps: int = 8, tile: int = 4, 
     """The chunk kernel's plan for an (out, in) M=2 layer: grid (row-groups, chunks), a block of
     ``warps`` warps over about ``rows`` rows (rounded to whole rounds of its warps' tiles of ``tile``
     quads). Raises ValueError where it cannot run."""
-    if 64 % warps or tile not in CHUNK_TILES:
-        raise ValueError(f"chunk plan: warps must divide 64 and a tile be {CHUNK_TILES} quads, got {warps}, {tile}")
+    check_chunk_shape(warps, tile)
     if rows < 1:
         raise ValueError(f"chunk plan: rows a block must be positive, got {rows}")
     nq, nch = stream_quads(n_out), stream_chunks(n_in // D)
@@ -1735,7 +1744,7 @@ def plan_chunk(n_out: int, n_in: int, smem: int, warps: int = 8, tile: int = 4, 
     nbytes = chunk_shared_bytes()
     if nbytes + 64 > smem:
         raise ValueError(f"the chunk kernel needs {nbytes} bytes of shared memory a block; this GPU allows {smem}")
-    return StreamPlan(warps, nch, 2, qpb, 0, 1, nch, nbytes, tile=tile)
+    return StreamPlan(warps, nch, 2, qpb, 0, 1, nch, nbytes, kernel="chunk", tile=tile)
 
 
 CHUNK_PLANS = ((8, 4, 256), (8, 4, 512), (8, 4, 1024), (8, 8, 512), (8, 8, 1024), (16, 4, 512), (16, 4, 1024))  # (warps, tile, rows)
@@ -1890,7 +1899,7 @@ class AdditiveGemv:
                 raise ValueError(f"{plan.label()}: the streaming kernel runs batch 1")
             if pre == "rms" and not stream_rms_fits(plan, OPTIN_SIM if SIM else self._smem()):  # as _prepare plans it
                 raise ValueError(f"{plan}: its tables leave no room for pre='rms' sums of squares ({4 * plan.warps} bytes)")
-            kern = (chunk_kernel(plan.warps, plan.tile, pre, post) if plan.tile else
+            kern = (chunk_kernel(plan.warps, plan.tile, pre, post) if plan.kernel == "chunk" else
                     stream_kernel(plan.warps, plan.QW, plan.slots, pre, post))
             grid = plan.grid(self.n_out)
             rows, ncounters = self.n_out, grid[0]

@@ -1093,9 +1093,9 @@ def decode_targets(df: pd.DataFrame) -> pd.DataFrame:
             col = {"speed": "vs fastest fp16", "vram": "VRAM vs fp16", "bandwidth": "share of bandwidth bound",
                    "kernel": "share of own kernel bound"}[kind]
             pick = "tok/s" if kind == "kernel" else col  # the fastest row, with or without an fp16 beside it (70B on an H100)
-            # a kernel row is the fastest row even where its bound was not measured ("–"): an older, slower
-            # row's share would describe kernels the fastest row no longer runs
-            m = m[m[pick].notna() & (True if kind == "kernel" else m[col].notna())]
+            m = m[m[pick].notna()]
+            if kind != "kernel":  # a kernel row is the fastest row even where its bound was not measured ("–"):
+                m = m[m[col].notna()]  # an older, slower row's share would describe kernels it no longer runs
             best = None if m.empty else (m.loc[m[pick].idxmin()] if kind == "vram" else m.loc[m[pick].idxmax()])
             ours = np.nan if best is None else float(best[col])
             ceiling = (np.nan if best is None or kind in ("vram", "kernel")
