@@ -1107,7 +1107,6 @@ STREAM_GROUPS = 64  # groups a chunk: a table word holds groups s and s + 32
 STREAM_TABLE_WORDS = K * 2 * 32  # a chunk's table: 256 entries x 2 codebooks x 32 words (64 KiB)
 STREAM_X_WORDS = STREAM_GROUPS * D // 2  # a chunk's slice of x: 512 fp16 values in 256 words
 STREAM_ROWS = 4  # rows a lane's 16-byte code load covers (a "quad")
-CODEBOOK_WORDS = 2 * K * D // 2  # the two fp16 codebooks' int32 words (8 KiB)
 CHUNK_TILES = (4, 8)  # quads a warp's tile in the chunk kernel (:func:`chunk_kernel`): 16 or 32 rows
 _stream_cache: dict = {}
 
@@ -1170,10 +1169,10 @@ def stream_shared_bytes(nchunks: int, ksplit: int) -> int:
     return 4 * (2 * STREAM_TABLE_WORDS + -(-nchunks // ksplit) * STREAM_X_WORDS)
 
 
-def _stream_parts(warps: int, tables: int, pre: str, post: str, cbs: bool = False):
+def _stream_parts(warps: int, tables: int, pre: str, post: str):
     """The device functions the two streaming kernels share, for blocks of ``warps`` warps whose
-    shared memory holds ``tables`` chunk tables, then (``cbs``) the codebooks, then x (``pre``: how x
-    is staged; ``post``: how y is written). Returned, in this order:
+    shared memory holds ``tables`` chunk tables and then x (``pre``: how x is staged; ``post``: how
+    y is written). Returned, in this order:
 
     - ``build(sm, bfr, lc, buf, warp, lane, cbexp)``: chunk ``lc`` (of the staged x) into table
       ``buf`` (see :func:`stream_kernel`, step 2); returns the factor 2**s its sums must be multiplied by;
@@ -1189,8 +1188,7 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, cbs: bool = Fals
     RMS, SILU = pre == "rms", pre == "silu"
     nt = warps * 32
     KT = 64 // warps  # k-tiles (8 entries of one codebook) a warp builds every chunk
-    CO = tables * STREAM_TABLE_WORDS  # word offset of the codebooks in shared memory (cbs)
-    XO = CO + (CODEBOOK_WORDS if cbs else 0)  # of x
+    XO = tables * STREAM_TABLE_WORDS  # word offset of x in shared memory
     zero = int32(0)
 
     @cuda.jit(device=True, **INLINE)
@@ -1260,13 +1258,12 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, cbs: bool = Fals
                 sm[XO + i], sm[XO + i + 1], sm[XO + i + 2], sm[XO + i + 3] = zero, zero, zero, zero
 
     @cuda.jit(device=True, **INLINE)
-    def load_bfr(bfr, sm, cb32, warp, lane):
+    def load_bfr(bfr, cb32, warp, lane):
         gid = lane >> uint32(2)
         t = lane & uint32(3)
         for j in range(KT):  # B of k-tile kt: entry (kt & 31) * 8 + gid of codebook kt >> 5, word t
             kt = uint32(warp + j * warps)
-            w = (((kt >> uint32(5)) << uint32(8)) + ((kt & uint32(31)) << uint32(3)) + gid) * uint32(4) + t
-            bfr[j] = sm[uint32(CO) + w] if cbs else cb32[w]
+            bfr[j] = cb32[(((kt >> uint32(5)) << uint32(8)) + ((kt & uint32(31)) << uint32(3)) + gid) * uint32(4) + t]
 
     row_sumsq, _, irms_of = rms_sums(1, warps)
 
@@ -1276,21 +1273,14 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, cbs: bool = Fals
         # (pre='rms': after the whole row's sum of squares), the B fragments, chunk c0's table in
         # table 0; returns that table's factor (build's).
         irms = float32(1.0)
-        if cbs:  # first: the one wait below then covers the codebooks and x (ptxas issues B-fragment
-            # loads from global memory only after that wait: two L2 round trips in series)
-            for i in range(tid * 4, CODEBOOK_WORDS, nt * 4):
-                copy16_async(sm, CO + i, cb32, i)
         if RMS:
             row_sumsq(x32, wsq, tid, warp)
             cuda.syncthreads()
             irms = irms_of(wsq, 0, x32[0].shape[0] * 2, eps)
         stage_x(sm, x32, g32, irms, c0, nc, tid)
-        if not cbs:
-            load_bfr(bfr, sm, cb32, warp, lane)
+        load_bfr(bfr, cb32, warp, lane)
         async_wait_all()
         cuda.syncthreads()
-        if cbs:
-            load_bfr(bfr, sm, cb32, warp, lane)
         # fp16 entries: each chunk's table is scaled by 2**-s, s the least that keeps every entry below
         # 2**15 whatever the codes (from max |x| over the chunk and cbexp, as in additive_kernel; s is 0
         # for ordinary activations), and its sums multiplied by 2**s.
@@ -1493,7 +1483,7 @@ def _halver(n: int, o: int):
     return halve
 
 
-def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cbs: bool = False, slots: int = 2):
+def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = ""):
     """The chunk kernel (M = 2, batch 1; see the comment above): grid (row-groups, chunks), a block
     of ``warps`` warps builds its chunk's table (as :func:`stream_kernel`'s step 2, from x staged with
     ``pre``) and its warps walk the row-group's quads ``QT`` at a time: 16-byte code loads a lane
@@ -1502,7 +1492,7 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cbs: bool =
     scale, goes to the workspace (one chunk: to y, with bias and ``post``); the last block of a
     row-group sums the chunks (as :func:`additive_kernel`). Arguments as :func:`stream_kernel`'s
     (``cps`` is 1 and unread; ``qpb`` a multiple of ``QT``)."""
-    key = (warps, QT, pre, post, cbs, slots)
+    key = (warps, QT, pre, post)
     if key in _chunk_cache:
         return _chunk_cache[key]
     check_chunk_shape(warps, QT)
@@ -1511,10 +1501,10 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cbs: bool =
     nt = warps * 32
     KT = 64 // warps
     ROWS = QT * STREAM_ROWS  # rows a tile: code words a lane holds for one
-    RING = slots * ROWS  # the code words of ``slots`` tiles: the next slots - 1 load while one is looked up
+    RING = 2 * ROWS  # two tiles' code words: the next one loads while this one is looked up
     SHIFT = 6 - ROWS.bit_length()  # the tile row lane l ends the exchange with: l >> SHIFT
     OWNER = (1 << SHIFT) - 1  # lanes l & OWNER == 0 write it
-    _, start, ids, lookup, finish = _stream_parts(warps, 1, pre, post, cbs)
+    _, start, ids, lookup, finish = _stream_parts(warps, 1, pre, post)
     h16, h8, h4, h2, h1 = (_halver(ROWS >> k, 16 >> k) for k in range(5))
     with_res = residual_add(post)  # where a layer of one chunk writes y
     zero = int32(0)
@@ -1564,30 +1554,22 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cbs: bool =
 
         # 1. the first tile's codes in flight; x's chunk (fused: normalised or gated); B fragments
         ring = cuda.local.array(RING, int32)
-        for k in range(slots - 1):
-            fetch(ring, k * ROWS, codes, c, q + k * step, qend, nq, lane)
+        fetch(ring, 0, codes, c, q, qend, nq, lane)
         bfr = cuda.local.array(KT, int32)
         # 2. the chunk's table (fp16, scaled by 2**-s; sums by up = 2**s)
         up = start(sm, x32, g32, cb32, bfr, wsq, c, 1, tid, warp, lane, cbexp, eps)
 
-        # 3. the row tiles: slot k looked up while the tile slots - 1 on loads into the slot before it,
-        #    written out so every slot index is a constant (a loop over the slots, not unrolled by LLVM
-        #    at tiles of 32, put the ring in local memory)
+        # 3. the row tiles, two code slots written out so their indices are constants
         acc = cuda.local.array(ROWS, float32)
-        ahead = (slots - 1) * step
         while q < qend:
-            fetch(ring, (slots - 1) * ROWS, codes, c, q + ahead, qend, nq, lane)
+            fetch(ring, ROWS, codes, c, q + step, qend, nq, lane)
             tile(sm, ring, 0, acc, lane, q, c, nsplit, up, rend, scales, bias, y, ws, res)
             q += step
             if q >= qend:
                 break
-            fetch(ring, 0, codes, c, q + ahead, qend, nq, lane)
+            fetch(ring, 0, codes, c, q + step, qend, nq, lane)
             tile(sm, ring, ROWS, acc, lane, q, c, nsplit, up, rend, scales, bias, y, ws, res)
             q += step
-            if slots == 3 and q < qend:
-                fetch(ring, ROWS, codes, c, q + ahead, qend, nq, lane)
-                tile(sm, ring, 2 * ROWS, acc, lane, q, c, nsplit, up, rend, scales, bias, y, ws, res)
-                q += step
 
         # 4. the row-group's chunks, summed by the last block to finish
         if nsplit > 1 and last_to_finish(counters, cuda.blockIdx.x, nsplit, last, tid):
@@ -1745,8 +1727,8 @@ def plan_stream(n_out: int, n_in: int, sms: int, smem: int, warps: int = 8, kspl
 
 
 def chunk_shared_bytes() -> int:
-    """Dynamic shared memory of a chunk-kernel block: one chunk table, the codebooks and its slice of x."""
-    return 4 * (STREAM_TABLE_WORDS + CODEBOOK_WORDS + STREAM_X_WORDS)
+    """Dynamic shared memory of a chunk-kernel block: one chunk table and its slice of x."""
+    return 4 * (STREAM_TABLE_WORDS + STREAM_X_WORDS)
 
 
 def plan_chunk(n_out: int, n_in: int, smem: int, warps: int = 8, tile: int = 4, rows: int = 512) -> StreamPlan:
