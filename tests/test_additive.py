@@ -180,6 +180,23 @@ def test_chunk_plans_and_their_errors():
         AdditiveGemv(random_additive_tensor(16, 512, 2), plan={"kernel": "chunk"}, kernels=("table",))
 
 
+def test_chunk_cluster_plans_and_their_errors():
+    # A cluster finish: the row-group's 8 chunks one cluster, each block's 512 chunk sums after x.
+    p = A.plan_chunk(14336, 4096, 227 * 1024, warps=8, tile=8, rows=512, cluster=True)
+    assert (p.cluster, p.grid(14336), p.shared_bytes) == (8, (28, 8), A.chunk_shared_bytes() + 512 * 4)
+    assert "clusters of 8" in p.label() and A.plan_chunk(14336, 4096, 227 * 1024).cluster == 0
+    assert A.plan_chunk(100, 1024, 227 * 1024, cluster=True).cluster == 2
+    for n_in in (512, 4608):  # 1 chunk (nothing to meet) and 9 (past a portable cluster)
+        with pytest.raises(ValueError, match="cluster finish takes 2 to 8 chunks"):
+            A.plan_chunk(64, n_in, 227 * 1024, cluster=True)
+    got = A.chunk_candidates(4096, 4096, 227 * 1024)
+    assert sum(q.cluster == 8 for q in got) == sum(q.cluster == 0 for q in got) > 0
+    assert not any(q.cluster for q in A.chunk_candidates(4096, 11008, 227 * 1024))
+    with pytest.raises(ValueError, match="GPU only"):  # the simulator runs a grid's blocks one at a time
+        AdditiveGemv(random_additive_tensor(16, 1024, 2), plan={"kernel": "chunk", "warps": 4, "tile": 4, "rows": 16,
+                                                                "cluster": True})(torch.randn(1, 1024).half())
+
+
 @pytest.mark.parametrize("n_out, n_in", [(38, 1088), (4, 512), (130, 64)])
 def test_stream_layout_and_its_inverse(n_out, n_in):
     t = random_additive_tensor(n_out, n_in, 2, seed=n_out)

@@ -39,6 +39,7 @@ from numba import cuda, float32, int32, int64, uint16, uint32
 from .codebook import CHUNK_BYTES, ROW_BLOCK, CodebookFormatError, _sha, check_rows, read_layer_file, untile
 from .gemv import (
     INLINE,
+    ClusterBounds,
     MAX_FUSED_BATCH,
     OPTIN_SIM,
     SIM,
@@ -47,6 +48,7 @@ from .gemv import (
     apply_pre,
     async_wait_all,
     bits_float,
+    cluster_sync,
     check_activation,
     check_fused,
     check_ops,
@@ -60,6 +62,7 @@ from .gemv import (
     inv_rms,
     kernel_device,
     last_to_finish,
+    load_cluster_f32,
     load16,
     load16_stream,
     load_byte_offset,
@@ -1108,6 +1111,7 @@ STREAM_TABLE_WORDS = K * 2 * 32  # a chunk's table: 256 entries x 2 codebooks x 
 STREAM_X_WORDS = STREAM_GROUPS * D // 2  # a chunk's slice of x: 512 fp16 values in 256 words
 STREAM_ROWS = 4  # rows a lane's 16-byte code load covers (a "quad")
 CHUNK_TILES = (4, 8)  # quads a warp's tile in the chunk kernel (:func:`chunk_kernel`): 16 or 32 rows
+MAX_CLUSTER = 8  # the most blocks a thread block cluster may portably hold: the chunk kernel's cluster finish
 _stream_cache: dict = {}
 
 
@@ -1483,21 +1487,30 @@ def _halver(n: int, o: int):
     return halve
 
 
-def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = ""):
+def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0):
     """The chunk kernel (M = 2, batch 1; see the comment above): grid (row-groups, chunks), a block
     of ``warps`` warps builds its chunk's table (as :func:`stream_kernel`'s step 2, from x staged with
     ``pre``) and its warps walk the row-group's quads ``QT`` at a time: 16-byte code loads a lane
     (``ld.global.nc``; the next tile's issued before this tile's lookups), four lookups a row and
     lane, then the halving exchange. Each row's chunk sum, times the table's factor and the row's
     scale, goes to the workspace (one chunk: to y, with bias and ``post``); the last block of a
-    row-group sums the chunks (as :func:`additive_kernel`). Arguments as :func:`stream_kernel`'s
-    (``cps`` is 1 and unread; ``qpb`` a multiple of ``QT``)."""
-    key = (warps, QT, pre, post)
+    row-group sums the chunks (as :func:`additive_kernel`). ``cs`` > 1: the grid's ``cs`` chunks of a
+    row-group are one thread block cluster instead, each block keeps its rows' chunk sums in shared
+    memory (after x) and, after a cluster barrier, sums 1 / cs of the row-group's rows over the
+    cluster's blocks through distributed shared memory and writes them: no workspace, counter or
+    second pass through L2 (GPU only). Arguments as :func:`stream_kernel`'s (``cps`` is 1 and
+    unread; ``qpb`` a multiple of ``QT``)."""
+    key = (warps, QT, pre, post, cs)
     if key in _chunk_cache:
         return _chunk_cache[key]
     check_chunk_shape(warps, QT)
     check_ops(pre, post)
+    if cs > 1 and SIM:
+        raise ValueError("the chunk kernel's cluster finish runs on a GPU only (the CUDA simulator runs one block at a time)")
+    if cs > MAX_CLUSTER:
+        raise ValueError(f"the chunk kernel's cluster finish takes at most {MAX_CLUSTER} chunks, got {cs}")
     WSQ = (warps, 1) if pre == "rms" else (1, 1)
+    RO = STREAM_TABLE_WORDS + STREAM_X_WORDS  # word offset of the rows' chunk sums (cs > 1)
     nt = warps * 32
     KT = 64 // warps
     ROWS = QT * STREAM_ROWS  # rows a tile: code words a lane holds for one
@@ -1519,7 +1532,7 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = ""):
                 ring[o + 4 * i], ring[o + 4 * i + 1], ring[o + 4 * i + 2], ring[o + 4 * i + 3] = zero, zero, zero, zero
 
     @cuda.jit(device=True, **INLINE)
-    def tile(sm, ring, o, acc, lane, q0, c, nsplit, up, rend, scales, bias, y, ws, res):
+    def tile(sm, ring, o, acc, lane, q0, c, nsplit, up, rend, scales, bias, y, ws, res, r0, smf):
         l0 = lane << uint32(2)  # the one table's byte offset: codebook 0, group s
         for i in range(ROWS):
             acc[i] = lookup(sm, uint32(ring[o + i]), l0)
@@ -1534,18 +1547,24 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = ""):
         row = q0 * STREAM_ROWS + int32(lane >> uint32(SHIFT))
         if lane & uint32(OWNER) == uint32(0) and row < rend:
             v = acc[0] * up * float32(scales[row])
-            if nsplit == 1:
+            if cs > 1:
+                smf[RO + row - r0] = v
+            elif nsplit == 1:
                 y[0, row] = with_res(v + float32(bias[row]), res, 0, row)
             else:
                 ws[c, 0, row] = v
 
-    @cuda.jit(**({} if SIM else {"launch_bounds": (nt,)}))
+    bounds = ClusterBounds((nt,), (1, cs, 1)) if cs > 1 else (nt,)
+
+    @cuda.jit(**({} if SIM else {"launch_bounds": bounds}))
     def kernel(x32, codes, cb32, scales, bias, y, ws, counters, n_out, nq, nch, cps, qpb, cbexp, g32, res, eps):
         sm = cuda.shared.array(0, int32)
+        smf = cuda.shared.array(0, float32)  # the same dynamic shared memory, as fp32 (the chunk sums)
         last = cuda.shared.array(1, int32)
         wsq = cuda.shared.array(WSQ, float32)
         tid, warp, lane, qb0 = ids(qpb)
         qend = min(qb0 + qpb, nq)
+        r0 = qb0 * STREAM_ROWS
         c = cuda.blockIdx.y
         nsplit = cuda.gridDim.y
         step = warps * QT
@@ -1563,16 +1582,27 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = ""):
         acc = cuda.local.array(ROWS, float32)
         while q < qend:
             fetch(ring, ROWS, codes, c, q + step, qend, nq, lane)
-            tile(sm, ring, 0, acc, lane, q, c, nsplit, up, rend, scales, bias, y, ws, res)
+            tile(sm, ring, 0, acc, lane, q, c, nsplit, up, rend, scales, bias, y, ws, res, r0, smf)
             q += step
             if q >= qend:
                 break
             fetch(ring, 0, codes, c, q + step, qend, nq, lane)
-            tile(sm, ring, ROWS, acc, lane, q, c, nsplit, up, rend, scales, bias, y, ws, res)
+            tile(sm, ring, ROWS, acc, lane, q, c, nsplit, up, rend, scales, bias, y, ws, res, r0, smf)
             q += step
 
-        # 4. the row-group's chunks, summed by the last block to finish
-        if nsplit > 1 and last_to_finish(counters, cuda.blockIdx.x, nsplit, last, tid):
+        # 4. the row-group's chunks: summed across the cluster (block c takes the c-th share of the
+        #    rows; the second barrier keeps every block's sums in place until all are read), or by
+        #    the last block to finish
+        if cs > 1:
+            cluster_sync()
+            per = (rend - r0 + cs - 1) // cs
+            for i in range(c * per + tid, min(rend - r0, (c + 1) * per), nt):
+                v = float32(0.0)
+                for k in range(cs):
+                    v += load_cluster_f32(smf, RO + i, k)
+                y[0, r0 + i] = with_res(v + float32(bias[r0 + i]), res, 0, r0 + i)
+            cluster_sync()
+        elif nsplit > 1 and last_to_finish(counters, cuda.blockIdx.x, nsplit, last, tid):
             finish(y, ws, bias, res, nsplit, qb0, (qend - qb0) * STREAM_ROWS, n_out, tid)
 
     _chunk_cache[key] = kernel
@@ -1686,11 +1716,12 @@ class StreamPlan:
     kernel: str = "stream"  # or "chunk": :func:`chunk_kernel` (the same code layout)
     build: str = "stream"  # (in an AdditivePlan, the table build)
     tile: int = 0  # the chunk kernel's quads a warp tile
+    cluster: int = 0  # the chunk kernel's blocks a cluster (its chunks meet in distributed shared memory); 0: a global finish
 
     def label(self) -> str:
         if self.kernel == "chunk":
             return (f"additive chunk: {self.warps} warps, a chunk a block, {self.qpb * STREAM_ROWS} rows a block "
-                    f"in tiles of {self.tile * STREAM_ROWS}")
+                    f"in tiles of {self.tile * STREAM_ROWS}" + (f", clusters of {self.cluster}" if self.cluster else ""))
         return f"additive stream: {self.warps} warps, K-split {self.ksplit}, {self.slots} code slots"
 
     def grid(self, n_out: int) -> tuple[int, int]:
@@ -1726,40 +1757,48 @@ def plan_stream(n_out: int, n_in: int, sms: int, smem: int, warps: int = 8, kspl
     return StreamPlan(warps, ksplit, slots, qpb, QW, cps, nch, nbytes)
 
 
-def chunk_shared_bytes() -> int:
-    """Dynamic shared memory of a chunk-kernel block: one chunk table and its slice of x."""
-    return 4 * (STREAM_TABLE_WORDS + STREAM_X_WORDS)
+def chunk_shared_bytes(rows: int = 0) -> int:
+    """Dynamic shared memory of a chunk-kernel block: one chunk table and its slice of x, and with a
+    cluster finish the chunk sums of its ``rows`` rows."""
+    return 4 * (STREAM_TABLE_WORDS + STREAM_X_WORDS + rows)
 
 
-def plan_chunk(n_out: int, n_in: int, smem: int, warps: int = 8, tile: int = 4, rows: int = 512) -> StreamPlan:
+def plan_chunk(n_out: int, n_in: int, smem: int, warps: int = 8, tile: int = 4, rows: int = 512,
+               cluster: bool = False) -> StreamPlan:
     """The chunk kernel's plan for an (out, in) M=2 layer: grid (row-groups, chunks), a block of
     ``warps`` warps over about ``rows`` rows (rounded to whole rounds of its warps' tiles of ``tile``
-    quads). Raises ValueError where it cannot run."""
+    quads); ``cluster``: a row-group's chunks one thread block cluster (2 to 8 chunks; the kernel
+    runs it on a GPU only). Raises ValueError where it cannot run."""
     check_chunk_shape(warps, tile)
     if rows < 1:
         raise ValueError(f"chunk plan: rows a block must be positive, got {rows}")
     nq, nch = stream_quads(n_out), stream_chunks(n_in // D)
     per = warps * tile  # quads a block's warps take in one round
     qpb = min(per * max(1, round(rows / (per * STREAM_ROWS))), -(-nq // per) * per)
-    nbytes = chunk_shared_bytes()
+    if cluster and not 1 < nch <= MAX_CLUSTER:
+        raise ValueError(f"chunk plan: a cluster finish takes 2 to {MAX_CLUSTER} chunks of {STREAM_GROUPS * D} inputs; "
+                         f"in_features={n_in} makes {nch}")
+    nbytes = chunk_shared_bytes(qpb * STREAM_ROWS if cluster else 0)
     if nbytes + 64 > smem:
         raise ValueError(f"the chunk kernel needs {nbytes} bytes of shared memory a block; this GPU allows {smem}")
-    return StreamPlan(warps, nch, 2, qpb, 0, 1, nch, nbytes, kernel="chunk", tile=tile)
+    return StreamPlan(warps, nch, 2, qpb, 0, 1, nch, nbytes, kernel="chunk", tile=tile, cluster=nch if cluster else 0)
 
 
 CHUNK_PLANS = ((8, 4, 256), (8, 4, 512), (8, 4, 1024), (8, 8, 512), (8, 8, 1024), (16, 4, 512), (16, 4, 1024))  # (warps, tile, rows)
 
 
 def chunk_candidates(n_out: int, n_in: int, smem: int) -> list[StreamPlan]:
-    """The chunk kernel's plans the tuner times for an M=2 layer at batch 1 (distinct ones only)."""
+    """The chunk kernel's plans the tuner times for an M=2 layer at batch 1 (distinct ones only),
+    each also with a cluster finish where the layer has 2 to 8 chunks (on a GPU)."""
     out = []
     for w, qt, rows in CHUNK_PLANS:
-        try:
-            p = plan_chunk(n_out, n_in, smem, warps=w, tile=qt, rows=rows)
-        except ValueError:
-            continue
-        if p not in out:
-            out.append(p)
+        for cluster in (False, True):
+            try:
+                p = plan_chunk(n_out, n_in, smem, warps=w, tile=qt, rows=rows, cluster=cluster)
+            except ValueError:
+                continue
+            if p not in out:
+                out.append(p)
     return out
 
 
@@ -1899,7 +1938,7 @@ class AdditiveGemv:
                 raise ValueError(f"{plan.label()}: the streaming kernel runs batch 1")
             if pre == "rms" and not stream_rms_fits(plan, OPTIN_SIM if SIM else self._smem()):  # as _prepare plans it
                 raise ValueError(f"{plan}: its tables leave no room for pre='rms' sums of squares ({4 * plan.warps} bytes)")
-            kern = (chunk_kernel(plan.warps, plan.tile, pre, post) if plan.kernel == "chunk" else
+            kern = (chunk_kernel(plan.warps, plan.tile, pre, post, plan.cluster) if plan.kernel == "chunk" else
                     stream_kernel(plan.warps, plan.QW, plan.slots, pre, post))
             grid = plan.grid(self.n_out)
             rows, ncounters = self.n_out, grid[0]

@@ -216,6 +216,16 @@ if SIM:
     def count_acq_rel(counters, i):
         return cuda.atomic.add(counters, i, 1)
 
+    # The simulator runs a grid's blocks one after another, so a barrier across blocks cannot run
+    # there: kernels take their cluster paths only on a GPU (see ClusterBounds).
+    @cuda.jit(device=True)
+    def cluster_sync():
+        raise NotImplementedError("thread block clusters do not run in the CUDA simulator")
+
+    @cuda.jit(device=True)
+    def load_cluster_f32(a, i, rank):
+        raise NotImplementedError("thread block clusters do not run in the CUDA simulator")
+
     @cuda.jit(device=True)
     def prmt(a, b, sel):
         x = (int(a) & 0xFFFFFFFF) | ((int(b) & 0xFFFFFFFF) << 32)
@@ -554,6 +564,43 @@ else:
         return sig, codegen
 
     @intrinsic
+    def cluster_sync(typingctx):
+        """A barrier of every thread of every block of this thread block cluster: arrive with
+        release, wait with acquire, so shared-memory writes before it are visible to the cluster's
+        other blocks (:func:`load_cluster_f32`) after it."""
+        sig = types.none()
+
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []),
+                               "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;", "~{memory}",
+                               side_effect=True)
+            builder.call(asm, [])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def load_cluster_f32(typingctx, arr, idx, rank):
+        """arr[idx] (a float32 array in shared memory) of block ``rank`` of this thread block
+        cluster: distributed shared memory (``mapa``, ``ld.shared::cluster``)."""
+        sig = types.float32(arr, idx, rank)
+
+        def codegen(context, builder, sig, args):
+            aty = sig.args[0]
+            ptr = cgutils.get_item_pointer(context, builder, aty, context.make_array(aty)(context, builder, value=args[0]),
+                                           [args[1]], wraparound=False)
+            i8, i32 = ir.IntType(8), ir.IntType(32)
+            sh = builder.ptrtoint(builder.addrspacecast(builder.bitcast(ptr, i8.as_pointer()), i8.as_pointer(3)), i32)
+            r = args[2]
+            r = builder.trunc(r, i32) if r.type.width > 32 else builder.zext(r, i32) if r.type.width < 32 else r
+            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [i32, i32]),
+                               "{ .reg .u32 ra; mapa.shared::cluster.u32 ra, $1, $2; ld.shared::cluster.f32 $0, [ra]; }",
+                               "=f,r,r,~{memory}", side_effect=True)
+            return builder.call(asm, [sh, r])
+
+        return sig, codegen
+
+    @intrinsic
     def store16(typingctx, arr, idx, v0, v1, v2, v3):
         """arr[idx:idx + 4] = v0..v3 as one aligned 128-bit store (st.v4)."""
         sig = types.none(arr, idx, v0, v1, v2, v3)
@@ -684,6 +731,43 @@ def mma_table_tile(NT: int, BG: int, PS: int, half: bool = False):
                 put(tab, o + uint32(PS + 8), d3, f)
 
     return tile
+
+
+class ClusterBounds(tuple):
+    """``launch_bounds`` for ``cuda.jit`` that also fix the kernel's thread block cluster shape,
+    ``cluster`` = (x, y, z) blocks: numba-cuda 0.30 has no cluster launch, so :func:`_annotate_clusters`
+    adds the NVVM annotations ``cluster_dim_{x,y,z}`` (ptxas: ``.reqnctapercluster``), and a plain
+    launch then runs the grid as clusters (each grid dimension a multiple of the cluster's)."""
+
+    def __new__(cls, bounds, cluster):
+        obj = super().__new__(cls, bounds)
+        obj.cluster = tuple(cluster)
+        return obj
+
+
+def _annotate_clusters():
+    from numba.cuda.cudadrv import nvvm
+    from numba.cuda import cgutils as _cg
+    from llvmlite import ir as _ir
+
+    original = nvvm.set_launch_bounds
+    if getattr(original, "clusters", False):
+        return
+
+    def set_launch_bounds(kernel, launch_bounds):
+        original(kernel, tuple(launch_bounds) if isinstance(launch_bounds, ClusterBounds) else launch_bounds)
+        if isinstance(launch_bounds, ClusterBounds):
+            md = _cg.get_or_insert_named_metadata(kernel.module, "nvvm.annotations")
+            for axis, n in zip("xyz", launch_bounds.cluster):
+                md.add(kernel.module.add_metadata([kernel, _ir.MetaDataString(kernel.module, f"cluster_dim_{axis}"),
+                                                   _ir.Constant(_ir.IntType(32), n)]))
+
+    set_launch_bounds.clusters = True
+    nvvm.set_launch_bounds = set_launch_bounds
+
+
+if not SIM:
+    _annotate_clusters()
 
 
 @cuda.jit(device=True, **INLINE)
