@@ -183,7 +183,8 @@ def test_chunk_plans_and_their_errors():
 def test_chunk_cluster_plans_and_their_errors():
     # A cluster finish: the row-group's 8 chunks one cluster, each block's 512 chunk sums after x.
     p = A.plan_chunk(14336, 4096, 227 * 1024, warps=8, tile=8, rows=512, cluster=True)
-    assert (p.cluster, p.grid(14336), p.shared_bytes) == (8, (28, 8), A.chunk_shared_bytes() + 512 * 4)
+    assert (p.cluster, p.grid(14336), p.shared_bytes) == (8, (28, 8), A.chunk_shared_bytes(512))
+    assert A.chunk_shared_bytes(512) == A.chunk_shared_bytes() + 4 * 513  # the chunk's sum of squares and 512 row sums
     assert "clusters of 8" in p.label() and A.plan_chunk(14336, 4096, 227 * 1024).cluster == 0
     assert A.plan_chunk(100, 1024, 227 * 1024, cluster=True).cluster == 2
     for n_in in (512, 4608):  # 1 chunk (nothing to meet) and 9 (past a portable cluster)

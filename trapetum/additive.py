@@ -1173,10 +1173,12 @@ def stream_shared_bytes(nchunks: int, ksplit: int) -> int:
     return 4 * (2 * STREAM_TABLE_WORDS + -(-nchunks // ksplit) * STREAM_X_WORDS)
 
 
-def _stream_parts(warps: int, tables: int, pre: str, post: str):
+def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool = False):
     """The device functions the two streaming kernels share, for blocks of ``warps`` warps whose
     shared memory holds ``tables`` chunk tables and then x (``pre``: how x is staged; ``post``: how
-    y is written). Returned, in this order:
+    y is written; ``defer_rms``: pre='rms' stages g * x, un-normalised, and leaves each warp's share
+    of the staged chunks' sum of squares in wsq[warp, 0], for the kernel to apply 1 / rms where it
+    writes y). Returned, in this order:
 
     - ``build(sm, bfr, lc, buf, warp, lane, cbexp)``: chunk ``lc`` (of the staged x) into table
       ``buf`` (see :func:`stream_kernel`, step 2); returns the factor 2**s its sums must be multiplied by;
@@ -1240,10 +1242,11 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str):
         return up
 
     @cuda.jit(device=True, **INLINE)
-    def stage_x(sm, x32, g32, irms, c0, nc, tid):
+    def stage_x(sm, x32, g32, irms, c0, nc, tid, wsq):
         xrow = x32[0]
         nx = (xrow.shape[0] >> 1) if SILU else xrow.shape[0]  # x's words (silu: a's; b's follow)
         nxw = nc * STREAM_X_WORDS
+        ssq = float32(0.0)
         for i in range(tid * 4, nxw, nt * 4):
             gw = c0 * STREAM_X_WORDS + i
             if gw < nx:  # in_features is a multiple of 8: a 4-word piece is all in or all out
@@ -1252,6 +1255,9 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str):
                     for k in range(4):
                         w = w0 if k == 0 else w1 if k == 1 else w2 if k == 2 else w3
                         if RMS:
+                            if defer_rms:
+                                a, b = half2_to_float2(w)
+                                ssq += a * a + b * b
                             w = rms_word(w, g32[gw + k], irms)
                         else:
                             w = silu_word(w, xrow[nx + gw + k])
@@ -1260,6 +1266,10 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str):
                     copy16_async(sm, XO + i, xrow, gw)
             else:
                 sm[XO + i], sm[XO + i + 1], sm[XO + i + 2], sm[XO + i + 3] = zero, zero, zero, zero
+        if RMS and defer_rms:
+            v = warp_sum_f32(ssq)
+            if cuda.laneid == 0:
+                wsq[tid // 32, 0] = v
 
     @cuda.jit(device=True, **INLINE)
     def load_bfr(bfr, cb32, warp, lane):
@@ -1277,11 +1287,11 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str):
         # (pre='rms': after the whole row's sum of squares), the B fragments, chunk c0's table in
         # table 0; returns that table's factor (build's).
         irms = float32(1.0)
-        if RMS:
+        if RMS and not defer_rms:
             row_sumsq(x32, wsq, tid, warp)
             cuda.syncthreads()
             irms = irms_of(wsq, 0, x32[0].shape[0] * 2, eps)
-        stage_x(sm, x32, g32, irms, c0, nc, tid)
+        stage_x(sm, x32, g32, irms, c0, nc, tid, wsq)
         load_bfr(bfr, cb32, warp, lane)
         async_wait_all()
         cuda.syncthreads()
@@ -1510,14 +1520,18 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
     if cs > MAX_CLUSTER:
         raise ValueError(f"the chunk kernel's cluster finish takes at most {MAX_CLUSTER} chunks, got {cs}")
     WSQ = (warps, 1) if pre == "rms" else (1, 1)
-    RO = STREAM_TABLE_WORDS + STREAM_X_WORDS  # word offset of the rows' chunk sums (cs > 1)
+    SO = STREAM_TABLE_WORDS + STREAM_X_WORDS  # word offset of the chunk's sum of squares (cs > 1, pre='rms')
+    RO = SO + 1  # of the rows' chunk sums (cs > 1)
     nt = warps * 32
     KT = 64 // warps
     ROWS = QT * STREAM_ROWS  # rows a tile: code words a lane holds for one
     RING = 2 * ROWS  # two tiles' code words: the next one loads while this one is looked up
     SHIFT = 6 - ROWS.bit_length()  # the tile row lane l ends the exchange with: l >> SHIFT
     OWNER = (1 << SHIFT) - 1  # lanes l & OWNER == 0 write it
-    _, start, ids, lookup, finish = _stream_parts(warps, 1, pre, post)
+    # With a cluster the row's chunks are the cluster's blocks, so its sum of squares is theirs: no
+    # block reads the whole row before its build (pre='rms' cost the global finish's plans ~2 us a call).
+    _, start, ids, lookup, finish = _stream_parts(warps, 1, pre, post, defer_rms=cs > 1)
+    RMS = pre == "rms"
     h16, h8, h4, h2, h1 = (_halver(ROWS >> k, 16 >> k) for k in range(5))
     with_res = residual_add(post)  # where a layer of one chunk writes y
     zero = int32(0)
@@ -1594,13 +1608,24 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
         #    rows; the second barrier keeps every block's sums in place until all are read), or by
         #    the last block to finish
         if cs > 1:
+            if RMS and tid == 0:  # the chunk's sum of squares (the warps' shares, before start's barriers)
+                t = float32(0.0)
+                for w in range(warps):
+                    t += wsq[w, 0]
+                smf[SO] = t
             cluster_sync()
+            irms = float32(1.0)
+            if RMS:
+                t = float32(0.0)
+                for k in range(cs):
+                    t += load_cluster_f32(smf, SO, k)
+                irms = inv_rms(t, x32.shape[1] * 2, eps)
             per = (rend - r0 + cs - 1) // cs
             for i in range(c * per + tid, min(rend - r0, (c + 1) * per), nt):
                 v = float32(0.0)
                 for k in range(cs):
                     v += load_cluster_f32(smf, RO + i, k)
-                y[0, r0 + i] = with_res(v + float32(bias[r0 + i]), res, 0, r0 + i)
+                y[0, r0 + i] = with_res(v * irms + float32(bias[r0 + i]), res, 0, r0 + i)
             cluster_sync()
         elif nsplit > 1 and last_to_finish(counters, cuda.blockIdx.x, nsplit, last, tid):
             finish(y, ws, bias, res, nsplit, qb0, (qend - qb0) * STREAM_ROWS, n_out, tid)
@@ -1759,8 +1784,8 @@ def plan_stream(n_out: int, n_in: int, sms: int, smem: int, warps: int = 8, kspl
 
 def chunk_shared_bytes(rows: int = 0) -> int:
     """Dynamic shared memory of a chunk-kernel block: one chunk table and its slice of x, and with a
-    cluster finish the chunk sums of its ``rows`` rows."""
-    return 4 * (STREAM_TABLE_WORDS + STREAM_X_WORDS + rows)
+    cluster finish (``rows`` > 0) the chunk's sum of squares and the chunk sums of its ``rows`` rows."""
+    return 4 * (STREAM_TABLE_WORDS + STREAM_X_WORDS + (1 + rows if rows else 0))
 
 
 def plan_chunk(n_out: int, n_in: int, smem: int, warps: int = 8, tile: int = 4, rows: int = 512,
