@@ -145,9 +145,11 @@ report.fig_decode_pareto(df)
 # same row against every projection at its fastest plan, which at some shapes is a tensor-core
 # kernel: the difference between the two is what fusing costs in kernel time. For the scalar formats
 # the lut kernel is the only one that takes the step's RMSNorm, SiLU and residual add with it (the
-# norm and the add would otherwise be launches of their own). For the 2-bit additive format both of
-# its kernels take them, so what is left is the fused operations' own cost: a block of an RMSNorm-fused
-# kernel sums the squares of the whole input row before it can build its first table.
+# norm and the add would otherwise be launches of their own). For the 2-bit additive format all three
+# of its kernels take them, so what is left is the fused operations' own cost. Most RMSNorm-fused plans
+# have each block sum the squares of the whole input row before it builds its first table. The chunk
+# kernel's cluster plans do not: each block sums only its own chunk's squares (the vector-codebook
+# chapter measures both).
 
 # %%
 report.styled(report.decode_targets(df))

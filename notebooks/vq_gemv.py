@@ -375,6 +375,40 @@ report.styled(report.additive_stream_skeleton(folder))
 report.styled(report.additive_chunk_probe(folder))
 
 # %% [markdown]
+# Where the chunk kernel's time goes: the same kernel with one stage left out at a time (timing only:
+# the outputs are wrong; the full kernel passed its check first in the same process). With no code
+# loads at all, the kernel still takes most of its full time. Its fixed stages are the launch, the table
+# build, the lookups and the K-slice finish (the counter, then the last block's pass over the
+# partials), and the codes' DRAM time hides only partly under them.
+
+# %%
+report.styled(report.chunk_ablation(folder))
+
+# %% [markdown]
+# The finish first. Where a layer has 2 to 8 chunks (in_features up to 4096), a plan may make a
+# row-group's chunks one thread block cluster (`plan_chunk(..., cluster=True)`). Each block keeps its
+# rows' chunk sums in its own shared memory. After a cluster barrier, each block adds one share of the
+# rows over the cluster's blocks through distributed shared memory, and writes y. There is no
+# workspace, no counter, and no second pass through the L2. numba-cuda has no cluster launch, so
+# `trapetum.gemv.ClusterBounds` puts the cluster shape into the kernel's NVVM annotations, and a
+# plain launch then runs clusters. The simulator cannot run a barrier across blocks, so these plans
+# are checked on the GPU only. The probe checked them first, fused operations included. It then timed
+# every chunk plan both ways in one process. The tuner times both, so a layer gets whichever is faster.
+
+# %%
+report.styled(report.chunk_cluster_probe(folder))
+
+# %% [markdown]
+# The cluster also changes the fused RMSNorm of the decode step. With the global finish, every block
+# reads the whole row and waits at a barrier to normalise x before it builds its table. In a cluster,
+# the row's chunks are exactly the cluster's blocks. So each block stages g * x un-normalised and sums
+# its own chunk's squares from the words it already holds. The cluster adds the sums of squares where
+# it writes y, and 1 / rms multiplies the row's sum there. Same plans, same process:
+
+# %%
+report.styled(report.chunk_rms_probe(folder))
+
+# %% [markdown]
 # ## How far from the bytes
 #
 # How fast could any kernel of these formats be? A GEMV at batch 1 must read its code bytes from DRAM

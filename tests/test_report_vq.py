@@ -384,3 +384,58 @@ def test_additive_stream_skeleton_puts_each_variant_in_a_column(tmp_path):
                                "neither (codes streamed, barriers, sums)", "empty launch"]  # the order of the parts, "no lookups" absent
     assert list(t["K-split"]) == [2, 1] and t["full kernel"].tolist() == [16.6, 19.0] and np.isnan(t["empty launch"][1])
     assert report.additive_stream_skeleton(tmp_path / "nothing").empty
+
+
+def _chunk_probe_file(tmp_path, name, recs):
+    import json
+
+    (tmp_path / "_runs").mkdir(exist_ok=True)
+    prov = {"gpu": "NVIDIA H100 80GB HBM3", "git_commit": "82e5276aa", "date": "2026-11-28T02:20"}
+    (tmp_path / "_runs" / name).write_text(json.dumps({"provenance": prov, "records": recs}))
+
+
+def _plan(w, t, r, cluster=None):
+    p = {"kernel": "chunk", "warps": w, "tile": t, "rows": r}
+    return str(p if cluster is None else dict(p, cluster=cluster))
+
+
+def test_chunk_ablation_puts_each_stage_left_out_in_a_column(tmp_path):
+    recs = [{"kind": "check", "passed": True}]
+    for abl, ms in (("full", 0.0131), ("noload", 0.0094), ("nofinish", 0.0108), ("nobuild", 0.0110)):
+        recs.append({"kind": "time", "in_features": 4096, "out_features": 14336, "plan": _plan(8, 8, 512), "ablation": abl,
+                     "time_ms": ms, "fp16_ms": 0.042})
+    _chunk_probe_file(tmp_path, "chunk-ablation-x-h100.json", recs)
+    t = report.chunk_ablation(tmp_path)
+    assert list(t.columns) == ["GPU", "in x out", "plan", "torch fp16 (us)", "full kernel", "no table build", "no code loads",
+                               "no K-slice finish"]  # the parts in CHUNK_PARTS' order; those not timed absent
+    assert t["plan"][0] == "8 warps, 512 rows a block, tiles of 32" and np.isclose(t["no code loads"][0], 9.4)
+    assert report.chunk_ablation(tmp_path / "nothing").empty
+
+
+def test_chunk_cluster_probe_sets_the_fastest_plan_of_each_finish_side_by_side(tmp_path):
+    recs = [{"kind": "check", "passed": True}, {"kind": "check", "passed": False}]
+    for plan, cl, ms in ((_plan(8, 8, 512, True), True, 0.0128), (_plan(16, 4, 1024, True), True, 0.0122),
+                         (_plan(8, 8, 512), False, 0.0128), (_plan(8, 4, 256), False, 0.0152)):
+        recs.append({"kind": "time", "in_features": 4096, "out_features": 14336, "plan": plan, "cluster": cl, "time_ms": ms,
+                     "fp16_ms": 0.0433})
+    recs.append({"kind": "time", "in_features": 4096, "out_features": 4096, "plan": _plan(8, 4, 256), "cluster": False,
+                 "time_ms": 0.0076, "fp16_ms": 0.0163})  # no cluster plan timed there: no row
+    _chunk_probe_file(tmp_path, "cluster-finish-probe-x-h100.json", recs)
+    t = report.chunk_cluster_probe(tmp_path)
+    assert list(t["in x out"]) == ["4096 x 14336"] and t["probe"][0] == "82e5276 (1/2 checks)"
+    assert t["fastest, cluster finish"][0] == "16 warps, 1024 rows a block, tiles of 16"
+    assert t["fastest, global finish"][0] == "8 warps, 512 rows a block, tiles of 32"
+    assert np.isclose(t["global / cluster"][0], 0.0128 / 0.0122) and np.isclose(t["best: speedup"][0], 0.0433 / 0.0122)
+    assert report.chunk_cluster_probe(tmp_path / "nothing").empty
+
+
+def test_chunk_rms_probe_pairs_plain_and_rms_launches_of_one_plan(tmp_path):
+    recs = [{"kind": "check", "passed": True}]
+    for fin, pre, ms in (("global", "", 0.0128), ("global", "rms", 0.0142), ("cluster", "", 0.0121), ("cluster", "rms", 0.0127)):
+        recs.append({"kind": "time", "in_features": 4096, "out_features": 12288, "name": f"{fin} 8w 4t 512r {pre or 'plain'}",
+                     "plan": _plan(8, 4, 512, fin == "cluster"), "pre": pre, "time_ms": ms, "fp16_ms": 0.036})
+    _chunk_probe_file(tmp_path, "cluster-rms-probe-x-h100.json", recs)
+    t = report.chunk_rms_probe(tmp_path)
+    assert len(t) == 1 and t["plan"][0] == "8 warps, 512 rows a block, tiles of 16"
+    assert np.isclose(t["global: rms penalty (us)"][0], 1.4) and np.isclose(t["cluster: rms penalty (us)"][0], 0.6)
+    assert report.chunk_rms_probe(tmp_path / "nothing").empty

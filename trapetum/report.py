@@ -11,6 +11,7 @@ registered with pyplot): a notebook shows the returned figure exactly once, and 
 """
 from __future__ import annotations
 
+import ast
 import json
 import math
 from contextlib import contextmanager
@@ -1597,6 +1598,79 @@ def additive_chunk_probe(folder=None) -> pd.DataFrame:
                          "previous (us)": 1e3 * float(was["time_ms"]), "fastest chunk plan": str(best["label"]).split(": ", 1)[-1],
                          "chunk (us)": 1e3 * float(best["time_ms"]), "chunk: speedup": float(best["fp16_ms"] / best["time_ms"]),
                          "previous / chunk": float(was["time_ms"] / best["time_ms"]), "probe": probe})
+    return pd.DataFrame(rows)
+
+
+CHUNK_ABLATIONS = "_runs/chunk-ablation-*.json"  # the chunk kernel with one stage left out
+CHUNK_PARTS = {"full": "full kernel", "nobuild": "no table build", "nolook": "no lookups", "noload": "no code loads",
+               "nofinish": "no K-slice finish", "skeleton": "no build, no lookups"}
+CHUNK_CLUSTER_PROBES = "_runs/cluster-finish-probe-*.json"  # every chunk plan with its global finish and with a cluster
+CHUNK_RMS_PROBES = "_runs/cluster-rms-probe-*.json"  # plain and rms, global finish and cluster, same plans
+
+
+def _chunk_plan_label(plan: str) -> str:
+    """A chunk plan's dict, as the probes record it, in a few words."""
+    p = ast.literal_eval(plan)
+    return f"{p['warps']} warps, {p['rows']} rows a block, tiles of {4 * p['tile']}"
+
+
+def chunk_ablation(folder=None) -> pd.DataFrame:
+    """The chunk kernel timed with one stage left out (outputs wrong on purpose, timing only; the full
+    kernel checked first), one row a GPU, shape and plan, one column a variant, in microseconds."""
+    rows = []
+    for prov, _, t in _probe_runs(folder, CHUNK_ABLATIONS):
+        for r in t.to_dict("records"):
+            rows.append({"GPU": gpu_label(prov.get("gpu", "")), "in x out": shape_label((int(r["in_features"]), int(r["out_features"]))),
+                         "plan": _chunk_plan_label(r["plan"]), "torch fp16 (us)": 1e3 * float(r["fp16_ms"]),
+                         "part": CHUNK_PARTS.get(r["ablation"], r["ablation"]), "us": 1e3 * float(r["time_ms"])})
+    if not rows:
+        return pd.DataFrame()
+    out = pd.DataFrame(rows).pivot_table(index=["GPU", "in x out", "plan", "torch fp16 (us)"], columns="part", values="us", sort=False)
+    return out[[c for c in CHUNK_PARTS.values() if c in out.columns]].reset_index()
+
+
+def chunk_cluster_probe(folder=None) -> pd.DataFrame:
+    """The chunk kernel's chunks meeting in a thread block cluster against its global finish (M=2,
+    batch 1), one row a GPU and shape: the fastest plan of each (every chunk plan timed both ways in
+    one process, fastest of two interleaved passes), fp16 beside them, and the probe (its commit and
+    how many checks passed before it timed anything)."""
+    rows = []
+    for prov, probe, t in _probe_runs(folder, CHUNK_CLUSTER_PROBES, short=True):
+        if t.empty:
+            continue
+        for (n_in, n_out), g in t.groupby(["in_features", "out_features"], sort=False):
+            glob, clus = g[~g["cluster"].astype(bool)], g[g["cluster"].astype(bool)]
+            if glob.empty or clus.empty:
+                continue
+            a, b = glob.loc[glob["time_ms"].idxmin()], clus.loc[clus["time_ms"].idxmin()]
+            rows.append({"GPU": gpu_label(prov.get("gpu", "")), "in x out": shape_label((int(n_in), int(n_out))),
+                         "torch fp16 (us)": 1e3 * float(a["fp16_ms"]), "fastest, global finish": _chunk_plan_label(a["plan"]),
+                         "global (us)": 1e3 * float(a["time_ms"]), "fastest, cluster finish": _chunk_plan_label(b["plan"]),
+                         "cluster (us)": 1e3 * float(b["time_ms"]), "global / cluster": float(a["time_ms"] / b["time_ms"]),
+                         "best: speedup": float(a["fp16_ms"] / min(a["time_ms"], b["time_ms"])), "probe": probe})
+    return pd.DataFrame(rows)
+
+
+def chunk_rms_probe(folder=None) -> pd.DataFrame:
+    """What the decode step's fused RMSNorm costs the chunk kernel, one row a GPU, shape and plan: plain
+    and rms launches with the global finish (every block reads the whole row before its build) and with
+    the cluster finish (each block sums its own chunk's squares, the cluster adds them where it writes
+    y), in microseconds (fastest of three interleaved passes, one process), and each rms penalty."""
+    rows = []
+    for prov, _, t in _probe_runs(folder, CHUNK_RMS_PROBES):
+        if t.empty:
+            continue
+        t["finish"] = t["name"].str.split().str[0]
+        for (n_in, n_out, plan), g in t.assign(key=t["plan"].map(lambda s: str({k: v for k, v in ast.literal_eval(s).items()
+                                                                                  if k != "cluster"}))).groupby(
+                ["in_features", "out_features", "key"], sort=False):
+            us = {(r["finish"], r["pre"] or "plain"): 1e3 * float(r["time_ms"]) for r in g.to_dict("records")}
+            row = {"GPU": gpu_label(prov.get("gpu", "")), "in x out": shape_label((int(n_in), int(n_out))), "plan": _chunk_plan_label(plan)}
+            for fin in ("global", "cluster"):
+                row[f"{fin}: plain (us)"] = us.get((fin, "plain"), float("nan"))
+                row[f"{fin}: rms (us)"] = us.get((fin, "rms"), float("nan"))
+                row[f"{fin}: rms penalty (us)"] = row[f"{fin}: rms (us)"] - row[f"{fin}: plain (us)"]
+            rows.append(row)
     return pd.DataFrame(rows)
 
 
