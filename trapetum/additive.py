@@ -2232,6 +2232,12 @@ def correctness_sweep(shapes, Ms=(2, 4), batches=(1, 2, 3, 8, 16), seed: int = 0
         # the chunk kernel: tiles of 16 and 32 rows, one row-group and several
         big += [(shapes[0], 2, 1, dict(kernel="chunk", warps=8, tile=8, rows=512))]
         jobs += [(s, 2, 1, dict(kernel="chunk", warps=w, tile=qt, rows=r)) for s in shapes[:2] for w, qt, r in ((8, 4, 256), (16, 4, 1024))]
+        # its cluster finish (2 to 8 chunks, GPU only): the shapes whose inputs allow it
+        if not SIM:
+            cl = [s for s in shapes if 1 < stream_chunks(s[0] // D) <= MAX_CLUSTER][:2]
+            big += [(s, 2, 1, dict(kernel="chunk", warps=8, tile=8, rows=512, cluster=True)) for s in cl[:1]]
+            jobs += [(s, 2, 1, dict(kernel="chunk", warps=w, tile=qt, rows=r, cluster=True)) for s in cl
+                     for w, qt, r in ((8, 4, 512), (16, 4, 1024))]
     jobs += big
     recs, failures = [], []
     for i, job in enumerate(tqdm(jobs, desc="additive correctness", disable=not progress)):
