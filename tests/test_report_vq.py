@@ -406,9 +406,9 @@ def test_chunk_ablation_puts_each_stage_left_out_in_a_column(tmp_path):
                      "time_ms": ms, "fp16_ms": 0.042})
     _chunk_probe_file(tmp_path, "chunk-ablation-x-h100.json", recs)
     t = report.chunk_ablation(tmp_path)
-    assert list(t.columns) == ["GPU", "in x out", "plan", "torch fp16 (us)", "full kernel", "no table build", "no code loads",
-                               "no K-slice finish"]  # the parts in CHUNK_PARTS' order; those not timed absent
-    assert t["plan"][0] == "8 warps, 512 rows a block, tiles of 32" and np.isclose(t["no code loads"][0], 9.4)
+    assert list(t.columns) == ["GPU", "in x out", "plan", "torch fp16 (us)", "full kernel (us)", "no table build (us)",
+                               "no code loads (us)", "no K-slice finish (us)"]  # in CHUNK_PARTS' order; those not timed absent
+    assert t["plan"][0] == "8 warps, 512 rows a block, tiles of 32" and np.isclose(t["no code loads (us)"][0], 9.4)
     assert report.chunk_ablation(tmp_path / "nothing").empty
 
 

@@ -1602,8 +1602,8 @@ def additive_chunk_probe(folder=None) -> pd.DataFrame:
 
 
 CHUNK_ABLATIONS = "_runs/chunk-ablation-*.json"  # the chunk kernel with one stage left out
-CHUNK_PARTS = {"full": "full kernel", "nobuild": "no table build", "nolook": "no lookups", "noload": "no code loads",
-               "nofinish": "no K-slice finish", "skeleton": "no build, no lookups"}
+CHUNK_PARTS = {"full": "full kernel (us)", "nobuild": "no table build (us)", "nolook": "no lookups (us)",
+               "noload": "no code loads (us)", "nofinish": "no K-slice finish (us)", "skeleton": "no build, no lookups (us)"}
 CHUNK_CLUSTER_PROBES = "_runs/cluster-finish-probe-*.json"  # every chunk plan with its global finish and with a cluster
 CHUNK_RMS_PROBES = "_runs/cluster-rms-probe-*.json"  # plain and rms, global finish and cluster, same plans
 
