@@ -1241,6 +1241,8 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
                     sm[kb + uint32(64 * e) + (r << uint32(3))] = pick(wd[e], wd[2 + e], wd[4 + e], wd[6 + e], r)
         return up
 
+    row_sumsq, _, irms_of = rms_sums(1, warps)
+
     @cuda.jit(device=True, **INLINE)
     def stage_x(sm, x32, g32, irms, c0, nc, tid, wsq):
         xrow = x32[0]
@@ -1266,7 +1268,7 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
                     copy16_async(sm, XO + i, xrow, gw)
             else:
                 sm[XO + i], sm[XO + i + 1], sm[XO + i + 2], sm[XO + i + 3] = zero, zero, zero, zero
-        if RMS and defer_rms:
+        if RMS and defer_rms:  # a scalar, not rms_sums' warp_sums (its array cost the prologue ~90 SASS instructions)
             v = warp_sum_f32(ssq)
             if cuda.laneid == 0:
                 wsq[tid // 32, 0] = v
@@ -1278,8 +1280,6 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
         for j in range(KT):  # B of k-tile kt: entry (kt & 31) * 8 + gid of codebook kt >> 5, word t
             kt = uint32(warp + j * warps)
             bfr[j] = cb32[(((kt >> uint32(5)) << uint32(8)) + ((kt & uint32(31)) << uint32(3)) + gid) * uint32(4) + t]
-
-    row_sumsq, _, irms_of = rms_sums(1, warps)
 
     @cuda.jit(device=True, **INLINE)
     def start(sm, x32, g32, cb32, bfr, wsq, c0, nc, tid, warp, lane, cbexp, eps):

@@ -288,6 +288,16 @@ else:
 
         return sig, codegen
 
+    def _u32(builder, v):
+        """An integer value as i32 (truncated or zero-extended): what PTX's .u32 / .b32 operands take."""
+        i32 = ir.IntType(32)
+        return builder.trunc(v, i32) if v.type.width > 32 else builder.zext(v, i32) if v.type.width < 32 else v
+
+    def _shared_u32(builder, ptr):
+        """The 32-bit shared-window address of a generic pointer into shared memory (cvta.to.shared)."""
+        i8 = ir.IntType(8)
+        return builder.ptrtoint(builder.addrspacecast(builder.bitcast(ptr, i8.as_pointer()), i8.as_pointer(3)), ir.IntType(32))
+
     def _byte_pointer(context, builder, aty, arr, off, ety):
         """A pointer of element type ``ety`` to byte offset ``off`` of array ``arr``."""
         ary = context.make_array(aty)(context, builder, value=arr)
@@ -311,10 +321,7 @@ else:
         sig = types.uint32(arr)
 
         def codegen(context, builder, sig, args):
-            ary = context.make_array(sig.args[0])(context, builder, value=args[0])
-            i8 = ir.IntType(8)
-            sp = builder.addrspacecast(builder.bitcast(ary.data, i8.as_pointer()), i8.as_pointer(3))
-            return builder.ptrtoint(sp, ir.IntType(32))
+            return _shared_u32(builder, context.make_array(sig.args[0])(context, builder, value=args[0]).data)
 
         return sig, codegen
 
@@ -365,10 +372,8 @@ else:
 
         def codegen(context, builder, sig, args):
             i32 = ir.IntType(32)
-            x = args[0]
-            x = builder.trunc(x, i32) if x.type.width > 32 else builder.zext(x, i32) if x.type.width < 32 else x
             asm = ir.InlineAsm(ir.FunctionType(i32, [i32]), "redux.sync.max.u32 $0, $1, 0xffffffff;", "=r,r", side_effect=True)
-            return builder.call(asm, [x])
+            return builder.call(asm, [_u32(builder, args[0])])
 
         return sig, codegen
 
@@ -521,8 +526,8 @@ else:
                                           [args[1]], wraparound=False)
             sp = cgutils.get_item_pointer(context, builder, sty, context.make_array(sty)(context, builder, value=args[2]),
                                           [args[3]], wraparound=False)
-            i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
-            dsh = builder.ptrtoint(builder.addrspacecast(builder.bitcast(dp, i8.as_pointer()), i8.as_pointer(3)), i32)
+            i32, i64 = ir.IntType(32), ir.IntType(64)
+            dsh = _shared_u32(builder, dp)
             asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i32, i64]),
                                "{ .reg .u64 g; cvta.to.global.u64 g, $1; cp.async.ca.shared.global [$0], [g], 16; }",
                                "r,l,~{memory}", side_effect=True)
@@ -589,14 +594,11 @@ else:
             aty = sig.args[0]
             ptr = cgutils.get_item_pointer(context, builder, aty, context.make_array(aty)(context, builder, value=args[0]),
                                            [args[1]], wraparound=False)
-            i8, i32 = ir.IntType(8), ir.IntType(32)
-            sh = builder.ptrtoint(builder.addrspacecast(builder.bitcast(ptr, i8.as_pointer()), i8.as_pointer(3)), i32)
-            r = args[2]
-            r = builder.trunc(r, i32) if r.type.width > 32 else builder.zext(r, i32) if r.type.width < 32 else r
+            i32 = ir.IntType(32)
             asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [i32, i32]),
                                "{ .reg .u32 ra; mapa.shared::cluster.u32 ra, $1, $2; ld.shared::cluster.f32 $0, [ra]; }",
                                "=f,r,r,~{memory}", side_effect=True)
-            return builder.call(asm, [sh, r])
+            return builder.call(asm, [_shared_u32(builder, ptr), _u32(builder, args[2])])
 
         return sig, codegen
 
@@ -627,7 +629,7 @@ else:
 
         def codegen(context, builder, sig, args):
             i32 = ir.IntType(32)
-            ins = [builder.trunc(v, i32) if v.type.width > 32 else builder.zext(v, i32) if v.type.width < 32 else v for v in args]
+            ins = [_u32(builder, v) for v in args]
             asm = ir.InlineAsm(ir.FunctionType(i32, [i32] * 3), "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", side_effect=False)
             return builder.call(asm, ins)
 
@@ -647,7 +649,7 @@ else:
             fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
             asm = ir.InlineAsm(fnty, "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, "
                                      "{$8, $9}, {$10, $11, $12, $13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effect=False)
-            ins = [builder.trunc(v, i32) if v.type.width > 32 else builder.zext(v, i32) if v.type.width < 32 else v for v in args[:6]]
+            ins = [_u32(builder, v) for v in args[:6]]
             cs = [builder.fptrunc(v, f32) if v.type != f32 else v for v in args[6:]]
             d = builder.call(asm, [*ins, *cs])
             return context.make_tuple(builder, sig.return_type, [builder.extract_value(d, k) for k in range(4)])
