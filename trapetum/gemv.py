@@ -216,6 +216,14 @@ if SIM:
     def count_acq_rel(counters, i):
         return cuda.atomic.add(counters, i, 1)
 
+    @cuda.jit(device=True)
+    def await_predecessor():
+        pass  # the simulator runs launches one after another
+
+    @cuda.jit(device=True)
+    def release_dependents():
+        pass
+
     # The simulator runs a grid's blocks one after another, so a barrier across blocks cannot run
     # there: kernels take their cluster paths only on a GPU (see ClusterBounds).
     @cuda.jit(device=True)
@@ -568,6 +576,31 @@ else:
 
         return sig, codegen
 
+    def _griddep(doc, instr):
+        @intrinsic
+        def fn(typingctx):
+            sig = types.none()
+
+            def codegen(context, builder, sig, args):
+                builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), instr, "~{memory}", side_effect=True), [])
+                return context.get_dummy_value()
+
+            return sig, codegen
+        fn.__doc__ = doc
+        return fn
+
+    await_predecessor = _griddep(
+        """Programmatic dependent launch (sm_90): wait until the grid this launch depends on has finished
+        and its writes are visible. A no-op in a launch made without the attribute (see :func:`programmatic`).
+        Before it a kernel may read only what does not change between launches (weights) or what was
+        written two or more launches back.""", "griddepcontrol.wait;")
+    release_dependents = _griddep(
+        """Let the next programmatic launch start its blocks once every block of this one has called this
+        or exited. Called after the wait (so the next launch never runs beside an unfinished launch two
+        back) and late, after a kernel's main loop: dependents launched early took SM room from the
+        running grid and placed their own blocks unevenly (session 49: 2.6 % slower a 7B token).""",
+        "griddepcontrol.launch_dependents;")
+
     @intrinsic
     def cluster_sync(typingctx):
         """A barrier of every thread of every block of this thread block cluster: arrive with
@@ -770,6 +803,84 @@ def _annotate_clusters():
 
 if not SIM:
     _annotate_clusters()
+
+
+# -- programmatic dependent launch -------------------------------------------------------------
+# In a CUDA graph each kernel of a decode step starts only after the one before it has finished and
+# flushed: its blocks' launch and their first DRAM round trip (the codes) sit in the gap. On sm_90 a
+# launch with the programmatic-stream-serialization attribute may start while its predecessor runs;
+# its blocks load what does not depend on it (codes, codebooks; attention's cache rows) and wait in
+# ``await_predecessor`` for the rest. numba-cuda 0.30 launches through cuda.core's LaunchConfig
+# with no way to pass the attribute, so launches made under :func:`programmatic` get it from here.
+_programmatic = [False]
+_pdl_supported: list = []
+
+
+@cuda.jit(device=True, **INLINE)
+def _no_wait():
+    pass
+
+
+def programmatic_kernels() -> bool:
+    """Whether kernels built now wait on a programmatic predecessor: a GPU of compute capability
+    9.0 or later, whose numba launches can carry the attribute (cuda.core's LaunchConfig takes it).
+    The simulator runs launches one after another."""
+    if SIM:
+        return False
+    if not _pdl_supported:
+        ok = torch.cuda.is_available() and cuda.is_available() and cuda.get_current_device().compute_capability >= (9, 0)
+        if ok:
+            from numba.cuda import dispatcher
+
+            try:
+                dispatcher.LaunchConfig(grid=1, block=1, programmatic_stream_serialization=True)
+            except TypeError:
+                ok = False
+            else:
+                _install_programmatic(dispatcher)
+        _pdl_supported.append(ok)
+    return _pdl_supported[0]
+
+
+def launch_hooks():
+    """(wait, release): the device functions a kernel calls where it starts to need its
+    predecessor's results (:func:`await_predecessor`) and where its dependents may start launching
+    (:func:`release_dependents`), where kernels can be launched programmatically; else no-ops."""
+    if SIM or programmatic_kernels():
+        return await_predecessor, release_dependents
+    return _no_wait, _no_wait
+
+
+def _install_programmatic(dispatcher) -> None:
+    core = dispatcher.LaunchConfig
+    if getattr(core, "trapetum", False):
+        return
+
+    def launch_config(*args, **kw):
+        if _programmatic[0]:
+            kw["programmatic_stream_serialization"] = True
+        return core(*args, **kw)
+
+    launch_config.trapetum = True
+    dispatcher.LaunchConfig = launch_config
+
+
+class programmatic:
+    """``with programmatic(on): kernel[...](...)``: the launch may overlap the stream's previous
+    kernel (programmatic dependent launch) when ``on`` and :func:`programmatic_kernels`. Only for a
+    kernel that calls :func:`launch_hooks`' wait before it reads what its predecessor writes, and
+    after a kernel (not a copy) in the stream."""
+
+    def __init__(self, on: bool = True):
+        self.on = bool(on) and programmatic_kernels()
+
+    def __enter__(self):
+        self.prev, _programmatic[0] = _programmatic[0], self.on
+        return self
+
+    def __exit__(self, *exc):
+        _programmatic[0] = self.prev
+        return False
 
 
 @cuda.jit(device=True, **INLINE)
