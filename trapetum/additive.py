@@ -71,7 +71,9 @@ from .gemv import (
     max_shared_bytes,
     mma_m16n8k8,
     mma_table_tile,
+    launch_hooks,
     prmt,
+    programmatic,
     rms_sums,
     rms_word,
     silu_word,
@@ -1281,18 +1283,22 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
             kt = uint32(warp + j * warps)
             bfr[j] = cb32[(((kt >> uint32(5)) << uint32(8)) + ((kt & uint32(31)) << uint32(3)) + gid) * uint32(4) + t]
 
+    wait, _ = launch_hooks()
+
     @cuda.jit(device=True, **INLINE)
     def start(sm, x32, g32, cb32, bfr, wsq, c0, nc, tid, warp, lane, cbexp, eps):
-        # A block's prologue, its first code loads already issued: chunks c0 .. c0 + nc - 1 of x staged
-        # (pre='rms': after the whole row's sum of squares), the B fragments, chunk c0's table in
-        # table 0; returns that table's factor (build's).
+        # A block's prologue, its first code loads already issued: the B fragments; then, once the
+        # launch before has finished (programmatic launch: codes and codebooks are weights, x is its
+        # output), chunks c0 .. c0 + nc - 1 of x staged (pre='rms': after the whole row's sum of
+        # squares) and chunk c0's table built in table 0; returns that table's factor (build's).
+        load_bfr(bfr, cb32, warp, lane)
+        wait()
         irms = float32(1.0)
         if RMS and not defer_rms:
             row_sumsq(x32, wsq, tid, warp)
             cuda.syncthreads()
             irms = irms_of(wsq, 0, x32[0].shape[0] * 2, eps)
         stage_x(sm, x32, g32, irms, c0, nc, tid, wsq)
-        load_bfr(bfr, cb32, warp, lane)
         async_wait_all()
         cuda.syncthreads()
         # fp16 entries: each chunk's table is scaled by 2**-s, s the least that keeps every entry below
@@ -1379,6 +1385,8 @@ def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
 
     # Each kernel keeps its own fetch: the same load-or-zero as a shared device function changed
     # ptxas's register allocation here (103 -> 106 at 16 warps, a 4-byte spill at 8 warps, 3 slots).
+    _, release = launch_hooks()
+
     @cuda.jit(device=True, **INLINE)
     def fetch(ring, o, codes, c, c1, qb0, qn, nq, warp, lane):
         for i in range(QW):
@@ -1449,6 +1457,7 @@ def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
                 up = step(sm, ring, 2, bfr, acc, codes, c0, c1, lc, nc, qb0, qn, nq, warp, lane, cbexp, up)
                 lc += 1
 
+        release()  # the next launch may start placing its blocks: this one's are into their last stage
         # 4. rows: the 32 lanes' partials, scaled
         for i in range(QW):
             ql = warp + i * warps
@@ -1533,6 +1542,7 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
     _, start, ids, lookup, finish = _stream_parts(warps, 1, pre, post, defer_rms=cs > 1)
     RMS = pre == "rms"
     h16, h8, h4, h2, h1 = (_halver(ROWS >> k, 16 >> k) for k in range(5))
+    _, release = launch_hooks()
     with_res = residual_add(post)  # where a layer of one chunk writes y
     zero = int32(0)
 
@@ -1604,6 +1614,7 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
             tile(sm, ring, ROWS, acc, lane, q, c, nsplit, up, rend, scales, bias, y, ws, res, r0, smf)
             q += step
 
+        release()  # the next launch may start placing its blocks: this one's are into their last stage
         # 4. the row-group's chunks: summed across the cluster (block c takes the c-th share of the
         #    rows; the second barrier keeps every block's sums in place until all are read), or by
         #    the last block to finish
@@ -2124,10 +2135,12 @@ class AdditiveGemv:
         return self._fused_plans[k]
 
     def bind(self, x: torch.Tensor, out: torch.Tensor, pre: str = "", post: str = "", norm_weight: torch.Tensor | None = None,
-             eps: float = 1e-5, res: torch.Tensor | None = None):
+             eps: float = 1e-5, res: torch.Tensor | None = None, after_kernel: bool = False):
         """A zero-argument launcher for fixed x and out buffers (views made here, once; it launches on
         torch's stream current at call time, so it can be captured in a CUDA graph). ``pre`` / ``post``:
-        the fused operations of :meth:`trapetum.gemv.LutGemv.bind`, with the same operands."""
+        the fused operations of :meth:`trapetum.gemv.LutGemv.bind`, with the same operands.
+        ``after_kernel``: the launcher always follows a kernel in its stream, so a streaming or chunk
+        plan may start while that kernel runs (:class:`trapetum.gemv.programmatic`)."""
         fused = bool(pre or post)
         if fused:
             x2 = check_fused(self, x, out, pre, post, norm_weight, res, "its fixed plan builds its table without the tensor cores")
@@ -2136,7 +2149,8 @@ class AdditiveGemv:
         B = x2.shape[0]
         check_output(out, B, self.n_out, x2.device)
         if self._rows_by_one(B):
-            rows = [self.bind(x2[i:i + 1], out[i:i + 1], pre, post, norm_weight, eps, None if res is None else res[i:i + 1])
+            rows = [self.bind(x2[i:i + 1], out[i:i + 1], pre, post, norm_weight, eps, None if res is None else res[i:i + 1],
+                              after_kernel or i > 0)
                     for i in range(B)]
 
             def launch_rows():
@@ -2152,12 +2166,14 @@ class AdditiveGemv:
         args = self._args(xa, self._stream if isinstance(plan, StreamPlan) else self._tiled, ya, views, extra, plan)
         kern = _with_limit(kern, args, plan.shared_bytes)
         block, smem, dev = plan.warps * 32, plan.shared_bytes, self.device
+        pdl = after_kernel and isinstance(plan, StreamPlan)  # the kernels whose prologue waits (_stream_parts' start)
 
         def launch():
             stream = 0 if SIM else cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
             if SIM and post:
                 res.copy_(res_src)
-            kern[grid, block, stream, smem](*args)
+            with programmatic(pdl):
+                kern[grid, block, stream, smem](*args)
             if SIM:
                 out.copy_(torch.from_numpy(ya).view(out.shape))
 

@@ -31,8 +31,8 @@ import math
 import torch
 from numba import cuda, float32, int32
 
-from .gemv import (SIM, _as_kernel_array, float2_to_half2, half2_to_float2, last_to_finish, load16, load_cg, require_gpu,
-                   warp_max_f32, warp_sum_f32)
+from .gemv import (SIM, _as_kernel_array, float2_to_half2, half2_to_float2, last_to_finish, load16, load_cg, launch_hooks,
+                   programmatic, require_gpu, warp_max_f32, warp_sum_f32)
 
 _kernels: dict = {}
 MERGE = 16  # split partials a thread of the merge keeps in flight (a 7B layer at 512 tokens has 17 splits)
@@ -55,6 +55,7 @@ def attention_kernel(D: int, group: int):
     WARP = 32 <= D and C <= 32
     NS = max(D // 32, 1)  # splits a lane of warp 0 takes in the merge (a head has at most D)
     VEC = eighth % 4 == 0  # a quarter row of K in 16-byte loads
+    wait, release = launch_hooks()
 
     @cuda.jit(device=True)
     def rope(v, other, t, f, rscale, p):
@@ -97,10 +98,9 @@ def attention_kernel(D: int, group: int):
         Hkv = H // group
         qb, kb, vb = h * D, (H + kvh) * D, (H + Hkv + kvh) * D
         tp = t + half if t < half else t - half
-        q0, q1 = float32(qkv[0, qb + t]), float32(qkv[0, qb + tp])
-        k0, k1 = float32(qkv[0, kb + t]), float32(qkv[0, kb + tp])
-        v0 = float32(qkv[0, vb + t])
         f = inv_freq[t - half if t >= half else t]
+        # The position and the cached rows were written two or more launches back (the previous
+        # token), so they load before the wait for this launch's predecessor, which writes qkv.
         p = int32(pos[0])
         nsplit = (p + C) // C  # context p + 1 positions, C a block
         if s >= nsplit:
@@ -139,6 +139,10 @@ def attention_kernel(D: int, group: int):
             jj = min(j0 + g + 4 * u, T - 1)
             vw[2 * u] = vc32[kvh, jj, 2 * c]
             vw[2 * u + 1] = vc32[kvh, jj, 2 * c + 1]
+        wait()
+        q0, q1 = float32(qkv[0, qb + t]), float32(qkv[0, qb + tp])
+        k0, k1 = float32(qkv[0, kb + t]), float32(qkv[0, kb + tp])
+        v0 = float32(qkv[0, vb + t])
 
         rs = float32(rscale)
         qs[t] = rope(q0, q1, t, f, rs, p) * float32(scale)
@@ -198,6 +202,7 @@ def attention_kernel(D: int, group: int):
             o1 += pe * (a1 if valid else float32(0.0))
             o2 += pe * (a2 if valid else float32(0.0))
             o3 += pe * (a3 if valid else float32(0.0))
+        release()  # the next launch may start placing its blocks: what is left is this one's merge
         po[g, 4 * c], po[g, 4 * c + 1], po[g, 4 * c + 2], po[g, 4 * c + 3] = o0, o1, o2, o3
         cuda.syncthreads()
         o = po[0, t] + po[1, t] + po[2, t] + po[3, t]
@@ -301,7 +306,9 @@ class DecodeAttention:
         self.ws = torch.empty(n_heads, self.splits, head_dim + 2, dtype=torch.float32, device=device)
         self.counters = torch.zeros(n_heads, dtype=torch.int32, device=device)
 
-    def bind(self, layer: int, qkv: torch.Tensor, out: torch.Tensor):
+    def bind(self, layer: int, qkv: torch.Tensor, out: torch.Tensor, after_kernel: bool = False):
+        """``after_kernel``: the launcher always follows a kernel in its stream (the q/k/v GEMV), so
+        it may start while that kernel runs and load the cache rows meanwhile (:class:`trapetum.gemv.programmatic`)."""
         width = (self.H + 2 * self.Hkv) * self.D
         if qkv.shape != (1, width) or qkv.dtype != torch.float16 or not qkv.is_contiguous():
             raise ValueError(f"qkv must be a contiguous float16 (1, {width}) tensor, got {tuple(qkv.shape)} {qkv.dtype}")
@@ -314,7 +321,8 @@ class DecodeAttention:
 
         def launch():
             stream = 0 if SIM else cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
-            self.kernel[grid, self.D, stream](*arrays, self.scale)
+            with programmatic(after_kernel):
+                self.kernel[grid, self.D, stream](*arrays, self.scale)
 
         return launch
 

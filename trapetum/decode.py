@@ -227,14 +227,15 @@ def _meter(energy, device):
 
 @torch.inference_mode()
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, path: str = "graphed", energy=True, runner=None,
-             keep_logits: bool = False) -> Generation:
+             keep_logits: bool = False, programmatic: bool = True) -> Generation:
     """Greedy decode ``max_new_tokens`` tokens after ``input_ids`` (1, P) by one of PATHS.
 
     ``energy``: True (NVML on a GPU), False, or a callable returning watts. ``runner``: for the
     eager/graphed paths, override the step runner (tests pass a FakeGraphRunner on CPU).
     No early stop at EOS: every path generates exactly ``max_new_tokens`` tokens, the fixed
     window the metrics are defined over. ``keep_logits``: also return every step's logits
-    (costs one (gen_len, vocab) buffer; leave it off when timing).
+    (costs one (gen_len, vocab) buffer; leave it off when timing). ``programmatic``: the fused step's
+    kernels may start while the one before runs (sm_90; :class:`trapetum.step.FusedStep`).
     """
     from transformers import DynamicCache, StaticCache
 
@@ -258,7 +259,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, path: str = "g
         # Built before the peak is reset: its buffers and cache stay allocated and count, while the
         # tuner's scratch (weight copies past the L2, once a shape) does not, as the other paths tune
         # in the kernel-bound timing before it (NOTES, session 20).
-        step = FusedStep(model, P + n, n, keep_logits=keep_logits)  # its own cache; the prompt a token at a time
+        step = FusedStep(model, P + n, n, keep_logits=keep_logits, programmatic=programmatic)  # its own cache; the prompt a token at a time
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(dev)
@@ -329,7 +330,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, path: str = "g
         decode_seconds=t_dec.seconds, prefill_seconds=t_pre.seconds,
         tok_s=timed / t_dec.seconds if timed > 0 and t_dec.seconds > 0 else float("nan"),
         peak_vram_gb=peak, energy_error=why,
-        extra={"timed_tokens": timed, **({"fused_plans": step.plans} if path == "fused-step" else {})},
+        extra={"timed_tokens": timed, **({"fused_plans": step.plans, "programmatic": step.programmatic} if path == "fused-step" else {})},
         logits=None if all_logits is None else all_logits.float().cpu(),
     )
     if reading is not None and timed > 0:
@@ -668,7 +669,7 @@ def _release_gpu_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def profile_fused_step(model, input_ids: torch.Tensor, replays: int = 40, warmup: int = 50) -> dict:
+def profile_fused_step(model, input_ids: torch.Tensor, replays: int = 40, warmup: int = 50, programmatic: bool = True) -> dict:
     """Where a graphed fused-step token goes, in this process (its own tuned plans): after
     ``warmup`` replays, torch.profiler's CUDA kernel times over ``replays`` more. Returns wall_us
     (CUDA events over the same replays, profiler off), kernel_us (their sum), gaps_us and rows
@@ -681,7 +682,7 @@ def profile_fused_step(model, input_ids: torch.Tensor, replays: int = 40, warmup
     if dev.type != "cuda":
         raise RuntimeError("profile_fused_step times CUDA kernels and needs the model on a CUDA GPU")
     n = 2 + warmup + 2 * replays
-    step = FusedStep(model, input_ids.shape[1] + n, n)
+    step = FusedStep(model, input_ids.shape[1] + n, n, programmatic=programmatic)
     step.prefill(input_ids.to(dev))
     _side_stream_call(step, dev)
     runner = CudaGraphRunner()
@@ -710,7 +711,7 @@ def profile_fused_step(model, input_ids: torch.Tensor, replays: int = 40, warmup
 def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_paths=("graphed",), gen_len: int = 512,
                  prompt_len: int = 32, eager_gen_len: int = 128, seed: int = 0, energy=True, progress=True,
                  device="cuda", kernel_times: bool = True, heads=(None,), fuses=(False,), embeds=(None,),
-                 profile: bool = False, **arch_overrides) -> list[dict]:
+                 profile: bool = False, programmatic=(True,), **arch_overrides) -> list[dict]:
     """fp16 vs codebook decode on a Llama-2 architecture with random weights, built on the device.
 
     One record per (scheme, path), per the results contract; ``fp16_tok_s`` is the fp16 graphed
@@ -733,6 +734,9 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
 
     ``profile``: each fused-step row also records :func:`profile_fused_step` of the same model in
     the same process (``profile``, JSON), after its timed run.
+
+    ``programmatic``: True and/or False, a fused-step row each: its kernels launched so that each
+    may start while the one before runs (sm_90), or strictly one after another.
     """
     if profile and torch.device(device).type != "cuda":
         raise ValueError("profile=True times CUDA kernels: it needs device='cuda'")
@@ -785,11 +789,11 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
             # Compile and tune the kernels (and let cuBLAS pick) before anything is measured: the
             # tuner's L2-sized copies of the codes must not count in the peak VRAM.
             generate(model, prompt, 3, path="eager", energy=False)
-            for path in (fp16_paths if K is None else paths):
+            for path, pdl in [(p, g) for p in (fp16_paths if K is None else paths) for g in (programmatic if p == "fused-step" else (None,))]:
                 n = gen_len if path in GRAPHED else min(gen_len, eager_gen_len)
                 # On CPU (tests) the graphed path replays through the stand-in runner.
                 runner = FakeGraphRunner() if path in GRAPHED and not cuda else None
-                r = generate(model, prompt, n, path=path, energy=energy, runner=runner)
+                r = generate(model, prompt, n, path=path, energy=energy, runner=runner, programmatic=pdl is not False)
                 rec = {**base, "path": path, "gen_len": n, "tok_s": r.tok_s, "vram_gb": r.peak_vram_gb,
                        "weights_gb": weights_gb, "j_per_token": r.j_per_token, "mean_w": r.mean_w,
                        "energy_error": r.energy_error, "decode_seconds": r.decode_seconds,
@@ -797,8 +801,9 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
                        "build_seconds": build_s, "oom": False, "first_tokens": r.tokens[:32]}
                 if "fused_plans" in r.extra:  # which plan each fused GEMV ran: plans are tuned per process
                     rec["fused_plans"] = json.dumps(r.extra["fused_plans"])
+                    rec["programmatic"] = r.extra["programmatic"]  # asked for and available (sm_90)
                 if profile and path == "fused-step":
-                    prof = profile_fused_step(model, prompt)
+                    prof = profile_fused_step(model, prompt, programmatic=pdl is not False)
                     rec["profile"] = json.dumps(prof)
                     if progress:
                         print(f"  profile: wall {prof['wall_us']:.1f} us a token, kernels {prof['kernel_us']:.1f}", flush=True)
@@ -817,7 +822,8 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
                 if progress:
                     vram = f"{r.peak_vram_gb:6.2f} GB" if r.peak_vram_gb is not None else "n/a"
                     jpt = f"{r.j_per_token:.3f}" if r.j_per_token is not None else f"n/a ({r.energy_error})"
-                    print(f"{arch} {scheme:12s} {path + (' fused' if fused else ''):14s} {r.tok_s:8.1f} tok/s  peak {vram}  J/token {jpt}", flush=True)
+                    label = path + (" fused" if fused else "") + (" serial" if pdl is False else "")
+                    print(f"{arch} {scheme:12s} {label:14s} {r.tok_s:8.1f} tok/s  peak {vram}  J/token {jpt}", flush=True)
         except torch.cuda.OutOfMemoryError as e:
             recs.append({**base, "path": "graphed", "gen_len": gen_len, "tok_s": None, "vram_gb": None, "j_per_token": None,
                          "oom": True, "error": str(e).splitlines()[0][:300],
@@ -976,7 +982,8 @@ def _bench_cmd(args) -> int:
                              fp16_paths=tuple(args.fp16_paths.split(",")), gen_len=args.gen, prompt_len=args.prompt_len,
                              eager_gen_len=args.eager_gen, energy=not args.no_energy, kernel_times=not args.no_kernel_times,
                              heads=tuple(_parse_quantize(k) for k in args.lm_head.split(",")), fuses=FUSE_CHOICES[args.fuse],
-                             embeds=tuple(_parse_quantize(k) for k in args.embed.split(",")), profile=args.profile)
+                             embeds=tuple(_parse_quantize(k) for k in args.embed.split(",")), profile=args.profile,
+                             programmatic={"on": (True,), "off": (False,), "both": (True, False)}[args.programmatic])
     prov = results.provenance(command=args.command or " ".join(sys.argv), seconds=round(time.time() - t0, 1))
     path = results.save(args.name, recs, prov, folder=args.out)
     print(f"wrote {path}")
@@ -1046,6 +1053,8 @@ def main(argv=None) -> int:
                    help="q/k/v and gate/up as one layer each: off, on, or both (every scheme, fp16 included, twice)")
     b.add_argument("--profile", action="store_true",
                    help="fused-step rows also record a torch.profiler breakdown of a token (kernel by kernel) from the same process")
+    b.add_argument("--programmatic", choices=("on", "off", "both"), default="on",
+                   help="fused-step rows: kernels that may start while the one before runs (sm_90), strictly serial, or a row each")
     b.set_defaults(func=_bench_cmd)
     args = p.parse_args(argv)
     if getattr(args, "max_new_tokens", 1) < 1:

@@ -16,7 +16,7 @@ import math
 import torch
 from numba import cuda, float32, int32
 
-from .gemv import SIM, _as_kernel_array, better, half2_to_float2, load16, warp_argmax
+from .gemv import SIM, _as_kernel_array, better, half2_to_float2, load16, launch_hooks, programmatic, warp_argmax
 
 NT = 128 if SIM else 1024  # threads of the one block (the simulator runs each as a Python thread)
 LOADS = 4  # 16-byte loads a thread keeps in flight: a 32000-token vocabulary is one round of them
@@ -31,11 +31,13 @@ def greedy_kernel(V: int, embed: bool):
     NCH = V // 8  # 16-byte chunks of eight logits; the last V % 8 logits are read one by one
     NW = NT // 32
     WL = 4 * LOADS  # words a thread holds (a literal size for numba's local array)
+    wait, _ = launch_hooks()  # everything it reads is the LM head's output or the step's state (its exit releases)
 
     @cuda.jit(**({} if SIM else {"launch_bounds": (NT,)}))
     def kernel(logits, l32, tokens, tok, pos, i, table, h):
         # logits (1, V) fp16 and l32, its first 8 NCH values as int32 pairs; tokens (n,), tok, pos, i (1,)
         # int64; table (V, hidden / 2) and h (1, hidden / 2): the fp16 embedding and hidden state as pairs.
+        wait()
         t = cuda.threadIdx.x
         bv = float32(-math.inf)
         bi = int32(V)
@@ -93,7 +95,8 @@ class Greedy:
     and ``i`` advanced, and, given an fp16 ``embedding`` weight (V, hidden), the token's row into ``h``
     (1, hidden). Every tensor is a static buffer of the step, read on the device at launch."""
 
-    def __init__(self, logits, tokens, tok, pos, i, embedding: torch.Tensor | None = None, h: torch.Tensor | None = None):
+    def __init__(self, logits, tokens, tok, pos, i, embedding: torch.Tensor | None = None, h: torch.Tensor | None = None,
+                 after_kernel: bool = False):
         V = logits.shape[-1]
         if logits.dim() != 2 or logits.shape[0] != 1 or logits.dtype != torch.float16 or not logits.is_contiguous():
             raise ValueError(f"logits must be a contiguous float16 (1, V) tensor, got {tuple(logits.shape)} {logits.dtype}")
@@ -118,7 +121,9 @@ class Greedy:
         l32 = logits[0, :8 * (V // 8)].view(torch.int32) if V >= 8 else logits.new_zeros(8).view(torch.int32)
         self.args = [_as_kernel_array(b) for b in (logits, l32, tokens, tok.view(1), pos.view(1), i.view(1), table, hh)]
         self.device = logits.device
+        self.after_kernel = after_kernel  # always after a kernel (the LM head's): may start while it runs
 
     def __call__(self) -> None:
         stream = 0 if SIM else cuda.external_stream(torch.cuda.current_stream(self.device).cuda_stream)
-        self.kernel[1, NT, stream](*self.args)
+        with programmatic(self.after_kernel):
+            self.kernel[1, NT, stream](*self.args)

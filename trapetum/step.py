@@ -34,6 +34,7 @@ from torch import nn
 
 from .attention import DecodeAttention
 from .fuse import FusedProjections, fuse_projections
+from .gemv import programmatic_kernels
 
 
 class UnsupportedModelError(ValueError):
@@ -73,7 +74,7 @@ class FusedStep:
     :attr:`fused_launches` / :attr:`unfused_projections` say how much of the model took the fused kernels.
     """
 
-    def __init__(self, model, max_len: int, n: int, keep_logits: bool = False):
+    def __init__(self, model, max_len: int, n: int, keep_logits: bool = False, programmatic: bool = True):
         _check(model)
         fuse_projections(model)
         inner, cfg = model.model, model.config
@@ -101,11 +102,17 @@ class FusedStep:
         self.plans: dict[str, str] = {}  # "in x out pre/post" -> the fused GEMV's launch plan
         self.embed = self._embed(inner.embed_tokens)
         self.ops = []
+        # Programmatic launch (sm_90; trapetum.gemv.programmatic) for a launch whose stream predecessor
+        # is always one of the step's kernels: not the first (the prefill's torch embedding precedes
+        # it), nor one after a torch op (an unfused projection may end in a copy).
+        self.programmatic = programmatic and programmatic_kernels()
+        self._after_kernel = False
         for li, layer in enumerate(inner.layers):
             att, mlp = layer.self_attn, layer.mlp
             self._project(f"layers.{li}.qkv", _parts(getattr(att, "qkv_proj", None), ("q_proj", "k_proj", "v_proj"), att),
                           self.h, self.qkv, norm=layer.input_layernorm)
-            self.ops.append(self.attention.bind(li, self.qkv, self.a))
+            self.ops.append(self.attention.bind(li, self.qkv, self.a, after_kernel=self._after_kernel))
+            self._after_kernel = self.programmatic
             self._project(f"layers.{li}.o_proj", [att.o_proj], self.a, self.h, add=True)
             self._project(f"layers.{li}.gate_up", _parts(getattr(mlp, "gate_up_proj", None), ("gate_proj", "up_proj"), mlp),
                           self.h, self.gu, norm=layer.post_attention_layernorm)
@@ -119,7 +126,8 @@ class FusedStep:
         from .greedy import Greedy
 
         self.greedy = Greedy(self.out, self.tokens, self.tok, self.pos, self.i,
-                             emb.weight.detach() if fused_embed else None, self.h if fused_embed else None)
+                             emb.weight.detach() if fused_embed else None, self.h if fused_embed else None,
+                             after_kernel=self._after_kernel and not keep_logits)  # keep_logits: a copy between
         self.finish = [self.greedy] if fused_embed else [self.greedy, self.embed]
 
     # -- building the launch list -----------------------------------------------------------------
@@ -151,12 +159,15 @@ class FusedStep:
         if all(k is not None for k in kernels):
             pre, post = "rms" if norm is not None else "silu" if silu else "", "add" if add else ""
             for g, o in zip(kernels, slices):
+                after = {"after_kernel": self._after_kernel} if isinstance(g, AdditiveGemv) else {}
                 self.ops.append(g.bind(x, o, pre=pre, post=post, norm_weight=None if norm is None else norm.weight,
-                                       eps=getattr(norm, "variance_epsilon", 1e-6), res=o if add else None))
+                                       eps=getattr(norm, "variance_epsilon", 1e-6), res=o if add else None, **after))
                 self.fused_launches += 1
+                self._after_kernel = self.programmatic
                 self.plans[f"{g.n_in}x{g.n_out} {pre or '-'}/{post or '-'}"] = g.fused_plan(1, pre, post).label()
             return
         self.unfused_projections.append(name)
+        self._after_kernel = False
         n_in = linears[0].in_features
         xin = torch.empty(1, n_in, dtype=torch.float16, device=x.device)
 
