@@ -474,3 +474,32 @@ def test_kernel_bound_sums_the_layers_and_records_each_kernels_plan_and_error(mo
     assert b["kernel_max_rel_err"] == pytest.approx(1e-4 * 11008 / 4096)  # the worst of the kernels timed
     fp16 = decode.kernel_bound(cfg, None, fused=True)
     assert fp16["kernel_ms_per_token"] == pytest.approx(32 * 4 + 1.0) and "kernel_plan_by_shape" not in fp16
+
+
+def test_decode_bench_times_the_fused_step_both_ways_only_where_it_can(monkeypatch):
+    # bench --programmatic both: a fused-step row launched programmatically and one strictly serial,
+    # on a GPU that can (sm_90); elsewhere one serial row, recorded as such.
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=96)
+    asked = []
+    real = decode.generate
+
+    def generate(*a, programmatic=True, **kw):
+        asked.append((kw.get("path"), programmatic))
+        return real(*a, programmatic=programmatic, **kw)
+    monkeypatch.setattr(decode, "generate", generate)
+    recs = decode.decode_bench("llama-2-7b", Ks=(16,), paths=("graphed",), fp16_paths=(), gen_len=4, prompt_len=20, energy=False,
+                               progress=False, device="cpu", programmatic=(True, False), **tiny)
+    assert [r["path"] for r in recs] == ["graphed"] and "programmatic" not in recs[0]
+    assert ("graphed", True) in asked  # other paths ignore it
+    from trapetum import gemv
+
+    monkeypatch.setattr(gemv, "programmatic_kernels", lambda: True)
+    assert decode.programmatic_runs((True, False, True)) == (True, False) and decode.programmatic_runs((False,)) == (False,)
+    assert decode.programmatic_runs((True, False), cuda=False) == (False,)
+    monkeypatch.setattr(gemv, "programmatic_kernels", lambda: False)
+    assert decode.programmatic_runs((True, False)) == (False,)
+    with pytest.raises(ValueError, match="True and/or False"):
+        decode.programmatic_runs(())
+    with pytest.raises(SystemExit) as e:
+        decode.main(["bench", "--programmatic", "sometimes"])
+    assert e.value.code == 2

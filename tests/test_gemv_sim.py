@@ -584,3 +584,26 @@ def test_fused_operations_refuse_bad_operands(small):
         small.bind(x, y, post="add")
     with pytest.raises(ValueError, match="out must be"):
         small.bind(x, y, post="add", res=torch.zeros(1, small.n_out + 1, dtype=torch.float16))
+
+
+def test_programmatic_launches_carry_the_attribute_only_inside_the_context(monkeypatch):
+    # numba-cuda builds each launch's cuda.core LaunchConfig itself; the patched constructor adds
+    # programmatic_stream_serialization only to launches made under gemv.programmatic(True).
+    import types
+
+    made = []
+    fake = types.SimpleNamespace(LaunchConfig=lambda **kw: made.append(kw) or kw)
+    gemv._install_programmatic(fake)
+    gemv._install_programmatic(fake)  # idempotent: not wrapped twice
+    monkeypatch.setattr(gemv, "programmatic_kernels", lambda: True)
+    fake.LaunchConfig(grid=1, block=32)
+    with gemv.programmatic(True):
+        fake.LaunchConfig(grid=1, block=32)
+        with gemv.programmatic(False):
+            fake.LaunchConfig(grid=2, block=32)
+        fake.LaunchConfig(grid=3, block=32)
+    fake.LaunchConfig(grid=4, block=32)
+    assert [("programmatic_stream_serialization" in kw, kw["grid"]) for kw in made] == [
+        (False, 1), (True, 1), (False, 2), (True, 3), (False, 4)]
+    monkeypatch.setattr(gemv, "programmatic_kernels", lambda: False)
+    assert not gemv.programmatic(True).on  # no sm_90 (or no attribute in cuda.core): plain launches

@@ -103,3 +103,38 @@ def test_an_additive_model_fuses_and_matches_the_eager_path():
     assert all(v.startswith("additive:") for v in step.plans.values()), step.plans
     r = check_equivalence(m, PROMPT, n=4, runner=FakeGraphRunner(), path="fused-step")
     assert r["first_mismatch"] is None and r["max_rel_logit_diff"] < 1e-2, r
+
+
+def test_programmatic_launch_only_follows_the_steps_own_kernels(monkeypatch):
+    # Where kernels can be launched programmatically (sm_90), a launch may start while the one before
+    # it runs, so it must follow one of the step's kernels: never the first launch (the prefill's torch
+    # embedding precedes it) nor one after a torch op (an unfused projection may end in a copy).
+    from trapetum import decode, step as step_mod
+    from trapetum.additive import AdditiveGemv
+    from trapetum.attention import DecodeAttention
+
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=96)
+    seen = []
+    for cls in (AdditiveGemv, DecodeAttention):
+        orig = cls.bind
+
+        def bind(self, *a, _orig=orig, _name=cls.__name__, after_kernel=False, **kw):
+            seen.append((_name, after_kernel))
+            return _orig(self, *a, after_kernel=after_kernel, **kw)
+        monkeypatch.setattr(cls, "bind", bind)
+    monkeypatch.setattr(step_mod, "programmatic_kernels", lambda: True)
+    for head_K, greedy_after in ((None, False), (16, True)):
+        m = decode.random_llama("llama-2-7b", "A2", device="cpu", progress=False, fuse=True, head_K=head_K, **tiny)
+        for q in qlinears(m).values():
+            q.simulate = True
+        seen.clear()
+        st = step_mod.FusedStep(m, max_len=16, n=4)
+        layer = [("AdditiveGemv", True), ("DecodeAttention", True), ("AdditiveGemv", True), ("AdditiveGemv", True), ("AdditiveGemv", True)]
+        assert seen == [("AdditiveGemv", False)] + layer[1:] + layer, seen
+        assert st.greedy.after_kernel is greedy_after
+        assert FusedStep(m, max_len=16, n=4, keep_logits=True).greedy.after_kernel is False  # a logits copy precedes it
+        assert FusedStep(m, max_len=16, n=4, programmatic=False).greedy.after_kernel is False
+    # in the simulator nothing is launched programmatically, whatever the step asks
+    monkeypatch.undo()
+    assert not gemv.programmatic(True).on and not FusedStep(m, max_len=16, n=4).programmatic

@@ -708,6 +708,18 @@ def profile_fused_step(model, input_ids: torch.Tensor, replays: int = 40, warmup
     return {"wall_us": wall, "kernel_us": kernels, "gaps_us": wall - kernels, "rows": rows}
 
 
+def programmatic_runs(asked, cuda: bool = True) -> tuple[bool, ...]:
+    """The fused-step rows a bench runs for ``asked`` (True: launched programmatically, False: strictly
+    serial), each once; one serial row where nothing launches programmatically (before sm_90, the
+    simulator), so no two rows of a run are the same thing."""
+    from .gemv import programmatic_kernels
+
+    runs = tuple(dict.fromkeys(bool(v) for v in asked))
+    if not runs:
+        raise ValueError("programmatic: give True and/or False")
+    return runs if cuda and programmatic_kernels() else (False,)
+
+
 def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_paths=("graphed",), gen_len: int = 512,
                  prompt_len: int = 32, eager_gen_len: int = 128, seed: int = 0, energy=True, progress=True,
                  device="cuda", kernel_times: bool = True, heads=(None,), fuses=(False,), embeds=(None,),
@@ -748,6 +760,7 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
 
         raise NoGPUError("decode_bench measures on a CUDA GPU and none is visible")
     cfg = llama_config(arch, **arch_overrides)
+    pdl_runs = programmatic_runs(programmatic, cuda)
     recs = []
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=g)
@@ -789,7 +802,7 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
             # Compile and tune the kernels (and let cuBLAS pick) before anything is measured: the
             # tuner's L2-sized copies of the codes must not count in the peak VRAM.
             generate(model, prompt, 3, path="eager", energy=False)
-            for path, pdl in [(p, g) for p in (fp16_paths if K is None else paths) for g in (programmatic if p == "fused-step" else (None,))]:
+            for path, pdl in [(p, g) for p in (fp16_paths if K is None else paths) for g in (pdl_runs if p == "fused-step" else (None,))]:
                 n = gen_len if path in GRAPHED else min(gen_len, eager_gen_len)
                 # On CPU (tests) the graphed path replays through the stand-in runner.
                 runner = FakeGraphRunner() if path in GRAPHED and not cuda else None
