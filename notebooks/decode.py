@@ -98,6 +98,9 @@ df = report.load_decode(out if out is not None else results.DATA_DIR)
 # keeps per-layer workspaces. Rows named "LM head 4-bit K=16" also store the LM head as a 4-bit
 # codebook layer (its kernel is the projections'), and rows named "embedding 4-bit K=16" the
 # token embedding (`QEmbedding`: it saves memory, not time); every other row keeps them in fp16.
+# From commit 946656c the fused step's kernels are launched programmatically on sm_90 (see below);
+# a run that timed it both ways (`bench --programmatic both`) also has a *fused-step (serial)* row,
+# the same step with every launch waiting for the one before to finish.
 # Rows named "residual 4096+256" store every projection as the residual (VPTQ-style) codebooks of
 # the vector-codebook chapter (`ResidualQLinear`, its tuned split or table kernel a shape), measured
 # on the compiled path; fused, a q/k/v or gate/up group shares one codebook set (quantized jointly),
@@ -166,6 +169,27 @@ report.styled(report.decode_targets(df))
 
 # %%
 report.styled(report.decode_step_profile(df))
+
+# %% [markdown]
+# ### Launches that start before the one before has finished
+#
+# In a CUDA graph each of the step's kernels normally starts only once the one before it has
+# finished and flushed its writes, so every launch pays its blocks' start and its first round trip to
+# memory on the token's critical path. On sm_90 a launch with CUDA's programmatic-stream-serialization
+# attribute may start while its predecessor still runs. What a kernel loads before `griddepcontrol.wait`
+# must not depend on that predecessor: the 2-bit GEMVs load their first codes and their codebook
+# fragments (weights), attention loads the position and the cached K and V rows (written by earlier
+# tokens), and each waits before it reads x or q/k/v. A kernel lets the next launch start
+# (`griddepcontrol.launch_dependents`) only after its wait, so no launch ever runs beside one two
+# places back, and only after its main loop. The first form released the next launch right after the
+# wait; its blocks then took room on the SMs from the running grid and placed themselves unevenly,
+# and the token got slower (the first row below). numba-cuda has no such launch option;
+# `trapetum.gemv.programmatic` adds the attribute to numba's launch configuration. Each probe times
+# a token (graph replays) and 512 generated tokens both ways in one process, and checks that the two
+# give the same tokens and logits bit for bit.
+
+# %%
+report.styled(report.programmatic_probe(out if out is not None else results.DATA_DIR))
 
 # %% [markdown]
 # ## A real model: each graphed path against eager

@@ -609,3 +609,47 @@ def test_tile_trials_puts_each_tried_change_beside_the_committed_kernel(tmp_path
     assert list(t["committed (us)"]) == [50.0, 20.0] and list(t["tried plan"]) == ["4 warps, ring 3", "16 warps"]
     assert np.allclose(t["tried / committed"], [1.2, 1.25]) and t["in x out"][0] == "4096 x 14336"
     assert report.tile_trials(tmp_path / "nothing").empty
+
+
+def test_a_run_timing_the_fused_step_both_ways_keeps_both_rows(tmp_path):
+    import json
+
+    def run(name, date, programmatic):
+        prov = results.provenance(command="bench")
+        prov.update(gpu="NVIDIA H200", date=date)
+        recs = [{"model": "llama-2-7b", "scheme": "fp16", "path": "compiled", "fused": True, "tok_s": 200.0, "vram_gb": 14.0,
+                 "j_per_token": 2.0, "oom": False, "fp16_tok_s": 200.0}]
+        recs += [{"model": "llama-2-7b", "scheme": "2-bit additive (M=2)", "path": "fused-step", "fused": True, "tok_s": 500.0 + 50 * bool(p), "vram_gb": 2.4,
+                  "j_per_token": 0.4, "oom": False, "fp16_tok_s": None, **({} if p is None else {"programmatic": p})} for p in programmatic]
+        (tmp_path / "h200").mkdir(exist_ok=True)
+        (tmp_path / "h200" / name).write_text(json.dumps({"provenance": prov, "records": recs}))
+
+    run("decode.20260101T000000.json", "2026-01-01", [None])  # an older run: serial, with no field
+    run("decode.json", "2026-02-01", [True, False])
+    t = report.decode_table(report.load_decode(tmp_path))
+    step = t[t["Path"].str.startswith("fused-step")].set_index("Path")["tok/s"]
+    assert step.to_dict() == {report.SERIAL_STEP + report.FUSED_SUFFIX: 500.0, "fused-step" + report.FUSED_SUFFIX: 550.0}
+    best = report.decode_targets(report.load_decode(tmp_path))
+    assert best["row"].str.contains(r"fused-step, fused").any() and not best["row"].str.contains("serial").any()
+    # a run whose only fused-step row is serial (a GPU before sm_90) keeps the plain name: that is how the step runs there
+    run("decode.json", "2026-03-01", [False])
+    t = report.decode_table(report.load_decode(tmp_path))
+    assert list(t[t["Path"].str.startswith("fused-step")]["tok/s"]) == [500.0]
+
+
+def test_programmatic_probe_sets_serial_and_programmatic_side_by_side(tmp_path):
+    import json
+
+    (tmp_path / "_runs").mkdir()
+    recs = [{"kind": "check", "passed": True, "name": "fused step, programmatic vs serial vs eager", "tokens_equal_pdl_serial": True,
+             "max_abs_logit_diff_pdl_serial": 0.0, "tokens_matching_eager": 32},
+            {"kind": "time", "name": "wall", "pdl_us": [1750.0], "serial_us": [1850.0], "pdl_median_us": 1750.0, "serial_median_us": 1850.0},
+            {"kind": "time", "programmatic": True, "tok_s": 558.0}, {"kind": "time", "programmatic": False, "tok_s": 530.0}]
+    prov = {"gpu": "NVIDIA H200", "git_commit": "946656c3ea", "date": "2026-11-28", "dependents_released": "after its main loop"}
+    (tmp_path / "_runs" / "pdl-probe-x-h200.json").write_text(json.dumps({"provenance": prov, "records": recs}))
+    (tmp_path / "_runs" / "pdl-probe-y-h200.json").write_text(json.dumps({"provenance": prov, "records": recs[1:]}))  # no check: no row
+    t = report.programmatic_probe(tmp_path)
+    assert len(t) == 1 and t["commit"][0] == "946656c" and t["next launch released"][0] == "after its main loop"
+    assert t["serial / programmatic"][0] == pytest.approx(1850 / 1750) and t["tok/s, programmatic"][0] == 558.0
+    assert t["same tokens and logits"][0] and t["tokens as eager"][0] == "32/32"
+    assert report.programmatic_probe(tmp_path / "nothing").empty

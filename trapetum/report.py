@@ -917,8 +917,23 @@ def numba_vs_cuda_cpp(df: pd.DataFrame, scheme: str = FOUR_BIT) -> pd.DataFrame:
 
 # -- the end-to-end chapter ------------------------------------------------------------------
 DECODE = "decode"
-PATH_ORDER = ["naive", "eager", "graphed", "compiled", "fused-step"]
-GRAPHED_PATHS = ("graphed", "compiled", "fused-step")
+SERIAL_STEP = "fused-step (serial)"  # a fused-step row launched strictly in sequence beside a programmatic one of its run
+PATH_ORDER = ["naive", "eager", "graphed", "compiled", SERIAL_STEP, "fused-step"]
+GRAPHED_PATHS = ("graphed", "compiled", SERIAL_STEP, "fused-step")
+
+
+def _label_serial_steps(df: pd.DataFrame) -> pd.DataFrame:
+    """A run that timed the fused step both ways (``bench --programmatic both``) keeps both rows: the
+    one launched strictly in sequence becomes path :data:`SERIAL_STEP`. A run with only serial rows
+    (a GPU before sm_90, or an older run) keeps "fused-step": that is how the step runs there."""
+    if "programmatic" not in df or "file" not in df:
+        return df
+    step = df["path"].eq("fused-step")
+    prog = df["programmatic"].astype(object)
+    key = ["file", "model", "scheme", "fused"]
+    both = df[step & prog.eq(True)].set_index(key).index
+    serial = step & prog.eq(False) & pd.Series([k in both for k in zip(*(df[c] for c in key))], index=df.index)
+    return df.assign(path=df["path"].where(~serial, SERIAL_STEP))
 
 
 def _path_rank(path) -> int:
@@ -939,7 +954,7 @@ def load_decode(folder=None) -> pd.DataFrame:
     if not df.empty:
         # runs before trapetum.fuse existed have no "fused" field: their projections were separate
         df["fused"] = df["fused"].fillna(False).astype(bool) if "fused" in df else False
-        df = _baselines(df)
+        df = _label_serial_steps(_baselines(df))
         newest = df.groupby(["gpu", "model", "scheme", "path", "fused"], dropna=False)["date"].transform("max")
         df = df[df["date"] == newest].reset_index(drop=True)
     if df.empty:
@@ -1671,6 +1686,32 @@ def chunk_rms_probe(folder=None) -> pd.DataFrame:
                 row[f"{fin}: rms (us)"] = us.get((fin, "rms"), float("nan"))
                 row[f"{fin}: rms penalty (us)"] = row[f"{fin}: rms (us)"] - row[f"{fin}: plain (us)"]
             rows.append(row)
+    return pd.DataFrame(rows)
+
+
+PROGRAMMATIC_PROBES = "_runs/pdl-probe-*.json"  # the fused step launched programmatically and strictly in sequence
+
+
+def programmatic_probe(folder=None) -> pd.DataFrame:
+    """The fused step with programmatic dependent launch against the same step launched strictly in
+    sequence, one row a probe (7B 2-bit, LM head 4-bit, one process): where its kernels let the next
+    launch start, a token's wall time both ways (median of three interleaved graph captures of 100
+    replays), the tok/s of 512 generated tokens both ways, and whether the two gave the same tokens and
+    logits (bit for bit) and eager's tokens."""
+    rows = []
+    for name, prov, recs in _probe_files(folder, PROGRAMMATIC_PROBES):
+        wall = next((r for r in recs if r.get("kind") == "time" and "pdl_median_us" in r), None)
+        gen = {r["programmatic"]: r["tok_s"] for r in recs if r.get("kind") == "time" and "tok_s" in r}
+        same = next((r for r in recs if r.get("kind") == "check" and "tokens_equal_pdl_serial" in r), None)
+        if wall is None or same is None:
+            continue
+        rows.append({"GPU": gpu_label(prov.get("gpu", "")), "commit": str(prov.get("git_commit"))[:7],
+                     "next launch released": prov.get("dependents_released", "?"),
+                     "token, serial (us)": float(wall["serial_median_us"]), "token, programmatic (us)": float(wall["pdl_median_us"]),
+                     "serial / programmatic": float(wall["serial_median_us"] / wall["pdl_median_us"]),
+                     "tok/s, serial": gen.get(False, float("nan")), "tok/s, programmatic": gen.get(True, float("nan")),
+                     "same tokens and logits": bool(same["tokens_equal_pdl_serial"] and same["max_abs_logit_diff_pdl_serial"] == 0),
+                     "tokens as eager": f"{same['tokens_matching_eager']}/32"})
     return pd.DataFrame(rows)
 
 
