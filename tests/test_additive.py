@@ -193,6 +193,9 @@ def test_chunk_cluster_plans_and_their_errors():
     got = A.chunk_candidates(4096, 4096, 227 * 1024)
     assert sum(q.cluster == 8 for q in got) == sum(q.cluster == 0 for q in got) > 0
     assert not any(q.cluster for q in A.chunk_candidates(4096, 11008, 227 * 1024))
+    # before sm_90 (an sm_86 rerun of a chapter) the tuner is offered no cluster plan to compile
+    assert [q for q in got if not q.cluster] == A.chunk_candidates(4096, 4096, 227 * 1024, clusters=False)
+    assert not A.clusters_available("cpu")
     with pytest.raises(ValueError, match="GPU only"):  # the simulator runs a grid's blocks one at a time
         AdditiveGemv(random_additive_tensor(16, 1024, 2), plan={"kernel": "chunk", "warps": 4, "tile": 4, "rows": 16,
                                                                 "cluster": True})(torch.randn(1, 1024).half())

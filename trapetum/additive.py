@@ -49,6 +49,7 @@ from .gemv import (
     async_wait_all,
     bits_float,
     cluster_sync,
+    clusters_available,
     check_activation,
     check_fused,
     check_ops,
@@ -1823,12 +1824,13 @@ def plan_chunk(n_out: int, n_in: int, smem: int, warps: int = 8, tile: int = 4, 
 CHUNK_PLANS = ((8, 4, 256), (8, 4, 512), (8, 4, 1024), (8, 8, 512), (8, 8, 1024), (16, 4, 512), (16, 4, 1024))  # (warps, tile, rows)
 
 
-def chunk_candidates(n_out: int, n_in: int, smem: int) -> list[StreamPlan]:
+def chunk_candidates(n_out: int, n_in: int, smem: int, clusters: bool = True) -> list[StreamPlan]:
     """The chunk kernel's plans the tuner times for an M=2 layer at batch 1 (distinct ones only),
-    each also with a cluster finish where the layer has 2 to 8 chunks (on a GPU)."""
+    each also with a cluster finish where the layer has 2 to 8 chunks and ``clusters`` (a GPU of
+    compute capability 9.0 or later)."""
     out = []
     for w, qt, rows in CHUNK_PLANS:
-        for cluster in (False, True):
+        for cluster in (False, True) if clusters else (False,):
             try:
                 p = plan_chunk(n_out, n_in, smem, warps=w, tile=qt, rows=rows, cluster=cluster)
             except ValueError:
@@ -1974,6 +1976,9 @@ class AdditiveGemv:
                 raise ValueError(f"{plan.label()}: the streaming kernel runs batch 1")
             if pre == "rms" and not stream_rms_fits(plan, OPTIN_SIM if SIM else self._smem()):  # as _prepare plans it
                 raise ValueError(f"{plan}: its tables leave no room for pre='rms' sums of squares ({4 * plan.warps} bytes)")
+            if plan.cluster and not SIM and not clusters_available(self.device):
+                raise ValueError(f"{plan.label()}: a cluster finish needs a GPU of compute capability 9.0 or later "
+                                 f"(this one is {'.'.join(map(str, torch.cuda.get_device_capability(self.device)))})")
             kern = (chunk_kernel(plan.warps, plan.tile, pre, post, plan.cluster) if plan.kernel == "chunk" else
                     stream_kernel(plan.warps, plan.QW, plan.slots, pre, post))
             grid = plan.grid(self.n_out)
@@ -2105,7 +2110,8 @@ class AdditiveGemv:
         cands = [p for p in candidate_plans(self.n_out, self.nchunks, self.M, B, sms, smem)
                  if p.build == "mma" or not (pre or post)] if "table" in kernels else []
         if B == 1 and self.M == 2 and "stream" in kernels and tuning_enabled("additive-stream"):
-            streams = stream_candidates(self.n_out, self.n_in, sms, smem) + chunk_candidates(self.n_out, self.n_in, smem)
+            streams = (stream_candidates(self.n_out, self.n_in, sms, smem)
+                       + chunk_candidates(self.n_out, self.n_in, smem, clusters_available(self.device)))
             cands += [p for p in streams if pre != "rms" or stream_rms_fits(p, smem)]
         return cands
 
@@ -2248,8 +2254,8 @@ def correctness_sweep(shapes, Ms=(2, 4), batches=(1, 2, 3, 8, 16), seed: int = 0
         # the chunk kernel: tiles of 16 and 32 rows, one row-group and several
         big += [(shapes[0], 2, 1, dict(kernel="chunk", warps=8, tile=8, rows=512))]
         jobs += [(s, 2, 1, dict(kernel="chunk", warps=w, tile=qt, rows=r)) for s in shapes[:2] for w, qt, r in ((8, 4, 256), (16, 4, 1024))]
-        # its cluster finish (2 to 8 chunks, GPU only): the shapes whose inputs allow it
-        if not SIM:
+        # its cluster finish (2 to 8 chunks, sm_90 and later): the shapes whose inputs allow it
+        if clusters_available(device):
             cl = [s for s in shapes if 1 < stream_chunks(s[0] // D) <= MAX_CLUSTER][:2]
             big += [(s, 2, 1, dict(kernel="chunk", warps=8, tile=8, rows=512, cluster=True)) for s in cl[:1]]
             jobs += [(s, 2, 1, dict(kernel="chunk", warps=w, tile=qt, rows=r, cluster=True)) for s in cl

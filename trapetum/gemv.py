@@ -2460,6 +2460,14 @@ def tuning_inputs(tiled: torch.Tensor, weight_bytes: int, n_in: int, n_out: int,
     return (copies, x, y), [_as_kernel_array(c) for c in copies], _as_kernel_array(x.view(torch.int32)), _as_kernel_array(y)
 
 
+def clusters_available(device) -> bool:
+    """Whether kernels on ``device`` can run as thread block clusters: compute capability 9.0 or later
+    (the simulator runs one block at a time, so never there)."""
+    if SIM or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def sm_count(device) -> int:
     if SIM or not torch.cuda.is_available():
         return 4
