@@ -208,8 +208,11 @@ def test_graphed_matches_eager_on_gpu(K):
 
 def test_decode_bench_records_follow_the_contract():
     tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=96)
+    seen = []
     recs = decode.decode_bench("llama-2-7b", Ks=(16,), paths=("naive", "eager", "graphed"), fp16_paths=("eager",), gen_len=6,
-                               prompt_len=20, energy=False, progress=False, device="cpu", **tiny)
+                               prompt_len=20, energy=False, progress=False, device="cpu", on_record=seen.append, **tiny)
+    assert [r["path"] for r in seen] == [r["path"] for r in recs]  # each row as it is made (the CLI's partial file)
+    assert all(isinstance(r["first_tokens"], str) and r["weight_bytes_per_token"] > 0 and "fp16_tok_s" in r for r in seen)
     assert [(r["scheme"], r["path"]) for r in recs] == [("fp16", "eager"), ("4-bit K=16", "naive"), ("4-bit K=16", "eager"), ("4-bit K=16", "graphed")]
     assert recs[2]["matches_graphed_tokens"] is True and recs[3]["matches_graphed_tokens"] is True
     assert recs[1]["speedup"] is None  # fp16 had no graphed run to be the baseline
@@ -503,3 +506,30 @@ def test_decode_bench_times_the_fused_step_both_ways_only_where_it_can(monkeypat
     with pytest.raises(SystemExit) as e:
         decode.main(["bench", "--programmatic", "sometimes"])
     assert e.value.code == 2
+
+
+def test_bench_cli_keeps_the_rows_of_a_run_cut_short(monkeypatch, tmp_path):
+    # A device call's time limit can stop a bench between models: each row is in
+    # <out>/<gpu>/decode.partial.jsonl as it is made, and a finished run leaves only its results file.
+    from trapetum import results
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(results, "gpu_info", lambda: {"gpu": "NVIDIA H100 80GB HBM3", "driver": None, "cuda": None})
+
+    def bench(arch, on_record=None, stop=True, **kw):
+        on_record({"model": arch, "scheme": "fp16", "path": "compiled", "tok_s": 165.7, "gen_len": 512})
+        if stop:
+            raise KeyboardInterrupt
+        return [{"model": arch, "scheme": "fp16", "path": "compiled", "tok_s": 165.7, "gen_len": 512}]
+    monkeypatch.setattr(decode, "decode_bench", bench)
+    with pytest.raises(KeyboardInterrupt):
+        decode.main(["bench", "--arch", "llama-2-7b", "--out", str(tmp_path), "--command", "bench"])
+    part = tmp_path / "nvidia-h100-80gb-hbm3" / "decode.partial.jsonl"
+    prov, _, recs = results.read_partial(part)
+    assert prov["command"] == "bench" and [r["tok_s"] for r in recs] == [165.7]
+    saved = results.adopt_partial(part, folder=tmp_path / "adopted")
+    assert "1 records kept" in results.read(saved)[0]["partial"]
+    monkeypatch.setattr(decode, "decode_bench", lambda arch, **kw: bench(arch, stop=False, **kw))
+    assert decode.main(["bench", "--arch", "llama-2-7b", "--out", str(tmp_path)]) == 0
+    assert not part.exists() and (tmp_path / "nvidia-h100-80gb-hbm3" / "decode.json").exists()

@@ -723,7 +723,7 @@ def programmatic_runs(asked, cuda: bool = True) -> tuple[bool, ...]:
 def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_paths=("graphed",), gen_len: int = 512,
                  prompt_len: int = 32, eager_gen_len: int = 128, seed: int = 0, energy=True, progress=True,
                  device="cuda", kernel_times: bool = True, heads=(None,), fuses=(False,), embeds=(None,),
-                 profile: bool = False, programmatic=(True,), **arch_overrides) -> list[dict]:
+                 profile: bool = False, programmatic=(True,), on_record=None, **arch_overrides) -> list[dict]:
     """fp16 vs codebook decode on a Llama-2 architecture with random weights, built on the device.
 
     One record per (scheme, path), per the results contract; ``fp16_tok_s`` is the fp16 graphed
@@ -749,6 +749,9 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
 
     ``programmatic``: True and/or False, a fused-step row each: its kernels launched so that each
     may start while the one before runs (sm_90), or strictly one after another.
+
+    ``on_record(rec)`` sees each record as it is made (the CLI's partial file: a run cut short keeps
+    the rows it finished).
     """
     if profile and torch.device(device).type != "cuda":
         raise ValueError("profile=True times CUDA kernels: it needs device='cuda'")
@@ -764,6 +767,36 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
     recs = []
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=g)
+    # Each record's fp16 baselines and bytes a token reads (fp16 runs first, so a record made later
+    # can be completed at once: the partial file's rows carry them too).
+    h, i, L, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    kv = h * cfg.num_key_value_heads // cfg.num_attention_heads
+    proj = L * (2 * h * h + 2 * h * kv + 3 * h * i)
+
+    def complete(r: dict) -> dict:
+        key = (r["path"], r["fused"])
+        f = fp16_tok_s.get(key, fp16_tok_s.get(("graphed", r["fused"])))
+        r["fp16_tok_s"] = f
+        r["fp16_vram_gb"] = fp16_vram.get(key, fp16_vram.get(("graphed", r["fused"])))
+        r["speedup"] = r["tok_s"] / f if r.get("tok_s") and f else None
+        # Against the fastest fp16 path of the run (a codebook path may beat fp16 on a slower path only)
+        best = max(((v, p) for (p, fu), v in fp16_tok_s.items() if fu == r["fused"] and p in GRAPHED and v), default=None)
+        r["fp16_best_path"] = best[1] if best else None
+        r["speedup_vs_best_fp16"] = r["tok_s"] / best[0] if r.get("tok_s") and best else None
+        # Bytes a token must read at least (projections at their bits, embeddings/lm_head fp16): the bandwidth bound's numerator.
+        K = r["K"]
+        if K is None:
+            per_w = 2.0
+        elif isinstance(K, str):
+            per_w = _bits(K) / 8  # codes; codebooks (8 KiB a layer) and scales are negligible
+        else:
+            per_w = 1 / (2 if K == 16 else 1) + K * 2 / h  # codes + codebook share (in >= hidden)
+        head_w = 2.0 if r["head_K"] is None else 1 / (2 if r["head_K"] == 16 else 1) + r["head_K"] * 2 / h
+        r["weight_bytes_per_token"] = proj * per_w + head_w * v * h
+        if r.get("oom"):
+            r["weights_gb_needed"] = (proj * per_w + (2 + head_w) * v * h) / 1e9
+        return r
+
     fp16_tok_s = {}  # fp16's tok/s by (graphed path, fused): each path is compared with fp16 on the same path
     fp16_vram = {}
     runs = [(f, K, h, e) for f in fuses for K, h, e in [(None, None, None)] + [(K, h, e) for K in Ks for h in heads for e in embeds]]
@@ -832,6 +865,8 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
                     fp16_tok_s[path, fused] = r.tok_s
                     fp16_vram[path, fused] = r.peak_vram_gb
                 recs.append(rec)
+                if on_record is not None:
+                    on_record(complete({**rec, "first_tokens": " ".join(map(str, rec["first_tokens"]))}))
                 if progress:
                     vram = f"{r.peak_vram_gb:6.2f} GB" if r.peak_vram_gb is not None else "n/a"
                     jpt = f"{r.j_per_token:.3f}" if r.j_per_token is not None else f"n/a ({r.energy_error})"
@@ -841,6 +876,8 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
             recs.append({**base, "path": "graphed", "gen_len": gen_len, "tok_s": None, "vram_gb": None, "j_per_token": None,
                          "oom": True, "error": str(e).splitlines()[0][:300],
                          "gpu_memory_gb": torch.cuda.get_device_properties(0).total_memory / 1e9 if cuda else None})
+            if on_record is not None:
+                on_record(complete(dict(recs[-1])))
             if progress:
                 print(f"{arch} {scheme}: out of memory ({str(e).splitlines()[0][:120]})", flush=True)
         finally:
@@ -861,31 +898,8 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
     for r in recs:
         if "first_tokens" in r:
             r["first_tokens"] = " ".join(map(str, r["first_tokens"]))
-    h, i, L, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
-    kv = h * cfg.num_key_value_heads // cfg.num_attention_heads
-    proj = L * (2 * h * h + 2 * h * kv + 3 * h * i)
     for r in recs:
-        key = (r["path"], r["fused"])
-        f = fp16_tok_s.get(key, fp16_tok_s.get(("graphed", r["fused"])))
-        r["fp16_tok_s"] = f
-        r["fp16_vram_gb"] = fp16_vram.get(key, fp16_vram.get(("graphed", r["fused"])))
-        r["speedup"] = r["tok_s"] / f if r.get("tok_s") and f else None
-        # Against the fastest fp16 path of the run (a codebook path may beat fp16 on a slower path only)
-        best = max(((v, p) for (p, fu), v in fp16_tok_s.items() if fu == r["fused"] and p in GRAPHED and v), default=None)
-        r["fp16_best_path"] = best[1] if best else None
-        r["speedup_vs_best_fp16"] = r["tok_s"] / best[0] if r.get("tok_s") and best else None
-        # Bytes a token must read at least (projections at their bits, embeddings/lm_head fp16): the bandwidth bound's numerator.
-        K = r["K"]
-        if K is None:
-            per_w = 2.0
-        elif isinstance(K, str):
-            per_w = _bits(K) / 8  # codes; codebooks (8 KiB a layer) and scales are negligible
-        else:
-            per_w = 1 / (2 if K == 16 else 1) + K * 2 / h  # codes + codebook share (in >= hidden)
-        head_w = 2.0 if r["head_K"] is None else 1 / (2 if r["head_K"] == 16 else 1) + r["head_K"] * 2 / h
-        r["weight_bytes_per_token"] = proj * per_w + head_w * v * h
-        if r.get("oom"):
-            r["weights_gb_needed"] = (proj * per_w + (2 + head_w) * v * h) / 1e9
+        complete(r)
     return recs
 
 
@@ -990,15 +1004,25 @@ def _bench_cmd(args) -> int:
 
     t0 = time.time()
     recs = []
+    command = args.command or " ".join(sys.argv)
+    partial = None
+    if args.out and torch.cuda.is_available():
+        # Each row as it is made, so a run stopped part way (a device call's time limit) keeps what it
+        # measured: results.adopt_partial turns <out>/<gpu>/<name>.partial.jsonl into a results file.
+        partial = results.write_partial(args.name, torch.cuda.get_device_name(), results.provenance(command=command), {}, [],
+                                        folder=args.out)
     for arch in args.arch.split(","):
         recs += decode_bench(arch, Ks=tuple(_parse_quantize(k) for k in args.schemes.split(",")), paths=tuple(args.paths.split(",")),
                              fp16_paths=tuple(args.fp16_paths.split(",")), gen_len=args.gen, prompt_len=args.prompt_len,
                              eager_gen_len=args.eager_gen, energy=not args.no_energy, kernel_times=not args.no_kernel_times,
                              heads=tuple(_parse_quantize(k) for k in args.lm_head.split(",")), fuses=FUSE_CHOICES[args.fuse],
                              embeds=tuple(_parse_quantize(k) for k in args.embed.split(",")), profile=args.profile,
-                             programmatic={"on": (True,), "off": (False,), "both": (True, False)}[args.programmatic])
-    prov = results.provenance(command=args.command or " ".join(sys.argv), seconds=round(time.time() - t0, 1))
+                             programmatic={"on": (True,), "off": (False,), "both": (True, False)}[args.programmatic],
+                             on_record=None if partial is None else (lambda r: results.append_partial(partial, r)))
+    prov = results.provenance(command=command, seconds=round(time.time() - t0, 1))
     path = results.save(args.name, recs, prov, folder=args.out)
+    if partial is not None:
+        partial.unlink()  # the whole run is in the results file now
     print(f"wrote {path}")
     return 0
 
