@@ -1186,8 +1186,9 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
     - ``build(sm, bfr, lc, buf, warp, lane, cbexp)``: chunk ``lc`` (of the staged x) into table
       ``buf`` (see :func:`stream_kernel`, step 2); returns the factor 2**s its sums must be multiplied by;
     - ``start(sm, x32, g32, cb32, bfr, wsq, c0, nc, tid, warp, lane, cbexp, eps)``: a block's prologue:
-      chunks c0 .. c0 + nc - 1 of x staged (cp.async, or through registers normalised or gated), the
-      warp's B fragments ``bfr`` loaded, chunk c0's table built in table 0; returns its factor;
+      the warp's B fragments ``bfr`` loaded, then (after the wait for a programmatic launch's
+      predecessor, :func:`trapetum.gemv.launch_hooks`) chunks c0 .. c0 + nc - 1 of x staged (cp.async,
+      or through registers normalised or gated) and chunk c0's table built in table 0; returns its factor;
     - ``ids(qpb)``: (thread, warp, lane, the block's first quad of rows);
     - ``lookup(sm, w, l0)``: the sum of code word w's four table entries (l0: the lane's byte offset of
       codebook 0, group s, in the table read);
@@ -1988,7 +1989,13 @@ class AdditiveGemv:
             groups = -(-self.rbs // plan.RB)
             grid = (groups, plan.ksplit, -(-B // plan.bt))
             rows, ncounters = table_ws_columns(self.rbs * ROW_BLOCK, pre), groups * grid[2]
-        ws = torch.empty(plan.ksplit, B, rows, dtype=torch.float32, device=self.device)
+        if isinstance(plan, StreamPlan) and plan.cluster:
+            # a row's chunks meet in distributed shared memory: the kernel never touches these (at 7B a
+            # fused step's cluster launches would otherwise hold ~40 MB of them)
+            rows, ncounters, splits = 1, 1, 1
+        else:
+            splits = plan.ksplit
+        ws = torch.empty(splits, B, rows, dtype=torch.float32, device=self.device)
         counters = torch.zeros(ncounters, dtype=torch.int32, device=self.device)
         return kern, plan, grid, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters))
 
