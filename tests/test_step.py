@@ -112,11 +112,12 @@ def test_programmatic_launch_only_follows_the_steps_own_kernels(monkeypatch):
     from trapetum import decode, step as step_mod
     from trapetum.additive import AdditiveGemv
     from trapetum.attention import DecodeAttention
+    from trapetum.gemv import LutGemv
 
     tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 vocab_size=96)
     seen = []
-    for cls in (AdditiveGemv, DecodeAttention):
+    for cls in (AdditiveGemv, LutGemv, DecodeAttention):
         orig = cls.bind
 
         def bind(self, *a, _orig=orig, _name=cls.__name__, after_kernel=False, **kw):
@@ -124,14 +125,16 @@ def test_programmatic_launch_only_follows_the_steps_own_kernels(monkeypatch):
             return _orig(self, *a, after_kernel=after_kernel, **kw)
         monkeypatch.setattr(cls, "bind", bind)
     monkeypatch.setattr(step_mod, "programmatic_kernels", lambda: True)
-    for head_K, greedy_after in ((None, False), (16, True)):
-        m = decode.random_llama("llama-2-7b", "A2", device="cpu", progress=False, fuse=True, head_K=head_K, **tiny)
+    for K, head_K, greedy_after in (("A2", None, False), ("A2", 16, True), (16, 16, True)):
+        m = decode.random_llama("llama-2-7b", K, device="cpu", progress=False, fuse=True, head_K=head_K, **tiny)
         for q in qlinears(m).values():
             q.simulate = True
         seen.clear()
         st = step_mod.FusedStep(m, max_len=16, n=4)
-        layer = [("AdditiveGemv", True), ("DecodeAttention", True), ("AdditiveGemv", True), ("AdditiveGemv", True), ("AdditiveGemv", True)]
-        assert seen == [("AdditiveGemv", False)] + layer[1:] + layer, seen
+        gemv_ = "LutGemv" if K == 16 else "AdditiveGemv"
+        layer = [(gemv_, True), ("DecodeAttention", True), (gemv_, True), (gemv_, True), (gemv_, True)]
+        head = [("LutGemv", True)] if head_K else []  # an fp16 head is an unfused torch op
+        assert seen == [(gemv_, False)] + layer[1:] + layer + head, seen
         assert st.greedy.after_kernel is greedy_after
         assert FusedStep(m, max_len=16, n=4, keep_logits=True).greedy.after_kernel is False  # a logits copy precedes it
         assert FusedStep(m, max_len=16, n=4, programmatic=False).greedy.after_kernel is False

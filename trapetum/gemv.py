@@ -1246,6 +1246,7 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
     zeros8 = (zero,) * 8
     RMS, SILU, ADD = pre == "rms", pre == "silu", post == "add"
     row_sumsq, warp_sums, irms_of = rms_sums(B, warps)
+    wait, release = launch_hooks()
 
     @cuda.jit(device=True, **INLINE)
     def put2(xs, o, w, u):
@@ -1333,17 +1334,6 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
         for s in range(stages - 1):
             fetch(ring, s * nreg, tiled, base, rstride, rleft, i32(j + s * warps), j1)
 
-        # This block's slice of x, 8 values a 16-byte load: a thread's first load flies with the
-        # codebooks' (below), so the prologue waits one round trip, not two.
-        xq = u32(ncols >> u32(3))
-        xbase = u32(u32(j0) * u32(cpb // 2))
-        up = u32(u32(x32.shape[1]) >> u32(1))
-        nx = i32(u32(B) * xq)
-        bb0 = u32(u32(tid) // xq) if B > 1 else u32(0)  # (batch 1: every staging thread's row is 0)
-        x0 = zeros8
-        if tid < nx:
-            x0 = load8(x32, g32, bb0, u32(xbase + u32(u32(u32(tid) - u32(bb0 * xq)) << u32(2))), up)
-
         # Codebooks -> fp32 LUT: every 16-byte load issued before the first store waits on one.
         # (An fp16 table is the codebooks' own layout: asynchronous copies, waited for at the barrier.)
         buf = cuda.local.array(buf_size, int32)
@@ -1362,6 +1352,19 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
                     store16(lut, u32(q << u32(2)), zero, zero, zero, zero)
             else:
                 buf[4 * i], buf[4 * i + 1], buf[4 * i + 2], buf[4 * i + 3] = zero, zero, zero, zero
+
+        # Codes and codebooks are weights; x is the launch before's output (programmatic launch).
+        # This block's slice of x, 8 values a 16-byte load: a thread's first load flies with the
+        # codebooks', so the prologue waits one round trip, not two.
+        wait()
+        xq = u32(ncols >> u32(3))
+        xbase = u32(u32(j0) * u32(cpb // 2))
+        up = u32(u32(x32.shape[1]) >> u32(1))
+        nx = i32(u32(B) * xq)
+        bb0 = u32(u32(tid) // xq) if B > 1 else u32(0)  # (batch 1: every staging thread's row is 0)
+        x0 = zeros8
+        if tid < nx:
+            x0 = load8(x32, g32, bb0, u32(xbase + u32(u32(u32(tid) - u32(bb0 * xq)) << u32(2))), up)
         if RMS and nsplit > 1:  # a K-slice: the row's other inputs load for the norm alone (behind the codebooks')
             row_sumsq(x32, wsq, tid, warp)
         for i in range(0 if HALF else quads_per_thread):
@@ -1409,6 +1412,7 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
                         dot_word(ring, s * nreg, q, lut, lane4, xs, col + q * per_word, ncols, acc, RB, lut_stride)
                 j = i32(j + warps)
 
+        release()  # the next launch may start placing its blocks: this one's are into their last stage
         for i in range(nacc):
             red[warp, i, cuda.laneid] = acc[i]
         cuda.syncthreads()
@@ -2926,7 +2930,7 @@ class LutGemv:
         return True
 
     def bind(self, x: torch.Tensor, out: torch.Tensor, pre: str = "", post: str = "", norm_weight: torch.Tensor | None = None,
-             eps: float = 1e-5, res: torch.Tensor | None = None):
+             eps: float = 1e-5, res: torch.Tensor | None = None, after_kernel: bool = False):
         """A zero-argument launcher for fixed x and out buffers.
 
         Array views are made here, once, so the launcher does no host-side work a CUDA graph
@@ -2936,6 +2940,8 @@ class LutGemv:
         ``pre`` / ``post``: operations fused into the lut kernel (see :func:`lut_kernel`):
         ``pre="rms"`` with ``norm_weight`` (in,) and ``eps``; ``pre="silu"`` with x (B, 2 * in);
         ``post="add"`` with ``res`` (B, out), which may be ``out`` itself.
+        ``after_kernel``: the launcher always follows a kernel in its stream, so a lut plan may start
+        while that kernel runs (:class:`programmatic`; the lut kernel loads codes and codebooks, then waits).
         """
         fused = bool(pre or post)
         if fused:
@@ -2964,13 +2970,15 @@ class LutGemv:
                 kern = with_shared_limit(kern, args, plan.shared_bytes)
         smem = 0 if plan is None else plan.shared_bytes
         dev = self.device
+        pdl = after_kernel and plan is not None and plan.kernel == "lut"  # the kernel whose prologue waits
 
         def launch():
             _ = owners  # the workspace lives as long as the launcher
             stream = 0 if SIM else cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
             if SIM and post:
                 res.copy_(res_src)
-            kern[cfg[0], cfg[1], stream, smem](*args)
+            with programmatic(pdl):
+                kern[cfg[0], cfg[1], stream, smem](*args)
             if SIM:
                 out.copy_(torch.from_numpy(ya).view(out.shape))
 
