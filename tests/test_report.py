@@ -652,4 +652,22 @@ def test_programmatic_probe_sets_serial_and_programmatic_side_by_side(tmp_path):
     assert len(t) == 1 and t["commit"][0] == "946656c" and t["next launch released"][0] == "after its main loop"
     assert t["serial / programmatic"][0] == pytest.approx(1850 / 1750) and t["tok/s, programmatic"][0] == 558.0
     assert t["same tokens and logits"][0] and t["tokens as eager"][0] == "32/32"
+    assert t["model"][0] == report.PROBE_MODEL  # a probe that names no model: session 49's 2-bit one
     assert report.programmatic_probe(tmp_path / "nothing").empty
+
+
+def test_programmatic_variants_sets_each_against_the_serial_step(tmp_path):
+    import json
+
+    (tmp_path / "_runs").mkdir()
+    rec = {"kind": "time", "median_us": {"serial": 2300.0, "loop": 2420.0, "lut-serial": 2225.0}, "same_tokens": True}
+    prov = {"gpu": "NVIDIA H200", "git_commit": "e43378dabc", "date": "2026-11-28", "model": "7B 4-bit",
+            "variants": {"serial": "every launch serial", "loop": "lut after its loop"}}
+    (tmp_path / "_runs" / "pdl-variants-x-h200.json").write_text(json.dumps({"provenance": prov, "records": [rec]}))
+    no_serial = {"kind": "time", "median_us": {"loop": 2420.0}}
+    (tmp_path / "_runs" / "pdl-variants-y-h200.json").write_text(json.dumps({"provenance": prov, "records": [no_serial]}))
+    t = report.programmatic_variants(tmp_path)
+    assert list(t["launches"]) == ["every launch serial", "lut after its loop", "lut-serial"]  # unnamed: its key
+    assert t["serial / this"].tolist() == pytest.approx([1.0, 2300 / 2420, 2300 / 2225])
+    assert set(t["model"]) == {"7B 4-bit"} and set(t["commit"]) == {"e43378d"} and t["same tokens"].all()
+    assert report.programmatic_variants(tmp_path / "nothing").empty

@@ -1692,9 +1692,31 @@ def chunk_rms_probe(folder=None) -> pd.DataFrame:
 PROGRAMMATIC_PROBES = "_runs/pdl-probe-*.json"  # the fused step launched programmatically and strictly in sequence
 
 
+PROBE_MODEL = "7B 2-bit additive, LM head 4-bit K=16"  # the model of a probe whose provenance names none
+PROGRAMMATIC_VARIANTS = "_runs/pdl-variants-*.json"  # which of the step's launches are programmatic, timed alternately
+
+
+def programmatic_variants(folder=None) -> pd.DataFrame:
+    """Which of the fused step's launches start before their predecessor finishes, one row a
+    variant of a probe (median of three interleaved graph captures of 100 token replays, one
+    process): its token time and that of the strictly serial step over it."""
+    rows = []
+    for _, prov, recs in _probe_files(folder, PROGRAMMATIC_VARIANTS):
+        t = next((r for r in recs if r.get("kind") == "time" and "median_us" in r), None)
+        if t is None or "serial" not in t["median_us"]:
+            continue
+        serial = float(t["median_us"]["serial"])
+        for v, us in t["median_us"].items():
+            rows.append({"GPU": gpu_label(prov.get("gpu", "")), "model": prov.get("model", PROBE_MODEL),
+                         "commit": str(prov.get("git_commit"))[:7], "launches": prov.get("variants", {}).get(v, v),
+                         "token (us)": float(us), "serial / this": serial / float(us),
+                         "same tokens": bool(t.get("same_tokens"))})
+    return pd.DataFrame(rows)
+
+
 def programmatic_probe(folder=None) -> pd.DataFrame:
     """The fused step with programmatic dependent launch against the same step launched strictly in
-    sequence, one row a probe (7B 2-bit, LM head 4-bit, one process): where its kernels let the next
+    sequence, one row a probe (its model in the provenance, else :data:`PROBE_MODEL`; one process): where its kernels let the next
     launch start, a token's wall time both ways (median of three interleaved graph captures of 100
     replays), the tok/s of 512 generated tokens both ways, and whether the two gave the same tokens and
     logits (bit for bit) and eager's tokens."""
@@ -1705,7 +1727,7 @@ def programmatic_probe(folder=None) -> pd.DataFrame:
         same = next((r for r in recs if r.get("kind") == "check" and "tokens_equal_pdl_serial" in r), None)
         if wall is None or same is None:
             continue
-        rows.append({"GPU": gpu_label(prov.get("gpu", "")), "commit": str(prov.get("git_commit"))[:7],
+        rows.append({"GPU": gpu_label(prov.get("gpu", "")), "model": prov.get("model", PROBE_MODEL), "commit": str(prov.get("git_commit"))[:7],
                      "next launch released": prov.get("dependents_released", "?"),
                      "token, serial (us)": float(wall["serial_median_us"]), "token, programmatic (us)": float(wall["pdl_median_us"]),
                      "serial / programmatic": float(wall["serial_median_us"] / wall["pdl_median_us"]),
