@@ -380,9 +380,9 @@ def test_additive_stream_skeleton_puts_each_variant_in_a_column(tmp_path):
     prov = {"gpu": "NVIDIA H100 80GB HBM3", "git_commit": "abc", "date": "2026-11-27T05:30"}
     (tmp_path / "_runs" / "additive-stream-skeleton-h100.json").write_text(json.dumps({"provenance": prov, "records": recs}))
     t = report.additive_stream_skeleton(tmp_path)
-    assert list(t.columns) == ["GPU", "in x out", "torch fp16 (us)", "K-split", "code slots", "full kernel", "no table build",
-                               "neither (codes streamed, barriers, sums)", "empty launch"]  # the order of the parts, "no lookups" absent
-    assert list(t["K-split"]) == [2, 1] and t["full kernel"].tolist() == [16.6, 19.0] and np.isnan(t["empty launch"][1])
+    assert list(t.columns) == ["GPU", "in x out", "torch fp16 (us)", "K-split", "code slots", "full kernel (us)", "no table build (us)",
+                               "neither: codes streamed, barriers, sums (us)", "empty launch (us)"]  # the parts' order, "no lookups" absent
+    assert list(t["K-split"]) == [2, 1] and t["full kernel (us)"].tolist() == [16.6, 19.0] and np.isnan(t["empty launch (us)"][1])
     assert report.additive_stream_skeleton(tmp_path / "nothing").empty
 
 

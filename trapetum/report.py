@@ -1738,8 +1738,8 @@ def programmatic_probe(folder=None) -> pd.DataFrame:
 
 
 ADDITIVE_STREAM_SKELETON = "_runs/additive-stream-skeleton-*.json"  # the streaming kernel with parts left out
-STREAM_PARTS = {"full": "full kernel", "nobuild": "no table build", "nolook": "no lookups",
-                "skeleton": "neither (codes streamed, barriers, sums)", "empty": "empty launch"}
+STREAM_PARTS = {"full": "full kernel (us)", "nobuild": "no table build (us)", "nolook": "no lookups (us)",
+                "skeleton": "neither: codes streamed, barriers, sums (us)", "empty": "empty launch (us)"}
 
 
 def additive_stream_skeleton(folder=None) -> pd.DataFrame:
