@@ -1696,6 +1696,11 @@ PROBE_MODEL = "7B 2-bit additive, LM head 4-bit K=16"  # the model of a probe wh
 PROGRAMMATIC_VARIANTS = "_runs/pdl-variants-*.json"  # which of the step's launches are programmatic, timed alternately
 
 
+def _step_probe_id(prov: dict) -> dict:
+    # The columns naming a fused-step probe: its GPU, model and commit.
+    return {"GPU": gpu_label(prov.get("gpu", "")), "model": prov.get("model", PROBE_MODEL), "commit": str(prov.get("git_commit"))[:7]}
+
+
 def programmatic_variants(folder=None) -> pd.DataFrame:
     """Which of the fused step's launches start before their predecessor finishes, one row a
     variant of a probe (median of three interleaved graph captures of 100 token replays, one
@@ -1707,8 +1712,7 @@ def programmatic_variants(folder=None) -> pd.DataFrame:
             continue
         serial = float(t["median_us"]["serial"])
         for v, us in t["median_us"].items():
-            rows.append({"GPU": gpu_label(prov.get("gpu", "")), "model": prov.get("model", PROBE_MODEL),
-                         "commit": str(prov.get("git_commit"))[:7], "launches": prov.get("variants", {}).get(v, v),
+            rows.append({**_step_probe_id(prov), "launches": prov.get("variants", {}).get(v, v),
                          "token (us)": float(us), "serial / this": serial / float(us),
                          "same tokens": bool(t.get("same_tokens"))})
     return pd.DataFrame(rows)
@@ -1727,8 +1731,7 @@ def programmatic_probe(folder=None) -> pd.DataFrame:
         same = next((r for r in recs if r.get("kind") == "check" and "tokens_equal_pdl_serial" in r), None)
         if wall is None or same is None:
             continue
-        rows.append({"GPU": gpu_label(prov.get("gpu", "")), "model": prov.get("model", PROBE_MODEL), "commit": str(prov.get("git_commit"))[:7],
-                     "next launch released": prov.get("dependents_released", "?"),
+        rows.append({**_step_probe_id(prov), "next launch released": prov.get("dependents_released", "?"),
                      "token, serial (us)": float(wall["serial_median_us"]), "token, programmatic (us)": float(wall["pdl_median_us"]),
                      "serial / programmatic": float(wall["serial_median_us"] / wall["pdl_median_us"]),
                      "tok/s, serial": gen.get(False, float("nan")), "tok/s, programmatic": gen.get(True, float("nan")),

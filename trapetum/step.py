@@ -159,12 +159,9 @@ class FusedStep:
         if all(k is not None for k in kernels):
             pre, post = "rms" if norm is not None else "silu" if silu else "", "add" if add else ""
             for g, o in zip(kernels, slices):
-                # The lut kernel is launched serially: programmatically it made a 7B 4-bit token 6 %
-                # slower on the H200 (2 % released only at its exit; NOTES "Session 50"). Its release
-                # after the main loop still lets the launch after it (attention, greedy) start early.
                 self.ops.append(g.bind(x, o, pre=pre, post=post, norm_weight=None if norm is None else norm.weight,
                                        eps=getattr(norm, "variance_epsilon", 1e-6), res=o if add else None,
-                                       after_kernel=self._after_kernel and isinstance(g, AdditiveGemv)))
+                                       after_kernel=self._after_kernel and g.launch_early))
                 self.fused_launches += 1
                 self._after_kernel = self.programmatic
                 self.plans[f"{g.n_in}x{g.n_out} {pre or '-'}/{post or '-'}"] = g.fused_plan(1, pre, post).label()
