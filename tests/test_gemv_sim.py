@@ -297,7 +297,8 @@ def test_a_pipeline_needs_two_stages():
         lut_kernel(16, 1, 2, stages=1)
 
 
-# -- the tensor-core kernels, 4-bit codes: mma (pair table, diagonal A, batch 1..16), wide (pair table, x as A,
+# -- the tensor-core kernels, 4-bit codes: mma (pair table, diagonal A, batch 1..16), dual (pair table, weights as A,
+# diagonal B, batch 1..16), wide (pair table, x as A,
 # up to 64) and tile (per-row tables, the weights as A, up to 64)
 @pytest.mark.parametrize(
     "kernel, n_out, n_in, batch, plan",
@@ -307,6 +308,11 @@ def test_a_pipeline_needs_two_stages():
         ("mma", 33, 64, 5, {"warps": 4}),  # batch pairs (0, 2), (1, 3), (4, -): an absent partner reads zeros
         ("mma", 64, 256, 16, {"warps": 8, "ksplit": 2}),  # four mmas a step
         ("mma", 64, 320, 1, {"warps": 4, "ksplit": 10}),  # the last block sums 8 partials at a time, then 2
+        ("dual", 64, 64, 1, {"warps": 4, "stages": 1}),  # one chunk in use, one in flight
+        ("dual", 96, 128, 3, {"warps": 4, "ksplit": 2}),  # 3 row-blocks: the second block's row-block 1 reads zeros; batch 2 alone in its mma
+        ("dual", 33, 64, 2, {"warps": 4, "stages": 2}),  # both batches in one mma (columns 0..3 and 4..7)
+        ("dual", 64, 320, 1, {"warps": 4, "ksplit": 10}),  # the last block sums 8 partials at a time, then 2
+        ("dual", 64, 256, 16, {"warps": 8, "ksplit": 2}),  # eight mmas a step
         ("wide", 64, 64, 4, {"warps": 4}),  # one m-tile, 12 of its 16 rows absent
         ("wide", 96, 128, 17, {"warps": 4, "ksplit": 2, "stages": 4}),  # 3 row-blocks; a second m-tile with one row
         ("wide", 33, 64, 40, {"warps": 4, "stages": 1}),  # three m-tiles, a partial row-block
@@ -352,8 +358,9 @@ def test_mma_k_split_resets_its_counters():
 
 def test_mma_plans_are_tuner_candidates_only_for_4_bit_codes():
     four = gemv.candidate_plans(4096, 128, 16, 1, 132, mma_budget=227 * 1024)
-    assert {p.kernel for p in four} == {"lut", "mma"}
+    assert {p.kernel for p in four} == {"lut", "mma", "dual"}
     assert all(p.cps >= p.warps // 2 * p.stages for p in four if p.kernel == "mma")
+    assert all(p.cps >= p.warps * p.stages for p in four if p.kernel == "dual")  # every warp streams both row-blocks
     assert all(p.shared_bytes <= 227 * 1024 for p in four)
     assert {p.kernel for p in gemv.candidate_plans(4096, 256, 64, 1, 132, mma_budget=227 * 1024)} == {"lut"}
     assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 1, 132, mma_budget=0)} == {"lut"}
@@ -379,6 +386,22 @@ def test_plan_mma_heuristic_and_its_errors():
         gemv.plan_mma(4096, 128, 1, 132, budget=48 * 1024)
     with pytest.raises(ValueError, match="batch 1..16"):
         gemv.plan_mma(4096, 128, 17, 132)
+
+
+def test_plan_dual_and_its_errors():
+    p = gemv.plan_dual(14336, 128, 1, 132, warps=16, ksplit=1)
+    assert (p.kernel, p.RB, p.ksplit, p.cps) == ("dual", 2, 1, 128)
+    assert p.shared_bytes == gemv.dual_shared_bytes(1, 16, 128)
+    # both row-blocks' partials lie over the table, which they just fill at 16 warps x batch 16
+    assert gemv.dual_shared_bytes(16, 16, 1) == gemv.mma_shared_bytes(16, 16, 1)
+    with pytest.raises(ValueError, match="4, 8 or 16 warps"):
+        gemv.plan_dual(4096, 128, 1, 132, warps=2)
+    with pytest.raises(ValueError, match="batch 1..16"):
+        gemv.plan_dual(4096, 128, 17, 132)
+    with pytest.raises(ValueError, match="walk"):
+        LutGemv(random_codebook_tensor(32, 64, 16, seed=1), plan={"kernel": "dual", "walk": 2}).plan(1)
+    with pytest.raises(ValueError, match="4, 8 or 16 warps"):
+        gemv.dual_kernel(1, 2)
 
 
 @pytest.mark.parametrize("warps", [4, 8, 16])
@@ -409,10 +432,11 @@ def test_wide_kernel_batches_and_plans():
     with pytest.raises(ValueError, match="batch 1..64"):
         LutGemv(ct)(torch.zeros(65, 64, dtype=torch.float16))
     # tuner candidates: the wide kernel from batch 4 to 16, the tile kernel from 4, alone above 16
-    assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 1, 132, mma_budget=227 * 1024)} == {"lut", "mma"}
-    assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 3, 132, mma_budget=227 * 1024)} == {"lut", "mma"}
-    assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 4, 132, mma_budget=227 * 1024)} == {"lut", "mma", "wide", "tile"}
-    assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 8, 132, mma_budget=227 * 1024)} == {"lut", "mma", "wide", "tile"}
+    assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 1, 132, mma_budget=227 * 1024)} == {"lut", "mma", "dual"}
+    assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 3, 132, mma_budget=227 * 1024)} == {"lut", "mma", "dual"}
+    assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 4, 132, mma_budget=227 * 1024)} == {"lut", "mma", "dual", "wide", "tile"}
+    assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 8, 132, mma_budget=227 * 1024)} == {"lut", "mma", "dual", "wide", "tile"}
+    assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 9, 132, mma_budget=227 * 1024)} == {"lut", "mma", "wide", "tile"}
     tile = gemv.candidate_plans(4096, 128, 16, 64, 132, mma_budget=227 * 1024)
     assert {p.kernel for p in tile} == {"tile"} and all(p.shared_bytes <= 227 * 1024 for p in tile)
     assert {p.kernel for p in gemv.candidate_plans(4096, 128, 16, 17, 132, mma_budget=227 * 1024)} == {"tile"}

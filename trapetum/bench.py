@@ -218,6 +218,8 @@ def correctness_sweep(shapes, Ks=(16, 64, 256), batches=(1, 2, 3, 8, 16), varian
     if 16 in Ks:
         jobs += [(s, 16, b, "lut", dict(kernel="mma", warps=w, ksplit=ks)) for s in shapes[:2] for b in (1, 3, 5, 16)
                  for w in (4, 8, 16) for ks in (1, 3)]
+        jobs += [(s, 16, b, "lut", dict(kernel="dual", warps=w, ksplit=ks, stages=st)) for s in shapes[:2] for b in (1, 2, 3, 8)
+                 for w in (4, 8, 16) for ks in (1, 3) for st in (1, 2)]
         # the wide kernel (batch 4..16 in the tuner, up to 64 forced): partial and full m-tiles, the unrolls, blocks walking row pairs
         # (several each, and one wave), and the heuristic plan above batch 16
         jobs += [(s, 16, b, "lut", dict(kernel="wide", warps=w, ksplit=ks, stages=st, walk=wk)) for s in shapes[:2]
@@ -244,7 +246,7 @@ def correctness_sweep(shapes, Ks=(16, 64, 256), batches=(1, 2, 3, 8, 16), varian
     return recs
 
 
-FAMILIES = {"lut-fma": ("lut",), "mma": ("mma",)}  # kernel names of the lut variant held to one kernel family
+FAMILIES = {"lut-fma": ("lut",), "mma": ("mma",), "dual": ("dual",)}  # kernel names of the lut variant held to one kernel family
 
 
 def time_lut(n_in, n_out, K, batch, variant, fp16_ms, seed=0, kernels=LutGemv.FAMILIES, name: str | None = None) -> dict:
@@ -365,7 +367,7 @@ def gemv_suite(table_shape=(4096, 4096), layer_shapes=((3072, 768), (4096, 4096)
 
     jobs = [("table", table_shape, K, 1, v) for K in Ks for v in ("lut", "lut32", "naive")]
     # The 4-bit kernel's two families on their own: the FMA table kernel and the tensor-core one.
-    jobs += [("table", table_shape, 16, 1, v) for v in ("lut-fma", "mma")] if 16 in Ks else []
+    jobs += [("table", table_shape, 16, 1, v) for v in ("lut-fma", "mma", "dual")] if 16 in Ks else []
     jobs += [("layers", s, 16, 1, "lut") for s in layer_shapes]
     jobs += [("bandwidth", s, K, 1, "lut") for s in large_shapes for K in Ks]
     jobs += [("batch", batch_shape, 16, b, "lut") for b in batches if b <= MAX_WIDE_BATCH]

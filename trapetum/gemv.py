@@ -1561,15 +1561,15 @@ def pair_block_finisher(B: int, W2: int, nt: int):
     return finish
 
 
-def pair_block_stream(fetch, use_chunk, U: int, W2: int):
+def pair_block_stream(fetch, use_chunk, U: int, W2: int, WPC: int = 4):
     """The two-row-block kernels' main loop over a warp's ``nk`` chunks (chunk ``wg``, ``wg + W2``, ...
     of the K-slice starting at ``j0``): ``U`` chunks in use while the next ``U`` load, the two
     register sets ``c`` (holding the first U, fetched before the prologue) and ``d`` alternating,
     two turns a trip, so no turn copies its prefetched codes (a copy a turn cost ptxas ~30 moves).
     Indices past the slice are clamped to ``jlast`` (a re-read, never used): whole turns, no
     bounds checks. ``fetch(dst, o, tiled, base, j)`` and ``use_chunk(regs, o, sm, lb, xo, rel, xa,
-    xb, acc)`` are the kernel's own."""
-    NU = 4 * U
+    xb, acc)`` are the kernel's own; a chunk is ``WPC`` code words of a lane (8: both row-blocks')."""
+    NU = WPC * U
 
     @cuda.jit(device=True, **INLINE)
     def stream(c, d, tiled, base, j0, jlast, wg, nk, sm, lb, xo, xa, xb, acc):
@@ -1577,26 +1577,26 @@ def pair_block_stream(fetch, use_chunk, U: int, W2: int):
         turns = nk // U
         for _ in range(turns // 2):
             for u in range(U):  # the next U chunks fly while these U are used
-                fetch(d, 4 * u, tiled, base, min(j0 + rel + (U + u) * W2, jlast))
+                fetch(d, WPC * u, tiled, base, min(j0 + rel + (U + u) * W2, jlast))
             for u in range(U):
-                use_chunk(c, 4 * u, sm, lb, xo, rel + u * W2, xa, xb, acc)
+                use_chunk(c, WPC * u, sm, lb, xo, rel + u * W2, xa, xb, acc)
             rel += U * W2
             for u in range(U):
-                fetch(c, 4 * u, tiled, base, min(j0 + rel + (U + u) * W2, jlast))
+                fetch(c, WPC * u, tiled, base, min(j0 + rel + (U + u) * W2, jlast))
             for u in range(U):
-                use_chunk(d, 4 * u, sm, lb, xo, rel + u * W2, xa, xb, acc)
+                use_chunk(d, WPC * u, sm, lb, xo, rel + u * W2, xa, xb, acc)
             rel += U * W2
         if turns % 2 == 1:
             for u in range(U):
-                fetch(d, 4 * u, tiled, base, min(j0 + rel + (U + u) * W2, jlast))
+                fetch(d, WPC * u, tiled, base, min(j0 + rel + (U + u) * W2, jlast))
             for u in range(U):
-                use_chunk(c, 4 * u, sm, lb, xo, rel + u * W2, xa, xb, acc)
+                use_chunk(c, WPC * u, sm, lb, xo, rel + u * W2, xa, xb, acc)
             rel += U * W2
             for i in range(NU):
                 c[i] = d[i]
         for u in range(U - 1):  # the last nk % U chunks, already loaded
             if u < nk % U:
-                use_chunk(c, 4 * u, sm, lb, xo, rel + u * W2, xa, xb, acc)
+                use_chunk(c, WPC * u, sm, lb, xo, rel + u * W2, xa, xb, acc)
 
     return stream
 
@@ -1759,6 +1759,140 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
     return kernel
 
 
+def dual_shared_bytes(B: int, warps: int, cps: int) -> int:
+    """Dynamic shared memory of :func:`dual_kernel`: :func:`mma_shared_bytes`' layout, with room over
+    the table for each warp's partials of both row-blocks."""
+    return 4 * (max(MMA_TABLE_WORDS, 2 * warps * B * 32) + B * (cps * 16 + 4) + 2 * MMA_CB_WORDS)
+
+
+DUAL_UNROLL = 2  # chunks a warp of the dual kernel keeps in use: 8 code words each (ptxas spilled unroll 4 at 64 registers)
+
+
+def dual_kernel(B: int, warps: int, unroll: int = DUAL_UNROLL):
+    """4-bit (K = 16) fused GEMV on the tensor cores with the looked-up weights as the mma's A operand
+    and x on the diagonal of B (compiled on first use), batch 1..16.
+
+    The block, its 64 KiB pair table and its prologue are :func:`mma_kernel`'s; what differs is the
+    fragment a lookup feeds. Every warp streams *both* row-blocks (a lane's row L in each), and a
+    lane's four A registers are the pairs of its two rows at the same four columns: a0, a2 (row L of
+    row-block 0: bytes 2h, 2h + 1 of its code word), a1, a3 (row L of row-block 1). So A row g
+    (g + 8) holds, in k-slots 2t, 2t + 1, 2t + 8, 2t + 9, row 4g + t of row-block 0 (1). B keeps the
+    lanes apart: column n = 4b + t holds batch b's x at lane t's four k-slots only (lanes 4n + t with
+    n % 4 = t hold x, the others zeros), so D[g][n] is row 4g + n % 4 of row-block 0 against batch
+    n / 4, and D[g + 8][n] the same of row-block 1. One m16n8k16 eats 256 codes (4 lookups a lane)
+    for 2 batches, where mma_kernel's eats 128 (2 lookups) for 4: half the mmas and their operand
+    moves at batch 1 and 2 (NOTES "Session 51"). Batches 3..16 add an mma per 2.
+
+    Arguments, grid ((rbs + 1) // 2, ksplit) and K-split as mma_kernel's; ``warps`` in {4, 8, 16},
+    :func:`dual_shared_bytes` of dynamic shared memory; ``unroll`` chunks a warp uses in one turn
+    while as many more are in flight.
+    """
+    key = ("dual", B, warps, unroll)
+    if key in _kernel_cache:
+        return _kernel_cache[key]
+    if not 1 <= B <= MAX_FUSED_BATCH or warps not in (4, 8, 16):
+        raise ValueError(f"the dual kernel takes batch 1..{MAX_FUSED_BATCH} and 4, 8 or 16 warps, got {B} and {warps}")
+    G = (B + 1) // 2  # mmas a step: 2 batches each
+    U = unroll
+    nt = warps * 32
+    XO = max(MMA_TABLE_WORDS, 2 * warps * B * 32)
+    NU, NG = 8 * U, 4 * G  # local array sizes: numba needs them as constants
+    build_table = pair_table_builder(swizzle=False)
+    finish = pair_block_finisher(B, warps, nt)  # partials as if each warp were one warp of each row-block
+
+    @cuda.jit(device=True, **INLINE)
+    def fetch(dst, o, tiled, base, jj):
+        # chunk jj of both row-blocks: words o..o+3 of row-block 0, o+4..o+7 of row-block 1
+        dst[o], dst[o + 1], dst[o + 2], dst[o + 3] = load16_stream(tiled, u32(base[0] + u32(u32(jj) << u32(7))))
+        dst[o + 4], dst[o + 5], dst[o + 6], dst[o + 7] = load16_stream(tiled, u32(base[1] + u32(u32(jj) << u32(7))))
+
+    @cuda.jit(device=True, **INLINE)
+    def use_chunk(c, o, sm, lb, xl, rel, xw, unused, acc):
+        # xl[gg]: where this lane's x row (batch 2 gg + lane / 16) starts; -1 where it holds none.
+        for w in range(4):  # word w: columns 8w..8w+7 of the chunk, both row-blocks
+            c0 = c[o + w]
+            c1 = c[o + 4 + w]
+            for gg in range(G):
+                if xl[gg] >= 0:
+                    k = 4 * gg
+                    xw[k], xw[k + 1], xw[k + 2], xw[k + 3] = sload4(sm, xl[gg] + rel * 16 + 4 * w)
+            for h in range(2):  # step h: bytes 2h, 2h + 1 (columns 8w + 4h ..+3)
+                a0 = load_byte_offset(sm, prmt(c0, lb, 0x5504 | ((2 * h) << 4)))
+                a2 = load_byte_offset(sm, prmt(c0, lb, 0x5504 | ((2 * h + 1) << 4)))
+                a1 = load_byte_offset(sm, prmt(c1, lb | uint32(128), 0x5504 | ((2 * h) << 4)))
+                a3 = load_byte_offset(sm, prmt(c1, lb | uint32(128), 0x5504 | ((2 * h + 1) << 4)))
+                for gg in range(G):
+                    k = 4 * gg
+                    acc[k], acc[k + 1], acc[k + 2], acc[k + 3] = mma_m16n8k16(
+                        a0, a1, a2, a3, xw[k + 2 * h], xw[k + 2 * h + 1], acc[k], acc[k + 1], acc[k + 2], acc[k + 3])
+
+    stream = pair_block_stream(fetch, use_chunk, U, warps, WPC=8)
+
+    @cuda.jit(**({} if SIM else {"launch_bounds": (nt, mma_min_blocks(B, warps))}))
+    def kernel(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, cps):
+        sm = cuda.shared.array(0, uint32)  # table | x slice | codebooks
+        red = cuda.shared.array(0, float32)  # the warps' partials, over the table once it is done
+        last = cuda.shared.array(1, int32)
+        tid = i32(cuda.threadIdx.x)
+        warp = i32(u32(tid) >> u32(5))
+        lane = i32(cuda.laneid)
+        bx = i32(cuda.blockIdx.x)
+        split = i32(cuda.blockIdx.y)
+        nsplit = cuda.gridDim.y
+        j0 = i32(split * cps)
+        jend = i32(min(i32(j0 + cps), i32(nchunks)))
+        xrow = i32(cps * 16 + 4)  # words of one batch row of the x slice
+        CO = XO + B * xrow
+        rstride = u32(u32(nchunks) << u32(7))  # words of one row-block's codes
+        base0 = u32(u32(u32(u32(bx) << u32(1)) * rstride) + u32(u32(lane) << u32(2)))  # chunk j at + 128 j
+        # an odd row-block count: the last block's second row-block re-reads the first's codes; its
+        # table is zeros (stage_codebooks) and its rows are past n_out, never written
+        base = (base0, u32(base0 + rstride) if i32(bx * 2 + 1) < rbs else base0)
+
+        nk = (jend - j0 - warp + warps - 1) // warps  # chunks this warp uses
+        jlast = jend - 1
+        c = cuda.local.array(NU, int32)
+        if nk > 0:
+            for u in range(U):
+                fetch(c, 8 * u, tiled, base, min(j0 + warp + u * warps, jlast))
+
+        stage_pair_block(sm, cbt32, x32, CO, XO, xrow, bx, rbs, j0, jend, B, tid, nt)
+        cuda.syncthreads()
+        build_table(sm, CO, tid, nt)
+        cuda.syncthreads()
+
+        xw = cuda.local.array(NG, uint32)  # B fragments: batch 2 gg + lane / 16's x at k-step h in xw[4 gg + 2h ..]
+        acc = cuda.local.array(NG, float32)
+        xl = cuda.local.array(G, int32)
+        diag = ((lane >> 2) & 3) == (lane & 3)
+        for i in range(NG):
+            xw[i] = uint32(0)
+            acc[i] = float32(0.0)
+        for gg in range(G):
+            b = 2 * gg + (lane >> 4)
+            xl[gg] = XO + b * xrow if diag and b < B else -1
+        lb = uint32(lane << 2)  # byte 0 of a row-block-0 lookup's address (| 128: row-block 1)
+        d = cuda.local.array(NU, int32)  # the second register set (pair_block_stream)
+        stream(c, d, tiled, base, j0, jlast, warp, nk, sm, lb, xl, xw, xw, acc)
+
+        cuda.syncthreads()  # every warp is done with the table: the partials reuse its space
+        # D fragment: lane (g, t) holds D[g][2t + i], D[g + 8][2t + i] (i = 0, 1): column n = 2t + i is
+        # batch 2 gg + n / 4, row 4g + n % 4 of row-block 0 (1). Stored as pair_block_finisher reads
+        # them: as partials of "warp" 2 * warp + row-block.
+        for gg in range(G):
+            for i in range(4):
+                b = 2 * gg + ((lane & 3) >> 1)
+                r = 4 * (lane >> 2) + 2 * (lane & 1) + (i & 1)
+                if b < B:
+                    red[(((2 * warp + (i >> 1)) * B + b) << 5) + r] = acc[4 * gg + i]
+        cuda.syncthreads()
+        finish(red, y, ws, counters, last, bx, split, nsplit, n_out, tid)
+
+    _kernel_cache[key] = kernel
+    return kernel
+
+
+DUAL_MAX_TUNED = 8  # the largest batch the tuner tries the dual kernel at (an mma a step for every 2)
 MAX_WIDE_BATCH = 64  # the wide kernel's batches: up to four 16-row m-tiles of the mma
 WIDE_UNROLL = 2
 
@@ -2490,7 +2624,7 @@ class LaunchPlan:
     shared_bytes: int  # dynamic shared memory
     RB: int = 1  # row-blocks a thread block
     stages: int = 2  # chunks of each row-block a warp holds: one in use, stages - 1 in flight
-    kernel: str = "lut"  # "lut" (lut_kernel), "mma" (mma_kernel), "wide" (wide_kernel) or "tile" (tile_kernel):
+    kernel: str = "lut"  # "lut" (lut_kernel), "mma" (mma_kernel), "dual" (dual_kernel), "wide" (wide_kernel) or "tile" (tile_kernel):
     # the last three 4-bit, with their own shared-memory layouts (RB 2, or a row-block a warp for tile);
     # their ``stages`` is the chunks a warp uses in one turn, with as many more in flight
     walk: int = 1  # groups of RB row-blocks a block walks (wide_kernel and tile_kernel only)
@@ -2592,6 +2726,14 @@ def plan_mma(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SIM
                              n_out, nchunks, B, sms, budget, warps, ksplit, stages)
 
 
+def plan_dual(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SIM, warps: int | None = None,
+              ksplit: int | None = None, stages: int = DUAL_UNROLL) -> LaunchPlan:
+    """Grid of :func:`dual_kernel` for one 4-bit layer: :func:`plan_mma`'s blocks (two row-blocks, the
+    same table) with the dual kernel's shared memory. ``stages``: its unroll."""
+    return _plan_pair_blocks("dual", dual_shared_bytes, MAX_FUSED_BATCH, (1, 2, 4), DUAL_UNROLL,
+                             n_out, nchunks, B, sms, budget, warps, ksplit, stages)
+
+
 def plan_wide(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SIM, warps: int | None = None,
               ksplit: int | None = None, stages: int = WIDE_UNROLL, walk: int | str = 1) -> LaunchPlan:
     """Grid of :func:`wide_kernel` for one 4-bit layer, chosen as :func:`plan_mma` chooses its own
@@ -2638,7 +2780,7 @@ def plan_tile(n_out: int, nchunks: int, B: int, sms: int, budget: int = OPTIN_SI
 def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budget: int = 0) -> list[LaunchPlan]:
     """The plans the tuner times: every allowed RB x a ladder of K-splits, 8 warps where they fit;
     for 4-bit codes also the tensor-core kernels' warps x K-splits, where ``mma_budget`` bytes of
-    shared memory hold their tables: mma_kernel up to batch 16, wide_kernel from batch 4 to 16 and
+    shared memory hold their tables: mma_kernel up to batch 16, dual_kernel up to 8, wide_kernel from batch 4 to 16 and
     tile_kernel from 4 to 64."""
     seen, out = set(), []
     rb_max = row_blocks_per_block(K, B) if B <= MAX_FUSED_BATCH else 0
@@ -2669,6 +2811,16 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
                 continue
             key = ("mma", p.warps, p.ksplit, p.stages)
             if key not in seen and p.cps >= (p.warps // 2) * p.stages:  # every warp uses its pipeline
+                seen.add(key)
+                out.append(p)
+        # dual: batch 1..8 (an mma a step for 2 batches), unroll 1 or 2 (4 spills); every warp streams both row-blocks
+        for w, ks, st in itertools.product((4, 8, 16), (1, 2, 3, 4, 6, 8, 12, 16, None), (1, DUAL_UNROLL) if B <= DUAL_MAX_TUNED else ()):
+            try:
+                p = plan_dual(n_out, nchunks, B, sms, mma_budget, warps=w, ksplit=ks, stages=st)
+            except ValueError:
+                continue
+            key = ("dual", p.warps, p.ksplit, p.stages)
+            if key not in seen and p.cps >= p.warps * p.stages:  # every warp uses its pipeline
                 seen.add(key)
                 out.append(p)
         # wide: batch 4..16, 8 or 16 warps and chunks in flight up to 4 (a warp holding one or two
@@ -2703,7 +2855,7 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
 
 
 _TUNED = PlanCache("lut", LaunchPlan)
-TC_KERNELS = ("mma", "wide", "tile")  # the 4-bit tensor-core kernels: own shared-memory layouts, opt-in limits
+TC_KERNELS = ("mma", "dual", "wide", "tile")  # the 4-bit tensor-core kernels: own shared-memory layouts, opt-in limits
 
 
 class LutGemv:
@@ -2712,13 +2864,14 @@ class LutGemv:
     ``variant``: "lut" (16-byte loads, the product), "lut32" (same kernel, 4-byte loads: the
     ablation), "naive" (one thread a row, natural layout: the negative result).
     ``plan``: optional overrides for :func:`plan_launch` (keys RB, ksplit, warps, stages), or with
-    ``kernel="mma"`` / ``"wide"`` / ``"tile"`` for :func:`plan_mma` / :func:`plan_wide` / :func:`plan_tile`
+    ``kernel="mma"`` / ``"dual"`` / ``"wide"`` / ``"tile"`` for :func:`plan_mma` / :func:`plan_dual` / :func:`plan_wide` / :func:`plan_tile`
     (keys warps, ksplit, stages, and walk for the last two; 4-bit only); otherwise the plan is tuned on a GPU (``tune=True``: the tensor-core kernels are
     among the 4-bit candidates) or taken from the heuristic.
     ``keep_natural=False``: hold the codes only in the kernel's tiled layout (half the memory of
     keeping both); :attr:`ct` then rebuilds the natural layout on demand (a copy).
     ``kernels``: the kernel families the "lut" variant may plan with: "lut" (fp32 table, FMA) and,
-    for 4-bit codes, "mma" (pair table, tensor cores, batch 1..16), "wide" (the same table with x
+    for 4-bit codes, "mma" (pair table, tensor cores, batch 1..16), "dual" (the same table, the weights
+    as the mma's A operand, batch 1..16; tuned up to batch 8), "wide" (the same table with x
     as the mma's A operand, batch 4..64) and "tile" (the weights as the mma's A operand, batch
     1..64; tuned from batch 4); the default tunes over all. :attr:`max_batch` is 64 where "wide" or "tile" may run,
     else 16.
@@ -2730,7 +2883,7 @@ class LutGemv:
     # still lets the launch after it (attention, greedy) start early.
     launch_early = False
 
-    FAMILIES = ("lut", "mma", "wide", "tile")
+    FAMILIES = ("lut", "mma", "dual", "wide", "tile")
 
     VARIANTS = ("lut", "lut32", "naive")
 
@@ -2806,9 +2959,9 @@ class LutGemv:
             if self.K != 16 or self.variant != "lut":
                 raise ValueError(f"the {kind} kernel takes 4-bit codes in the 'lut' variant, not K={self.K} / {self.variant!r}")
             budget = OPTIN_SIM if SIM else max_shared_bytes(self.device)
-            if kind == "mma" and "walk" in opts:
+            if kind in ("mma", "dual") and "walk" in opts:
                 raise ValueError("walk (row groups a block walks) is an option of the wide and tile kernels only")
-            return {"mma": plan_mma, "wide": plan_wide, "tile": plan_tile}[kind](self.n_out, self.nchunks, B, sms, budget, **opts)
+            return {"mma": plan_mma, "dual": plan_dual, "wide": plan_wide, "tile": plan_tile}[kind](self.n_out, self.nchunks, B, sms, budget, **opts)
         return plan_launch(self.n_out, self.nchunks, self.K, B, sms, **opts)
 
     def _launch_parts(self, B: int, plan: LaunchPlan, pre: str = "", post: str = ""):
@@ -2816,6 +2969,8 @@ class LutGemv:
             raise ValueError(f"only the lut kernel fuses operations, not the {plan.kernel} kernel")
         if plan.kernel == "mma":
             kern = mma_kernel(B, plan.warps, plan.stages)
+        elif plan.kernel == "dual":
+            kern = dual_kernel(B, plan.warps, plan.stages)
         elif plan.kernel == "wide":
             kern = wide_kernel(B, plan.warps, plan.stages)
         elif plan.kernel == "tile":

@@ -68,9 +68,10 @@ SEED = "reported by the seed"
 BASELINE = "torch fp16"
 KERNEL_LABELS = {
     "torch fp16": "torch fp16 (cuBLAS), the baseline",
-    "lut": "lut: fused LUT-GEMV (4-bit: the fastest of lut-fma, mma and, from batch 4, wide, tuned per shape)",
+    "lut": "lut: fused LUT-GEMV (4-bit: the fastest of lut-fma, mma, dual and, from batch 4, wide and tile, tuned per shape)",
     "lut-fma": "lut-fma: fp32 table, FMA (numba)",
     "mma": "mma: pair table + tensor cores (numba)",
+    "dual": "dual: pair table + tensor cores, weights as A (numba)",
     "lut32": "lut32: 4-byte loads (negative result)",
     "naive": "naive: untiled (negative result)",
     "dequant+cublas": "dequant+cublas: dequantize, then cuBLAS",
@@ -78,7 +79,7 @@ KERNEL_LABELS = {
     "cuda_cpp_4bit_mma": "cuda_cpp_4bit_mma: CUDA C++, pair table + tensor cores",
     "cuda_cpp_u8": "cuda_cpp_u8: CUDA C++ counterpart",
 }
-KERNEL_ORDER = ["torch fp16", "lut", "lut-fma", "mma", "cuda_cpp_4bit", "cuda_cpp_4bit_mma", "cuda_cpp_u8", "lut32", "naive", "dequant+cublas"]
+KERNEL_ORDER = ["torch fp16", "lut", "lut-fma", "mma", "dual", "cuda_cpp_4bit", "cuda_cpp_4bit_mma", "cuda_cpp_u8", "lut32", "naive", "dequant+cublas"]
 SCHEME_OF_K = {16: "4-bit K=16", 64: "uint8 K=64", 256: "uint8 K=256"}
 SCHEME_ORDER = ["dense fp16", "4-bit K=16", "uint8 K=64", "uint8 K=256"]
 # The kernels whose speed the chapter is about (the others are ablations or the baseline).
@@ -753,7 +754,7 @@ def slower_intervals(g: pd.DataFrame) -> list[tuple[float, float | None]]:
     return out
 
 
-FAMILY_LABELS = {"lut": "FMA table (lut-fma)", "mma": "tensor cores, diagonal (mma)", "wide": "tensor cores, x as A (wide)",
+FAMILY_LABELS = {"lut": "FMA table (lut-fma)", "mma": "tensor cores, diagonal (mma)", "dual": "tensor cores, weights as A, diagonal x (dual)", "wide": "tensor cores, x as A (wide)",
                  "tile": "tensor cores, weights as A (tile)"}
 
 
