@@ -92,7 +92,15 @@ report.styled(report.provenance_table(folder))
 # codebooks, input and output) over its time, so a kernel that moves fewer bytes can be faster
 # at a lower GB/s. The `lut32` and `naive` rows are kept as negative results: `lut32` is the
 # product kernel with narrower code loads, `naive` skips the tiled layout. Look at how far each
-# sits from `lut`, and at whether `lut` beats the baseline at this modest size at all.
+# sits from `lut`, and at whether `lut` beats the baseline at this modest size at all. The
+# `lut-fma`, `mma` and `dual` rows are the three batch-1 kernel families `lut` is tuned over, each
+# held to its own family. `mma` and `dual` share one shared-memory table of fp16 pairs (a code
+# byte looks up two weights) and run their multiply-adds on the tensor cores; they differ in the
+# operand the looked-up weights become. In `mma` they are B and x sits on A's diagonal, so one
+# mma takes 128 codes. In `dual` they are A, each lane holding its own row in each of two
+# 32-row blocks, and x sits on B's diagonal, so one mma takes 256 codes, with half the mmas and
+# none of the register moves that fed them. Where the tables later in this chapter name a plan's
+# kernel, `dual` is the family the tuner picked.
 
 # %%
 report.styled(report.kernel_table(df))
@@ -206,9 +214,9 @@ report.fig_speedup_by_shape(df)
 # ## Beyond batch one
 #
 # Decoding several sequences at once turns the GEMV into a small matrix product. For 4-bit
-# codes the tuner picks among four fused kernels at each batch: the FMA table kernel and the
+# codes the tuner picks among five fused kernels at each batch: the FMA table kernel, the
 # diagonal tensor-core kernel (`mma`, batches up to 16, whose mma work grows by one per four
-# batch rows); from batch 4 to 16 the `wide` tensor-core kernel, which feeds x to the mma as its
+# batch rows) and `dual` (tuned up to batch 8, one mma per two batch rows); from batch 4 to 16 the `wide` tensor-core kernel, which feeds x to the mma as its
 # A operand (16 batch rows an mma); and from batch 4 (alone above 16) the `tile` kernel, which feeds the looked-up
 # weights to the mma as A the way a GEMM tiles them (each warp owns 32 rows over its K-slice;
 # 8 batch rows an mma), so no warps' partial sums meet in shared memory. Each of the four lanes
