@@ -534,7 +534,10 @@ def test_stream_floor_kernel_reads_every_word_once():
 # -- operations fused into the lut kernel (the decode step's norms, SiLU and residual adds) -------
 @pytest.mark.parametrize("pre,post", [("rms", ""), ("silu", ""), ("", "add"), ("rms", "add"), ("silu", "add")])
 @pytest.mark.parametrize("K,batch,plan", [(16, 1, {"ksplit": 1}), (16, 2, {"ksplit": 2}), (64, 1, {"ksplit": 2, "RB": 1}),
-                                          (256, 1, {"ksplit": 1, "RB": 1, "warps": 16})])
+                                          (256, 1, {"ksplit": 1, "RB": 1, "warps": 16}),
+                                          # the dual kernel: the whole row staged, then K-slices with an odd row-block count
+                                          (16, 1, {"kernel": "dual", "warps": 4, "ksplit": 1, "stages": 1}),
+                                          (16, 3, {"kernel": "dual", "warps": 4, "ksplit": 2})])
 def test_fused_operations_match_the_float64_reference(pre, post, K, batch, plan):
     n_in, n_out, eps = 64, 96, 1e-5
     ct = random_codebook_tensor(n_out, n_in, K, seed=7)
@@ -591,6 +594,18 @@ def test_a_weight_held_to_the_tensor_core_kernels_is_not_fusable():
         assert not g.fusable(1)
         with pytest.raises(ValueError, match="cannot fuse"):
             g.bind(x, y, post="add", res=torch.zeros(1, 96, dtype=torch.float16))
+
+
+def test_a_weight_held_to_the_dual_kernel_fuses_with_it():
+    ct = random_codebook_tensor(96, 64, 16, seed=11)
+    g = LutGemv(ct, kernels=("dual",))  # untuned (simulator): the dual heuristic plan
+    assert g.fusable(1) and g.plan(1).kernel == "dual"
+    x, h = x_for(64, 1, seed=4), x_for(96, 1, seed=6)
+    want = reference(x, ct, post="add", res=h)
+    g.bind(x, h, post="add", res=h)()  # the residual stream updated in place
+    assert max_rel_err(h, want) <= TOLERANCE
+    with pytest.raises(ValueError, match="pre must be one of"):
+        gemv.dual_kernel(1, 4, pre="gelu")
 
 
 def test_fused_operations_refuse_bad_operands(small):

@@ -269,12 +269,14 @@ def time_lut(n_in, n_out, K, batch, variant, fp16_ms, seed=0, kernels=LutGemv.FA
                        walk=getattr(plan, "walk", None), l2_resident_ms=l2_ms)
 
 
-def time_fused(n_in: int, n_out: int, K: int, pre: str = "", post: str = "", seed: int = 0) -> float:
-    """Milliseconds of one batch-1 lut kernel with fused operations (``pre`` "rms" or "silu", ``post``
-    "add", as :class:`trapetum.step.FusedStep` launches it) at its own tuned fused plan, timed as
-    :func:`time_graph` replays over rotated copies of the weight. Correctness of these kernels is
+def time_fused(n_in: int, n_out: int, K: int, pre: str = "", post: str = "", seed: int = 0,
+               kernels=LutGemv.FAMILIES) -> float:
+    """Milliseconds of one batch-1 GEMV with fused operations (``pre`` "rms" or "silu", ``post``
+    "add", as :class:`trapetum.step.FusedStep` launches it) at its own tuned fused plan (over the
+    kernels of ``kernels`` that fuse: lut, and dual for 4-bit codes), timed as :func:`time_graph`
+    replays over rotated copies of the weight. Correctness of these kernels is
     :func:`trapetum.step.kernel_checks`'s."""
-    launchers, keep = lut_launchers(n_in, n_out, K, 1, seed=seed, kernels=("lut",), pre=pre, post=post)
+    launchers, keep = lut_launchers(n_in, n_out, K, 1, seed=seed, kernels=kernels, pre=pre, post=post)
     ms = time_graph(launchers)
     del launchers, keep
     torch.cuda.empty_cache()

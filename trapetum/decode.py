@@ -599,10 +599,10 @@ def kernel_bound(cfg, K: int | None, head_K: int | None = None, fused: bool = Fa
 
     ``step`` (a scalar or additive K, ``fused``): also the bound of the kernels the fused step itself
     launches (``step_*`` keys): each projection's kernel with the norm, SiLU or residual add it
-    fuses (:data:`STEP_OPS`) at its own tuned plan (the lut kernel; for additive weights the family
+    fuses (:data:`STEP_OPS`) at its own tuned plan (the lut or, for 4-bit codes, dual kernel; for additive weights the family
     the layer's batch-1 plan picks, table or streaming kernel, as :class:`~trapetum.qlinear.AdditiveQLinear`
-    holds it), and a codebook LM head with its norm. These can be slower than the fastest plans (a
-    scalar tensor-core kernel, which takes no fused operations) but spare the step the separate norm,
+    holds it), and a codebook LM head with its norm. These can be slower than the fastest plans (the
+    mma, wide and tile kernels take no fused operations) but spare the step the separate norm,
     SiLU and add launches.
     """
     from . import bench

@@ -1525,10 +1525,19 @@ def pair_table_builder(swizzle: bool):
     return build
 
 
-def pair_block_finisher(B: int, W2: int, nt: int):
+def pair_block_finisher(B: int, W2: int, nt: int, add: bool = False, rms: bool = False):
     """Device function ending a two-row-block kernel: the W2 warps of each row-block left their
     partials in red[(warp * B + b) * 32 + r] (warp = 2 w + g); their sums go to y, or with a K-split
-    to ws, and the last K-slice's block sums ws into y."""
+    to ws, and the last K-slice's block sums ws into y. ``add``: y = res + the sum (res may be y: each
+    element is read and written by one thread); ``rms``: the sum times irms[b] first (shared, (B,))."""
+
+    @cuda.jit(device=True, **INLINE)
+    def write(s, y, b, row, res, irms):
+        if rms:
+            s *= irms[b]
+        if add:
+            s += float32(res[b, row])
+        y[b, row] = s
 
     @cuda.jit(device=True, **INLINE)
     def item(it, bx):
@@ -1541,7 +1550,7 @@ def pair_block_finisher(B: int, W2: int, nt: int):
         return r, b, gq, i32(u32(u32(u32(bx * 2) + gq) << u32(5)) + r)
 
     @cuda.jit(device=True, **INLINE)
-    def finish(red, y, ws, counters, last, bx, split, nsplit, n_out, tid):
+    def finish(red, y, ws, counters, last, bx, split, nsplit, n_out, tid, res, irms):
         for it in range(i32(tid), i32(2 * B * 32), i32(nt)):
             r, b, gq, row = item(it, bx)
             s = float32(0.0)
@@ -1549,14 +1558,14 @@ def pair_block_finisher(B: int, W2: int, nt: int):
                 s += red[u32(u32(u32(u32(u32(v * 2) + gq) * u32(B)) + b) << u32(5)) + r]
             if row < n_out:
                 if nsplit == 1:
-                    y[b, row] = s
+                    write(s, y, b, row, res, irms)
                 else:
                     ws[split, b, row] = s
         if nsplit > 1 and last_to_finish(counters, bx, nsplit, last, tid):
             for it in range(i32(tid), i32(2 * B * 32), i32(nt)):
                 _, b, _, row = item(it, bx)
                 if row < n_out:
-                    y[b, row] = sum_splits(ws, nsplit, b, row)
+                    write(sum_splits(ws, nsplit, b, row), y, b, row, res, irms)
 
     return finish
 
@@ -1753,7 +1762,7 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
                 if b < B:
                     red[(warp * B + b) * 32 + r] = acc[4 * gg + i]
         cuda.syncthreads()
-        finish(red, y, ws, counters, last, bx, split, nsplit, n_out, tid)
+        finish(red, y, ws, counters, last, bx, split, nsplit, n_out, tid, y, last)
 
     _kernel_cache[key] = kernel
     return kernel
@@ -1768,7 +1777,37 @@ def dual_shared_bytes(B: int, warps: int, cps: int) -> int:
 DUAL_UNROLL = 2  # chunks a warp of the dual kernel keeps in use: 8 code words each (ptxas spilled unroll 4 at 64 registers)
 
 
-def dual_kernel(B: int, warps: int, unroll: int = DUAL_UNROLL):
+def x_pre_stager(pre: str):
+    """Device function staging rows 0..B-1 of this K-slice of x (chunks j0..jend-1) at word XO,
+    ``xrow`` words a row, fp16, through the pre-operation as transformers' fp16 Llama rounds it
+    (:func:`rms_word`, :func:`silu_word`): the tensor-core kernels' fused counterpart of
+    :func:`stage_x_rows` (a 16-byte load and store a piece, not an asynchronous copy). ``irms``:
+    1 / rms of each row (shared, pre="rms"); ``g32``: the norm weight's words (pre="rms")."""
+    RMS, SILU = pre == "rms", pre == "silu"
+
+    @cuda.jit(device=True, **INLINE)
+    def stage(sm, x32, g32, irms, XO, xrow, j0, jend, B, tid, nt):
+        xq = u32(u32(jend - j0) * u32(4))  # 16-byte pieces of a batch row
+        up = u32(u32(x32.shape[1]) >> u32(1))  # pre="silu": where the up half starts, in words
+        for it in range(i32(tid), i32(u32(B) * xq), i32(nt)):
+            t = u32(it)
+            bb = u32(t // xq)
+            w = u32(u32(t - u32(bb * xq)) << u32(2))
+            src = u32(u32(j0 * 16) + w)
+            w0, w1, w2, w3 = load16(x32[bb], src)
+            if RMS:
+                g0, g1, g2, g3 = load16(g32, src)
+                r = irms[bb]
+                w0, w1, w2, w3 = rms_word(w0, g0, r), rms_word(w1, g1, r), rms_word(w2, g2, r), rms_word(w3, g3, r)
+            elif SILU:
+                u0, u1, u2, u3 = load16(x32[bb], u32(up + src))
+                w0, w1, w2, w3 = silu_word(w0, u0), silu_word(w1, u1), silu_word(w2, u2), silu_word(w3, u3)
+            store16(sm, u32(u32(u32(XO) + u32(bb * u32(xrow))) + w), w0, w1, w2, w3)
+
+    return stage
+
+
+def dual_kernel(B: int, warps: int, unroll: int = DUAL_UNROLL, pre: str = "", post: str = ""):
     """4-bit (K = 16) fused GEMV on the tensor cores with the looked-up weights as the mma's A operand
     and x on the diagonal of B (compiled on first use), batch 1..16.
 
@@ -1783,22 +1822,31 @@ def dual_kernel(B: int, warps: int, unroll: int = DUAL_UNROLL):
     for 2 batches, where mma_kernel's eats 128 (2 lookups) for 4: half the mmas and their operand
     moves at batch 1 and 2 (NOTES "Session 51"). Batches 3..16 add an mma per 2.
 
-    Arguments, grid ((rbs + 1) // 2, ksplit) and K-split as mma_kernel's; ``warps`` in {4, 8, 16},
-    :func:`dual_shared_bytes` of dynamic shared memory; ``unroll`` chunks a warp uses in one turn
-    while as many more are in flight.
+    Arguments, grid ((rbs + 1) // 2, ksplit) and K-split as mma_kernel's, then the fused operations'
+    operands (g32, res, eps) as :func:`lut_kernel`'s; ``warps`` in {4, 8, 16}, :func:`dual_shared_bytes`
+    of dynamic shared memory; ``unroll`` chunks a warp uses in one turn while as many more are in flight.
+
+    ``pre``/``post``: the decode step's operations, as :func:`lut_kernel` takes them, but with x staged
+    in fp16 as transformers' fp16 Llama rounds it: ``pre="rms"`` sums the whole row's squares first
+    (its x is read twice; lut_kernel scales its fp32 sums instead), then stages fp16(g * fp16(x / rms));
+    ``pre="silu"`` stages fp16(fp16(silu(a)) * b); ``post="add"`` adds res at the finish.
     """
-    key = ("dual", B, warps, unroll)
+    check_ops(pre, post)
+    key = ("dual", B, warps, unroll, pre, post)
     if key in _kernel_cache:
         return _kernel_cache[key]
     if not 1 <= B <= MAX_FUSED_BATCH or warps not in (4, 8, 16):
         raise ValueError(f"the dual kernel takes batch 1..{MAX_FUSED_BATCH} and 4, 8 or 16 warps, got {B} and {warps}")
+    RMS, ADD = pre == "rms", post == "add"
+    row_sumsq, _, irms_of = rms_sums(B, warps)
+    stage_x_pre = x_pre_stager(pre)
     G = (B + 1) // 2  # mmas a step: 2 batches each
     U = unroll
     nt = warps * 32
     XO = max(MMA_TABLE_WORDS, 2 * warps * B * 32)
     NU, NG = 8 * U, 4 * G  # local array sizes: numba needs them as constants
     build_table = pair_table_builder(swizzle=False)
-    finish = pair_block_finisher(B, warps, nt)  # partials as if each warp were one warp of each row-block
+    finish = pair_block_finisher(B, warps, nt, add=ADD)  # partials as if each warp were one warp of each row-block
 
     @cuda.jit(device=True, **INLINE)
     def fetch(dst, o, tiled, base, jj):
@@ -1829,10 +1877,12 @@ def dual_kernel(B: int, warps: int, unroll: int = DUAL_UNROLL):
     stream = pair_block_stream(fetch, use_chunk, U, warps, WPC=8)
 
     @cuda.jit(**({} if SIM else {"launch_bounds": (nt, mma_min_blocks(B, warps))}))
-    def kernel(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, cps):
+    def kernel(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, cps, g32, res, eps):
         sm = cuda.shared.array(0, uint32)  # table | x slice | codebooks
         red = cuda.shared.array(0, float32)  # the warps' partials, over the table once it is done
         last = cuda.shared.array(1, int32)
+        wsq = cuda.shared.array((warps, B), float32)  # pre="rms": each warp's share of the sums of squares
+        irms = cuda.shared.array(B, float32)  # pre="rms": 1 / rms of each row of x
         tid = i32(cuda.threadIdx.x)
         warp = i32(u32(tid) >> u32(5))
         lane = i32(cuda.laneid)
@@ -1856,7 +1906,18 @@ def dual_kernel(B: int, warps: int, unroll: int = DUAL_UNROLL):
             for u in range(U):
                 fetch(c, 8 * u, tiled, base, min(j0 + warp + u * warps, jlast))
 
-        stage_pair_block(sm, cbt32, x32, CO, XO, xrow, bx, rbs, j0, jend, B, tid, nt)
+        if pre:
+            stage_codebooks(sm, cbt32, CO, bx, rbs, tid, nt)
+            if RMS:  # the whole row's sum of squares while the codebooks fly
+                row_sumsq(x32, wsq, tid, warp)
+                cuda.syncthreads()
+                if tid < B:
+                    irms[tid] = irms_of(wsq, tid, x32.shape[1] * 2, eps)
+                cuda.syncthreads()
+            stage_x_pre(sm, x32, g32, irms, XO, xrow, j0, jend, B, tid, nt)
+            async_wait_all()
+        else:
+            stage_pair_block(sm, cbt32, x32, CO, XO, xrow, bx, rbs, j0, jend, B, tid, nt)
         cuda.syncthreads()
         build_table(sm, CO, tid, nt)
         cuda.syncthreads()
@@ -1886,7 +1947,7 @@ def dual_kernel(B: int, warps: int, unroll: int = DUAL_UNROLL):
                 if b < B:
                     red[(((2 * warp + (i >> 1)) * B + b) << 5) + r] = acc[4 * gg + i]
         cuda.syncthreads()
-        finish(red, y, ws, counters, last, bx, split, nsplit, n_out, tid)
+        finish(red, y, ws, counters, last, bx, split, nsplit, n_out, tid, res, irms)
 
     _kernel_cache[key] = kernel
     return kernel
@@ -2104,7 +2165,7 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
                         if b < B:
                             red[(warp * B + b) * 32 + 8 * q + 2 * t + (i & 1)] = acc[4 * (4 * mt + q) + i]
             cuda.syncthreads()
-            finish(red, y, ws, counters, last, p, split, nsplit, n_out, tid)
+            finish(red, y, ws, counters, last, p, split, nsplit, n_out, tid, y, last)
 
     _kernel_cache[key] = kernel
     return kernel
@@ -2855,7 +2916,8 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
 
 
 _TUNED = PlanCache("lut", LaunchPlan)
-TC_KERNELS = ("mma", "dual", "wide", "tile")  # the 4-bit tensor-core kernels: own shared-memory layouts, opt-in limits
+TC_KERNELS = ("mma", "dual", "wide", "tile")
+FUSED_KERNELS = ("lut", "dual")  # the kernels that take the decode step's fused operations  # the 4-bit tensor-core kernels: own shared-memory layouts, opt-in limits
 
 
 class LutGemv:
@@ -2965,12 +3027,12 @@ class LutGemv:
         return plan_launch(self.n_out, self.nchunks, self.K, B, sms, **opts)
 
     def _launch_parts(self, B: int, plan: LaunchPlan, pre: str = "", post: str = ""):
-        if (pre or post) and plan.kernel != "lut":
-            raise ValueError(f"only the lut kernel fuses operations, not the {plan.kernel} kernel")
+        if (pre or post) and plan.kernel not in FUSED_KERNELS:
+            raise ValueError(f"only the lut and dual kernels fuse operations, not the {plan.kernel} kernel")
         if plan.kernel == "mma":
             kern = mma_kernel(B, plan.warps, plan.stages)
         elif plan.kernel == "dual":
-            kern = dual_kernel(B, plan.warps, plan.stages)
+            kern = dual_kernel(B, plan.warps, plan.stages, pre=pre, post=post)
         elif plan.kernel == "wide":
             kern = wide_kernel(B, plan.warps, plan.stages)
         elif plan.kernel == "tile":
@@ -2991,11 +3053,12 @@ class LutGemv:
                 plan = self._plan_fixed(B)
             elif self.tune_on_gpu:
                 plan = self.tune(B)
-            elif B > MAX_FUSED_BATCH or not {"lut", "mma"} & set(self.kernels):  # only a wide-batch kernel may run
+            elif B > MAX_FUSED_BATCH or not {"lut", "mma", "dual"} & set(self.kernels):  # only a wide-batch kernel may run
                 plan_wb = plan_tile if "tile" in self.kernels else plan_wide
                 plan = plan_wb(self.n_out, self.nchunks, B, sm_count(self.device), self._mma_budget())
             elif "lut" not in self.kernels:
-                plan = plan_mma(self.n_out, self.nchunks, B, sm_count(self.device), self._mma_budget())
+                plan_tc = plan_mma if "mma" in self.kernels else plan_dual
+                plan = plan_tc(self.n_out, self.nchunks, B, sm_count(self.device), self._mma_budget())
             else:
                 plan = plan_launch(self.n_out, self.nchunks, self.K, B, sm_count(self.device))
             entry = self._launch_parts(B, plan)
@@ -3016,14 +3079,14 @@ class LutGemv:
         kernel's plans are timed with them: a fused variant does more per block (``pre="rms"`` a sum
         of squares of x, ``"silu"`` two rows of x), so its best plan can differ."""
         fused = bool(pre or post)
-        kernels = ("lut",) if fused else self.kernels
+        kernels = tuple(k for k in self.kernels if k in FUSED_KERNELS) if fused else self.kernels
         key = (torch.cuda.get_device_name(self.device), self.variant, kernels, self.K, B, self.n_in, self.n_out, pre, post)
         if key in _TUNED:
             return _TUNED[key]
         from .bench import pick_fastest  # bench imports this module
 
         cands = [p for p in candidate_plans(self.n_out, self.nchunks, self.K, B, sm_count(self.device),
-                                            0 if fused else self._mma_budget()) if p.kernel in kernels]
+                                            self._mma_budget()) if p.kernel in kernels]
         if not cands:
             raise ValueError(f"no launch plan of kernels {kernels} fits this device's shared memory")
         if len(cands) == 1:
@@ -3075,19 +3138,21 @@ class LutGemv:
         args = (xa, tiled, self._cbn if plan.kernel == "tile" else self._cbt, ya, wsa, cnta, self.n_out, self.rbs, self.nchunks, plan.cps)
         # Not ya as the unread res: the simulator copies each array argument back after a launch, and
         # an unchanged copy of y would overwrite the kernel's output.
-        return args + (fused or (xa, xa, 0.0)) if plan.kernel == "lut" else args
+        return args + (fused or (xa, xa, 0.0)) if plan.kernel in FUSED_KERNELS else args
 
     def fusable(self, B: int = 1) -> bool:
         """Whether :meth:`bind` can fuse the decode step's pre/post operations at batch ``B``: only
-        the lut kernel takes them (not the tensor-core kernels), so this weight must be allowed it.
-        Where the tuner runs, a fused call has its own lut plan whatever the plain call's tuned plan
-        is: at 13B the plain qkv GEMV's fastest plan is sometimes a tensor-core one, and taking that
-        as "not fusable" left the layer's RMSNorm to ~9 torch launches (~0.5 ms a token; NOTES
-        "Session 21")."""
-        if self.variant != "lut" or B > MAX_FUSED_BATCH or "lut" not in self.kernels:
+        the lut and dual kernels take them (:data:`FUSED_KERNELS`), so this weight must be allowed one.
+        Where the tuner runs, a fused call has its own plan of those kernels whatever the plain call's
+        tuned plan is: at 13B the plain qkv GEMV's fastest plan is sometimes another tensor-core one,
+        and taking that as "not fusable" left the layer's RMSNorm to ~9 torch launches (~0.5 ms a
+        token; NOTES "Session 21")."""
+        if self.variant != "lut" or B > MAX_FUSED_BATCH or not set(FUSED_KERNELS) & set(self.kernels):
             return False
         if self.fixed_plan is not None or not self.tune_on_gpu:
-            return self._prepare(B)[1].kernel == "lut"
+            return self._prepare(B)[1].kernel in FUSED_KERNELS
+        if "lut" not in self.kernels and (self.K != 16 or B > DUAL_MAX_TUNED):
+            return False  # the dual kernel alone: 4-bit codes, and the batches the tuner tries it at
         return True
 
     def bind(self, x: torch.Tensor, out: torch.Tensor, pre: str = "", post: str = "", norm_weight: torch.Tensor | None = None,
@@ -3098,7 +3163,7 @@ class LutGemv:
         capture could trip on, and costs only numba's launch path when called eagerly.
         It launches on torch's stream current at call time (the capture stream under a graph).
 
-        ``pre`` / ``post``: operations fused into the lut kernel (see :func:`lut_kernel`):
+        ``pre`` / ``post``: operations fused into the lut or dual kernel (see :func:`lut_kernel`):
         ``pre="rms"`` with ``norm_weight`` (in,) and ``eps``; ``pre="silu"`` with x (B, 2 * in);
         ``post="add"`` with ``res`` (B, out), which may be ``out`` itself.
         ``after_kernel``: the launcher always follows a kernel in its stream, so a lut plan may start
@@ -3106,7 +3171,7 @@ class LutGemv:
         """
         fused = bool(pre or post)
         if fused:
-            x2 = check_fused(self, x, out, pre, post, norm_weight, res, "its plan is a tensor-core kernel, its kernels exclude 'lut', "
+            x2 = check_fused(self, x, out, pre, post, norm_weight, res, "its plan is neither a lut nor a dual plan, its kernels include neither, "
                             "or the variant is not 'lut'")
         else:
             x2 = self.check_input(x)
