@@ -47,7 +47,7 @@
 # at the tuner's fastest plan for it: what is left is attention, norms, rotary, sampling and the
 # gaps between kernels. *Share of own kernel bound* is the same over the kernels the path itself
 # launches: for the fused step, each projection's fused kernel with the norm, SiLU or residual add it
-# fuses, at its own tuned plan: the lut kernel for the scalar formats, the table, streaming or chunk kernel for
+# fuses, at its own tuned plan: the lut kernel (or, for 4-bit codes, the dual tensor-core kernel) for the scalar formats, the table, streaming or chunk kernel for
 # the 2-bit additive one, whichever the layer's batch-1 plan picked (other graphed paths launch the kernels the first bound times; a
 # fused-step run that did not time its own kernels keeps the first share, a lower bound on this one).
 
@@ -147,8 +147,9 @@ report.fig_decode_pareto(df)
 # rotary, sampling and the gaps between graph nodes. The table's *share of kernel bound* sets the
 # same row against every projection at its fastest plan, which at some shapes is a tensor-core
 # kernel: the difference between the two is what fusing costs in kernel time. For the scalar formats
-# the lut kernel is the only one that takes the step's RMSNorm, SiLU and residual add with it (the
-# norm and the add would otherwise be launches of their own). For the 2-bit additive format all three
+# the lut kernel, and for 4-bit codes the dual tensor-core kernel, take the step's RMSNorm, SiLU and
+# residual add with them (the norm and the add would otherwise be launches of their own); the rows
+# recorded before the dual kernel took them (session 51) fused into the lut kernel alone. For the 2-bit additive format all three
 # of its kernels take them, so what is left is the fused operations' own cost. Most RMSNorm-fused plans
 # have each block sum the squares of the whole input row before it builds its first table. The chunk
 # kernel's cluster plans do not: each block sums only its own chunk's squares (the vector-codebook
