@@ -1196,6 +1196,22 @@ def rms_sums(B: int, warps: int):
     return row_sumsq, warp_sums, irms_of
 
 
+def output_writer(rms: bool, add: bool):
+    """Device function writing one output ``s`` of batch row ``b`` to y[b, row] through the fused
+    post-operations: times irms[b] (``rms``: the row's 1 / rms, applied to the sums), plus res[b, row]
+    (``add``; res may be y, each element read and written by the same thread)."""
+
+    @cuda.jit(device=True, **INLINE)
+    def write(s, y, b, row, res, irms):
+        if rms:
+            s *= irms[b]
+        if add:
+            s += float32(res[b, row])
+        y[b, row] = s
+
+    return write
+
+
 def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = None, stages: int = 2,
                pre: str = "", post: str = ""):
     """The tiled LUT-GEMV kernel for codebook size K and batch B (compiled on first use).
@@ -1281,13 +1297,7 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
         return (put2(xs, o, v[0], v[4]) + put2(xs, o + 2, v[1], v[5]) + put2(xs, o + 4, v[2], v[6])
                 + put2(xs, o + 6, v[3], v[7]))
 
-    @cuda.jit(device=True, **INLINE)
-    def write_out(s, y, bb, row, res, irms):
-        if RMS:
-            s *= irms[bb]
-        if ADD:
-            s += float32(res[bb, row])
-        y[bb, row] = s
+    write_out = output_writer(RMS, ADD)
 
     @cuda.jit(device=True)
     def fetch(dst, off, tiled, base, rstride, rleft, j, j1):
@@ -1530,14 +1540,7 @@ def pair_block_finisher(B: int, W2: int, nt: int, add: bool = False, rms: bool =
     partials in red[(warp * B + b) * 32 + r] (warp = 2 w + g); their sums go to y, or with a K-split
     to ws, and the last K-slice's block sums ws into y. ``add``: y = res + the sum (res may be y: each
     element is read and written by one thread); ``rms``: the sum times irms[b] first (shared, (B,))."""
-
-    @cuda.jit(device=True, **INLINE)
-    def write(s, y, b, row, res, irms):
-        if rms:
-            s *= irms[b]
-        if add:
-            s += float32(res[b, row])
-        y[b, row] = s
+    write = output_writer(rms, add)
 
     @cuda.jit(device=True, **INLINE)
     def item(it, bx):
