@@ -1613,6 +1613,24 @@ def pair_block_stream(fetch, use_chunk, U: int, W2: int, WPC: int = 4):
     return stream
 
 
+def pair_block_prime(fetch, U: int, W2: int, WPC: int = 4):
+    """Device function starting :func:`pair_block_stream`'s register set ``c``: a warp's first ``U``
+    chunks (``wg``, ``wg + W2``, ...) of the K-slice j0..j1-1, fetched before anything waits. Indices
+    past the slice are clamped to its last chunk (a re-read, never used), so the main loop runs whole
+    turns without a bounds check. Returns (chunks this warp uses, the slice's last chunk)."""
+
+    @cuda.jit(device=True, **INLINE)
+    def prime(c, tiled, base, j0, j1, wg):
+        nk = (j1 - j0 - wg + W2 - 1) // W2
+        jlast = j1 - 1
+        if nk > 0:
+            for u in range(U):
+                fetch(c, WPC * u, tiled, base, min(j0 + wg + u * W2, jlast))
+        return nk, jlast
+
+    return prime
+
+
 def mma_shared_bytes(B: int, warps: int, cps: int) -> int:
     """Dynamic shared memory of :func:`mma_kernel`: the pair table (aliased by the warps' partials
     after the main loop), B rows of the x slice as fp16 (16 bytes of padding a row so batch rows
@@ -1700,6 +1718,7 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
                         acc[k], acc[k + 1], acc[k + 2], acc[k + 3])
 
     stream = pair_block_stream(fetch, use_chunk, U, W2)
+    prime = pair_block_prime(fetch, U, W2)
 
     # launch_bounds (mma_min_blocks): without them ptxas gave batch 16 148 registers, which 512 threads cannot launch with.
     @cuda.jit(**({} if SIM else {"launch_bounds": (nt, mma_min_blocks(B, warps))}))
@@ -1723,15 +1742,8 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
         CO = XO + B * xrow
         base = (rb * nchunks * 32 + lane) * 4  # chunk j of this warp's row-block at base + 128 j
 
-        # Start streaming codes before anything waits: this warp's first U chunks. Chunk indices
-        # past the slice are clamped to its last chunk (a re-read, never used), so the main loop
-        # runs whole turns without a bounds check.
-        nk = (j1 - j0 - wg + W2 - 1) // W2  # chunks this warp uses
-        jlast = j1 - 1
         c = cuda.local.array(NU, int32)
-        if nk > 0:
-            for u in range(U):
-                fetch(c, 4 * u, tiled, base, min(j0 + wg + u * W2, jlast))
+        nk, jlast = prime(c, tiled, base, j0, j1, wg)  # this warp's first U chunks, before anything waits
 
         # Stage both row-blocks' codebooks and this K-slice of x, as fp16; then the pair table.
         stage_pair_block(sm, cbt32, x32, CO, XO, xrow, bx, rbs, j0, jend, B, tid, nt)
@@ -1878,6 +1890,7 @@ def dual_kernel(B: int, warps: int, unroll: int = DUAL_UNROLL, pre: str = "", po
                         a0, a1, a2, a3, xw[k + 2 * h], xw[k + 2 * h + 1], acc[k], acc[k + 1], acc[k + 2], acc[k + 3])
 
     stream = pair_block_stream(fetch, use_chunk, U, warps, WPC=8)
+    prime = pair_block_prime(fetch, U, warps, WPC=8)
 
     @cuda.jit(**({} if SIM else {"launch_bounds": (nt, mma_min_blocks(B, warps))}))
     def kernel(x32, tiled, cbt32, y, ws, counters, n_out, rbs, nchunks, cps, g32, res, eps):
@@ -1902,12 +1915,8 @@ def dual_kernel(B: int, warps: int, unroll: int = DUAL_UNROLL, pre: str = "", po
         # table is zeros (stage_codebooks) and its rows are past n_out, never written
         base = (base0, u32(base0 + rstride) if i32(bx * 2 + 1) < rbs else base0)
 
-        nk = (jend - j0 - warp + warps - 1) // warps  # chunks this warp uses
-        jlast = jend - 1
         c = cuda.local.array(NU, int32)
-        if nk > 0:
-            for u in range(U):
-                fetch(c, 8 * u, tiled, base, min(j0 + warp + u * warps, jlast))
+        nk, jlast = prime(c, tiled, base, j0, jend, warp)
 
         if pre:
             stage_codebooks(sm, cbt32, CO, bx, rbs, tid, nt)
@@ -2102,6 +2111,7 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
                             xb[k], xb[k + 1], xb[k + 2], xb[k + 3], b0, b1, acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
 
     stream = pair_block_stream(fetch_row_words, use_chunk, U, W2)
+    prime = pair_block_prime(fetch_row_words, U, W2)
 
     # batch 33..64 spilled at 128 registers; its x slice allows one block an SM anyway (wide_min_blocks)
     @cuda.jit(**({} if SIM else {"launch_bounds": (nt, wide_min_blocks(B, warps))}))
@@ -2143,11 +2153,7 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
             base = rb * nchunks * 128 + lane  # this lane's first word of chunk j at base + 128 j
             # Start streaming before anything waits; chunks past the slice are clamped to its last
             # (a re-read, never used), so the main loop runs whole turns without a bounds check.
-            nk = (j1 - j0 - wg + W2 - 1) // W2  # chunks this warp uses
-            jlast = j1 - 1
-            if nk > 0:
-                for u in range(U):
-                    fetch_row_words(c, 4 * u, tiled, base, min(j0 + wg + u * W2, jlast))
+            nk, jlast = prime(c, tiled, base, j0, j1, wg)
             stage_codebooks(sm, cbt32, CO, p, rbs, tid, nt)
             if p == cuda.blockIdx.x:
                 stage_x_pairs(sm, x32, XO, xrow, j0, jend, B, tid, nt)
