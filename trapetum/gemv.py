@@ -2700,8 +2700,10 @@ class LaunchPlan:
     walk: int = 1  # groups of RB row-blocks a block walks (wide_kernel and tile_kernel only)
 
     def label(self) -> str:
-        """The plan in a few words (the fused step's and the bench's record of it)."""
-        return f"{self.warps} warps, RB {self.RB}, K-split {self.ksplit}, stages {self.stages}"
+        """The plan in a few words (the fused step's and the bench's record of it); a kernel other than
+        the lut kernel is named first."""
+        head = "" if self.kernel == "lut" else f"{self.kernel}: "
+        return f"{head}{self.warps} warps, RB {self.RB}, K-split {self.ksplit}, stages {self.stages}"
 
     def grid(self, rbs: int) -> tuple[int, int]:
         """(blocks along the rows, K-slices) for a layer of ``rbs`` row-blocks."""
