@@ -1855,6 +1855,7 @@ def dual_kernel(B: int, warps: int, unroll: int = DUAL_UNROLL, pre: str = "", po
     RMS, ADD = pre == "rms", post == "add"
     row_sumsq, _, irms_of = rms_sums(B, warps)
     stage_x_pre = x_pre_stager(pre)
+    _, release = launch_hooks()  # no wait: the step launches this kernel serially (LutGemv.launch_early)
     G = (B + 1) // 2  # mmas a step: 2 batches each
     U = unroll
     nt = warps * 32
@@ -1948,6 +1949,7 @@ def dual_kernel(B: int, warps: int, unroll: int = DUAL_UNROLL, pre: str = "", po
         d = cuda.local.array(NU, int32)  # the second register set (pair_block_stream)
         stream(c, d, tiled, base, j0, jlast, warp, nk, sm, lb, xl, xw, xw, acc)
 
+        release()  # a programmatic launch after this one (attention, greedy) may start placing its blocks
         cuda.syncthreads()  # every warp is done with the table: the partials reuse its space
         # D fragment: lane (g, t) holds D[g][2t + i], D[g + 8][2t + i] (i = 0, 1): column n = 2t + i is
         # batch 2 gg + n / 4, row 4g + n % 4 of row-block 0 (1). Stored as pair_block_finisher reads
