@@ -210,6 +210,22 @@ report.styled(report.programmatic_probe(out if out is not None else results.DATA
 report.styled(report.programmatic_variants(out if out is not None else results.DATA_DIR))
 
 # %% [markdown]
+# ### The 4-bit step's GEMVs on the tensor cores
+#
+# The `dual` kernel (the GEMV chapter's batch-1 tensor-core family) also takes the step's fused
+# RMSNorm, SiLU and residual add. It stages x in fp16 as transformers' fp16 Llama rounds it, where
+# the lut kernel keeps fp32. The probe below builds the 4-bit step twice in one process: once with
+# every fused GEMV on the lut kernel, once with each on whichever of lut and dual its tuning found
+# faster. It replays the two graphs alternately. These are probe rows on random weights, not
+# recorded decode runs: torch fp16 was not timed in the same process, so the table sets the two
+# steps against each other only. The two steps' greedy tokens part where one step's top two logits
+# tie; the table gives that position, the gap in each step, and the largest logit difference
+# before it.
+
+# %%
+report.styled(report.dual_step_probe(out if out is not None else results.DATA_DIR))
+
+# %% [markdown]
 # ## A real model: each graphed path against eager
 #
 # Speed above is measured on random weights; correctness is checked on a real pretrained model,

@@ -671,3 +671,24 @@ def test_programmatic_variants_sets_each_against_the_serial_step(tmp_path):
     assert t["serial / this"].tolist() == pytest.approx([1.0, 2300 / 2420, 2300 / 2225])
     assert set(t["model"]) == {"7B 4-bit"} and set(t["commit"]) == {"e43378d"} and t["same tokens"].all()
     assert report.programmatic_variants(tmp_path / "nothing").empty
+
+
+def test_dual_step_probe_sets_lut_or_dual_against_lut_only(tmp_path):
+    import json
+
+    (tmp_path / "_runs").mkdir()
+    prov = {"gpu": "NVIDIA H200", "git_commit": "718e57cabc", "date": "2026-11-28", "model": "7B 4-bit"}
+    recs = [{"kind": "check", "first_mismatch": 11, "top2_gap_at_mismatch_lut": 0.0, "top2_gap_at_mismatch_lut_dual": 0.0234,
+             "max_abs_logit_diff_before_mismatch": 0.082}]
+    recs += [{"kind": "time", "family": f, "round": r, "token_us": us} for f, r, us in
+             (("lut", 0, 2224.0), ("lut", 1, 2218.0), ("lut+dual", 0, 2010.0), ("lut+dual", 1, 2006.0))]
+    (tmp_path / "_runs" / "dual-step-probe-x-h200.json").write_text(json.dumps({"provenance": prov, "records": recs}))
+    no_check = {"provenance": prov, "records": recs[1:]}  # timed but never compared: left out
+    (tmp_path / "_runs" / "dual-step-probe-y-h200.json").write_text(json.dumps(no_check))
+    t = report.dual_step_probe(tmp_path)
+    assert list(t["fused GEMVs"]) == list(report.DUAL_STEP_FAMILIES.values())
+    assert t["token (us)"].tolist() == pytest.approx([2221.0, 2008.0])
+    assert t["lut only / this"].tolist() == pytest.approx([1.0, 2221.0 / 2008.0])
+    assert set(t["first differing token"]) == {"11"} and set(t["top-2 logit gap there (lut / lut or dual)"]) == {"0 / 0.0234"}
+    assert set(t["model"]) == {"7B 4-bit"} and set(t["rounds"]) == {2}
+    assert report.dual_step_probe(tmp_path / "nothing").empty

@@ -1741,6 +1741,37 @@ def programmatic_probe(folder=None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+DUAL_STEP_PROBES = "_runs/dual-step-probe-*.json"  # the 4-bit step's fused GEMVs on lut alone and on lut or dual
+DUAL_STEP_FAMILIES = {"lut": "lut only", "lut+dual": "lut or dual, the faster per operation"}
+
+
+def dual_step_probe(folder=None) -> pd.DataFrame:
+    """The 4-bit fused step with its fused GEMVs held to the lut kernel against lut or dual (each
+    operation's faster family), one row a family of a probe (one process, the two steps' graphs
+    replayed alternately, 100 tokens a round): the median token, lut-only's token over it, and where
+    the two steps' greedy tokens first differ, with the top-two logit gap there in each."""
+    rows = []
+    for _, prov, recs in _probe_files(folder, DUAL_STEP_PROBES):
+        times = [r for r in recs if r.get("kind") == "time"]
+        check = next((r for r in recs if r.get("kind") == "check" and "first_mismatch" in r), None)
+        lut = [r["token_us"] for r in times if r["family"] == "lut"]
+        if not lut or check is None:
+            continue
+        base = float(np.median(lut))
+        fm = check["first_mismatch"]
+        gaps = "-" if fm is None else f"{check['top2_gap_at_mismatch_lut']:.3g} / {check['top2_gap_at_mismatch_lut_dual']:.3g}"
+        for fam, label in DUAL_STEP_FAMILIES.items():
+            us = [r["token_us"] for r in times if r["family"] == fam]
+            if not us:
+                continue
+            rows.append({**_step_probe_id(prov), "fused GEMVs": label, "rounds": len(us), "token (us)": float(np.median(us)),
+                         "lut only / this": base / float(np.median(us)),
+                         "first differing token": "none" if fm is None else str(fm),
+                         "top-2 logit gap there (lut / lut or dual)": gaps,
+                         "max logit difference before it": float(check["max_abs_logit_diff_before_mismatch"])})
+    return pd.DataFrame(rows)
+
+
 ADDITIVE_STREAM_SKELETON = "_runs/additive-stream-skeleton-*.json"  # the streaming kernel with parts left out
 STREAM_PARTS = {"full": "full kernel (us)", "nobuild": "no table build (us)", "nolook": "no lookups (us)",
                 "skeleton": "neither: codes streamed, barriers, sums (us)", "empty": "empty launch (us)"}
