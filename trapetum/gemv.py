@@ -1535,12 +1535,12 @@ def pair_table_builder(swizzle: bool):
     return build
 
 
-def pair_block_finisher(B: int, W2: int, nt: int, add: bool = False, rms: bool = False):
+def pair_block_finisher(B: int, W2: int, nt: int, add: bool = False):
     """Device function ending a two-row-block kernel: the W2 warps of each row-block left their
     partials in red[(warp * B + b) * 32 + r] (warp = 2 w + g); their sums go to y, or with a K-split
     to ws, and the last K-slice's block sums ws into y. ``add``: y = res + the sum (res may be y: each
-    element is read and written by one thread); ``rms``: the sum times irms[b] first (shared, (B,))."""
-    write = output_writer(rms, add)
+    element is read and written by one thread)."""
+    write = output_writer(False, add)
 
     @cuda.jit(device=True, **INLINE)
     def item(it, bx):
@@ -1553,7 +1553,7 @@ def pair_block_finisher(B: int, W2: int, nt: int, add: bool = False, rms: bool =
         return r, b, gq, i32(u32(u32(u32(bx * 2) + gq) << u32(5)) + r)
 
     @cuda.jit(device=True, **INLINE)
-    def finish(red, y, ws, counters, last, bx, split, nsplit, n_out, tid, res, irms):
+    def finish(red, y, ws, counters, last, bx, split, nsplit, n_out, tid, res):
         for it in range(i32(tid), i32(2 * B * 32), i32(nt)):
             r, b, gq, row = item(it, bx)
             s = float32(0.0)
@@ -1561,14 +1561,14 @@ def pair_block_finisher(B: int, W2: int, nt: int, add: bool = False, rms: bool =
                 s += red[u32(u32(u32(u32(u32(v * 2) + gq) * u32(B)) + b) << u32(5)) + r]
             if row < n_out:
                 if nsplit == 1:
-                    write(s, y, b, row, res, irms)
+                    write(s, y, b, row, res, res)  # (no 1/rms here: its irms is never read)
                 else:
                     ws[split, b, row] = s
         if nsplit > 1 and last_to_finish(counters, bx, nsplit, last, tid):
             for it in range(i32(tid), i32(2 * B * 32), i32(nt)):
                 _, b, _, row = item(it, bx)
                 if row < n_out:
-                    write(sum_splits(ws, nsplit, b, row), y, b, row, res, irms)
+                    write(sum_splits(ws, nsplit, b, row), y, b, row, res, res)
 
     return finish
 
@@ -1777,7 +1777,7 @@ def mma_kernel(B: int, warps: int, unroll: int = MMA_UNROLL, stream: bool = True
                 if b < B:
                     red[(warp * B + b) * 32 + r] = acc[4 * gg + i]
         cuda.syncthreads()
-        finish(red, y, ws, counters, last, bx, split, nsplit, n_out, tid, y, last)
+        finish(red, y, ws, counters, last, bx, split, nsplit, n_out, tid, y)
 
     _kernel_cache[key] = kernel
     return kernel
@@ -1961,7 +1961,7 @@ def dual_kernel(B: int, warps: int, unroll: int = DUAL_UNROLL, pre: str = "", po
                 if b < B:
                     red[(((2 * warp + (i >> 1)) * B + b) << 5) + r] = acc[4 * gg + i]
         cuda.syncthreads()
-        finish(red, y, ws, counters, last, bx, split, nsplit, n_out, tid, res, irms)
+        finish(red, y, ws, counters, last, bx, split, nsplit, n_out, tid, res)
 
     _kernel_cache[key] = kernel
     return kernel
@@ -2153,9 +2153,7 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
             rb = p * 2 + g
             j1 = jend if rb < rbs else j0  # an odd row-block count leaves the last pair's g = 1 idle
             base = rb * nchunks * 128 + lane  # this lane's first word of chunk j at base + 128 j
-            # Start streaming before anything waits; chunks past the slice are clamped to its last
-            # (a re-read, never used), so the main loop runs whole turns without a bounds check.
-            nk, jlast = prime(c, tiled, base, j0, j1, wg)
+            nk, jlast = prime(c, tiled, base, j0, j1, wg)  # this warp's first U chunks, before anything waits
             stage_codebooks(sm, cbt32, CO, p, rbs, tid, nt)
             if p == cuda.blockIdx.x:
                 stage_x_pairs(sm, x32, XO, xrow, j0, jend, B, tid, nt)
@@ -2176,7 +2174,7 @@ def wide_kernel(B: int, warps: int, unroll: int = WIDE_UNROLL):
                         if b < B:
                             red[(warp * B + b) * 32 + 8 * q + 2 * t + (i & 1)] = acc[4 * (4 * mt + q) + i]
             cuda.syncthreads()
-            finish(red, y, ws, counters, last, p, split, nsplit, n_out, tid, y, last)
+            finish(red, y, ws, counters, last, p, split, nsplit, n_out, tid, y)
 
     _kernel_cache[key] = kernel
     return kernel
@@ -2697,7 +2695,7 @@ class LaunchPlan:
     RB: int = 1  # row-blocks a thread block
     stages: int = 2  # chunks of each row-block a warp holds: one in use, stages - 1 in flight
     kernel: str = "lut"  # "lut" (lut_kernel), "mma" (mma_kernel), "dual" (dual_kernel), "wide" (wide_kernel) or "tile" (tile_kernel):
-    # the last three 4-bit, with their own shared-memory layouts (RB 2, or a row-block a warp for tile);
+    # the other four 4-bit, with their own shared-memory layouts (RB 2, or a row-block a warp for tile);
     # their ``stages`` is the chunks a warp uses in one turn, with as many more in flight
     walk: int = 1  # groups of RB row-blocks a block walks (wide_kernel and tile_kernel only)
 
@@ -2929,8 +2927,8 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
 
 
 _TUNED = PlanCache("lut", LaunchPlan)
-TC_KERNELS = ("mma", "dual", "wide", "tile")
-FUSED_KERNELS = ("lut", "dual")  # the kernels that take the decode step's fused operations  # the 4-bit tensor-core kernels: own shared-memory layouts, opt-in limits
+TC_KERNELS = ("mma", "dual", "wide", "tile")  # the 4-bit tensor-core kernels: own shared-memory layouts, opt-in limits
+FUSED_KERNELS = ("lut", "dual")  # the kernels that take the decode step's fused operations
 
 
 class LutGemv:
@@ -3164,8 +3162,8 @@ class LutGemv:
             return False
         if self.fixed_plan is not None or not self.tune_on_gpu:
             return self._prepare(B)[1].kernel in FUSED_KERNELS
-        if "lut" not in self.kernels and (self.K != 16 or B > DUAL_MAX_TUNED):
-            return False  # the dual kernel alone: 4-bit codes, and the batches the tuner tries it at
+        if "lut" not in self.kernels and B > DUAL_MAX_TUNED:
+            return False  # the dual kernel alone (4-bit codes): the tuner tries it up to DUAL_MAX_TUNED
         return True
 
     def bind(self, x: torch.Tensor, out: torch.Tensor, pre: str = "", post: str = "", norm_weight: torch.Tensor | None = None,
