@@ -119,6 +119,11 @@ if SIM:
         return a[addr // 2]
 
     @cuda.jit(device=True)
+    def load_shared_v4(a, addr):
+        i = addr // 4
+        return a[i], a[i + 1], a[i + 2], a[i + 3]
+
+    @cuda.jit(device=True)
     def load_half_byte_offset(a, off):
         if a.itemsize == 4:  # a table of fp16 pairs in 32-bit words (little-endian: the first in the low half)
             o = int(off)
@@ -343,6 +348,20 @@ else:
         def codegen(context, builder, sig, args):
             ptr = builder.inttoptr(args[1], ir.IntType(16).as_pointer(3))
             return builder.load(ptr, align=2)
+
+        return sig, codegen
+
+    @intrinsic
+    def load_shared_v4(typingctx, arr, addr):
+        """Four 32-bit words from one 16-byte load at shared address ``addr`` (as load_shared_u16):
+        an address kept with the shared base already in it, so the loop adds none."""
+        sig = types.UniTuple(arr.dtype, 4)(arr, addr)
+
+        def codegen(context, builder, sig, args):
+            vty = ir.VectorType(context.get_data_type(sig.args[0].dtype), 4)
+            vec = builder.load(builder.inttoptr(args[1], vty.as_pointer(3)), align=16)
+            vals = [builder.extract_element(vec, ir.Constant(ir.IntType(32), k)) for k in range(4)]
+            return context.make_tuple(builder, sig.return_type, vals)
 
         return sig, codegen
 
@@ -1872,14 +1891,15 @@ def dual_kernel(B: int, warps: int, unroll: int = DUAL_UNROLL, pre: str = "", po
 
     @cuda.jit(device=True, **INLINE)
     def use_chunk(c, o, sm, lb, xl, rel, xw, unused, acc):
-        # xl[gg]: where this lane's x row (batch 2 gg + lane / 16) starts; -1 where it holds none.
+        # xl[gg]: the shared address where this lane's x row (batch 2 gg + lane / 16) starts; 0 where
+        # it holds none (no shared address is 0: the window starts past the reserved KiB)
         for w in range(4):  # word w: columns 8w..8w+7 of the chunk, both row-blocks
             c0 = c[o + w]
             c1 = c[o + 4 + w]
             for gg in range(G):
-                if xl[gg] >= 0:
+                if xl[gg] != 0:
                     k = 4 * gg
-                    xw[k], xw[k + 1], xw[k + 2], xw[k + 3] = sload4(sm, xl[gg] + rel * 16 + 4 * w)
+                    xw[k], xw[k + 1], xw[k + 2], xw[k + 3] = load_shared_v4(sm, u32(xl[gg] + u32(u32(rel) << u32(6))) + u32(16 * w))
             for h in range(2):  # step h: bytes 2h, 2h + 1 (columns 8w + 4h ..+3)
                 a0 = load_byte_offset(sm, prmt(c0, lb, 0x5504 | ((2 * h) << 4)))
                 a2 = load_byte_offset(sm, prmt(c0, lb, 0x5504 | ((2 * h + 1) << 4)))
@@ -1937,14 +1957,14 @@ def dual_kernel(B: int, warps: int, unroll: int = DUAL_UNROLL, pre: str = "", po
 
         xw = cuda.local.array(NG, uint32)  # B fragments: batch 2 gg + lane / 16's x at k-step h in xw[4 gg + 2h ..]
         acc = cuda.local.array(NG, float32)
-        xl = cuda.local.array(G, int32)
+        xl = cuda.local.array(G, uint32)
         diag = ((lane >> 2) & 3) == (lane & 3)
         for i in range(NG):
             xw[i] = uint32(0)
             acc[i] = float32(0.0)
         for gg in range(G):
             b = 2 * gg + (lane >> 4)
-            xl[gg] = XO + b * xrow if diag and b < B else -1
+            xl[gg] = u32(shared_address(sm) + u32((XO + b * xrow) * 4)) if diag and b < B else u32(0)
         lb = uint32(lane << 2)  # byte 0 of a row-block-0 lookup's address (| 128: row-block 1)
         d = cuda.local.array(NU, int32)  # the second register set (pair_block_stream)
         stream(c, d, tiled, base, j0, jlast, warp, nk, sm, lb, xl, xw, xw, acc)
