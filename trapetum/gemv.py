@@ -1841,7 +1841,7 @@ def x_pre_stager(pre: str):
     return stage
 
 
-def dual_kernel(B: int, warps: int, unroll: int = DUAL_UNROLL, pre: str = "", post: str = ""):
+def dual_kernel(B: int, warps: int, unroll: int = DUAL_UNROLL, pre: str = "", post: str = "", early: bool = False):
     """4-bit (K = 16) fused GEMV on the tensor cores with the looked-up weights as the mma's A operand
     and x on the diagonal of B (compiled on first use), batch 1..16.
 
@@ -1864,9 +1864,13 @@ def dual_kernel(B: int, warps: int, unroll: int = DUAL_UNROLL, pre: str = "", po
     in fp16 as transformers' fp16 Llama rounds it: ``pre="rms"`` sums the whole row's squares first
     (its x is read twice; lut_kernel scales its fp32 sums instead), then stages fp16(g * fp16(x / rms));
     ``pre="silu"`` stages fp16(fp16(silu(a)) * b); ``post="add"`` adds res at the finish.
+
+    ``early``: the kernel is launched while the one before it runs (:class:`programmatic`): it builds
+    its table from the codebooks (weights) first, then waits for the launch before, then stages x.
+    Launched serially, the codebooks and x fly together and the table comes after both.
     """
     check_ops(pre, post)
-    key = ("dual", B, warps, unroll, pre, post)
+    key = ("dual", B, warps, unroll, pre, post, early)
     if key in _kernel_cache:
         return _kernel_cache[key]
     if not 1 <= B <= MAX_FUSED_BATCH or warps not in (4, 8, 16):
@@ -1874,7 +1878,7 @@ def dual_kernel(B: int, warps: int, unroll: int = DUAL_UNROLL, pre: str = "", po
     RMS, ADD = pre == "rms", post == "add"
     row_sumsq, _, irms_of = rms_sums(B, warps)
     stage_x_pre = x_pre_stager(pre)
-    _, release = launch_hooks()  # no wait: the step launches this kernel serially (LutGemv.launch_early)
+    wait, release = launch_hooks()
     G = (B + 1) // 2  # mmas a step: 2 batches each
     U = unroll
     nt = warps * 32
@@ -1939,21 +1943,27 @@ def dual_kernel(B: int, warps: int, unroll: int = DUAL_UNROLL, pre: str = "", po
         c = cuda.local.array(NU, int32)
         nk, jlast = prime(c, tiled, base, j0, jend, warp)
 
-        if pre:
-            stage_codebooks(sm, cbt32, CO, bx, rbs, tid, nt)
-            if RMS:  # the whole row's sum of squares while the codebooks fly
-                row_sumsq(x32, wsq, tid, warp)
-                cuda.syncthreads()
-                if tid < B:
-                    irms[tid] = irms_of(wsq, tid, x32.shape[1] * 2, eps)
-                cuda.syncthreads()
-            stage_x_pre(sm, x32, g32, irms, XO, xrow, j0, jend, B, tid, nt)
+        stage_codebooks(sm, cbt32, CO, bx, rbs, tid, nt)  # (serial: its round trip overlaps x's)
+        if early:  # the prologue's weights-only part before the wait: the codebooks, then the table
             async_wait_all()
+            cuda.syncthreads()
+            build_table(sm, CO, tid, nt)
+            wait()
+        if RMS:  # the whole row's sum of squares (serial: while the codebooks fly)
+            row_sumsq(x32, wsq, tid, warp)
+            cuda.syncthreads()
+            if tid < B:
+                irms[tid] = irms_of(wsq, tid, x32.shape[1] * 2, eps)
+            cuda.syncthreads()
+        if pre:
+            stage_x_pre(sm, x32, g32, irms, XO, xrow, j0, jend, B, tid, nt)
         else:
-            stage_pair_block(sm, cbt32, x32, CO, XO, xrow, bx, rbs, j0, jend, B, tid, nt)
+            stage_x_rows(sm, x32, XO, xrow, j0, jend, B, B, tid, nt)
+        async_wait_all()
         cuda.syncthreads()
-        build_table(sm, CO, tid, nt)
-        cuda.syncthreads()
+        if not early:
+            build_table(sm, CO, tid, nt)
+            cuda.syncthreads()
 
         xw = cuda.local.array(NG, uint32)  # B fragments: batch 2 gg + lane / 16's x at k-step h in xw[4 gg + 2h ..]
         acc = cuda.local.array(NG, float32)
@@ -2949,6 +2959,8 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
 _TUNED = PlanCache("lut", LaunchPlan)
 TC_KERNELS = ("mma", "dual", "wide", "tile")  # the 4-bit tensor-core kernels: own shared-memory layouts, opt-in limits
 FUSED_KERNELS = ("lut", "dual")  # the kernels that take the decode step's fused operations
+# The LutGemv kernels a launcher bound after a kernel launches programmatically (bind's after_kernel)
+PROGRAMMATIC_KERNELS = ("dual",)
 
 
 class LutGemv:
@@ -2970,11 +2982,11 @@ class LutGemv:
     else 16.
     """
 
-    # Whether the fused step launches this weight's kernel programmatically after another kernel
-    # (bind's after_kernel): not the lut kernel, which made a 7B 4-bit token 6 % slower on the H200
-    # that way, 2 % releasing only at its exit (NOTES "Session 50"). Its release after the main loop
-    # still lets the launch after it (attention, greedy) start early.
-    launch_early = False
+    # Whether the fused step tells bind that a kernel launches before this weight's (after_kernel).
+    # Only PROGRAMMATIC_KERNELS' plans then launch programmatically: not the lut kernel, which made a
+    # 7B 4-bit token 6 % slower on the H200 that way, 2 % releasing only at its exit (NOTES "Session
+    # 50"); its release after the main loop still lets the launch after it (attention, greedy) start early.
+    launch_early = True
 
     FAMILIES = ("lut", "mma", "dual", "wide", "tile")
 
@@ -3197,8 +3209,9 @@ class LutGemv:
         ``pre`` / ``post``: operations fused into the lut or dual kernel (see :func:`lut_kernel`):
         ``pre="rms"`` with ``norm_weight`` (in,) and ``eps``; ``pre="silu"`` with x (B, 2 * in);
         ``post="add"`` with ``res`` (B, out), which may be ``out`` itself.
-        ``after_kernel``: the launcher always follows a kernel in its stream, so a lut plan may start
-        while that kernel runs (:class:`programmatic`; the lut kernel loads codes and codebooks, then waits).
+        ``after_kernel``: the launcher always follows a kernel in its stream, so a plan of
+        :data:`PROGRAMMATIC_KERNELS` may start while that kernel runs (:class:`programmatic`; the dual
+        kernel builds its table, then waits).
         """
         fused = bool(pre or post)
         if fused:
@@ -3227,7 +3240,9 @@ class LutGemv:
                 kern = with_shared_limit(kern, args, plan.shared_bytes)
         smem = 0 if plan is None else plan.shared_bytes
         dev = self.device
-        pdl = after_kernel and plan is not None and plan.kernel == "lut"  # the kernel whose prologue waits
+        pdl = after_kernel and plan is not None and plan.kernel in PROGRAMMATIC_KERNELS
+        if pdl and plan.kernel == "dual":  # its table built before it waits
+            kern = with_shared_limit(dual_kernel(B, plan.warps, plan.stages, pre=pre, post=post, early=True), args, smem)
 
         def launch():
             _ = owners  # the workspace lives as long as the launcher
