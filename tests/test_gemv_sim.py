@@ -608,6 +608,25 @@ def test_a_weight_held_to_the_dual_kernel_fuses_with_it():
         gemv.dual_kernel(1, 4, pre="gelu")
 
 
+@pytest.mark.parametrize("pre,post,batch", [("rms", "", 1), ("silu", "add", 3), ("", "", 2)])
+def test_the_dual_kernel_bound_after_a_kernel_builds_its_table_before_it_waits(pre, post, batch):
+    # after_kernel: bind launches a dual plan programmatically, in the form that builds its table
+    # (weights only) before the wait and stages x after it; the result must not change
+    n_in, n_out, eps = 64, 96, 1e-5
+    ct = random_codebook_tensor(n_out, n_in, 16, seed=13)
+    g = LutGemv(ct, plan={"kernel": "dual", "warps": 4, "ksplit": 2, "stages": 1})
+    x = x_for(2 * n_in if pre == "silu" else n_in, batch, seed=3) * 3
+    w = (torch.rand(n_in, generator=torch.Generator().manual_seed(5)) + 0.5).half()
+    res = x_for(n_out, batch, seed=9)
+    y = poisoned(batch, n_out)
+    gemv._kernel_cache.pop(("dual", batch, 4, 1, pre, post, True), None)
+    g.bind(x, y, pre=pre, post=post, norm_weight=w if pre == "rms" else None, eps=eps, res=res if post else None, after_kernel=True)()
+    assert ("dual", batch, 4, 1, pre, post, True) in gemv._kernel_cache  # the early form ran
+    err = max_rel_err(y, reference(x, ct, pre, post, w, res, eps))
+    assert torch.isfinite(y).all() and err <= TOLERANCE, err
+    assert "dual" in gemv.PROGRAMMATIC_KERNELS and "lut" not in gemv.PROGRAMMATIC_KERNELS  # the lut kernel launches serially
+
+
 def test_fused_operations_refuse_bad_operands(small):
     x = x_for(small.n_in, 1)
     y = poisoned(1, small.n_out)

@@ -150,10 +150,11 @@ def test_programmatic_launch_only_follows_the_steps_own_kernels(monkeypatch):
             q.simulate = True
         seen.clear()
         st = step_mod.FusedStep(m, max_len=16, n=4)
-        # the lut kernel (4-bit) is launched serially: programmatically it measured slower
-        gemv_, pdl = ("LutGemv", False) if K == 16 else ("AdditiveGemv", True)
-        layer = [(gemv_, pdl), ("DecodeAttention", True), (gemv_, pdl), (gemv_, pdl), (gemv_, pdl)]
-        head = [("LutGemv", False)] if head_K else []  # an fp16 head is an unfused torch op
+        # every GEMV is told whether a kernel precedes it; LutGemv.bind then launches its dual plans
+        # programmatically and its lut plans serially (test_gemv_sim)
+        gemv_ = "LutGemv" if K == 16 else "AdditiveGemv"
+        layer = [(gemv_, True), ("DecodeAttention", True), (gemv_, True), (gemv_, True), (gemv_, True)]
+        head = [("LutGemv", True)] if head_K else []  # an fp16 head is an unfused torch op
         assert seen == [(gemv_, False)] + layer[1:] + layer + head, seen
         assert st.greedy.after_kernel is greedy_after
         assert FusedStep(m, max_len=16, n=4, keep_logits=True).greedy.after_kernel is False  # a logits copy precedes it
