@@ -692,3 +692,27 @@ def test_dual_step_probe_sets_lut_or_dual_against_lut_only(tmp_path):
     assert set(t["first differing token"]) == {"11"} and set(t["top-2 logit gap there (lut / lut or dual)"]) == {"0 / 0.0234"}
     assert set(t["model"]) == {"7B 4-bit"} and set(t["rounds"]) == {2}
     assert report.dual_step_probe(tmp_path / "nothing").empty
+
+
+def test_dual_launch_probe_sets_each_variant_against_its_probes_first(tmp_path):
+    import json
+
+    (tmp_path / "_runs").mkdir()
+    prov = {"gpu": "NVIDIA H200", "git_commit": "37f7ae0abc", "date": "2026-11-29", "model": "7B 4-bit"}
+    early = [{"kind": "check", "tokens_equal": True, "max_abs_logit_diff": 0.0}]
+    early += [{"kind": "time", "family": f, "round": r, "token_us": us} for f, r, us in
+              (("serial", 0, 1954.0), ("early", 0, 1809.0), ("serial", 1, 1952.0), ("early", 1, 1807.0), ("serial", 2, 1953.0))]
+    (tmp_path / "_runs" / "dual-early-probe-x-h200.json").write_text(json.dumps({"provenance": prov, "records": early}))
+    oproj = [{"kind": "check", "tokens_equal": False, "max_abs_logit_diff": 0.04},
+             {"kind": "time", "family": "o on lut", "round": 0, "token_us": 1805.0}]
+    (tmp_path / "_runs" / "dual-oproj-probe-x-h200.json").write_text(json.dumps({"provenance": prov, "records": oproj}))
+    t = report.dual_launch_probe(tmp_path)  # the o_proj probe never timed its second variant: left out
+    assert list(t["variant"]) == list(report.DUAL_LAUNCH_PROBES["_runs/dual-early-probe-*.json"].values())
+    assert t["token (us)"].tolist() == pytest.approx([1953.0, 1808.0]) and t["rounds"].tolist() == [3, 2]
+    assert t["first / this"].tolist() == pytest.approx([1.0, 1953.0 / 1808.0])
+    assert t["same greedy tokens"].all() and set(t["commit"]) == {"37f7ae0"}
+    oproj.append({"kind": "time", "family": "o on dual", "round": 0, "token_us": 1800.0})
+    (tmp_path / "_runs" / "dual-oproj-probe-x-h200.json").write_text(json.dumps({"provenance": prov, "records": oproj}))
+    t = report.dual_launch_probe(tmp_path)
+    assert t["token (us)"].tolist()[2:] == pytest.approx([1805.0, 1800.0]) and not t["same greedy tokens"].iloc[3]
+    assert report.dual_launch_probe(tmp_path / "nothing").empty

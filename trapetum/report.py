@@ -1772,6 +1772,37 @@ def dual_step_probe(folder=None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+# The 4-bit step (lut or dual GEMVs) two ways in one process: per probe file pattern, its variants
+# (the records' "family") in order, the first the baseline
+DUAL_LAUNCH_PROBES = {
+    "_runs/dual-early-probe-*.json": {"serial": "dual launched serially",
+                                      "early": "dual launched programmatically (table built, then the wait)"},
+    "_runs/dual-oproj-probe-*.json": {"o on lut": "o_proj on its tuned lut plan",
+                                      "o on dual": "o_proj on dual, launched programmatically"},
+}
+
+
+def dual_launch_probe(folder=None) -> pd.DataFrame:
+    """The 4-bit fused step built two ways in one process, its two graphs replayed alternately (100
+    tokens a round): the dual kernel launched serially against programmatically, and o_proj on its
+    tuned lut plan against dual (:data:`DUAL_LAUNCH_PROBES`). One row a variant: the median token,
+    the probe's first variant's over it, and whether the two steps gave the same greedy tokens, with
+    their largest logit difference."""
+    rows = []
+    for pattern, labels in DUAL_LAUNCH_PROBES.items():
+        for _, prov, recs in _probe_files(folder, pattern):
+            check = next((r for r in recs if r.get("kind") == "check"), None)
+            us = {f: [r["token_us"] for r in recs if r.get("kind") == "time" and r.get("family") == f] for f in labels}
+            if check is None or not all(us.values()):
+                continue
+            base = float(np.median(next(iter(us.values()))))
+            for f, label in labels.items():
+                rows.append({**_step_probe_id(prov), "variant": label, "rounds": len(us[f]), "token (us)": float(np.median(us[f])),
+                             "first / this": base / float(np.median(us[f])), "same greedy tokens": bool(check["tokens_equal"]),
+                             "max logit difference": float(check["max_abs_logit_diff"])})
+    return pd.DataFrame(rows)
+
+
 ADDITIVE_STREAM_SKELETON = "_runs/additive-stream-skeleton-*.json"  # the streaming kernel with parts left out
 STREAM_PARTS = {"full": "full kernel (us)", "nobuild": "no table build (us)", "nolook": "no lookups (us)",
                 "skeleton": "neither: codes streamed, barriers, sums (us)", "empty": "empty launch (us)"}
