@@ -1892,8 +1892,6 @@ class AdditiveGemv:
     2-bit codes: less traffic than rebuilding the fp16 weight for cuBLAS at every such batch).
     """
 
-    launch_early = True  # the fused step launches it programmatically (as LutGemv.launch_early): its chunk and streaming plans wait
-
     max_batch = MAX_FUSED_BATCH  # larger batches: QLinear's dequantize + cuBLAS
     FAMILIES = ("table", "stream")
 

@@ -2959,7 +2959,10 @@ def candidate_plans(n_out: int, nchunks: int, K: int, B: int, sms: int, mma_budg
 _TUNED = PlanCache("lut", LaunchPlan)
 TC_KERNELS = ("mma", "dual", "wide", "tile")  # the 4-bit tensor-core kernels: own shared-memory layouts, opt-in limits
 FUSED_KERNELS = ("lut", "dual")  # the kernels that take the decode step's fused operations
-# The LutGemv kernels a launcher bound after a kernel launches programmatically (bind's after_kernel)
+# The LutGemv kernels a launcher bound after a kernel launches programmatically (bind's after_kernel).
+# Not the lut kernel: it made a 7B 4-bit token 6 % slower on the H200 that way, 2 % releasing only at
+# its exit (NOTES "Session 50"); its release after the main loop still lets the launch after it
+# (attention, greedy) start early.
 PROGRAMMATIC_KERNELS = ("dual",)
 
 
@@ -2981,12 +2984,6 @@ class LutGemv:
     1..64; tuned from batch 4); the default tunes over all. :attr:`max_batch` is 64 where "wide" or "tile" may run,
     else 16.
     """
-
-    # Whether the fused step tells bind that a kernel launches before this weight's (after_kernel).
-    # Only PROGRAMMATIC_KERNELS' plans then launch programmatically: not the lut kernel, which made a
-    # 7B 4-bit token 6 % slower on the H200 that way, 2 % releasing only at its exit (NOTES "Session
-    # 50"); its release after the main loop still lets the launch after it (attention, greedy) start early.
-    launch_early = True
 
     FAMILIES = ("lut", "mma", "dual", "wide", "tile")
 

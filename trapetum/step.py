@@ -161,7 +161,7 @@ class FusedStep:
             for g, o in zip(kernels, slices):
                 self.ops.append(g.bind(x, o, pre=pre, post=post, norm_weight=None if norm is None else norm.weight,
                                        eps=getattr(norm, "variance_epsilon", 1e-6), res=o if add else None,
-                                       after_kernel=self._after_kernel and g.launch_early))
+                                       after_kernel=self._after_kernel))
                 self.fused_launches += 1
                 self._after_kernel = self.programmatic
                 self.plans[f"{g.n_in}x{g.n_out} {pre or '-'}/{post or '-'}"] = g.fused_plan(1, pre, post).label()
