@@ -3238,7 +3238,9 @@ class LutGemv:
         smem = 0 if plan is None else plan.shared_bytes
         dev = self.device
         pdl = after_kernel and plan is not None and plan.kernel in PROGRAMMATIC_KERNELS
-        if pdl and plan.kernel == "dual":  # its table built before it waits
+        # its table built before it waits; only where the launch can overlap (serially, the codebooks
+        # and x fly together), and in the simulator, which runs this form one launch after another
+        if pdl and plan.kernel == "dual" and (SIM or programmatic_kernels()):
             kern = with_shared_limit(dual_kernel(B, plan.warps, plan.stages, pre=pre, post=post, early=True), args, smem)
 
         def launch():
