@@ -230,11 +230,12 @@ report.styled(report.dual_step_probe(out if out is not None else results.DATA_DI
 # built its 64 KiB pair table after both. Its table depends on the weights alone, so it now builds the
 # table first, waits for the launch before it, and only then stages x; the step launches it
 # programmatically (`trapetum.gemv.PROGRAMMATIC_KERNELS`), and the table build overlaps the kernel
-# before. The probe below builds the step both ways in one process and replays the two graphs
-# alternately; the two gave the same tokens and the same logits bit for bit. Its second pair of rows
-# asks whether o_proj, whose tuning keeps it on lut because dual's table build is too large a share of
-# a 4096 x 4096 GEMV, should move to dual once that build is hidden: the token barely changes, so it
-# stays on its tuned plan. Decode rows recorded since launch dual programmatically (each row's commit is in its provenance).
+# before. The probe below builds the step both ways in one process (random weights, real
+# architecture) and replays the two graphs alternately; the two gave the same tokens and the same
+# logits bit for bit. Its second pair of rows asks whether o_proj, whose tuning keeps it on lut
+# because dual's table build is too large a share of a 4096 x 4096 GEMV, should move to dual once that
+# build is hidden: the token barely changes, so it stays on its tuned plan. Decode rows recorded since
+# launch dual programmatically (each row's commit is in its provenance).
 
 # %%
 report.styled(report.dual_launch_probe(out if out is not None else results.DATA_DIR))
