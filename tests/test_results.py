@@ -271,3 +271,12 @@ def test_adopt_partial_keeps_what_a_stopped_run_measured(tmp_path):
     src.write_text(lines[2] + "\n")
     with pytest.raises(ValueError, match="provenance"):
         R.adopt_partial(src, folder=tmp_path / "data")
+
+
+def test_invocation_gives_a_module_run_back_as_python_m():
+    pkg = R.PACKAGE_ROOT
+    argv = [str(pkg / "decode.py"), "bench", "--arch", "llama-2-7b", "--command", "a b"]
+    assert R.invocation(argv) == "python -m trapetum.decode bench --arch llama-2-7b --command 'a b'"
+    assert R.invocation([str(pkg / "__main__.py"), "gemv"]) == "python -m trapetum gemv"
+    assert R.invocation(["/usr/local/bin/trapetum", "gemv", "--arch", "sm_90"]) == "/usr/local/bin/trapetum gemv --arch sm_90"
+    assert R.invocation([".dev/probe.py", "x"]) == ".dev/probe.py x"  # a script outside the package: as given

@@ -34,7 +34,7 @@ def _gemv(args) -> int:
     if args.checks_only:
         # The sweep alone, kept for a second process of the same commit (--resume): the sweep and the
         # timings together outgrow a 10-minute window on a fresh machine (every plan compiles).
-        head = results.provenance(command=args.command or " ".join(sys.argv))
+        head = results.provenance(command=args.command or None)
         partial = results.write_partial("gemv", torch.cuda.get_device_name(), head, copy, checks, folder=args.out)
         print(f"wrote {partial}")
         return 0
@@ -81,10 +81,10 @@ def _provenance(args, resumed: dict | None, extra: dict, t0: float) -> dict:
     from . import results
 
     if not resumed:
-        return results.provenance(command=args.command or " ".join(sys.argv), **extra, seconds=round(time.time() - t0, 1))
+        return results.provenance(command=args.command or None, **extra, seconds=round(time.time() - t0, 1))
     p0 = resumed["prov"]
     note = (f"measured by two processes of one commit: the first kept {len(resumed['records'])} records "
-            f"(started {p0.get('date')}), the second ({' '.join(sys.argv)}) the rest")
+            f"(started {p0.get('date')}), the second ({results.invocation()}) the rest")
     return {**p0, **extra, "resumed": note, "seconds_second_process": round(time.time() - t0, 1)}
 
 
@@ -145,7 +145,7 @@ def _vq(args) -> int:
     if args.out:
         # The provenance, then each record as it is made, so a run stopped part way still leaves
         # its measurements (results.adopt_partial turns the file into a results file).
-        head = resumed["prov"] if resumed else results.provenance(command=args.command or " ".join(sys.argv))
+        head = resumed["prov"] if resumed else results.provenance(command=args.command or None)
         partial = results.write_partial("vq_gemv", torch.cuda.get_device_name(), head, resumed["copy"] if resumed else {}, done,
                                         folder=args.out)
 

@@ -128,6 +128,21 @@ def gpu_info() -> dict:
     return info
 
 
+def invocation(argv: list[str] | None = None) -> str:
+    """This process's command line (``sys.argv``) as one would type it again. ``python -m
+    trapetum.decode ...`` puts the module's file path in argv[0]; that comes back as the -m form."""
+    argv = [str(a) for a in (sys.argv if argv is None else argv)]
+    if argv and argv[0].endswith(".py"):
+        try:
+            rel = Path(argv[0]).resolve().relative_to(PACKAGE_ROOT)
+        except ValueError:  # a script outside the package: as given
+            rel = None
+        if rel is not None:
+            module = ".".join((PACKAGE_ROOT.name,) + rel.with_suffix("").parts)
+            argv = ["python", "-m", module.removesuffix(".__main__")] + argv[1:]
+    return shlex.join(argv)
+
+
 def provenance(command: str | None = None, **extra) -> dict:
     """Everything a reader needs to trace a number back to the run that produced it."""
     # The device machine gets a copy of the tree whose .git (if any) may be stale: a commit the
@@ -146,7 +161,7 @@ def provenance(command: str | None = None, **extra) -> dict:
         "git_dirty": bool(dirty) if dirty is not None else None,
         "source_id": source_id(),  # the sources that ran, whatever the checkout's .git says (commit_of)
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": command if command is not None else " ".join(shlex.quote(a) for a in sys.argv),
+        "command": command if command is not None else invocation(),
         "format_version": FORMAT_VERSION,
         # plans may come from an earlier process's tuning (trapetum.tuning); "off": tuned in this one
         "plan_cache": str(plan_cache) if (plan_cache := cache_path()) is not None else "off",
