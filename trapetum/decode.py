@@ -1004,7 +1004,7 @@ def _bench_cmd(args) -> int:
 
     t0 = time.time()
     recs = []
-    command = args.command or results.invocation()
+    command = args.command or None  # None: provenance records this process's invocation
     partial = None
     if args.out and torch.cuda.is_available():
         # Each row as it is made, so a run stopped part way (a device call's time limit) keeps what it

@@ -285,19 +285,24 @@ else:
     from numba.cuda import cgutils, libdevice
     from numba.cuda.extending import intrinsic
 
+    def _load4(context, builder, sig, ptr):
+        """The 4-tuple ``sig`` returns from one 16-byte load at ``ptr`` (a pointer to its element
+        type, in any address space): numba has no vector load."""
+        ety = context.get_data_type(sig.args[0].dtype)
+        vty = ir.VectorType(ety, 4)
+        vec = builder.load(builder.bitcast(ptr, vty.as_pointer(ptr.type.addrspace)), align=16)
+        vals = [builder.extract_element(vec, ir.Constant(ir.IntType(32), k)) for k in range(4)]
+        return context.make_tuple(builder, sig.return_type, vals)
+
     @intrinsic
     def load16(typingctx, arr, idx):
-        """Four 32-bit elements from one aligned 128-bit load (ld.v4): numba has no vector load."""
+        """Four 32-bit elements from one aligned 128-bit load (ld.v4)."""
         sig = types.UniTuple(arr.dtype, 4)(arr, idx)
 
         def codegen(context, builder, sig, args):
             aty, _ = sig.args
             ary = context.make_array(aty)(context, builder, value=args[0])
-            ptr = cgutils.get_item_pointer(context, builder, aty, ary, [args[1]], wraparound=False)
-            vty = ir.VectorType(context.get_data_type(aty.dtype), 4)
-            vec = builder.load(builder.bitcast(ptr, vty.as_pointer()), align=16)
-            vals = [builder.extract_element(vec, ir.Constant(ir.IntType(32), k)) for k in range(4)]
-            return context.make_tuple(builder, sig.return_type, vals)
+            return _load4(context, builder, sig, cgutils.get_item_pointer(context, builder, aty, ary, [args[1]], wraparound=False))
 
         return sig, codegen
 
@@ -358,10 +363,8 @@ else:
         sig = types.UniTuple(arr.dtype, 4)(arr, addr)
 
         def codegen(context, builder, sig, args):
-            vty = ir.VectorType(context.get_data_type(sig.args[0].dtype), 4)
-            vec = builder.load(builder.inttoptr(args[1], vty.as_pointer(3)), align=16)
-            vals = [builder.extract_element(vec, ir.Constant(ir.IntType(32), k)) for k in range(4)]
-            return context.make_tuple(builder, sig.return_type, vals)
+            ety = context.get_data_type(sig.args[0].dtype)
+            return _load4(context, builder, sig, builder.inttoptr(args[1], ety.as_pointer(3)))
 
         return sig, codegen
 
@@ -3233,15 +3236,15 @@ class LutGemv:
             if fused:
                 extra, res, res_src = fused_operands(xa, pre, post, norm_weight, res, eps)
             args = self._args(plan, xa, self._tiled, ya, views[0], views[1], extra)
-            if plan.kernel in TC_KERNELS:  # above the 48 KiB default: raise this kernel's limit (compiles it, once)
-                kern = with_shared_limit(kern, args, plan.shared_bytes)
-        smem = 0 if plan is None else plan.shared_bytes
-        dev = self.device
         pdl = after_kernel and plan is not None and plan.kernel in PROGRAMMATIC_KERNELS
         # its table built before it waits; only where the launch can overlap (serially, the codebooks
         # and x fly together), and in the simulator, which runs this form one launch after another
         if pdl and plan.kernel == "dual" and (SIM or programmatic_kernels()):
-            kern = with_shared_limit(dual_kernel(B, plan.warps, plan.stages, pre=pre, post=post, early=True), args, smem)
+            kern = dual_kernel(B, plan.warps, plan.stages, pre=pre, post=post, early=True)
+        if plan is not None and plan.kernel in TC_KERNELS:  # above the 48 KiB default: raise this kernel's limit (compiles it, once)
+            kern = with_shared_limit(kern, args, plan.shared_bytes)
+        smem = 0 if plan is None else plan.shared_bytes
+        dev = self.device
 
         def launch():
             _ = owners  # the workspace lives as long as the launcher
