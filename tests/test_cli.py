@@ -79,12 +79,16 @@ def fake_gpu_run(monkeypatch):
         calls["copy"] += 1
         return {"copy_gbps": 3000.0}
 
-    def suite(grid, skip_residual=frozenset(), floors=None, skip_floor=frozenset(), **k):
-        calls["skip"] = set(skip_residual)
+    def suite(grid, skip_residual=frozenset(), floors=None, skip_floor=frozenset(), skip_additive=frozenset(), **k):
+        calls["skip"], calls["skip_additive"] = set(skip_residual), set(skip_additive)
         calls["grid"], calls["floors"], calls["skip_floor"], calls["additive_shapes"] = grid, floors, set(skip_floor), k["additive_shapes"]
+        jobs = [(kernel, M, i, o) for i, o in k["additive_shapes"]
+                for kernel, M in [("additive", 2), ("additive", 4)] + ([(bench.AQLM_PACKAGE, None)] if k["aqlm"] else [])]
+        recs = [{"grid": "additive", "kernel": kernel, "M": M, "in_features": i, "out_features": o, "time_ms": 1.0}
+                for kernel, M, i, o in jobs if (kernel, M, i, o) not in skip_additive]
         todo = [c for c in bench.residual_configs(grid) if c not in skip_residual]
-        recs = [{"grid": "residual", "kernel": "residual", "in_features": i, "out_features": o, "main_centroids": m,
-                 "residual_centroids": r, "time_ms": 1.0} for i, o, m, r in todo]
+        recs += [{"grid": "residual", "kernel": "residual", "in_features": i, "out_features": o, "main_centroids": m,
+                  "residual_centroids": r, "time_ms": 1.0} for i, o, m, r in todo]
         recs += [{"grid": "floor", "kernel": bench.STREAM_FLOOR, "time_ms": 0.5, **j} for j in bench.floor_jobs(**floors)] if floors else []
         for rec in recs:
             k["on_record"](rec)
@@ -127,6 +131,77 @@ def test_vq_resume_keeps_the_first_process_and_measures_the_rest(fake_gpu_run, t
     prov = d["provenance"]
     assert prov["date"] == "2026-11-22T00:00:00+00:00" and prov["command"] == "first"
     assert "two processes" in prov["resumed"] and "kept 8 records" in prov["resumed"] and "partial" not in prov
+
+
+def test_vq_resume_completes_the_additive_table_shape_by_shape(fake_gpu_run, tmp_path, monkeypatch):
+    from trapetum import bench, cli
+
+    calls, _ = fake_gpu_run
+    cpp = []
+    monkeypatch.setattr(bench, "run_cuda_cpp", lambda *a, **k: cpp.append(k) or [
+        {"kernel": "cuda_cpp_additive", "M": 2, "in_features": 4096, "out_features": 4096, "time_ms": 3.0}])
+    shapes = bench.ADDITIVE_SHAPES
+    first = [("additive", 2, *s) for s in shapes[:3]] + [("additive", 4, *s) for s in shapes[:2]] + [(bench.AQLM_PACKAGE, None, *shapes[0])]
+    lines = [{"provenance": {"gpu": "Fake GPU", "git_commit": "abc1234", "date": "2026-11-22T00:00:00+00:00", "command": "first"}},
+             {"grid": "correctness", "kernel": "additive", "max_rel_err": 2e-4}, {"copy": {"copy_gbps": 2900.0}}]
+    lines += [{"grid": "baseline", "kernel": "torch fp16", "in_features": i, "out_features": o, "time_ms": 0.1} for i, o in shapes[:3]]
+    lines += [{"grid": "additive", "kernel": kernel, "M": M, "in_features": i, "out_features": o, "time_ms": 2.0} for kernel, M, i, o in first]
+    saved = tmp_path / "first.jsonl"
+    saved.write_text("".join(json.dumps(d) + "\n" for d in lines))
+    out = tmp_path / "out"
+    assert cli.main(["vq", "--parts", "additive", "--quiet", "--out", str(out), "--resume", str(saved)]) == 0
+    assert cpp == [{"program": "gemv_additive_2bit"}]  # no C++ record in the partial yet
+    assert calls["skip_additive"] == set(first)
+    d = json.loads((out / "fake-gpu" / "vq_gemv.json").read_text())
+    add = [r for r in d["records"] if r["grid"] == "additive" and r["kernel"] != "cuda_cpp_additive"]
+    assert len(add) == 3 * len(shapes) and len({bench.additive_key(r) for r in add}) == len(add)
+    assert {bench.additive_key(r) for r in add if r["time_ms"] == 2.0} == set(first)
+    # Resumed again from that run's partial, which now holds the C++ records too: nothing is measured twice.
+    partial = out / "fake-gpu" / "vq_gemv.partial.jsonl"
+    again = tmp_path / "again.jsonl"
+    again.write_text(partial.read_text())
+    assert cli.main(["vq", "--parts", "additive", "--quiet", "--out", str(out), "--resume", str(again)]) == 0
+    assert len(cpp) == 1 and len(calls["skip_additive"]) == 3 * len(shapes) + 1
+    d = json.loads((out / "fake-gpu" / "vq_gemv.json").read_text())
+    assert len([r for r in d["records"] if r["grid"] == "additive"]) == 3 * len(shapes) + 1
+
+
+def test_additive_key_matches_a_job_to_its_record_read_back():
+    from trapetum import bench
+
+    rec = bench.gemv_record("additive", 256, 1, 4096, 11008, 1.0, 2.0, 1, 0.0, M=4, grid="additive")
+    assert bench.additive_key(json.loads(json.dumps(rec))) == ("additive", 4, 4096, 11008)
+    assert bench.additive_key(dict(rec, M=4.0)) == ("additive", 4, 4096, 11008)
+    aqlm = bench.gemv_record(bench.AQLM_PACKAGE, None, 1, 4096, 4096, 1.0, 2.0, 1, 0.0, grid="additive")
+    assert bench.additive_key(aqlm) == ("aqlm package 2x8", None, 4096, 4096)
+
+
+def test_vq_suite_skips_the_additive_jobs_already_measured(monkeypatch):
+    from trapetum import additive, bench
+
+    timed = {"fp16": [], "additive": [], "aqlm": [], "built": 0}
+    monkeypatch.setattr(bench, "time_fp16", lambda n_in, n_out, b: timed["fp16"].append((n_in, n_out)) or 0.1)
+    monkeypatch.setattr(additive, "time_additive", lambda n_in, n_out, M, b, f: timed["additive"].append((M, n_in, n_out)) or
+                        bench.gemv_record("additive", 256, b, n_in, n_out, 0.05, f, 1, 0.0, M=M))
+    monkeypatch.setattr(bench, "aqlm_package_available", lambda: timed.update(built=timed["built"] + 1))
+    monkeypatch.setattr(bench, "time_aqlm_package", lambda n_in, n_out, f: timed["aqlm"].append((n_in, n_out)) or
+                        bench.gemv_record(bench.AQLM_PACKAGE, None, 1, n_in, n_out, 0.04, f, 1, 0.0))
+    a, b, c = (4096, 4096), (4096, 11008), (11008, 4096)
+    skip = {("additive", 2, *a), ("additive", 4, *a), (bench.AQLM_PACKAGE, None, *a), ("additive", 4, *b)}
+    grid = dict(bench.RESIDUAL_GRID, in_features=())
+    recs, extra = bench.vq_suite(grid=grid, additive_shapes=(a, b, c), progress=False, skip_additive=skip)
+    assert timed["fp16"] == [b, c]  # a's jobs were all done: no fp16 beside nothing
+    assert timed["additive"] == [(2, *b), (2, *c), (4, *c)] and timed["aqlm"] == [b, c] and timed["built"] == 1
+    assert extra["aqlm_package"] == "built" and extra["failures"] == []
+    assert {bench.additive_key(r) for r in recs if r["grid"] == "additive"} == {
+        ("additive", 2, *b), ("additive", 2, *c), ("additive", 4, *c), (bench.AQLM_PACKAGE, None, *b), (bench.AQLM_PACKAGE, None, *c)}
+    assert all(r["fp16_ms"] == 0.1 for r in recs) and len([r for r in recs if r["grid"] == "baseline"]) == 2
+    # No job of the package left: it is not built (it compiles on import); fp16 only where ours remain.
+    timed.update(fp16=[], additive=[], aqlm=[], built=0)
+    skip |= {(bench.AQLM_PACKAGE, None, *s) for s in (b, c)} | {("additive", 2, *c), ("additive", 4, *c)}
+    recs, extra = bench.vq_suite(grid=grid, additive_shapes=(a, b, c), progress=False, skip_additive=skip)
+    assert timed == {"fp16": [b], "additive": [(2, *b)], "aqlm": [], "built": 0} and "not checked" in extra["aqlm_package"]
+    assert [bench.additive_key(r) for r in recs if r["grid"] == "additive"] == [("additive", 2, *b)]
 
 
 def test_vq_resume_refuses_other_sources_under_the_same_commit(fake_gpu_run, tmp_path, monkeypatch):

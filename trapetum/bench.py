@@ -464,6 +464,9 @@ def residual_configs(grid: dict) -> list[tuple[int, int, int, int]]:
 ADDITIVE_SHAPES = ((4096, 4096), (4096, 11008), (11008, 4096), (4096, 14336), (14336, 4096), (8192, 28672), (16384, 53248))
 
 
+AQLM_PACKAGE = "aqlm package 2x8"  # the kernel name of its records
+
+
 def aqlm_package_available() -> str | None:
     """None if the `aqlm` package's CUDA kernel builds here, else why not (one line)."""
     try:
@@ -500,13 +503,20 @@ def time_aqlm_package(n_in: int, n_out: int, fp16_ms: float, seed: int = 0) -> d
     nbytes = t.nbytes + 2 * (n_in + n_out)
     del parts
     torch.cuda.empty_cache()
-    return gemv_record("aqlm package 2x8", None, 1, n_in, n_out, ms, fp16_ms, nbytes, err, scheme="2-bit additive (M=2)",
+    return gemv_record(AQLM_PACKAGE, None, 1, n_in, n_out, ms, fp16_ms, nbytes, err, scheme="2-bit additive (M=2)",
                        bits_per_weight=t.bits_per_weight, grid="additive")
 
 
 def residual_key(rec: dict) -> tuple:
     """A residual-grid configuration: (in, out, main centroids, residual centroids)."""
     return rec["in_features"], rec["out_features"], rec["main_centroids"], rec["residual_centroids"]
+
+
+def additive_key(rec: dict) -> tuple:
+    """An additive-table job: (kernel, M, in, out); the `aqlm` package's kernel has no M (None). M is
+    normalised to int, so a record read back from a partial jsonl matches the job it came from."""
+    M = rec.get("M")
+    return rec["kernel"], None if M is None else int(M), int(rec["in_features"]), int(rec["out_features"])
 
 
 def floor_key(rec: dict) -> tuple:
@@ -535,11 +545,13 @@ def floor_jobs(grid: dict = RESIDUAL_GRID, additive_shapes=ADDITIVE_SHAPES, Ms=(
 
 
 def vq_suite(grid: dict = RESIDUAL_GRID, additive_shapes=ADDITIVE_SHAPES, Ms=(2, 4), aqlm: bool = True, progress: bool = True,
-             on_record=None, skip_residual=frozenset(), floors: dict | None = None, skip_floor=frozenset()) -> tuple[list[dict], dict]:
+             on_record=None, skip_residual=frozenset(), floors: dict | None = None, skip_floor=frozenset(),
+             skip_additive=frozenset()) -> tuple[list[dict], dict]:
     """The additive table, then the residual grid, fp16 timed beside every shape; returns (records,
     extra provenance). A configuration that fails is recorded in ``extra["failures"]`` and the
     suite goes on; ``on_record(rec)`` sees every record as it is made (for partial saves).
-    ``skip_residual``: :func:`residual_key` s already measured (a resumed run).
+    ``skip_residual``: :func:`residual_key` s already measured (a resumed run); ``skip_additive`` likewise,
+    :func:`additive_key` s.
     ``floors``: keyword arguments of :func:`floor_jobs` (the configurations, whatever the parts timed):
     for each, a kernel that only reads its code bytes (:func:`time_stream`), fp16 beside it, as
     records of grid "floor": fp16 over that time is the speedup no kernel of those bytes can pass.
@@ -578,13 +590,19 @@ def vq_suite(grid: dict = RESIDUAL_GRID, additive_shapes=ADDITIVE_SHAPES, Ms=(2,
             print(f"FAILED {what}:\n{traceback.format_exc()[-1500:]}", flush=True)
             torch.cuda.synchronize()
 
-    why = aqlm_package_available() if aqlm else "not requested"
+    aqlm_todo = {s for s in additive_shapes if (AQLM_PACKAGE, None, *s) not in skip_additive} if aqlm else set()
+    # The package JIT-compiles on import: only where it has something left to time.
+    why = aqlm_package_available() if aqlm_todo else "not checked: none of its shapes left to time" if aqlm else "not requested"
     extra["aqlm_package"] = why or "built"
     for n_in, n_out in tqdm(additive_shapes, desc="additive", disable=not progress):
+        todo = [M for M in Ms if ("additive", M, n_in, n_out) not in skip_additive]
+        with_aqlm = why is None and (n_in, n_out) in aqlm_todo
+        if not todo and not with_aqlm:
+            continue  # all kept from a first process, fp16 with them: each ratio is of one process
         f = base(n_in, n_out)
-        for M in Ms:
+        for M in todo:
             attempt(f"additive M={M} {n_in}x{n_out}", lambda: additive.time_additive(n_in, n_out, M, 1, f), "additive")
-        if why is None:
+        if with_aqlm:
             attempt(f"aqlm package {n_in}x{n_out}", lambda: time_aqlm_package(n_in, n_out, f), "additive")
     jobs = [c for c in residual_configs(grid) if c not in skip_residual]
     for n_in, n_out, m, r in tqdm(jobs, desc="residual grid", disable=not progress):

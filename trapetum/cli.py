@@ -178,8 +178,9 @@ def _vq(args) -> int:
         copy = bench.copy_bandwidth()
         print("copy bandwidth: " + ", ".join(f"{k} {v:.0f} GB/s" for k, v in copy.items()), flush=True)
         keep({"copy": copy})
-    additive_done = any(g == "additive" for g, _ in have)  # the additive part is measured whole, or not again
-    if args.cuda_cpp and "additive" in args.parts and not additive_done:
+    # The additive table resumes shape by shape, as the residual grid and the floors do; the C++ program
+    # times all its shapes in one process and keeps nothing until it ends, so it runs once.
+    if args.cuda_cpp and "additive" in args.parts and ("additive", "cuda_cpp_additive") not in have:
         try:
             for r in bench.run_cuda_cpp(args.arch, program="gemv_additive_2bit"):
                 r["grid"] = "additive"
@@ -203,10 +204,11 @@ def _vq(args) -> int:
     shapes = all_shapes if "additive" in args.parts else ()
     # The floors of every configuration of both parts, whichever parts are timed: a floors-only run is short.
     floors = dict(grid=quick_grid if args.quick else bench.RESIDUAL_GRID, additive_shapes=all_shapes) if "floors" in args.parts else None
-    suite, suite_extra = bench.vq_suite(grid=grid, additive_shapes=() if additive_done else shapes,
-                                        aqlm=args.aqlm and "additive" in args.parts and not additive_done, progress=not args.quiet,
-                                        on_record=keep, skip_residual={bench.residual_key(r) for r in done if r.get("grid") == "residual"},
-                                        floors=floors, skip_floor={bench.floor_key(r) for r in done if r.get("grid") == "floor"})
+    suite, suite_extra = bench.vq_suite(grid=grid, additive_shapes=shapes, aqlm=args.aqlm and "additive" in args.parts,
+                                        progress=not args.quiet, on_record=keep,
+                                        skip_residual={bench.residual_key(r) for r in done if r.get("grid") == "residual"},
+                                        floors=floors, skip_floor={bench.floor_key(r) for r in done if r.get("grid") == "floor"},
+                                        skip_additive={bench.additive_key(r) for r in done if r.get("grid") == "additive"})
     recs += suite
     extra.update(suite_extra)
     for r in recs:
@@ -279,7 +281,8 @@ def main(argv=None) -> int:
                    help="residual grid: only these codebook pairs, e.g. 4096+512,8192+256 (default: all four)")
     v.add_argument("--resume", type=Path, default=None, metavar="PARTIAL",
                    help="continue a run that stopped part way, from its <out>/<gpu>/vq_gemv.partial.jsonl "
-                        "(same commit and GPU): what it holds is kept, the rest is measured")
+                        "(same commit and GPU): what it holds is kept, the rest is measured (the additive table and "
+                        "the residual grid shape by shape; the CUDA C++ counterpart only if it did not run)")
     v.set_defaults(func=_vq)
     t = sub.add_parser("plans", help="the tuned launch plans kept across processes (trapetum.tuning): list or --clear")
     t.add_argument("--clear", action="store_true", help="remove the file: every shape is tuned again")
