@@ -140,28 +140,22 @@ def test_stream_tables_scale_activations_in_the_thousands():
         (150, 1088, {"warps": 4, "tile": 4, "rows": 128}),  # 3 chunks (the last half padding), 2 row-groups, 2 tiles a warp
         (70, 512, {"warps": 4, "tile": 8, "rows": 64}),  # one chunk: y written by the tiles themselves
         (21, 1024, {"warps": 2, "tile": 8, "rows": 32}),  # a quad of 1 row; tiles mostly past the last row
-        # runs of chunks a block: 5 chunks in 3 K-slices (runs of 1, 2, 2), the last row-group's warps
-        # with unequal tile counts (a warp with none), the next chunk's first tile fetched by the last of this one
-        (150, 2560, {"warps": 4, "tile": 4, "rows": 64, "chunks": 2}),
-        (38, 1088, {"warps": 2, "tile": 4, "rows": 32, "chunks": 3}),  # one K-slice of all 3 chunks: y from the last chunk's tiles
-        (70, 3584, {"warps": 2, "tile": 8, "rows": 64, "chunks": 3}),  # 7 chunks in runs of 2, 2, 3; tiles of 32 rows
     ],
 )
 def test_chunk_kernel_matches_float64(n_out, n_in, plan):
     t = with_bias(random_additive_tensor(n_out, n_in, 2, seed=n_out), seed=n_in)
     g = AdditiveGemv(t, plan={"kernel": "chunk", **plan})
     p = g.plan(1)
-    runs = -(-(-(-n_in // 512)) // plan.get("chunks", 1))
-    assert isinstance(p, A.StreamPlan) and p.tile == plan["tile"] and p.ksplit == runs and p.qpb % (p.tile * p.warps) == 0
+    assert isinstance(p, A.StreamPlan) and p.tile == plan["tile"] and p.ksplit == -(-n_in // 512) and p.qpb % (p.tile * p.warps) == 0
     check(g, x_for(n_in, 1, seed=n_out), t)
     assert g._tiled_t is None and g._stream_t is not None  # the streaming kernel's layout
 
 
-@pytest.mark.parametrize("pre,post,chunks", [("rms", "add", 1), ("silu", "add", 1), ("", "add", 1), ("rms", "add", 2), ("silu", "add", 3)])
-def test_chunk_kernel_fused_operations(pre, post, chunks):
+@pytest.mark.parametrize("pre,post", [("rms", "add"), ("silu", "add"), ("", "add")])
+def test_chunk_kernel_fused_operations(pre, post):
     n_out, n_in = 70, 1088
     t = with_bias(random_additive_tensor(n_out, n_in, 2, seed=7), seed=8)
-    g = AdditiveGemv(t, plan={"kernel": "chunk", "warps": 4, "tile": 4, "rows": 64, "chunks": chunks})
+    g = AdditiveGemv(t, plan={"kernel": "chunk", "warps": 4, "tile": 4, "rows": 64})
     x = x_for(2 * n_in if pre == "silu" else n_in, 1, seed=3) * 3
     w = (torch.rand(n_in, generator=torch.Generator().manual_seed(5)) + 0.5).half()
     h = x_for(n_out, 1, seed=9)
@@ -194,20 +188,11 @@ def test_chunk_cluster_plans_and_their_errors():
     assert "clusters of 8" in p.label() and A.plan_chunk(14336, 4096, 227 * 1024).cluster == 0
     assert A.plan_chunk(100, 1024, 227 * 1024, cluster=True).cluster == 2
     for n_in in (512, 4608):  # 1 chunk (nothing to meet) and 9 (past a portable cluster)
-        with pytest.raises(ValueError, match="cluster finish takes 2 to 8 blocks"):
+        with pytest.raises(ValueError, match="cluster finish takes 2 to 8 chunks"):
             A.plan_chunk(64, n_in, 227 * 1024, cluster=True)
     got = A.chunk_candidates(4096, 4096, 227 * 1024)
-    assert sum(q.cluster == 8 for q in got) == sum(q.cluster == 0 for q in got) > 0 and all(q.cps == 1 for q in got)
-    # 22 chunks (Llama-2-7B's down projection): a cluster of 8 blocks, each a run of 2 or 3 chunks
-    p = A.plan_chunk(4096, 11008, 227 * 1024, warps=8, tile=4, rows=256, cluster=True, chunks=3)
-    assert (p.cluster, p.ksplit, p.cps, p.grid(4096)) == (8, 8, 3, (16, 8)) and "up to 3 chunks a block" in p.label()
-    assert p.shared_bytes == A.chunk_shared_bytes(256, 3) == A.chunk_shared_bytes() + 4 * (2 * 256 + 257)
-    runs = [q for q in A.chunk_candidates(4096, 11008, 227 * 1024) if q.cluster]
-    assert runs and all((q.cluster, q.cps) == (8, 3) for q in runs) and len(runs) == len(A.CHUNK_RUN_PLANS)
-    assert not any(q.cluster for q in A.chunk_candidates(4096, 11008, 227 * 1024, clusters=False))
-    assert A.plan_chunk(64, 4608, 227 * 1024, chunks=2).ksplit == 5  # 9 chunks: runs of 1 or 2, a global finish
-    with pytest.raises(ValueError, match="positive"):
-        A.plan_chunk(64, 4608, 227 * 1024, chunks=0)
+    assert sum(q.cluster == 8 for q in got) == sum(q.cluster == 0 for q in got) > 0
+    assert not any(q.cluster for q in A.chunk_candidates(4096, 11008, 227 * 1024))
     # before sm_90 (an sm_86 rerun of a chapter) the tuner is offered no cluster plan to compile
     assert [q for q in got if not q.cluster] == A.chunk_candidates(4096, 4096, 227 * 1024, clusters=False)
     assert not A.clusters_available("cpu")

@@ -1508,7 +1508,7 @@ def _halver(n: int, o: int):
     return halve
 
 
-def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0, multi: bool = False):
+def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0):
     """The chunk kernel (M = 2, batch 1; see the comment above): grid (row-groups, chunks), a block
     of ``warps`` warps builds its chunk's table (as :func:`stream_kernel`'s step 2, from x staged with
     ``pre``) and its warps walk the row-group's quads ``QT`` at a time: 16-byte code loads a lane
@@ -1519,14 +1519,9 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
     row-group are one thread block cluster instead, each block keeps its rows' chunk sums in shared
     memory (after x) and, after a cluster barrier, sums 1 / cs of the row-group's rows over the
     cluster's blocks through distributed shared memory and writes them: no workspace, counter or
-    second pass through L2 (GPU only). ``multi``: a block takes a run of the row's chunks (block y
-    of ``nsplit`` takes chunks y * nch // nsplit up to (y + 1) * nch // nsplit, at most ``cps``), builds
-    their tables in turn in its one table (a barrier before and after each build; the next chunk's
-    first tile is already in flight) and keeps its rows' running sums in shared memory, so a layer of
-    more chunks than a cluster holds still meets in one (or leaves fewer partials to the last block).
-    Arguments as :func:`stream_kernel`'s (``cps``: the most chunks a block, 1 unless ``multi``;
-    ``qpb`` a multiple of ``QT``)."""
-    key = (warps, QT, pre, post, cs, multi)
+    second pass through L2 (GPU only). Arguments as :func:`stream_kernel`'s (``cps`` is 1 and
+    unread; ``qpb`` a multiple of ``QT``)."""
+    key = (warps, QT, pre, post, cs)
     if key in _chunk_cache:
         return _chunk_cache[key]
     check_chunk_shape(warps, QT)
@@ -1536,7 +1531,8 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
     if cs > MAX_CLUSTER:
         raise ValueError(f"the chunk kernel's cluster finish takes at most {MAX_CLUSTER} chunks, got {cs}")
     WSQ = (warps, 1) if pre == "rms" else (1, 1)
-    SO0 = STREAM_TABLE_WORDS + STREAM_X_WORDS  # word offset of the chunk's sum of squares (cs > 1, pre='rms'), one chunk of x
+    SO = STREAM_TABLE_WORDS + STREAM_X_WORDS  # word offset of the chunk's sum of squares (cs > 1, pre='rms')
+    RO = SO + 1  # of the rows' chunk sums (cs > 1)
     nt = warps * 32
     KT = 64 // warps
     ROWS = QT * STREAM_ROWS  # rows a tile: code words a lane holds for one
@@ -1545,7 +1541,7 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
     OWNER = (1 << SHIFT) - 1  # lanes l & OWNER == 0 write it
     # With a cluster the row's chunks are the cluster's blocks, so its sum of squares is theirs: no
     # block reads the whole row before its build (pre='rms' cost the global finish's plans ~2 us a call).
-    build, start, ids, lookup, finish = _stream_parts(warps, 1, pre, post, defer_rms=cs > 1)
+    _, start, ids, lookup, finish = _stream_parts(warps, 1, pre, post, defer_rms=cs > 1)
     RMS = pre == "rms"
     h16, h8, h4, h2, h1 = (_halver(ROWS >> k, 16 >> k) for k in range(5))
     _, release = launch_hooks()
@@ -1562,8 +1558,7 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
                 ring[o + 4 * i], ring[o + 4 * i + 1], ring[o + 4 * i + 2], ring[o + 4 * i + 3] = zero, zero, zero, zero
 
     @cuda.jit(device=True, **INLINE)
-    def tile(sm, ring, o, acc, lane, q0, by, nsplit, up, rend, scales, bias, y, ws, res, r0, smf, RO, k, nc):
-        # by: the block's K-slice (its chunk, or run of chunks); k of nc: which of the run this is
+    def tile(sm, ring, o, acc, lane, q0, c, nsplit, up, rend, scales, bias, y, ws, res, r0, smf):
         l0 = lane << uint32(2)  # the one table's byte offset: codebook 0, group s
         for i in range(ROWS):
             acc[i] = lookup(sm, uint32(ring[o + i]), l0)
@@ -1578,14 +1573,12 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
         row = q0 * STREAM_ROWS + int32(lane >> uint32(SHIFT))
         if lane & uint32(OWNER) == uint32(0) and row < rend:
             v = acc[0] * up * float32(scales[row])
-            if multi and k > 0:  # a row's lane is the same in every chunk of the run: no barrier needed
-                v += smf[RO + row - r0]
-            if cs > 1 or (multi and k + 1 < nc):
+            if cs > 1:
                 smf[RO + row - r0] = v
             elif nsplit == 1:
                 y[0, row] = with_res(v + float32(bias[row]), res, 0, row)
             else:
-                ws[by, 0, row] = v
+                ws[c, 0, row] = v
 
     bounds = ClusterBounds((nt,), (1, cs, 1)) if cs > 1 else (nt,)
 
@@ -1598,47 +1591,30 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
         tid, warp, lane, qb0 = ids(qpb)
         qend = min(qb0 + qpb, nq)
         r0 = qb0 * STREAM_ROWS
-        by = cuda.blockIdx.y
+        c = cuda.blockIdx.y
         nsplit = cuda.gridDim.y
-        c0, c1 = by, by + 1
-        SO = SO0
-        if multi:  # a run of chunks, the runs as even as nsplit allows; x holds cps chunks
-            c0, c1 = (by * nch) // nsplit, ((by + 1) * nch) // nsplit
-            SO = STREAM_TABLE_WORDS + cps * STREAM_X_WORDS
-        RO = SO + 1  # of the rows' sums (SUMS)
-        nc = c1 - c0
         step = warps * QT
-        qfirst = qb0 + warp * QT
+        q = qb0 + warp * QT
         rend = min(n_out, qend * STREAM_ROWS)  # rows past it are the next block's, or padding
 
-        # 1. the first tile's codes in flight; x's chunks (fused: normalised or gated); B fragments
+        # 1. the first tile's codes in flight; x's chunk (fused: normalised or gated); B fragments
         ring = cuda.local.array(RING, int32)
-        fetch(ring, 0, codes, c0, qfirst, qend, nq, lane)
+        fetch(ring, 0, codes, c, q, qend, nq, lane)
         bfr = cuda.local.array(KT, int32)
-        # 2. the first chunk's table (fp16, scaled by 2**-s; sums by up = 2**s)
-        up = start(sm, x32, g32, cb32, bfr, wsq, c0, nc, tid, warp, lane, cbexp, eps)
+        # 2. the chunk's table (fp16, scaled by 2**-s; sums by up = 2**s)
+        up = start(sm, x32, g32, cb32, bfr, wsq, c, 1, tid, warp, lane, cbexp, eps)
 
         # 3. the row tiles, two code slots written out so their indices are constants
         acc = cuda.local.array(ROWS, float32)
-        for k in range(nc):
-            c = c0 + k
-            q = qfirst
-            while q < qend:
-                fetch(ring, ROWS, codes, c, q + step, qend, nq, lane)
-                tile(sm, ring, 0, acc, lane, q, by, nsplit, up, rend, scales, bias, y, ws, res, r0, smf, RO, k, nc)
-                q += step
-                if q >= qend:
-                    break
-                fetch(ring, 0, codes, c, q + step, qend, nq, lane)
-                tile(sm, ring, ROWS, acc, lane, q, by, nsplit, up, rend, scales, bias, y, ws, res, r0, smf, RO, k, nc)
-                q += step
-            if multi and k + 1 < nc:
-                # the next chunk's first tile flies while every warp finishes with this table and
-                # the next chunk's is built over it
-                fetch(ring, 0, codes, c + 1, qfirst, qend, nq, lane)
-                cuda.syncthreads()
-                up = build(sm, bfr, k + 1, 0, warp, lane, cbexp)
-                cuda.syncthreads()
+        while q < qend:
+            fetch(ring, ROWS, codes, c, q + step, qend, nq, lane)
+            tile(sm, ring, 0, acc, lane, q, c, nsplit, up, rend, scales, bias, y, ws, res, r0, smf)
+            q += step
+            if q >= qend:
+                break
+            fetch(ring, 0, codes, c, q + step, qend, nq, lane)
+            tile(sm, ring, ROWS, acc, lane, q, c, nsplit, up, rend, scales, bias, y, ws, res, r0, smf)
+            q += step
 
         release()  # the next launch may start placing its blocks: this one's are into their last stage
         # 4. the row-group's chunks: summed across the cluster (block c takes the c-th share of the
@@ -1654,14 +1630,14 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
             irms = float32(1.0)
             if RMS:
                 t = float32(0.0)
-                for b in range(cs):
-                    t += load_cluster_f32(smf, SO, b)
+                for k in range(cs):
+                    t += load_cluster_f32(smf, SO, k)
                 irms = inv_rms(t, x32.shape[1] * 2, eps)
             per = (rend - r0 + cs - 1) // cs
-            for i in range(by * per + tid, min(rend - r0, (by + 1) * per), nt):
+            for i in range(c * per + tid, min(rend - r0, (c + 1) * per), nt):
                 v = float32(0.0)
-                for b in range(cs):
-                    v += load_cluster_f32(smf, RO + i, b)
+                for k in range(cs):
+                    v += load_cluster_f32(smf, RO + i, k)
                 y[0, r0 + i] = with_res(v * irms + float32(bias[r0 + i]), res, 0, r0 + i)
             cluster_sync()
         elif nsplit > 1 and last_to_finish(counters, cuda.blockIdx.x, nsplit, last, tid):
@@ -1782,8 +1758,7 @@ class StreamPlan:
 
     def label(self) -> str:
         if self.kernel == "chunk":
-            run = f"up to {self.cps} chunks a block" if self.cps > 1 else "a chunk a block"
-            return (f"additive chunk: {self.warps} warps, {run}, {self.qpb * STREAM_ROWS} rows a block "
+            return (f"additive chunk: {self.warps} warps, a chunk a block, {self.qpb * STREAM_ROWS} rows a block "
                     f"in tiles of {self.tile * STREAM_ROWS}" + (f", clusters of {self.cluster}" if self.cluster else ""))
         return f"additive stream: {self.warps} warps, K-split {self.ksplit}, {self.slots} code slots"
 
@@ -1820,61 +1795,49 @@ def plan_stream(n_out: int, n_in: int, sms: int, smem: int, warps: int = 8, kspl
     return StreamPlan(warps, ksplit, slots, qpb, QW, cps, nch, nbytes)
 
 
-def chunk_shared_bytes(rows: int = 0, chunks: int = 1) -> int:
-    """Dynamic shared memory of a chunk-kernel block: one chunk table and its ``chunks`` slices of x,
-    and with a cluster finish or a run of chunks (``rows`` > 0) the chunks' sum of squares and the
-    running sums of its ``rows`` rows."""
-    return 4 * (STREAM_TABLE_WORDS + chunks * STREAM_X_WORDS + (1 + rows if rows else 0))
+def chunk_shared_bytes(rows: int = 0) -> int:
+    """Dynamic shared memory of a chunk-kernel block: one chunk table and its slice of x, and with a
+    cluster finish (``rows`` > 0) the chunk's sum of squares and the chunk sums of its ``rows`` rows."""
+    return 4 * (STREAM_TABLE_WORDS + STREAM_X_WORDS + (1 + rows if rows else 0))
 
 
 def plan_chunk(n_out: int, n_in: int, smem: int, warps: int = 8, tile: int = 4, rows: int = 512,
-               cluster: bool = False, chunks: int = 1) -> StreamPlan:
-    """The chunk kernel's plan for an (out, in) M=2 layer: grid (row-groups, K-slices), a block of
+               cluster: bool = False) -> StreamPlan:
+    """The chunk kernel's plan for an (out, in) M=2 layer: grid (row-groups, chunks), a block of
     ``warps`` warps over about ``rows`` rows (rounded to whole rounds of its warps' tiles of ``tile``
-    quads) and a run of at most ``chunks`` of the row's chunks (1: a chunk a block; the runs as even
-    as their count allows); ``cluster``: a row-group's K-slices one thread block cluster (2 to 8
-    blocks; the kernel runs it on a GPU only). Raises ValueError where it cannot run."""
+    quads); ``cluster``: a row-group's chunks one thread block cluster (2 to 8 chunks; the kernel
+    runs it on a GPU only). Raises ValueError where it cannot run."""
     check_chunk_shape(warps, tile)
-    if rows < 1 or chunks < 1:
-        raise ValueError(f"chunk plan: rows and chunks a block must be positive, got {rows} and {chunks}")
+    if rows < 1:
+        raise ValueError(f"chunk plan: rows a block must be positive, got {rows}")
     nq, nch = stream_quads(n_out), stream_chunks(n_in // D)
     per = warps * tile  # quads a block's warps take in one round
     qpb = min(per * max(1, round(rows / (per * STREAM_ROWS))), -(-nq // per) * per)
-    nsplit = -(-nch // chunks)
-    cps = -(-nch // nsplit)  # the longest run
-    if cluster and not 1 < nsplit <= MAX_CLUSTER:
-        raise ValueError(f"chunk plan: a cluster finish takes 2 to {MAX_CLUSTER} blocks; in_features={n_in} makes {nch} "
-                         f"chunks of {STREAM_GROUPS * D} inputs, {nsplit} blocks at {chunks} a block")
-    nbytes = chunk_shared_bytes(qpb * STREAM_ROWS if cluster or cps > 1 else 0, cps)
+    if cluster and not 1 < nch <= MAX_CLUSTER:
+        raise ValueError(f"chunk plan: a cluster finish takes 2 to {MAX_CLUSTER} chunks of {STREAM_GROUPS * D} inputs; "
+                         f"in_features={n_in} makes {nch}")
+    nbytes = chunk_shared_bytes(qpb * STREAM_ROWS if cluster else 0)
     if nbytes + 64 > smem:
         raise ValueError(f"the chunk kernel needs {nbytes} bytes of shared memory a block; this GPU allows {smem}")
-    return StreamPlan(warps, nsplit, 2, qpb, 0, cps, nch, nbytes, kernel="chunk", tile=tile, cluster=nsplit if cluster else 0)
+    return StreamPlan(warps, nch, 2, qpb, 0, 1, nch, nbytes, kernel="chunk", tile=tile, cluster=nch if cluster else 0)
 
 
 CHUNK_PLANS = ((8, 4, 256), (8, 4, 512), (8, 4, 1024), (8, 8, 512), (8, 8, 1024), (16, 4, 512), (16, 4, 1024))  # (warps, tile, rows)
-# Runs of chunks a block (a cluster of MAX_CLUSTER over more chunks): a block's work is its run
-# times its rows, so these plans take fewer rows to keep a grid of about two blocks an SM.
-CHUNK_RUN_PLANS = ((8, 4, 128), (8, 4, 256), (16, 4, 256), (16, 4, 512))  # tiles of 32 rows: 207 registers (ptxas, sm_90)
 
 
 def chunk_candidates(n_out: int, n_in: int, smem: int, clusters: bool = True) -> list[StreamPlan]:
     """The chunk kernel's plans the tuner times for an M=2 layer at batch 1 (distinct ones only),
     each also with a cluster finish where the layer has 2 to 8 chunks and ``clusters`` (a GPU of
-    compute capability 9.0 or later); past 8 chunks, with ``clusters``, runs of chunks a block in a
-    cluster of 8 (:data:`CHUNK_RUN_PLANS`)."""
+    compute capability 9.0 or later)."""
     out = []
-    nch = stream_chunks(n_in // D)
-    runs = [(w, qt, rows, False) for w, qt, rows in CHUNK_PLANS]
-    runs += [(w, qt, rows, True) for w, qt, rows in CHUNK_PLANS] if clusters and nch <= MAX_CLUSTER else []
-    runs += [(w, qt, rows, True) for w, qt, rows in CHUNK_RUN_PLANS] if clusters and nch > MAX_CLUSTER else []
-    for w, qt, rows, cluster in runs:
-        try:
-            p = plan_chunk(n_out, n_in, smem, warps=w, tile=qt, rows=rows, cluster=cluster,
-                           chunks=-(-nch // MAX_CLUSTER) if cluster else 1)
-        except ValueError:
-            continue
-        if p not in out:
-            out.append(p)
+    for w, qt, rows in CHUNK_PLANS:
+        for cluster in (False, True) if clusters else (False,):
+            try:
+                p = plan_chunk(n_out, n_in, smem, warps=w, tile=qt, rows=rows, cluster=cluster)
+            except ValueError:
+                continue
+            if p not in out:
+                out.append(p)
     return out
 
 
@@ -2017,7 +1980,7 @@ class AdditiveGemv:
             if plan.cluster and not SIM and not clusters_available(self.device):
                 raise ValueError(f"{plan.label()}: a cluster finish needs a GPU of compute capability 9.0 or later "
                                  f"(this one is {'.'.join(map(str, torch.cuda.get_device_capability(self.device)))})")
-            kern = (chunk_kernel(plan.warps, plan.tile, pre, post, plan.cluster, plan.cps > 1) if plan.kernel == "chunk" else
+            kern = (chunk_kernel(plan.warps, plan.tile, pre, post, plan.cluster) if plan.kernel == "chunk" else
                     stream_kernel(plan.warps, plan.QW, plan.slots, pre, post))
             grid = plan.grid(self.n_out)
             rows, ncounters = self.n_out, grid[0]
