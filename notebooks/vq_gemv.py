@@ -409,6 +409,25 @@ report.styled(report.chunk_cluster_probe(folder))
 report.styled(report.chunk_rms_probe(folder))
 
 # %% [markdown]
+# ### Tried and dropped: a run of chunks a block
+#
+# A cluster holds at most 8 blocks portably, so layers of more than 8 chunks (Llama-2-7B's down
+# projection, 11008 inputs, and the 14336-input layers) kept the global finish. A variant gave each block a
+# run of the row's chunks: it built their tables in turn over its one table buffer (a barrier before and after
+# each build, the next chunk's first codes already in flight) and kept its rows' running sums in shared memory,
+# so the runs of a row-group fit one cluster of 8, or left fewer partials to the last block. Every plan passed
+# its checks against float64 first, fused operations and uneven runs included. Every plan with a run was slower
+# than the fastest plan of a chunk a block timed beside it, at every shape, and the longest runs were the
+# slowest. A run puts one block's builds and its
+# lookups in a chain, and it divides the grid by the run's length. With a chunk a block, several blocks share
+# an SM, and one block's build and finish overlap the others' code streams. The cluster's own cost comes on
+# top of that (compare the global and the cluster finish at three chunks a block). The code was reverted; it
+# is in the repository's history.
+
+# %%
+report.styled(report.chunk_runs_trial(folder))
+
+# %% [markdown]
 # ## How far from the bytes
 #
 # How fast could any kernel of these formats be? A GEMV at batch 1 must read its code bytes from DRAM

@@ -367,6 +367,29 @@ def test_additive_chunk_probe_sets_the_fastest_chunk_plan_beside_the_previous_pi
     assert report.additive_chunk_probe(tmp_path / "nothing").empty
 
 
+def test_chunk_runs_trial_sets_each_plan_against_the_fastest_of_a_chunk_a_block(tmp_path):
+    import json
+
+    def rec(w, r, ch, cl, ms, pre="", post=""):
+        return {"kind": "time", "in_features": 11008, "out_features": 4096, "pre": pre, "post": post, "time_ms": ms, "fp16_ms": 0.027,
+                "plan": str({"kernel": "chunk", "warps": w, "tile": 4, "rows": r, "chunks": ch, "cluster": cl})}
+
+    recs = [{"kind": "check", "passed": True}, {"kind": "check", "passed": False},
+            rec(8, 256, 1, False, 0.0126), rec(16, 512, 1, False, 0.0139), rec(8, 256, 3, True, 0.0186),
+            rec(8, 256, 1, False, 0.0137, "silu", "add"), rec(8, 128, 3, True, 0.0226, "silu", "add"),
+            {"kind": "time", "in_features": 4096, "out_features": 4096, "pre": "", "post": "", "time_ms": 0.01, "fp16_ms": 0.013,
+             "plan": str({"kernel": "chunk", "warps": 8, "tile": 4, "rows": 256, "chunks": 2, "cluster": False})}]  # no single: no row
+    (tmp_path / "_runs").mkdir()
+    prov = {"gpu": "NVIDIA H200", "git_commit": "81eab30aa"}
+    (tmp_path / "_runs" / "chunk-runs-probe-x-h200.json").write_text(json.dumps({"provenance": prov, "records": recs}))
+    t = report.chunk_runs_trial(tmp_path)
+    assert list(t["operation"]) == ["plain"] * 3 + ["silu + add"] * 2 and set(t["probe"]) == {"81eab30 (1/2 checks)"}
+    assert list(t["chunks a block"]) == [1, 1, 3, 1, 3] and list(t["finish"]) == ["global", "global", "cluster", "global", "cluster"]
+    assert np.allclose(t["/ fastest of a chunk a block"], [1.0, 0.0139 / 0.0126, 0.0186 / 0.0126, 1.0, 0.0226 / 0.0137])
+    assert t["plan"][4] == "8 warps, 128 rows a block, tiles of 16" and np.isclose(t["time (us)"][2], 18.6)
+    assert report.chunk_runs_trial(tmp_path / "nothing").empty
+
+
 def test_additive_stream_skeleton_puts_each_variant_in_a_column(tmp_path):
     import json
 

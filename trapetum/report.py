@@ -1690,6 +1690,33 @@ def chunk_rms_probe(folder=None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+CHUNK_RUNS_PROBES = "_runs/chunk-runs-probe*.json"  # runs of chunks a block (tried and reverted; the code is in git history)
+
+
+def chunk_runs_trial(folder=None) -> pd.DataFrame:
+    """The chunk kernel with a run of chunks a block, tried and reverted: one row a GPU, shape, fused
+    operation and plan, in microseconds (fastest of the probe's interleaved passes, one process), and
+    each time over the fastest plan of a chunk a block timed beside it."""
+    rows = []
+    for prov, probe, t in _probe_runs(folder, CHUNK_RUNS_PROBES, short=True):
+        if t.empty:
+            continue
+        t = t.assign(op=(t["pre"].fillna("") + " + " + t["post"].fillna("")).str.strip(" +").replace("", "plain")
+                     if "pre" in t else "plain")
+        for (n_in, n_out, op), g in t.groupby(["in_features", "out_features", "op"], sort=False):
+            plans = [ast.literal_eval(p) for p in g["plan"]]
+            single = [float(ms) for ms, p in zip(g["time_ms"], plans) if p.get("chunks", 1) == 1]
+            if not single:
+                continue
+            for r, p in zip(g.to_dict("records"), plans):
+                rows.append({"GPU": gpu_label(prov.get("gpu", "")), "in x out": shape_label((int(n_in), int(n_out))),
+                             "operation": op, "plan": _chunk_plan_label(r["plan"]), "chunks a block": int(p.get("chunks", 1)),
+                             "finish": "cluster" if p.get("cluster") else "global", "torch fp16 (us)": 1e3 * float(r["fp16_ms"]),
+                             "time (us)": 1e3 * float(r["time_ms"]), "/ fastest of a chunk a block": float(r["time_ms"]) / min(single),
+                             "probe": probe})
+    return pd.DataFrame(rows)
+
+
 PROGRAMMATIC_PROBES = "_runs/pdl-probe-*.json"  # the fused step launched programmatically and strictly in sequence
 
 
