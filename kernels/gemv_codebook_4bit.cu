@@ -14,6 +14,9 @@
 //        ~4.5: one lookup serves two codes (a byte indexes a 256-entry table of fp16 pairs), the
 //        lookup address is one PRMT, and the multiply-add runs on the tensor cores (the looked-up
 //        pair is already an mma B-fragment register). See the comment above gemv4_mma.
+//   dual The numba kernel trapetum/gemv.py dual_kernel in CUDA C++: mma's table, but the looked-up
+//        pairs are the mma's A operand and x sits on B's diagonal, so one mma eats 256 codes (both
+//        row-blocks) where mma's eats 128. See the comment above gemv4_dual.
 #include "harness.cuh"
 
 using namespace tp;
@@ -274,6 +277,139 @@ __global__ void __launch_bounds__(W * 32) gemv4_mma(GemvParams p) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// dual: the looked-up pairs as the mma's A operand, x on B's diagonal
+// ---------------------------------------------------------------------------------------------
+// Grid, table, staging and finish as gemv4_mma's; what differs is the fragment a lookup feeds.
+// Every warp streams *both* row-blocks (lane L's row L in each), and a lane's four A registers
+// are the pairs of its two rows at the same four columns: a0, a2 (row-block 0: bytes 2h, 2h+1 of
+// its code word), a1, a3 (row-block 1). So A row g (g + 8) holds, in k-slots 2t, 2t+1, 2t+8, 2t+9,
+// row 4g + t of row-block 0 (1). B keeps the lanes apart: column n = 4b + t holds batch b's x at
+// lane t's four k-slots only (lanes 4n + t with n % 4 == t hold x, the others zeros), so D[g][n]
+// is row 4g + n % 4 of row-block 0 against batch n / 4, and D[g + 8][n] the same of row-block 1.
+// One m16n8k16 eats 256 codes (4 lookups a lane) for 2 batches; batches 3..8 add an mma per 2.
+template <int NB, int W>
+__global__ void __launch_bounds__(W * 32) gemv4_dual(GemvParams p) {
+  constexpr int G = (NB + 1) / 2, NT = W * 32, U = W >= 16 ? 1 : 2;  // U: numba's tuned unroll (16 warps: 1)
+  constexpr int TAB = 256 * 256, CBG = 16 * 64 + 64, XCH = 64;
+  static_assert(2 * W * NB * 32 * 4 <= TAB, "both row-blocks' partials of every warp go over the table");
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int s_last;
+  const int B = p.B;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int bx = blockIdx.x, split = blockIdx.y;
+  const int j0 = split * p.cps, j1 = min(j0 + p.cps, p.nchunks);
+  const int xrow = p.cps * XCH + 16;
+  unsigned char* tab = smem;
+  unsigned char* xs = smem + max(TAB, W * B * 32 * 4);  // as mma_smem lays it out
+  unsigned char* cbs = xs + B * xrow;
+  // An odd row-block count: the last block's second row-block re-reads the first's codes; its
+  // table is zeros (the staged codebooks are) and its rows are past n_out, never written.
+  const int rb0 = bx * 2, rb1 = rb0 + 1 < p.rbs ? rb0 + 1 : rb0;
+  const uint4* src0 = p.codes + (size_t)rb0 * p.nchunks * 32 + lane;
+  const uint4* src1 = p.codes + (size_t)rb1 * p.nchunks * 32 + lane;
+  const uint4 z = make_uint4(0, 0, 0, 0);
+
+  uint4 c[U][2];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int jj = j0 + warp + u * W;
+    c[u][0] = jj < j1 ? ld_stream(src0 + (size_t)jj * 32) : z;
+    c[u][1] = jj < j1 ? ld_stream(src1 + (size_t)jj * 32) : z;
+  }
+  for (int q = tid; q < 128; q += NT) {
+    const int gq = q >> 6, r = bx * 2 + gq;
+    const uint4 v = r < p.rbs ? __ldg(p.cb + (size_t)r * 64 + (q & 63)) : z;
+    *reinterpret_cast<uint4*>(cbs + gq * CBG + (q & 63) * 16) = v;
+  }
+  const int xq = (j1 - j0) * (XCH / 16);
+  for (int t = tid; t < B * xq; t += NT) {
+    const int bb = t / xq, q = t - bb * xq;
+    *reinterpret_cast<uint4*>(xs + bb * xrow + q * 16) = __ldg(p.x + (size_t)bb * (p.n_in / 8) + j0 * (XCH / 16) + q);
+  }
+  __syncthreads();
+  for (int it = tid; it < 256 * 16; it += NT) {  // gemv4_mma's pair table
+    const int lq = it & 7, gq = (it >> 3) & 1, byte = it >> 4;
+    const unsigned char* cb = cbs + gq * CBG + lq * 8;
+    const uint2 lo = *reinterpret_cast<const uint2*>(cb + (byte & 15) * 64);
+    const uint2 hi = *reinterpret_cast<const uint2*>(cb + (byte >> 4) * 64);
+    uint4 e;
+    e.x = __byte_perm(lo.x, hi.x, 0x5410);
+    e.y = __byte_perm(lo.x, hi.x, 0x7632);
+    e.z = __byte_perm(lo.y, hi.y, 0x5410);
+    e.w = __byte_perm(lo.y, hi.y, 0x7632);
+    *reinterpret_cast<uint4*>(tab + byte * 256 + gq * 128 + lq * 16) = e;
+  }
+  __syncthreads();
+
+  // B fragments: lane 4n + t holds batch 2gg + n / 4's x only where n % 4 == t (the diagonal).
+  const bool diag = ((lane >> 2) & 3) == (lane & 3);
+  bool ok[G];
+  int xo[G];
+  uint4 xv[G];
+  float acc[G][4];
+#pragma unroll
+  for (int gg = 0; gg < G; ++gg) {
+    const int b = 2 * gg + (lane >> 4);
+    ok[gg] = diag && b < B;
+    xo[gg] = b * xrow;
+    xv[gg] = z;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[gg][i] = 0.f;
+  }
+  const uint32_t lb = (uint32_t)(lane << 2);  // byte 0 of a row-block-0 lookup's address (| 128: row-block 1)
+
+  for (int j = j0 + warp; j < j1; j += U * W) {
+    uint4 n[U][2];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int jj = j + (U + u) * W;
+      n[u][0] = jj < j1 ? ld_stream(src0 + (size_t)jj * 32) : z;
+      n[u][1] = jj < j1 ? ld_stream(src1 + (size_t)jj * 32) : z;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int jj = j + u * W;
+      if (jj < j1) {
+        const unsigned char* xc = xs + (jj - j0) * XCH;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {  // word w: columns 8w..8w+7 of both row-blocks
+          const uint32_t c0 = word(c[u][0], w), c1 = word(c[u][1], w);
+#pragma unroll
+          for (int gg = 0; gg < G; ++gg)
+            if (ok[gg]) xv[gg] = *reinterpret_cast<const uint4*>(xc + xo[gg] + 16 * w);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {  // step h: bytes 2h, 2h+1 (columns 8w + 4h .. +3)
+            const uint32_t a0 = *reinterpret_cast<const uint32_t*>(tab + __byte_perm(c0, lb, 0x5504 | ((2 * h) << 4)));
+            const uint32_t a2 = *reinterpret_cast<const uint32_t*>(tab + __byte_perm(c0, lb, 0x5504 | ((2 * h + 1) << 4)));
+            const uint32_t a1 = *reinterpret_cast<const uint32_t*>(tab + __byte_perm(c1, lb | 128u, 0x5504 | ((2 * h) << 4)));
+            const uint32_t a3 = *reinterpret_cast<const uint32_t*>(tab + __byte_perm(c1, lb | 128u, 0x5504 | ((2 * h + 1) << 4)));
+#pragma unroll
+            for (int gg = 0; gg < G; ++gg) mma_16816(acc[gg], a0, a1, a2, a3, word(xv[gg], 2 * h), word(xv[gg], 2 * h + 1));
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) c[u][0] = n[u][0], c[u][1] = n[u][1];
+  }
+
+  __syncthreads();  // every warp is done with the table: the partials reuse its space
+  float* red = reinterpret_cast<float*>(smem);  // [2W][B][32]: set 2 * warp + row-block
+  // D fragment: lane (g, t) holds D[g][2t + i], D[g + 8][2t + i] (i = 0, 1): column n = 2t + i is
+  // batch 2gg + n / 4, row 4g + n % 4 of row-block 0 (1).
+#pragma unroll
+  for (int gg = 0; gg < G; ++gg)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int b = 2 * gg + ((lane & 3) >> 1);
+      const int r = 4 * (lane >> 2) + 2 * (lane & 1) + (i & 1);
+      if (b < B) red[((2 * warp + (i >> 1)) * B + b) * 32 + r] = acc[gg][i];
+    }
+  __syncthreads();
+  finish_rows<2, W, true, 2 * W>(red, p, &s_last);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Instantiation tables
 // ---------------------------------------------------------------------------------------------
 template <int B, int W>
@@ -317,6 +453,17 @@ static KernelFn get_mma(int K, int B, int W) {
   return B <= 2 ? mma_w<2>(W) : B <= 4 ? mma_w<4>(W) : B <= 8 ? mma_w<8>(W) : B <= 12 ? mma_w<12>(W) : mma_w<16>(W);
 }
 
+template <int NB>
+static KernelFn dual_w(int W) {
+  return W == 4 ? gemv4_dual<NB, 4> : W == 8 ? gemv4_dual<NB, 8> : W == 16 ? gemv4_dual<NB, 16> : nullptr;
+}
+
+static KernelFn get_dual(int K, int B, int W) {
+  // numba's tuner tries dual up to batch 8 (gemv.DUAL_MAX_TUNED); so does this program
+  if (K != 16 || B > 8) return nullptr;
+  return B <= 2 ? dual_w<2>(W) : B <= 4 ? dual_w<4>(W) : dual_w<8>(W);
+}
+
 static bool plan_lut4(const Shape& s, int B, const Request& rq, const DeviceInfo& d, Plan& pl, std::string& why) {
   return plan_lut(s, B, rq, d, get_lut, pl, why);
 }
@@ -326,12 +473,21 @@ static bool plan_mma4(const Shape& s, int B, const Request& rq, const DeviceInfo
   return plan_mma(s, B, rq, d, g, get_mma, pl, why);
 }
 
+static bool plan_dual4(const Shape& s, int B, const Request& rq, const DeviceInfo& d, Plan& pl, std::string& why) {
+  const MmaGeometry g{256 * 256, 2 * (16 * 64 + 64), 64};
+  return plan_mma(s, B, rq, d, g, get_dual, pl, why);
+}
+
+// Every warp streams both row-blocks: worth timing where each gets its unroll's chunks at least.
+static bool dual_keep(const Plan& p) { return p.cps >= p.warps * (p.warps >= 16 ? 1 : 2); }
+
 int main(int argc, char** argv) {
   const Scheme sc{"cuda_cpp_4bit", "gemv_codebook_4bit.cu", {16}};
   const Options o = parse(argc, argv, sc);
   const std::vector<Variant> vs = {
       {"lut", plan_lut4, lut_candidates, lut_keep},
       {"mma", plan_mma4, mma_candidates, mma_keep},
+      {"dual", plan_dual4, mma_candidates, dual_keep},
   };
   Runner run(sc, vs, o);
   return run.run();

@@ -96,9 +96,10 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
 // grid has one K-slice, otherwise fp32 partials to ws, and the last block of a row-block column to
 // arrive (atomic counter) adds them up in slice order (deterministic) and resets the counter, so
 // the launch can be replayed in a CUDA graph.
-//   SPLIT_WARPS: warp w only holds rows of row-block w % RB, red[w][b][32] (the mma kernels);
+//   SPLIT_WARPS: partial set w only holds rows of row-block w % RB, red[w][b][32] (the mma
+//   kernels: NP sets, one a warp, or two a warp where every warp streams both row-blocks);
 //   otherwise every warp holds every row-block, red[w][r][b][32] (the lut kernel).
-template <int RB, int W, bool SPLIT_WARPS>
+template <int RB, int W, bool SPLIT_WARPS, int NP = W>
 __device__ __forceinline__ void finish_rows(const float* red, const GemvParams& p, int* s_last) {
   const int tid = threadIdx.x, bx = blockIdx.x, split = blockIdx.y, nsplit = gridDim.y, B = p.B;
   const int items = RB * B * 32;
@@ -107,7 +108,7 @@ __device__ __forceinline__ void finish_rows(const float* red, const GemvParams& 
     float s = 0.f;
     if (SPLIT_WARPS) {
 #pragma unroll
-      for (int wg = 0; wg < W / RB; ++wg) s += red[((wg * RB + g) * B + b) * 32 + r];
+      for (int wg = 0; wg < NP / RB; ++wg) s += red[((wg * RB + g) * B + b) * 32 + r];
     } else {
 #pragma unroll
       for (int w = 0; w < W; ++w) s += red[((w * RB + g) * B + b) * 32 + r];
@@ -385,7 +386,7 @@ struct Options {
 inline void usage(const char* prog, const Scheme& sc) {
   printf(
       "usage: %s [--in N --out M] [--batch B[,B...]] [--iters N] [--launches L] [--json PATH]\n"
-      "          [--variant lut|mma|all] [--no-tune] [--sweep] [--warps W] [--ksplit S] [--rb R]%s\n"
+      "          [--variant lut|mma|dual|all] [--no-tune] [--sweep] [--warps W] [--ksplit S] [--rb R]%s\n"
       "  default shapes (in x out): 4096x4096 (the seed's table), 3072x768, 11008x4096, 4096x11008,\n"
       "  4096x14336, 14336x4096, 8192x28672, 16384x53248; batch 1; every plan candidate is checked and\n"
       "  timed briefly and the fastest timed in full (--no-tune: the heuristic plan only; --sweep:\n"

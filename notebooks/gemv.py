@@ -122,9 +122,12 @@ report.styled(report.layer_table(df))
 # The CUDA C++ program in `kernels/` is built with `nvcc -O3 -arch=<arch>` and run in the same
 # measuring run. Its `lut` kernel is the numba kernel's design written in C++ (its plans come from
 # the same planner); its `mma` kernel is a different design: one shared-memory lookup serves two
-# codes (a byte indexes a table of fp16 pairs) and the multiply-adds run on the tensor cores. A
-# ratio above 1 means the numba kernel is slower. Each C++ row was checked against cuBLAS on the
-# same codes before it was timed.
+# codes (a byte indexes a table of fp16 pairs) and the multiply-adds run on the tensor cores. Its
+# `dual` kernel is the numba `dual` kernel written in C++ (the looked-up pairs as the mma's A
+# operand, x on the diagonal of B); runs recorded before it existed leave its columns empty. The
+# numba column is the tuner's pick at each shape, which is `dual` at the large ones. A ratio above 1
+# means the numba kernel is slower. Each C++ row was checked against cuBLAS on the same codes before
+# it was timed.
 
 # %%
 report.styled(report.numba_vs_cuda_cpp(df))

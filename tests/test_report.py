@@ -384,12 +384,16 @@ def test_numba_and_both_cuda_cpp_designs_side_by_side(df2):
     base = df2[(df2["kernel"] == "lut") & (df2["grid"] == "table") & (df2["K"] == 16)]
     lut = base.assign(kernel="cuda_cpp_4bit", variant="lut", scheme=None, time_ms=base["time_ms"] * 2)
     mma = base.assign(kernel="cuda_cpp_4bit", variant="mma", scheme=None, time_ms=base["time_ms"] * 0.5)
+    dual = base.assign(kernel="cuda_cpp_4bit", variant="dual", scheme=None, time_ms=base["time_ms"] * 1.25)
     df = report._normalise(pd.concat([df2, lut, mma], ignore_index=True))
     assert report._normalise(df)["kernel"].str.endswith("_mma_mma").sum() == 0  # idempotent
     t = report.numba_vs_cuda_cpp(df)
     assert len(t) == 2  # one shape on each of two GPUs
     assert t["numba / C++ lut"].tolist() == pytest.approx([0.5, 0.5])
     assert t["numba / C++ mma"].tolist() == pytest.approx([2.0, 2.0])
+    assert t["C++ dual (ms)"].isna().all()  # a run before the C++ dual kernel existed
+    t = report.numba_vs_cuda_cpp(report._normalise(pd.concat([df2, lut, mma, dual], ignore_index=True)))
+    assert t["numba / C++ dual"].tolist() == pytest.approx([0.8, 0.8]) and "cuda_cpp_4bit_dual" in report.KERNEL_LABELS
     with pytest.raises(ValueError, match="CUDA C\\+\\+ twin"):
         report.numba_vs_cuda_cpp(df2)
 

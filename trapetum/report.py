@@ -77,13 +77,15 @@ KERNEL_LABELS = {
     "dequant+cublas": "dequant+cublas: dequantize, then cuBLAS",
     "cuda_cpp_4bit": "cuda_cpp_4bit: CUDA C++ twin of lut",
     "cuda_cpp_4bit_mma": "cuda_cpp_4bit_mma: CUDA C++, pair table + tensor cores",
+    "cuda_cpp_4bit_dual": "cuda_cpp_4bit_dual: CUDA C++ twin of dual",
     "cuda_cpp_u8": "cuda_cpp_u8: CUDA C++ counterpart",
 }
-KERNEL_ORDER = ["torch fp16", "lut", "lut-fma", "mma", "dual", "cuda_cpp_4bit", "cuda_cpp_4bit_mma", "cuda_cpp_u8", "lut32", "naive", "dequant+cublas"]
+KERNEL_ORDER = ["torch fp16", "lut", "lut-fma", "mma", "dual", "cuda_cpp_4bit", "cuda_cpp_4bit_mma", "cuda_cpp_4bit_dual", "cuda_cpp_u8", "lut32",
+                "naive", "dequant+cublas"]
 SCHEME_OF_K = {16: "4-bit K=16", 64: "uint8 K=64", 256: "uint8 K=256"}
 SCHEME_ORDER = ["dense fp16", "4-bit K=16", "uint8 K=64", "uint8 K=256"]
 # The kernels whose speed the chapter is about (the others are ablations or the baseline).
-PRODUCT_KERNELS = ("lut", "cuda_cpp_4bit", "cuda_cpp_4bit_mma", "cuda_cpp_u8")
+PRODUCT_KERNELS = ("lut", "cuda_cpp_4bit", "cuda_cpp_4bit_mma", "cuda_cpp_4bit_dual", "cuda_cpp_u8")
 FOUR_BIT = "4-bit K=16"
 FLOOR_GRID = "floor"  # the gemv suite's streaming-floor records (bench.time_stream), read by floor_table only
 
@@ -435,8 +437,9 @@ def _color(scheme, i=0) -> str:
 
 # Colour says the scheme; these tell the kernels of one scheme apart (ours plain, the C++ counterparts
 # hatched and dashed), since a scheme's kernels share its colour.
-_KERNEL_HATCHES = {"lut": "", "cuda_cpp_4bit": "//", "cuda_cpp_4bit_mma": "..", "cuda_cpp_u8": "xx"}
-_KERNEL_LINES = {"lut": ("-", "o"), "cuda_cpp_4bit": ("--", "D"), "cuda_cpp_4bit_mma": (":", "v"), "cuda_cpp_u8": ("-.", "P")}
+_KERNEL_HATCHES = {"lut": "", "cuda_cpp_4bit": "//", "cuda_cpp_4bit_mma": "..", "cuda_cpp_4bit_dual": "\\\\", "cuda_cpp_u8": "xx"}
+_KERNEL_LINES = {"lut": ("-", "o"), "cuda_cpp_4bit": ("--", "D"), "cuda_cpp_4bit_mma": (":", "v"), "cuda_cpp_4bit_dual": (":", "s"),
+                 "cuda_cpp_u8": ("-.", "P")}
 
 
 def _shared_legend(fig: Figure, axes, ncols: int) -> None:
@@ -896,10 +899,11 @@ def measure_argv(out=None, arch: str = "sm_90", in_features=(), out_features=(),
 
 
 def numba_vs_cuda_cpp(df: pd.DataFrame, scheme: str = FOUR_BIT) -> pd.DataFrame:
-    """Batch-1 times of the numba kernel beside its CUDA C++ twin and the C++ tensor-core kernel,
-    per GPU and shape, all from one run; "numba / C++" above 1 means numba is slower."""
+    """Batch-1 times of the numba kernel (the tuner's pick) beside its CUDA C++ twin and the C++
+    tensor-core kernels (mma; dual, in runs that have it: the numba pick at the large shapes), per
+    GPU and shape, all from one run; "numba / C++" above 1 means numba is slower."""
     d = _timed(df)
-    d = d[(d["batch"] == 1) & (d["scheme"] == scheme) & d["kernel"].isin(("lut", "cuda_cpp_4bit", "cuda_cpp_4bit_mma"))]
+    d = d[(d["batch"] == 1) & (d["scheme"] == scheme) & d["kernel"].isin(("lut", "cuda_cpp_4bit", "cuda_cpp_4bit_mma", "cuda_cpp_4bit_dual"))]
     rows = []
     for (gpu, shape), g in d.groupby(["gpu", "shape"], sort=False):
         t = g.drop_duplicates("kernel").set_index("kernel")
@@ -907,9 +911,10 @@ def numba_vs_cuda_cpp(df: pd.DataFrame, scheme: str = FOUR_BIT) -> pd.DataFrame:
             continue
         row = {"GPU": gpu_label(gpu), "in x out": shape_label(shape), "torch fp16 (ms)": t.loc["lut", "fp16_ms"],
                "numba lut (ms)": t.loc["lut", "time_ms"], "C++ lut (ms)": t.loc["cuda_cpp_4bit", "time_ms"],
-               "C++ mma (ms)": t["time_ms"].get("cuda_cpp_4bit_mma", np.nan)}
+               "C++ mma (ms)": t["time_ms"].get("cuda_cpp_4bit_mma", np.nan), "C++ dual (ms)": t["time_ms"].get("cuda_cpp_4bit_dual", np.nan)}
         row["numba / C++ lut"] = row["numba lut (ms)"] / row["C++ lut (ms)"]
         row["numba / C++ mma"] = row["numba lut (ms)"] / row["C++ mma (ms)"]
+        row["numba / C++ dual"] = row["numba lut (ms)"] / row["C++ dual (ms)"]
         rows.append(row)
     if not rows:
         raise ValueError("no shape has both the numba kernel and its CUDA C++ twin recorded")
