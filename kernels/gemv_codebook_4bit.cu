@@ -146,13 +146,46 @@ __global__ void __launch_bounds__(W * 32) gemv4_lut(GemvParams p) {
 // So one mma eats 128 codes of 32 rows for up to 4 batches; batches 5..16 take one mma per 4.
 // Step s of a chunk uses bytes 2s, 2s+1 (columns 4s..4s+3); x of a word (8 columns, 16 bytes of
 // fp16) is one shared load that serves two steps.
+// The two tensor-core kernels' prologue: both row-blocks' codebooks ([k][lane] fp16, 1 KB each,
+// at cbs + g * kPairCbBytes) and the x slice (fp16, xrow bytes a batch row) staged, then the pair
+// table built: item = (byte, row-block, 4 lanes), one 16-byte store of tab[byte][row-block][lane].
+constexpr int kPairCbBytes = 16 * 64 + 64;  // one row-block's staged codebooks; +64 B: the two sit in other banks
+constexpr int kPairXChunk = 64;             // x bytes of a chunk (32 columns, fp16)
+template <int NT>
+__device__ __forceinline__ void stage_pair_table(const GemvParams& p, unsigned char* tab, unsigned char* xs, unsigned char* cbs,
+                                                 int bx, int j0, int jend, int xrow, int tid) {
+  for (int q = tid; q < 128; q += NT) {
+    const int gq = q >> 6, r = bx * 2 + gq;
+    const uint4 v = r < p.rbs ? __ldg(p.cb + (size_t)r * 64 + (q & 63)) : make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(cbs + gq * kPairCbBytes + (q & 63) * 16) = v;
+  }
+  const int xq = (jend - j0) * (kPairXChunk / 16);  // 16-byte pieces a batch row
+  for (int t = tid; t < p.B * xq; t += NT) {
+    const int bb = t / xq, q = t - bb * xq;
+    *reinterpret_cast<uint4*>(xs + bb * xrow + q * 16) = __ldg(p.x + (size_t)bb * (p.n_in / 8) + j0 * (kPairXChunk / 16) + q);
+  }
+  __syncthreads();
+  for (int it = tid; it < 256 * 16; it += NT) {
+    const int lq = it & 7, gq = (it >> 3) & 1, byte = it >> 4;
+    const unsigned char* cb = cbs + gq * kPairCbBytes + lq * 8;
+    const uint2 lo = *reinterpret_cast<const uint2*>(cb + (byte & 15) * 64);  // C[lo] of lanes 4lq..4lq+3
+    const uint2 hi = *reinterpret_cast<const uint2*>(cb + (byte >> 4) * 64);
+    uint4 e;
+    e.x = __byte_perm(lo.x, hi.x, 0x5410);  // lane 4lq:   (C[lo], C[hi])
+    e.y = __byte_perm(lo.x, hi.x, 0x7632);  // lane 4lq+1
+    e.z = __byte_perm(lo.y, hi.y, 0x5410);
+    e.w = __byte_perm(lo.y, hi.y, 0x7632);
+    *reinterpret_cast<uint4*>(tab + byte * 256 + gq * 128 + lq * 16) = e;
+  }
+  __syncthreads();
+}
+
 template <int NB, int W>
 __global__ void __launch_bounds__(W * 32) gemv4_mma(GemvParams p) {
   constexpr int W2 = W / 2, G = (NB + 3) / 4, NT = W * 32, U = kMmaUnroll;
   constexpr bool HI = NB > 2;    // batches 2, 3 of each group ride in A rows 8..15 (a1, a3)
   constexpr int TAB = 256 * 256;  // [byte][row-block][lane] fp16 pairs
-  constexpr int CBG = 16 * 64 + 64;  // one row-block's staged codebooks; +64 B: the two sit in other banks
-  constexpr int XCH = 64;            // x bytes of a chunk (32 columns, fp16)
+  constexpr int XCH = kPairXChunk;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int s_last;
   const int B = p.B;
@@ -165,7 +198,7 @@ __global__ void __launch_bounds__(W * 32) gemv4_mma(GemvParams p) {
   const int xrow = p.cps * XCH + 16;
   unsigned char* tab = smem;
   unsigned char* xs = smem + max(TAB, W * B * 32 * 4);  // [B][xrow]
-  unsigned char* cbs = xs + B * xrow;                   // [2][CBG]
+  unsigned char* cbs = xs + B * xrow;                   // [2][kPairCbBytes]
 
   // Start streaming codes before anything waits: this warp's first U chunks.
   const uint4* src = p.codes + (size_t)rb * p.nchunks * 32 + lane;  // chunk j at src[j * 32]
@@ -176,33 +209,7 @@ __global__ void __launch_bounds__(W * 32) gemv4_mma(GemvParams p) {
     c[u] = jj < j1 ? ld_stream(src + (size_t)jj * 32) : make_uint4(0, 0, 0, 0);
   }
 
-  // Stage both row-blocks' codebooks ([k][lane] fp16, 1 KB each) and the x slice, as fp16.
-  for (int q = tid; q < 128; q += NT) {
-    const int gq = q >> 6, r = bx * 2 + gq;
-    const uint4 v = r < p.rbs ? __ldg(p.cb + (size_t)r * 64 + (q & 63)) : make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(cbs + gq * CBG + (q & 63) * 16) = v;
-  }
-  const int xq = (jend - j0) * (XCH / 16);  // 16-byte pieces a batch row
-  for (int t = tid; t < B * xq; t += NT) {
-    const int bb = t / xq, q = t - bb * xq;
-    *reinterpret_cast<uint4*>(xs + bb * xrow + q * 16) =
-        __ldg(p.x + (size_t)bb * (p.n_in / 8) + j0 * (XCH / 16) + q);
-  }
-  __syncthreads();
-  // Pair table: item = (byte, row-block, 4 lanes), one 16-byte store.
-  for (int it = tid; it < 256 * 16; it += NT) {
-    const int lq = it & 7, gq = (it >> 3) & 1, byte = it >> 4;
-    const unsigned char* cb = cbs + gq * CBG + lq * 8;
-    const uint2 lo = *reinterpret_cast<const uint2*>(cb + (byte & 15) * 64);  // C[lo] of lanes 4lq..4lq+3
-    const uint2 hi = *reinterpret_cast<const uint2*>(cb + (byte >> 4) * 64);
-    uint4 e;
-    e.x = __byte_perm(lo.x, hi.x, 0x5410);  // lane 4lq:   (C[lo], C[hi])
-    e.y = __byte_perm(lo.x, hi.x, 0x7632);  // lane 4lq+1
-    e.z = __byte_perm(lo.y, hi.y, 0x5410);
-    e.w = __byte_perm(lo.y, hi.y, 0x7632);
-    *reinterpret_cast<uint4*>(tab + byte * 256 + gq * 128 + lq * 16) = e;
-  }
-  __syncthreads();
+  stage_pair_table<NT>(p, tab, xs, cbs, bx, j0, jend, xrow, tid);
 
   // This lane's x rows in the A fragment: batch 4G + (lane >> 4) (a0, a2) and that + 2 (a1, a3),
   // only on the diagonal lanes; every other lane's x registers stay zero for the whole kernel.
@@ -290,7 +297,7 @@ __global__ void __launch_bounds__(W * 32) gemv4_mma(GemvParams p) {
 template <int NB, int W>
 __global__ void __launch_bounds__(W * 32) gemv4_dual(GemvParams p) {
   constexpr int G = (NB + 1) / 2, NT = W * 32, U = W >= 16 ? 1 : 2;  // U: numba's tuned unroll (16 warps: 1)
-  constexpr int TAB = 256 * 256, CBG = 16 * 64 + 64, XCH = 64;
+  constexpr int TAB = 256 * 256, XCH = kPairXChunk;
   static_assert(2 * W * NB * 32 * 4 <= TAB, "both row-blocks' partials of every warp go over the table");
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int s_last;
@@ -316,30 +323,7 @@ __global__ void __launch_bounds__(W * 32) gemv4_dual(GemvParams p) {
     c[u][0] = jj < j1 ? ld_stream(src0 + (size_t)jj * 32) : z;
     c[u][1] = jj < j1 ? ld_stream(src1 + (size_t)jj * 32) : z;
   }
-  for (int q = tid; q < 128; q += NT) {
-    const int gq = q >> 6, r = bx * 2 + gq;
-    const uint4 v = r < p.rbs ? __ldg(p.cb + (size_t)r * 64 + (q & 63)) : z;
-    *reinterpret_cast<uint4*>(cbs + gq * CBG + (q & 63) * 16) = v;
-  }
-  const int xq = (j1 - j0) * (XCH / 16);
-  for (int t = tid; t < B * xq; t += NT) {
-    const int bb = t / xq, q = t - bb * xq;
-    *reinterpret_cast<uint4*>(xs + bb * xrow + q * 16) = __ldg(p.x + (size_t)bb * (p.n_in / 8) + j0 * (XCH / 16) + q);
-  }
-  __syncthreads();
-  for (int it = tid; it < 256 * 16; it += NT) {  // gemv4_mma's pair table
-    const int lq = it & 7, gq = (it >> 3) & 1, byte = it >> 4;
-    const unsigned char* cb = cbs + gq * CBG + lq * 8;
-    const uint2 lo = *reinterpret_cast<const uint2*>(cb + (byte & 15) * 64);
-    const uint2 hi = *reinterpret_cast<const uint2*>(cb + (byte >> 4) * 64);
-    uint4 e;
-    e.x = __byte_perm(lo.x, hi.x, 0x5410);
-    e.y = __byte_perm(lo.x, hi.x, 0x7632);
-    e.z = __byte_perm(lo.y, hi.y, 0x5410);
-    e.w = __byte_perm(lo.y, hi.y, 0x7632);
-    *reinterpret_cast<uint4*>(tab + byte * 256 + gq * 128 + lq * 16) = e;
-  }
-  __syncthreads();
+  stage_pair_table<NT>(p, tab, xs, cbs, bx, j0, j1, xrow, tid);  // gemv4_mma's
 
   // B fragments: lane 4n + t holds batch 2gg + n / 4's x only where n % 4 == t (the diagonal).
   const bool diag = ((lane >> 2) & 3) == (lane & 3);
