@@ -340,6 +340,11 @@ __global__ void __launch_bounds__(W * 32) gemv4_dual(GemvParams p) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[gg][i] = 0.f;
   }
+  // Lookups and x reads at shared-window addresses from the dynamic array's symbol (a constant):
+  // ptxas can fold it into each LDS instead of adding a register base to every address.
+  uint32_t smem_s;
+  asm("mov.u32 %0, smem;" : "=r"(smem_s));
+  const uint32_t xs_s = smem_s + (uint32_t)(xs - smem);
   const uint32_t lb = (uint32_t)(lane << 2);  // byte 0 of a row-block-0 lookup's address (| 128: row-block 1)
 
   for (int j = j0 + warp; j < j1; j += U * W) {
@@ -354,19 +359,19 @@ __global__ void __launch_bounds__(W * 32) gemv4_dual(GemvParams p) {
     for (int u = 0; u < U; ++u) {
       const int jj = j + u * W;
       if (jj < j1) {
-        const unsigned char* xc = xs + (jj - j0) * XCH;
+        const uint32_t xc = xs_s + (uint32_t)((jj - j0) * XCH);
 #pragma unroll
         for (int w = 0; w < 4; ++w) {  // word w: columns 8w..8w+7 of both row-blocks
           const uint32_t c0 = word(c[u][0], w), c1 = word(c[u][1], w);
 #pragma unroll
           for (int gg = 0; gg < G; ++gg)
-            if (ok[gg]) xv[gg] = *reinterpret_cast<const uint4*>(xc + xo[gg] + 16 * w);
+            if (ok[gg]) xv[gg] = lds128(xc + (uint32_t)(xo[gg] + 16 * w));
 #pragma unroll
           for (int h = 0; h < 2; ++h) {  // step h: bytes 2h, 2h+1 (columns 8w + 4h .. +3)
-            const uint32_t a0 = *reinterpret_cast<const uint32_t*>(tab + __byte_perm(c0, lb, 0x5504 | ((2 * h) << 4)));
-            const uint32_t a2 = *reinterpret_cast<const uint32_t*>(tab + __byte_perm(c0, lb, 0x5504 | ((2 * h + 1) << 4)));
-            const uint32_t a1 = *reinterpret_cast<const uint32_t*>(tab + __byte_perm(c1, lb | 128u, 0x5504 | ((2 * h) << 4)));
-            const uint32_t a3 = *reinterpret_cast<const uint32_t*>(tab + __byte_perm(c1, lb | 128u, 0x5504 | ((2 * h + 1) << 4)));
+            const uint32_t a0 = lds32(smem_s + __byte_perm(c0, lb, 0x5504 | ((2 * h) << 4)));
+            const uint32_t a2 = lds32(smem_s + __byte_perm(c0, lb, 0x5504 | ((2 * h + 1) << 4)));
+            const uint32_t a1 = lds32(smem_s + __byte_perm(c1, lb | 128u, 0x5504 | ((2 * h) << 4)));
+            const uint32_t a3 = lds32(smem_s + __byte_perm(c1, lb | 128u, 0x5504 | ((2 * h + 1) << 4)));
 #pragma unroll
             for (int gg = 0; gg < G; ++gg) mma_16816(acc[gg], a0, a1, a2, a3, word(xv[gg], 2 * h), word(xv[gg], 2 * h + 1));
           }
