@@ -315,14 +315,14 @@ __global__ void __launch_bounds__(W * 32) gemv4_dual(GemvParams p) {
   const uint4* src0 = p.codes + (size_t)rb0 * p.nchunks * 32 + lane;
   const uint4* src1 = p.codes + (size_t)rb1 * p.nchunks * 32 + lane;
   const uint4 z = make_uint4(0, 0, 0, 0);
+  auto fetch = [&](uint4(&dst)[2], int jj) {  // chunk jj of both row-blocks
+    dst[0] = jj < j1 ? ld_stream(src0 + (size_t)jj * 32) : z;
+    dst[1] = jj < j1 ? ld_stream(src1 + (size_t)jj * 32) : z;
+  };
 
   uint4 c[U][2];
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int jj = j0 + warp + u * W;
-    c[u][0] = jj < j1 ? ld_stream(src0 + (size_t)jj * 32) : z;
-    c[u][1] = jj < j1 ? ld_stream(src1 + (size_t)jj * 32) : z;
-  }
+  for (int u = 0; u < U; ++u) fetch(c[u], j0 + warp + u * W);
   stage_pair_table<NT>(p, tab, xs, cbs, bx, j0, j1, xrow, tid);  // gemv4_mma's
 
   // B fragments: lane 4n + t holds batch 2gg + n / 4's x only where n % 4 == t (the diagonal).
@@ -350,11 +350,7 @@ __global__ void __launch_bounds__(W * 32) gemv4_dual(GemvParams p) {
   for (int j = j0 + warp; j < j1; j += U * W) {
     uint4 n[U][2];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int jj = j + (U + u) * W;
-      n[u][0] = jj < j1 ? ld_stream(src0 + (size_t)jj * 32) : z;
-      n[u][1] = jj < j1 ? ld_stream(src1 + (size_t)jj * 32) : z;
-    }
+    for (int u = 0; u < U; ++u) fetch(n[u], j + (U + u) * W);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int jj = j + u * W;
