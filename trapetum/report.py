@@ -902,19 +902,18 @@ def numba_vs_cuda_cpp(df: pd.DataFrame, scheme: str = FOUR_BIT) -> pd.DataFrame:
     """Batch-1 times of the numba kernel (the tuner's pick) beside its CUDA C++ twin and the C++
     tensor-core kernels (mma; dual, in runs that have it: the numba pick at the large shapes), per
     GPU and shape, all from one run; "numba / C++" above 1 means numba is slower."""
+    cpp = {"lut": "cuda_cpp_4bit", "mma": "cuda_cpp_4bit_mma", "dual": "cuda_cpp_4bit_dual"}  # the C++ program's designs
     d = _timed(df)
-    d = d[(d["batch"] == 1) & (d["scheme"] == scheme) & d["kernel"].isin(("lut", "cuda_cpp_4bit", "cuda_cpp_4bit_mma", "cuda_cpp_4bit_dual"))]
+    d = d[(d["batch"] == 1) & (d["scheme"] == scheme) & d["kernel"].isin(("lut", *cpp.values()))]
     rows = []
     for (gpu, shape), g in d.groupby(["gpu", "shape"], sort=False):
         t = g.drop_duplicates("kernel").set_index("kernel")
         if "lut" not in t.index or "cuda_cpp_4bit" not in t.index:
             continue
         row = {"GPU": gpu_label(gpu), "in x out": shape_label(shape), "torch fp16 (ms)": t.loc["lut", "fp16_ms"],
-               "numba lut (ms)": t.loc["lut", "time_ms"], "C++ lut (ms)": t.loc["cuda_cpp_4bit", "time_ms"],
-               "C++ mma (ms)": t["time_ms"].get("cuda_cpp_4bit_mma", np.nan), "C++ dual (ms)": t["time_ms"].get("cuda_cpp_4bit_dual", np.nan)}
-        row["numba / C++ lut"] = row["numba lut (ms)"] / row["C++ lut (ms)"]
-        row["numba / C++ mma"] = row["numba lut (ms)"] / row["C++ mma (ms)"]
-        row["numba / C++ dual"] = row["numba lut (ms)"] / row["C++ dual (ms)"]
+               "numba lut (ms)": t.loc["lut", "time_ms"]}
+        row |= {f"C++ {v} (ms)": t["time_ms"].get(k, np.nan) for v, k in cpp.items()}
+        row |= {f"numba / C++ {v}": row["numba lut (ms)"] / row[f"C++ {v} (ms)"] for v in cpp}
         rows.append(row)
     if not rows:
         raise ValueError("no shape has both the numba kernel and its CUDA C++ twin recorded")
