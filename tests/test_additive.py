@@ -151,18 +151,22 @@ def test_chunk_kernel_matches_float64(n_out, n_in, plan):
     assert g._tiled_t is None and g._stream_t is not None  # the streaming kernel's layout
 
 
-@pytest.mark.parametrize("pre,post", [("rms", "add"), ("silu", "add"), ("", "add")])
-def test_chunk_kernel_fused_operations(pre, post):
-    n_out, n_in = 70, 1088
+@pytest.mark.parametrize("pre,post,n_in", [("rms", "add", 1088), ("rms", "", 512), ("silu", "add", 1088), ("", "add", 1088)])
+def test_chunk_kernel_fused_operations(pre, post, n_in):
+    # pre='rms': each chunk's block sums only its own chunk's squares; 3 chunks meet in the workspace's
+    # last column and the finishing block applies 1 / rms, one chunk applies it itself
+    n_out = 70
     t = with_bias(random_additive_tensor(n_out, n_in, 2, seed=7), seed=8)
     g = AdditiveGemv(t, plan={"kernel": "chunk", "warps": 4, "tile": 4, "rows": 64})
     x = x_for(2 * n_in if pre == "silu" else n_in, 1, seed=3) * 3
     w = (torch.rand(n_in, generator=torch.Generator().manual_seed(5)) + 0.5).half()
     h = x_for(n_out, 1, seed=9)
     want = reference(x, t, pre, post, w, h, 1e-5)
-    g.bind(x, h, pre=pre, post=post, norm_weight=w if pre == "rms" else None, res=h)()  # the add in place, as the step does
-    err = max_rel_err(h, want)
-    assert torch.isfinite(h).all() and err <= TOL, err
+    y = h if post else torch.full((1, n_out), float("nan"), dtype=torch.float16)
+    g.bind(x, y, pre=pre, post=post, norm_weight=w if pre == "rms" else None, res=h if post else None)()  # the add in place, as the step does
+    assert g.fused_plan(1, pre, post).ksplit == -(-n_in // 512)
+    err = max_rel_err(y, want)
+    assert torch.isfinite(y).all() and err <= TOL, err
 
 
 def test_chunk_plans_and_their_errors():

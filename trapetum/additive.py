@@ -761,6 +761,18 @@ def residual_add(post: str):
     return with_res
 
 
+@cuda.jit(device=True, **INLINE)
+def slices_irms(ws, nsplit, b, n, eps):
+    """1 / rms of batch row ``b`` (``n`` inputs) from the sums of squares its ``nsplit`` K-slices left
+    in the workspace's last column (:func:`table_ws_columns`), for the block that finishes a row-group.
+    Every warp loads a slice a lane (one L2 round trip, not nsplit / 8 of them) and sums them in the
+    same order, so every thread gets the same value."""
+    v = float32(0.0)
+    for sp in range(cuda.laneid, nsplit, 32):
+        v += load_cg(ws, sp, b, ws.shape[2] - 1)
+    return inv_rms(warp_sum_f32(v), n, eps)
+
+
 def table_ws_columns(n_rows: int, pre: str) -> int:
     """Columns of the table kernel's K-slice workspace: a partial an output row, and with pre='rms' one
     more, where each K-slice leaves its sum of squares of x."""
@@ -1076,14 +1088,10 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
 
         cidx = cuda.blockIdx.x + cuda.gridDim.x * cuda.blockIdx.z
         if nsplit > 1 and last_to_finish(counters, cidx, nsplit, last, tid):
-            for bb in range(bt):  # pre="rms": 1 / rms of the slices' sums of squares, which every warp
-                fac[bb] = float32(1.0)  # loads a slice a lane (one L2 round trip, not nsplit / 8 of them)
+            for bb in range(bt):  # pre="rms": 1 / rms of the slices' sums of squares
+                fac[bb] = float32(1.0)
                 if RMS:
-                    v = float32(0.0)
-                    if b0 + bb < B:
-                        for sp in range(cuda.laneid, nsplit, 32):
-                            v += load_cg(ws, sp, b0 + bb, ws.shape[2] - 1)
-                    fac[bb] = inv_rms(warp_sum_f32(v), x32.shape[1] * 2, eps)
+                    fac[bb] = slices_irms(ws, nsplit, min(b0 + bb, B - 1), x32.shape[1] * 2, eps)
             for i in range(tid, RB * 32 * bt, nt):
                 bb = i // (RB * 32)
                 row = rb0 * 32 + (i - bb * RB * 32)
@@ -1192,8 +1200,9 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
     - ``ids(qpb)``: (thread, warp, lane, the block's first quad of rows);
     - ``lookup(sm, w, l0)``: the sum of code word w's four table entries (l0: the lane's byte offset of
       codebook 0, group s, in the table read);
-    - ``finish(y, ws, bias, res, nsplit, qb0, nrows, n_out, tid)``: the last block of a row-group adds
-      the K-slices' partials of its ``nrows`` rows, the bias and ``post``.
+    - ``finish(y, ws, bias, res, nsplit, qb0, nrows, n_out, tid, irms)``: the last block of a row-group adds
+      the K-slices' partials of its ``nrows`` rows, times ``irms`` (1 / rms where defer_rms, else 1), the
+      bias and ``post``.
     """
     RMS, SILU = pre == "rms", pre == "silu"
     nt = warps * 32
@@ -1334,11 +1343,11 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
     with_res = residual_add(post)
 
     @cuda.jit(device=True, **INLINE)
-    def finish(y, ws, bias, res, nsplit, qb0, nrows, n_out, tid):
+    def finish(y, ws, bias, res, nsplit, qb0, nrows, n_out, tid, irms):
         for i in range(tid, nrows, nt):
             row = qb0 * STREAM_ROWS + i
             if row < n_out:
-                y[0, row] = with_res(sum_splits(ws, nsplit, 0, row) + float32(bias[row]), res, 0, row)
+                y[0, row] = with_res(sum_splits(ws, nsplit, 0, row) * irms + float32(bias[row]), res, 0, row)
 
     return build, start, ids, lookup, finish
 
@@ -1474,7 +1483,7 @@ def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
                         else:
                             ws[split, 0, row] = v
         if nsplit > 1 and last_to_finish(counters, cuda.blockIdx.x, nsplit, last, tid):
-            finish(y, ws, bias, res, nsplit, qb0, qn * STREAM_ROWS, n_out, tid)
+            finish(y, ws, bias, res, nsplit, qb0, qn * STREAM_ROWS, n_out, tid, float32(1.0))
 
     _stream_cache[key] = kernel
     return kernel
@@ -1515,7 +1524,9 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
     (``ld.global.nc``; the next tile's issued before this tile's lookups), four lookups a row and
     lane, then the halving exchange. Each row's chunk sum, times the table's factor and the row's
     scale, goes to the workspace (one chunk: to y, with bias and ``post``); the last block of a
-    row-group sums the chunks (as :func:`additive_kernel`). ``cs`` > 1: the grid's ``cs`` chunks of a
+    row-group sums the chunks (as :func:`additive_kernel`). pre='rms': every block stages its chunk of
+    g * x un-normalised and sums that chunk's squares; the chunks' sums meet where the row-group's chunks
+    do, and 1 / rms multiplies the row's sum where y is written. ``cs`` > 1: the grid's ``cs`` chunks of a
     row-group are one thread block cluster instead, each block keeps its rows' chunk sums in shared
     memory (after x) and, after a cluster barrier, sums 1 / cs of the row-group's rows over the
     cluster's blocks through distributed shared memory and writes them: no workspace, counter or
@@ -1539,9 +1550,11 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
     RING = 2 * ROWS  # two tiles' code words: the next one loads while this one is looked up
     SHIFT = 6 - ROWS.bit_length()  # the tile row lane l ends the exchange with: l >> SHIFT
     OWNER = (1 << SHIFT) - 1  # lanes l & OWNER == 0 write it
-    # With a cluster the row's chunks are the cluster's blocks, so its sum of squares is theirs: no
-    # block reads the whole row before its build (pre='rms' cost the global finish's plans ~2 us a call).
-    _, start, ids, lookup, finish = _stream_parts(warps, 1, pre, post, defer_rms=cs > 1)
+    # The row's sum of squares is its chunks': no block reads the whole row before its build (that cost
+    # the global finish's plans ~2 us a call at 7B and 3-7 us at 70B's 8192 inputs). With a cluster the
+    # chunks' sums meet in distributed shared memory; otherwise in the workspace's last column
+    # (table_ws_columns), as the table kernel's K-slices' do, and the finishing block applies 1 / rms.
+    _, start, ids, lookup, finish = _stream_parts(warps, 1, pre, post, defer_rms=True)
     RMS = pre == "rms"
     h16, h8, h4, h2, h1 = (_halver(ROWS >> k, 16 >> k) for k in range(5))
     _, release = launch_hooks()
@@ -1603,6 +1616,14 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
         bfr = cuda.local.array(KT, int32)
         # 2. the chunk's table (fp16, scaled by 2**-s; sums by up = 2**s)
         up = start(sm, x32, g32, cb32, bfr, wsq, c, 1, tid, warp, lane, cbexp, eps)
+        if RMS and cs <= 1:  # the chunk's sum of squares (wsq: the warps' shares, before start's barriers)
+            t = float32(0.0)
+            for w in range(warps):
+                t += wsq[w, 0]
+            if nsplit == 1:  # the whole row: the tiles write y
+                up *= inv_rms(t, x32.shape[1] * 2, eps)
+            elif tid == 0:  # the same value from every row-group's block of this chunk
+                ws[c, 0, ws.shape[2] - 1] = t
 
         # 3. the row tiles, two code slots written out so their indices are constants
         acc = cuda.local.array(ROWS, float32)
@@ -1641,7 +1662,8 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
                 y[0, r0 + i] = with_res(v * irms + float32(bias[r0 + i]), res, 0, r0 + i)
             cluster_sync()
         elif nsplit > 1 and last_to_finish(counters, cuda.blockIdx.x, nsplit, last, tid):
-            finish(y, ws, bias, res, nsplit, qb0, (qend - qb0) * STREAM_ROWS, n_out, tid)
+            irms = slices_irms(ws, nsplit, 0, x32.shape[1] * 2, eps) if RMS else float32(1.0)
+            finish(y, ws, bias, res, nsplit, qb0, (qend - qb0) * STREAM_ROWS, n_out, tid, irms)
 
     _chunk_cache[key] = kernel
     return kernel
@@ -1983,7 +2005,8 @@ class AdditiveGemv:
             kern = (chunk_kernel(plan.warps, plan.tile, pre, post, plan.cluster) if plan.kernel == "chunk" else
                     stream_kernel(plan.warps, plan.QW, plan.slots, pre, post))
             grid = plan.grid(self.n_out)
-            rows, ncounters = self.n_out, grid[0]
+            # the chunk kernel's K-slices leave their sums of squares (pre='rms') in a last column
+            rows, ncounters = table_ws_columns(self.n_out, pre if plan.kernel == "chunk" else ""), grid[0]
         else:
             kern = additive_kernel(self.M, B, plan.bt, plan.warps, plan.RB, plan.cps, plan.build == "mma", plan.table, pre, post)
             groups = -(-self.rbs // plan.RB)
