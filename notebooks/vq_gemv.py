@@ -409,6 +409,19 @@ report.styled(report.chunk_cluster_probe(folder))
 report.styled(report.chunk_rms_probe(folder))
 
 # %% [markdown]
+# Layers of more than 8 chunks keep the global finish (Llama-2-13B's 5120 inputs and Llama-2-70B's 8192
+# inputs are 10 and 16 chunks). Their blocks used to read the whole row before their builds. Now those
+# plans defer the norm too. Each block leaves its chunk's sum of squares in the workspace's last
+# column, as the table kernel's K-slices do. The block that finishes a row-group adds them and applies
+# 1 / rms. The next table times the same plans in one process: the plain launch, the rms launch of the
+# code before (imported beside the new), and the deferred one. Part of the penalty is left. Our
+# explanation, not measured: the deferred block still stages x through registers to convert and sum
+# it, where the plain launch copies it with `cp.async`, and the finish waits one more L2 round trip.
+
+# %%
+report.styled(report.rms_global_probe(folder))
+
+# %% [markdown]
 # ### Tried and dropped: a run of chunks a block
 #
 # A cluster holds at most 8 blocks portably, so layers of more than 8 chunks (Llama-2-7B's down

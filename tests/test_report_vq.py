@@ -452,6 +452,18 @@ def test_chunk_cluster_probe_sets_the_fastest_plan_of_each_finish_side_by_side(t
     assert report.chunk_cluster_probe(tmp_path / "nothing").empty
 
 
+def test_rms_global_probe_sets_both_rms_launches_against_the_plain_one(tmp_path):
+    recs = [{"kind": "check", "passed": True}, {"kind": "check", "passed": False}]
+    for name, pre, ms in (("deferred", "", 0.0506), ("deferred", "rms", 0.0545), ("whole row", "rms", 0.0584)):
+        recs.append({"kind": "time", "in_features": 8192, "out_features": 57344, "name": f"{name} 8w 8t 1024r {pre or 'plain'}",
+                     "plan": _plan(8, 8, 1024), "pre": pre, "time_ms": ms, "fp16_ms": 0.25})
+    _chunk_probe_file(tmp_path, "rms-global-probe-x-h200.json", recs)
+    t = report.rms_global_probe(tmp_path)
+    assert len(t) == 1 and t["in x out"][0] == "8192 x 57344" and t["probe"][0] == "82e5276 (1/2 checks)"
+    assert np.isclose(t["penalty before (us)"][0], 7.8) and np.isclose(t["penalty now (us)"][0], 3.9)
+    assert report.rms_global_probe(tmp_path / "nothing").empty
+
+
 def test_chunk_rms_probe_pairs_plain_and_rms_launches_of_one_plan(tmp_path):
     recs = [{"kind": "check", "passed": True}]
     for fin, pre, ms in (("global", "", 0.0128), ("global", "rms", 0.0142), ("cluster", "", 0.0121), ("cluster", "rms", 0.0127)):

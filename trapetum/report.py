@@ -1626,6 +1626,7 @@ CHUNK_PARTS = {"full": "full kernel (us)", "nobuild": "no table build (us)", "no
                "noload": "no code loads (us)", "nofinish": "no K-slice finish (us)", "skeleton": "no build, no lookups (us)"}
 CHUNK_CLUSTER_PROBES = "_runs/cluster-finish-probe-*.json"  # every chunk plan with its global finish and with a cluster
 CHUNK_RMS_PROBES = "_runs/cluster-rms-probe-*.json"  # plain and rms, global finish and cluster, same plans
+RMS_GLOBAL_PROBES = "_runs/rms-global-probe-*.json"  # the global finish's rms: whole row read first, or deferred
 
 
 def _chunk_plan_label(plan: str) -> str:
@@ -1691,6 +1692,27 @@ def chunk_rms_probe(folder=None) -> pd.DataFrame:
                 row[f"{fin}: rms (us)"] = us.get((fin, "rms"), float("nan"))
                 row[f"{fin}: rms penalty (us)"] = row[f"{fin}: rms (us)"] - row[f"{fin}: plain (us)"]
             rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def rms_global_probe(folder=None) -> pd.DataFrame:
+    """The fused RMSNorm in the chunk kernel's global-finish plans, before and after it was deferred, one
+    row a GPU, shape and plan: the plain launch, the rms launch that reads the whole row before its build
+    (the code before, imported beside the new), and the deferred one (each block sums its own chunk's
+    squares, the finishing block applies 1 / rms), in microseconds (fastest of three interleaved passes,
+    one process), with each rms penalty over the plain launch."""
+    rows = []
+    for prov, label, t in _probe_runs(folder, RMS_GLOBAL_PROBES, short=True):
+        if t.empty:
+            continue
+        for (n_in, n_out, plan), g in t.groupby(["in_features", "out_features", "plan"], sort=False):
+            us = {(str(r["name"]).split()[0], r["pre"] or "plain"): 1e3 * float(r["time_ms"]) for r in g.to_dict("records")}
+            row = {"GPU": gpu_label(prov.get("gpu", "")), "in x out": shape_label((int(n_in), int(n_out))), "plan": _chunk_plan_label(plan),
+                   "plain (us)": us.get(("deferred", "plain"), np.nan), "rms, whole row first (us)": us.get(("whole", "rms"), np.nan),
+                   "rms, deferred (us)": us.get(("deferred", "rms"), np.nan)}
+            row["penalty before (us)"] = row["rms, whole row first (us)"] - row["plain (us)"]
+            row["penalty now (us)"] = row["rms, deferred (us)"] - row["plain (us)"]
+            rows.append(row | {"probe": label})
     return pd.DataFrame(rows)
 
 
