@@ -133,6 +133,17 @@ report.styled(report.layer_table(df))
 report.styled(report.numba_vs_cuda_cpp(df))
 
 # %% [markdown]
+# The C++ `dual` has also run on its own, the program alone, each plan checked against cuBLAS first.
+# Its first version added the shared window's base address to every lookup, an integer multiply-add
+# that numba's `dual` does not spend. The second takes its shared addresses from the dynamic array's
+# symbol, so `ptxas` folds the base into the load (`LDS [R+UR]`), as in numba's kernel (NOTES.md,
+# sessions 52 to 54). The numba column is the batch-1 pick of that GPU's recorded run, in another
+# process, so read the last column as approximate. A ratio above 1 means the C++ kernel is slower.
+
+# %%
+report.styled(report.cpp_dual_runs(df))
+
+# %% [markdown]
 # ## Speedup against bandwidth
 #
 # The seed's claim is a law: the more bandwidth-limited the GPU, the larger the speedup. The

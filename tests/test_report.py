@@ -398,6 +398,29 @@ def test_numba_and_both_cuda_cpp_designs_side_by_side(df2):
         report.numba_vs_cuda_cpp(df2)
 
 
+def test_cpp_dual_runs_set_each_commit_of_the_program_beside_numbas_recorded_pick(df2, tmp_path):
+    import json
+
+    assert report.cpp_dual_runs(df2, tmp_path).empty  # no such run recorded
+    (tmp_path / "_runs").mkdir()
+    numba_us = 1e3 * float(df2[(df2["kernel"] == "lut") & (df2["grid"] == "table") & (df2["K"] == 16) & (df2["gpu"] == "NVIDIA Fast GPU")]["time_ms"].iloc[0])
+
+    def run(commit, date, us):
+        recs = [{"variant": "dual", "batch": 1, "in_features": 4096, "out_features": 4096, "time_ms": us / 1e3, "passed": True},
+                {"variant": "dual", "batch": 2, "in_features": 4096, "out_features": 4096, "time_ms": 1.0, "passed": True},
+                {"variant": "mma", "batch": 1, "in_features": 4096, "out_features": 4096, "time_ms": 1.0, "passed": True},
+                {"variant": "dual", "batch": 1, "in_features": 64, "out_features": 64, "time_ms": 1.0, "passed": False}]
+        prov = {"gpu": "NVIDIA Fast GPU", "git_commit": commit, "date": date}
+        (tmp_path / "_runs" / f"cpp-dual-{commit}-fast.json").write_text(json.dumps({"provenance": prov, "records": recs}))
+
+    run("bbbbbbbb", "2026-02-01", 2 * numba_us)
+    run("aaaaaaaa", "2026-01-01", 3 * numba_us)
+    t = report.cpp_dual_runs(df2, tmp_path)
+    assert list(t.columns) == ["GPU", "in x out", "C++ dual at aaaaaaa (us)", "C++ dual at bbbbbbb (us)", "numba pick, gemv.json (us)",
+                               "newest C++ / numba"]  # oldest first; batch 2, mma and a failed check are not rows
+    assert len(t) == 1 and t["in x out"][0] == "4096 x 4096" and t["newest C++ / numba"][0] == pytest.approx(2.0)
+
+
 def test_decode_chapter_reads_every_run_and_keeps_the_newest_per_model(tmp_path):
     import json
 

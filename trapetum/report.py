@@ -920,6 +920,34 @@ def numba_vs_cuda_cpp(df: pd.DataFrame, scheme: str = FOUR_BIT) -> pd.DataFrame:
     return pd.DataFrame(rows).sort_values(["GPU", "in x out"], key=lambda c: c.map(str)).reset_index(drop=True)
 
 
+CPP_DUAL_RUNS = "_runs/cpp-dual-*.json"  # the C++ twin of dual run alone (the program only, no numba in the process)
+
+
+def cpp_dual_runs(df: pd.DataFrame, folder=None) -> pd.DataFrame:
+    """The C++ dual's batch-1 times from its runs on their own (``data/_runs/cpp-dual-*.json``, one
+    column a commit, oldest first), beside numba's batch-1 pick in that GPU's recorded ``gemv.json``
+    (``df``: :func:`load_gemv`), which ran in another process; "C++ / numba" takes the newest C++ run.
+    Empty where no such run was recorded."""
+    runs, gpu_of = {}, {}
+    for _, prov, recs in _probe_files(folder, CPP_DUAL_RUNS):
+        commit = str(prov.get("git_commit"))[:7]
+        for r in recs:
+            if r.get("variant") == "dual" and r.get("batch") == 1 and r.get("passed"):
+                key = (gpu_label(prov.get("gpu", "")), (int(r["in_features"]), int(r["out_features"])))
+                runs.setdefault(key, {})[f"C++ dual at {commit} (us)"] = 1e3 * float(r["time_ms"])
+    if not runs:
+        return pd.DataFrame()
+    d = _timed(df)
+    numba = {(gpu_label(g), tuple(s)): 1e3 * float(t)
+             for g, s, t in d[(d["kernel"] == "lut") & (d["batch"] == 1) & (d["scheme"] == FOUR_BIT)][["gpu", "shape", "time_ms"]].itertuples(index=False)}
+    rows = []
+    for (gpu, shape), cols in runs.items():
+        row = {"GPU": gpu, "in x out": shape_label(shape), **cols, "numba pick, gemv.json (us)": numba.get((gpu, shape), np.nan)}
+        row["newest C++ / numba"] = list(cols.values())[-1] / row["numba pick, gemv.json (us)"]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 # -- the end-to-end chapter ------------------------------------------------------------------
 DECODE = "decode"
 SERIAL_STEP = "fused-step (serial)"  # a fused-step row launched strictly in sequence beside a programmatic one of its run
