@@ -150,10 +150,12 @@ report.fig_decode_pareto(df)
 # the lut kernel, and for 4-bit codes the dual tensor-core kernel, take the step's RMSNorm, SiLU and
 # residual add with them (the norm and the add would otherwise be launches of their own); the rows
 # recorded before the dual kernel took them (session 51) fused into the lut kernel alone. For the 2-bit additive format all three
-# of its kernels take them, so what is left is the fused operations' own cost. Most RMSNorm-fused plans
-# have each block sum the squares of the whole input row before it builds its first table. The chunk
-# kernel's cluster plans do not: each block sums only its own chunk's squares (the vector-codebook
-# chapter measures both).
+# of its kernels take them, so what is left is the fused operations' own cost. The scalar formats'
+# kernels and the additive streaming kernel have each block sum the squares of the whole input row
+# before it builds its first table. The additive table and chunk kernels do not: each block sums only
+# its own slice's squares, and those sums meet where the slices' partial sums do. The chunk kernel's
+# global-finish plans (layers of more than 8 chunks, such as the 70B model's 8192 inputs) did this only
+# from commit fb9ad0c; the vector-codebook chapter measures both ways.
 
 # %%
 report.styled(report.decode_targets(df))
