@@ -1032,13 +1032,17 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="greedy generation with tok/s, peak VRAM and J/token")
     g.add_argument("model", help="hub id, local model folder, folder saved by save_quantized, or smollm2-135m")
-    g.add_argument("--prompt", default="The capital of France is")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--path", choices=PATHS, default="graphed")
+    g.add_argument("--prompt", default="The capital of France is", help="text to continue (default: %(default)r)")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate, greedily (default: %(default)s)")
+    g.add_argument("--path", choices=PATHS, default="graphed",
+                   help="how each token runs: naive (model forwards, layers cast to fp32 and back), eager (the cast-free "
+                        "static-cache step, run by Python), graphed (that step, one CUDA-graph replay a token), compiled "
+                        "(it through torch.compile, graphed), fused-step (Trapetum's fused kernels, graphed); default: %(default)s")
     g.add_argument("--quantize", default=None, help="K16 | K64 | K256 | A2 | A4 | R<main>+<residual>, e.g. R4096+256 "
                                                    "(default: run the model as loaded)")
     g.add_argument("--exclude", action="append", help="glob of layer names to keep in fp16 (repeatable)")
-    g.add_argument("--min-features", type=int, default=0)
+    g.add_argument("--min-features", type=int, default=0,
+                   help="keep layers whose smaller side is below this in fp16 (seed 004 quantizes only large layers); default: all")
     g.add_argument("--quantize-embedding", action="store_true", help="the token embedding too (QEmbedding; saves VRAM)")
     g.add_argument("--calibrate", type=int, default=0, metavar="N",
                    help="calibration-aware quantizing on N samples (activation-aware k-means for K16..K256, H-weighted "
@@ -1051,8 +1055,8 @@ def main(argv=None) -> int:
                         "EPOCHS passes over the calibration samples, to match the unquantized model's next-token "
                         "distribution; keeps a copy of the model while it runs")
     g.add_argument("--save", default=None, help="write the quantized model to this folder")
-    g.add_argument("--device", default=None)
-    g.add_argument("--no-energy", action="store_true")
+    g.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: the GPU where there is one)")
+    g.add_argument("--no-energy", action="store_true", help="skip the NVML power sampling (J/token)")
     g.add_argument("--fuse", action="store_true", help="fuse q/k/v and gate/up into one layer each (after --save: the saved format is "
                    "unfused); with --quantize A2/A4/R..., each group is quantized jointly (one codebook set) so that it can fuse")
     g.set_defaults(func=_generate_cmd)
