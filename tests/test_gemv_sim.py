@@ -665,3 +665,24 @@ def test_programmatic_launches_carry_the_attribute_only_inside_the_context(monke
         (False, 1), (True, 1), (False, 2), (True, 3), (False, 4)]
     monkeypatch.setattr(gemv, "programmatic_kernels", lambda: False)
     assert not gemv.programmatic(True).on  # no sm_90 (or no attribute in cuda.core): plain launches
+
+
+from numba import cuda  # noqa: E402  (after conftest has switched the simulator on)
+
+
+@cuda.jit
+def _sum_splits_each(ws, out):
+    i = cuda.grid(1)
+    if i < out.shape[0]:
+        out[i] = gemv.sum_splits(ws[:i + 1], i + 1, 0, 0)  # a read past slice i would raise
+
+
+def test_sum_splits_adds_every_slice_once_whatever_the_count():
+    # The K-split finish loads its last 1..15 slices in one go, the slices past the last reading it
+    # again: every count from 1 to 40 must add each partial exactly once (powers of two, so exact).
+    import numpy as np
+
+    ws = (2.0 ** -np.arange(40, dtype=np.float32)).reshape(40, 1, 1)
+    out = np.full(40, np.nan, dtype=np.float32)
+    _sum_splits_each[1, 40](ws, out)
+    assert np.array_equal(out, np.cumsum(ws.ravel()).astype(np.float32)), out

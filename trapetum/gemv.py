@@ -925,32 +925,60 @@ def last_to_finish(counters, idx, nsplit, last, tid) -> bool:
 
 
 @cuda.jit(device=True, **INLINE)
+def _load8(ws, sp, last, b, row):
+    """ws[sp .. sp + 7, b, row], issued together; slices past ``last`` read ``last`` again."""
+    return (load_cg(ws, min(sp, last), b, row), load_cg(ws, min(sp + 1, last), b, row),
+            load_cg(ws, min(sp + 2, last), b, row), load_cg(ws, min(sp + 3, last), b, row),
+            load_cg(ws, min(sp + 4, last), b, row), load_cg(ws, min(sp + 5, last), b, row),
+            load_cg(ws, min(sp + 6, last), b, row), load_cg(ws, min(sp + 7, last), b, row))
+
+
+@cuda.jit(device=True, **INLINE)
+def _sum8(v, n):
+    """The first ``n`` (0..8) of the eight values ``v``, in _load8's order."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = v
+    if n >= 8:
+        return ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))
+    t = float32(0.0)
+    if n > 0:
+        t = v0
+    if n > 1:
+        t += v1
+    if n > 2:
+        t += v2
+    if n > 3:
+        t += v3
+    if n > 4:
+        t += v4
+    if n > 5:
+        t += v5
+    if n > 6:
+        t += v6
+    return t
+
+
+@cuda.jit(device=True, **INLINE)
 def sum_splits(ws, nsplit, b, row):
-    """The ``nsplit`` K-slice partials ws[:, b, row], eight loads in flight at a time: the last block
-    sums them on the launch's critical path, so each serialized L2 round trip adds to its time."""
+    """The ``nsplit`` K-slice partials ws[:, b, row]: the last block sums them on the launch's critical
+    path, so each serialized L2 round trip adds to its time. Sixteen loads are in flight at a time, and
+    the last 1..15 slices are loaded at once as well, 8 or 16 loads with the slices past the last
+    reading it again, their values not added. A K-split of 22 (11008 inputs in the chunk kernel) waits
+    for two round trips, where whole groups of 8, then 4, then single loads waited for four."""
     v = float32(0.0)
+    last = nsplit - 1
     sp = 0
-    while sp + 8 <= nsplit:
-        v0 = load_cg(ws, sp, b, row)
-        v1 = load_cg(ws, sp + 1, b, row)
-        v2 = load_cg(ws, sp + 2, b, row)
-        v3 = load_cg(ws, sp + 3, b, row)
-        v4 = load_cg(ws, sp + 4, b, row)
-        v5 = load_cg(ws, sp + 5, b, row)
-        v6 = load_cg(ws, sp + 6, b, row)
-        v7 = load_cg(ws, sp + 7, b, row)
-        v += ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))
-        sp += 8
-    if sp + 4 <= nsplit:  # K-splits of 4..7 (the common ones) were a serial load each
-        v0 = load_cg(ws, sp, b, row)
-        v1 = load_cg(ws, sp + 1, b, row)
-        v2 = load_cg(ws, sp + 2, b, row)
-        v3 = load_cg(ws, sp + 3, b, row)
-        v += (v0 + v1) + (v2 + v3)
-        sp += 4
-    while sp < nsplit:
-        v += load_cg(ws, sp, b, row)
-        sp += 1
+    while sp + 16 <= nsplit:
+        a = _load8(ws, sp, last, b, row)
+        c = _load8(ws, sp + 8, last, b, row)
+        v += _sum8(a, 8) + _sum8(c, 8)
+        sp += 16
+    n = nsplit - sp
+    if n > 8:
+        a = _load8(ws, sp, last, b, row)
+        c = _load8(ws, sp + 8, last, b, row)
+        v += _sum8(a, 8) + _sum8(c, n - 8)
+    elif n > 0:
+        v += _sum8(_load8(ws, sp, last, b, row), n)
     return v
 
 
