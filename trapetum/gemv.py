@@ -940,20 +940,9 @@ def _sum8(v, n):
     if n >= 8:
         return ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))
     t = float32(0.0)
-    if n > 0:
-        t = v0
-    if n > 1:
-        t += v1
-    if n > 2:
-        t += v2
-    if n > 3:
-        t += v3
-    if n > 4:
-        t += v4
-    if n > 5:
-        t += v5
-    if n > 6:
-        t += v6
+    for k in range(7):  # a constant trip count: unrolled, so v[k] is a register, not a local array
+        if k < n:
+            t += v[k]
     return t
 
 
