@@ -169,6 +169,24 @@ def test_chunk_kernel_fused_operations(pre, post, n_in):
     assert torch.isfinite(y).all() and err <= TOL, err
 
 
+@pytest.mark.parametrize("n_in", [1088, 512])
+def test_chunk_kernel_rms_survives_g_x_past_fp16(n_in):
+    # The deferred norm stages g * x before normalising: 60000 x 1.5 is past fp16's 65504, where
+    # LlamaRMSNorm's normalised x is not. The block stages that chunk at 2**-k instead (3 chunks: one
+    # of them; 1 chunk: the row), and the answer must still match float64.
+    n_out = 40
+    t = with_bias(random_additive_tensor(n_out, n_in, 2, seed=7), seed=8)
+    g = AdditiveGemv(t, plan={"kernel": "chunk", "warps": 4, "tile": 4, "rows": 64})
+    x = x_for(n_in, 1, seed=3)
+    w = (torch.rand(n_in, generator=torch.Generator().manual_seed(5)) + 0.5).half()
+    x[0, n_in - 100], w[n_in - 100] = 60000.0, 1.5
+    x[0, 10] = -2000.0
+    y = torch.full((1, n_out), float("nan"), dtype=torch.float16)
+    g.bind(x, y, pre="rms", norm_weight=w)()
+    err = max_rel_err(y, reference(x, t, "rms", "", w, None, 1e-5))
+    assert torch.isfinite(y).all() and err <= TOL, err
+
+
 def test_chunk_plans_and_their_errors():
     p = A.plan_chunk(14336, 4096, 227 * 1024, warps=8, tile=4, rows=512)
     assert (p.qpb * 4, p.ksplit, p.grid(14336)) == (512, 8, (28, 8)) and "a chunk a block" in p.label()

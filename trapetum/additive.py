@@ -1258,10 +1258,12 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
 
     @cuda.jit(device=True, **INLINE)
     def stage_x(sm, x32, g32, irms, c0, nc, tid, wsq):
+        # Returns whether a deferred norm's fp16(g * x) overflowed in this thread's words (see start).
         xrow = x32[0]
         nx = (xrow.shape[0] >> 1) if SILU else xrow.shape[0]  # x's words (silu: a's; b's follow)
         nxw = nc * STREAM_X_WORDS
         ssq = float32(0.0)
+        ovf = int32(0)
         for i in range(tid * 4, nxw, nt * 4):
             gw = c0 * STREAM_X_WORDS + i
             if gw < nx:  # in_features is a multiple of 8: a 4-word piece is all in or all out
@@ -1274,6 +1276,9 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
                                 a, b = half2_to_float2(w)
                                 ssq += a * a + b * b
                             w = rms_word(w, g32[gw + k], irms)
+                            if defer_rms and (uint32(w) & uint32(0x7C00) == uint32(0x7C00)
+                                              or uint32(w) & uint32(0x7C000000) == uint32(0x7C000000)):
+                                ovf = int32(1)
                         else:
                             w = silu_word(w, xrow[nx + gw + k])
                         sm[XO + i + k] = w
@@ -1285,6 +1290,37 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
             v = warp_sum_f32(ssq)
             if cuda.laneid == 0:
                 wsq[tid // 32, 0] = v
+        return ovf
+
+    @cuda.jit(device=True, **INLINE)
+    def overflow_shift(x32, g32, c0, nc, tid, wsq):
+        # The k for which every |g x| of the staged chunks, times 2**-k, stays below 2**15 (fp16 then
+        # holds it and the build's own scale covers the table): the chunks' largest |g x| in fp32,
+        # over the block through wsq[:, 1]. Every thread calls it (one barrier).
+        xrow = x32[0]
+        m = float32(0.0)
+        for i in range(tid * 4, nc * STREAM_X_WORDS, nt * 4):
+            gw = c0 * STREAM_X_WORDS + i
+            if gw < xrow.shape[0]:
+                w0, w1, w2, w3 = load16(xrow, gw)
+                for k in range(4):
+                    w = w0 if k == 0 else w1 if k == 1 else w2 if k == 2 else w3
+                    a, b = half2_to_float2(w)
+                    c, d = half2_to_float2(g32[gw + k])
+                    m = max(m, abs(a * c), abs(b * d))
+        mb = warp_max_u32(float_bits(m))  # a non-negative float's order is its bits'
+        if cuda.laneid == 0:
+            wsq[tid // 32, 1] = bits_float(mb)
+        cuda.syncthreads()
+        return shift_of(wsq)
+
+    @cuda.jit(device=True, **INLINE)
+    def shift_of(wsq):
+        # overflow_shift's k from the warps' largest |g x| it left in wsq[:, 1]
+        big = float32(0.0)
+        for w in range(nt // 32):
+            big = max(big, wsq[w, 1])
+        return max(int32(float_bits(big) >> uint32(23)) - 140, 1)  # big < 2**(e - 126): times 2**-(e - 140) < 2**14
 
     @cuda.jit(device=True, **INLINE)
     def load_bfr(bfr, cb32, warp, lane):
@@ -1309,13 +1345,26 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
             row_sumsq(x32, wsq, tid, warp)
             cuda.syncthreads()
             irms = irms_of(wsq, 0, x32[0].shape[0] * 2, eps)
-        stage_x(sm, x32, g32, irms, c0, nc, tid, wsq)
+        ovf = stage_x(sm, x32, g32, irms, c0, nc, tid, wsq)
         async_wait_all()
-        cuda.syncthreads()
+        shifted = False
+        if RMS and defer_rms:
+            # fp16(g * x) un-normalised can overflow where LlamaRMSNorm's normalised x would not (|g x|
+            # past 65504): then the block stages fp16(g * fp16(x 2**-k)) instead and its sums are
+            # multiplied by 2**k. The barrier's OR costs nothing when no word overflowed.
+            shifted = cuda.syncthreads_or(ovf) != 0
+            if shifted:
+                k = overflow_shift(x32, g32, c0, nc, tid, wsq)
+                stage_x(sm, x32, g32, bits_float(uint32(127 - k) << uint32(23)), c0, nc, tid, wsq)
+                cuda.syncthreads()
+        else:
+            cuda.syncthreads()
         # fp16 entries: each chunk's table is scaled by 2**-s, s the least that keeps every entry below
         # 2**15 whatever the codes (from max |x| over the chunk and cbexp, as in additive_kernel; s is 0
         # for ordinary activations), and its sums multiplied by 2**s.
         up = build(sm, bfr, 0, 0, warp, lane, cbexp)
+        if shifted:  # k again from wsq[:, 1] (only a flag lives through the build)
+            up *= bits_float(uint32(127 + shift_of(wsq)) << uint32(23))
         cuda.syncthreads()
         return up
 
@@ -1541,7 +1590,7 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
         raise ValueError("the chunk kernel's cluster finish runs on a GPU only (the CUDA simulator runs one block at a time)")
     if cs > MAX_CLUSTER:
         raise ValueError(f"the chunk kernel's cluster finish takes at most {MAX_CLUSTER} chunks, got {cs}")
-    WSQ = (warps, 1) if pre == "rms" else (1, 1)
+    WSQ = (warps, 2) if pre == "rms" else (1, 1)  # [w, 0]: a warp's sum of squares; [w, 1]: its largest |g x| (start)
     SO = STREAM_TABLE_WORDS + STREAM_X_WORDS  # word offset of the chunk's sum of squares (cs > 1, pre='rms')
     RO = SO + 1  # of the rows' chunk sums (cs > 1)
     nt = warps * 32
