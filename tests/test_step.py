@@ -102,8 +102,9 @@ def test_kernel_checks_pass_on_small_shapes():
     recs = kernel_checks(
         shapes=((64, 96),), attention_cases=((4, 2, 16),), positions=(0, 20), device="cpu", plans=({"ksplit": 2},),
         vocabs=(300,), additive_plans=({"warps": 2, "build": "mma", "table": "fp16"}, {"kernel": "stream", "warps": 4, "ksplit": 1, "slots": 2}))
-    assert [r["kind"] for r in recs] == ["gemv"] * 3 + ["additive"] * 6 + ["attention"] * 2 + ["greedy"]
-    assert sum("stream" in r.get("plan", "") for r in recs) == 3  # the streaming kernel with each fused operation
+    assert [r["kind"] for r in recs] == ["gemv"] * 3 + ["additive"] * 8 + ["attention"] * 2 + ["greedy"]
+    assert sum("stream" in r.get("plan", "") for r in recs) == 4  # the streaming kernel with each fused operation, rms twice
+    assert sum(r.get("inputs") == "g x past fp16" for r in recs) == 2  # an rms call with |g x| past fp16, each additive plan
     assert all(r["finite"] and r["max_rel_err"] < 2e-3 for r in recs), recs
 
 

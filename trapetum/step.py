@@ -258,16 +258,22 @@ def kernel_checks(shapes=((4096, 4096), (4096, 12288), (11008, 4096)), attention
                 if not lg.fusable(1):
                     recs.append({"kind": kind, "in_features": n_in, "out_features": n_out, "plan": str(plan), "fusable": False})
                     continue
-                for pre, post in FUSIONS:
-                    x = (torch.randn(1, 2 * n_in if pre == "silu" else n_in, generator=g) * 2).half().to(dev)
-                    w = (torch.rand(n_in, generator=g) + 0.5).half().to(dev)
+                # additive also with |g x| past fp16's range, which LlamaRMSNorm survives by normalising first
+                # (the chunk kernel stages g x un-normalised: such a chunk must be staged scaled down)
+                cases = [(pre, post, False) for pre, post in FUSIONS] + ([("rms", "", True)] if kind == "additive" else [])
+                for pre, post, wide in cases:
+                    x = (torch.randn(1, 2 * n_in if pre == "silu" else n_in, generator=g) * 2).half()
+                    w = torch.rand(n_in, generator=g) + 0.5
+                    if wide:
+                        x[0, n_in // 3], w[n_in // 3] = 60000.0, 1.5
+                    x, w = x.to(dev), w.half().to(dev)
                     res = torch.randn(1, n_out, generator=g).half().to(dev)
                     y = torch.full((1, n_out), float("nan"), dtype=torch.float16, device=dev)
                     lg.bind(x, y, pre=pre, post=post, norm_weight=w if pre == "rms" else None, eps=1e-5, res=res if post else None)()
                     err = max_rel_err(y, ref(x, t, pre, post, w, res, 1e-5))
                     recs.append({"kind": kind, "in_features": n_in, "out_features": n_out,
                                  "plan": str(plan or lg.fused_plan(1, pre, post)), "pre": pre, "post": post, "max_rel_err": err,
-                                 "finite": bool(torch.isfinite(y).all())})
+                                 "finite": bool(torch.isfinite(y).all()), "inputs": "g x past fp16" if wide else "normal"})
     for H, Hkv, D in attention_cases:
         T = max(positions) + 1
         inv = 1.0 / 10000.0 ** (torch.arange(0, D, 2).float() / D)
