@@ -1258,12 +1258,12 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
 
     @cuda.jit(device=True, **INLINE)
     def stage_x(sm, x32, g32, irms, c0, nc, tid, wsq):
-        # Returns whether a deferred norm's fp16(g * x) overflowed in this thread's words (see start).
+        # Returns a deferred norm's largest |g x| over this thread's words, in fp32 (see start), else 0.
         xrow = x32[0]
         nx = (xrow.shape[0] >> 1) if SILU else xrow.shape[0]  # x's words (silu: a's; b's follow)
         nxw = nc * STREAM_X_WORDS
         ssq = float32(0.0)
-        ovf = int32(0)
+        big = float32(0.0)
         for i in range(tid * 4, nxw, nt * 4):
             gw = c0 * STREAM_X_WORDS + i
             if gw < nx:  # in_features is a multiple of 8: a 4-word piece is all in or all out
@@ -1275,10 +1275,9 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
                             if defer_rms:
                                 a, b = half2_to_float2(w)
                                 ssq += a * a + b * b
+                                c, d = half2_to_float2(g32[gw + k])
+                                big = max(big, abs(a * c), abs(b * d))
                             w = rms_word(w, g32[gw + k], irms)
-                            if defer_rms and (uint32(w) & uint32(0x7C00) == uint32(0x7C00)
-                                              or uint32(w) & uint32(0x7C000000) == uint32(0x7C000000)):
-                                ovf = int32(1)
                         else:
                             w = silu_word(w, xrow[nx + gw + k])
                         sm[XO + i + k] = w
@@ -1290,25 +1289,14 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
             v = warp_sum_f32(ssq)
             if cuda.laneid == 0:
                 wsq[tid // 32, 0] = v
-        return ovf
+        return big
 
     @cuda.jit(device=True, **INLINE)
-    def overflow_shift(x32, g32, c0, nc, tid, wsq):
-        # The k for which every |g x| of the staged chunks, times 2**-k, stays below 2**15 (fp16 then
-        # holds it and the build's own scale covers the table): the chunks' largest |g x| in fp32,
-        # over the block through wsq[:, 1]. Every thread calls it (one barrier).
-        xrow = x32[0]
-        m = float32(0.0)
-        for i in range(tid * 4, nc * STREAM_X_WORDS, nt * 4):
-            gw = c0 * STREAM_X_WORDS + i
-            if gw < xrow.shape[0]:
-                w0, w1, w2, w3 = load16(xrow, gw)
-                for k in range(4):
-                    w = w0 if k == 0 else w1 if k == 1 else w2 if k == 2 else w3
-                    a, b = half2_to_float2(w)
-                    c, d = half2_to_float2(g32[gw + k])
-                    m = max(m, abs(a * c), abs(b * d))
-        mb = warp_max_u32(float_bits(m))  # a non-negative float's order is its bits'
+    def overflow_shift(big, tid, wsq):
+        # The k for which every |g x| of the staged chunks, times 2**-k, stays below 2**14 (fp16 then
+        # holds it and the build's own scale covers the table), from stage_x's per-thread largest |g x|
+        # ``big``, over the block through wsq[:, 1]. Every thread calls it (one barrier).
+        mb = warp_max_u32(float_bits(big))  # a non-negative float's order is its bits'
         if cuda.laneid == 0:
             wsq[tid // 32, 1] = bits_float(mb)
         cuda.syncthreads()
@@ -1345,16 +1333,16 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
             row_sumsq(x32, wsq, tid, warp)
             cuda.syncthreads()
             irms = irms_of(wsq, 0, x32[0].shape[0] * 2, eps)
-        ovf = stage_x(sm, x32, g32, irms, c0, nc, tid, wsq)
+        big = stage_x(sm, x32, g32, irms, c0, nc, tid, wsq)
         async_wait_all()
         shifted = False
         if RMS and defer_rms:
             # fp16(g * x) un-normalised can overflow where LlamaRMSNorm's normalised x would not (|g x|
-            # past 65504): then the block stages fp16(g * fp16(x 2**-k)) instead and its sums are
+            # from 65520 up): then the block stages fp16(g * fp16(x 2**-k)) instead and its sums are
             # multiplied by 2**k. The barrier's OR costs nothing when no word overflowed.
-            shifted = cuda.syncthreads_or(ovf) != 0
+            shifted = cuda.syncthreads_or(int32(big >= float32(65520.0))) != 0
             if shifted:
-                k = overflow_shift(x32, g32, c0, nc, tid, wsq)
+                k = overflow_shift(big, tid, wsq)
                 stage_x(sm, x32, g32, bits_float(uint32(127 - k) << uint32(23)), c0, nc, tid, wsq)
                 cuda.syncthreads()
         else:
@@ -1665,11 +1653,14 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
         bfr = cuda.local.array(KT, int32)
         # 2. the chunk's table (fp16, scaled by 2**-s; sums by up = 2**s)
         up = start(sm, x32, g32, cb32, bfr, wsq, c, 1, tid, warp, lane, cbexp, eps)
-        if RMS and cs <= 1:  # the chunk's sum of squares (wsq: the warps' shares, before start's barriers)
+        if RMS:  # the chunk's sum of squares (wsq: the warps' shares, before start's barriers)
             t = float32(0.0)
             for w in range(warps):
                 t += wsq[w, 0]
-            if nsplit == 1:  # the whole row: the tiles write y
+            if cs > 1:
+                if tid == 0:  # for the cluster's blocks, after its barrier (the tiles write past it)
+                    smf[SO] = t
+            elif nsplit == 1:  # the whole row: the tiles write y
                 up *= inv_rms(t, x32.shape[1] * 2, eps)
             elif tid == 0:  # the same value from every row-group's block of this chunk
                 ws[c, 0, ws.shape[2] - 1] = t
@@ -1691,11 +1682,6 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
         #    rows; the second barrier keeps every block's sums in place until all are read), or by
         #    the last block to finish
         if cs > 1:
-            if RMS and tid == 0:  # the chunk's sum of squares (the warps' shares, before start's barriers)
-                t = float32(0.0)
-                for w in range(warps):
-                    t += wsq[w, 0]
-                smf[SO] = t
             cluster_sync()
             irms = float32(1.0)
             if RMS:

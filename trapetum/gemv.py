@@ -956,18 +956,14 @@ def sum_splits(ws, nsplit, b, row):
     v = float32(0.0)
     last = nsplit - 1
     sp = 0
-    while sp + 16 <= nsplit:
+    while sp < nsplit:
+        n = nsplit - sp
         a = _load8(ws, sp, last, b, row)
-        c = _load8(ws, sp + 8, last, b, row)
-        v += _sum8(a, 8) + _sum8(c, 8)
+        if n > 8:
+            v += _sum8(a, 8) + _sum8(_load8(ws, sp + 8, last, b, row), min(n - 8, 8))
+        else:
+            v += _sum8(a, n)
         sp += 16
-    n = nsplit - sp
-    if n > 8:
-        a = _load8(ws, sp, last, b, row)
-        c = _load8(ws, sp + 8, last, b, row)
-        v += _sum8(a, 8) + _sum8(c, n - 8)
-    elif n > 0:
-        v += _sum8(_load8(ws, sp, last, b, row), n)
     return v
 
 

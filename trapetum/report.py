@@ -928,7 +928,7 @@ def cpp_dual_runs(df: pd.DataFrame, folder=None) -> pd.DataFrame:
     column a commit, oldest first), beside numba's batch-1 pick in that GPU's recorded ``gemv.json``
     (``df``: :func:`load_gemv`), which ran in another process; "C++ / numba" takes the newest C++ run.
     Empty where no such run was recorded."""
-    runs, gpu_of = {}, {}
+    runs = {}
     for _, prov, recs in _probe_files(folder, CPP_DUAL_RUNS):
         commit = str(prov.get("git_commit"))[:7]
         for r in recs:
