@@ -169,6 +169,26 @@ def test_chunk_kernel_fused_operations(pre, post, n_in):
     assert torch.isfinite(y).all() and err <= TOL, err
 
 
+@pytest.mark.parametrize("rows, fw, pre, post", [(256, 4, "rms", "add"), (256, 4, "", ""), (128, 2, "rms", "add")])
+def test_chunk_kernel_finish_sums_adjacent_rows(rows, fw, pre, post):
+    # The finishing block's threads each sum fw adjacent rows (one 8- or 16-byte load a K-slice) with
+    # the K-slices' sums of squares loaded beside the first of them. 266 rows: the last row-group
+    # holds 10, inside a last quad of 2 padding rows, so most of its threads' loads are clamped.
+    n_out, n_in = 266, 1088
+    t = with_bias(random_additive_tensor(n_out, n_in, 2, seed=11), seed=12)
+    g = AdditiveGemv(t, plan={"kernel": "chunk", "warps": 2, "tile": 4, "rows": rows})
+    p = g.fused_plan(1, pre, post)
+    assert A.chunk_finish_rows(p.qpb, p.warps) == fw and p.ksplit == 3 and p.grid(n_out)[0] == -(-67 * 4 // rows)
+    x = x_for(n_in, 1, seed=13) * 3
+    w = (torch.rand(n_in, generator=torch.Generator().manual_seed(14)) + 0.5).half()
+    h = x_for(n_out, 1, seed=15)
+    want = reference(x, t, pre, post, w if pre else None, h if post else None, 1e-5)
+    y = h.clone() if post else torch.full((1, n_out), float("nan"), dtype=torch.float16)
+    g.bind(x, y, pre=pre, post=post, norm_weight=w if pre else None, res=y if post else None)()
+    err = max_rel_err(y, want)
+    assert torch.isfinite(y).all() and err <= TOL, err
+
+
 @pytest.mark.parametrize("n_in", [1088, 512])
 def test_chunk_kernel_rms_survives_g_x_past_fp16(n_in):
     # The deferred norm stages g * x before normalising: 60000 x 1.5 is past fp16's 65504, where

@@ -77,6 +77,7 @@ from .gemv import (
     programmatic,
     rms_sums,
     rms_word,
+    rows_summer,
     silu_word,
     sm_count,
     sum_splits,
@@ -1554,7 +1555,21 @@ def _halver(n: int, o: int):
     return halve
 
 
-def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0):
+def chunk_finish_rows(qpb: int, warps: int) -> int:
+    """Adjacent rows a thread of the chunk kernel's finishing block sums (1, 2 or 4): as many as a
+    block's rows leave each of its threads, so every thread has loads in flight and they are wide."""
+    per = qpb * STREAM_ROWS // (32 * warps)
+    return 4 if per >= 4 else 2 if per >= 2 else 1
+
+
+def chunk_ws_columns(n_out: int, pre: str) -> int:
+    """Columns of the chunk kernel's K-slice workspace: the layer's rows padded to quads (so a
+    finishing thread's 2 or 4 rows are one aligned load), and with pre='rms' a quad more, whose last
+    column holds each K-slice's sum of squares of x."""
+    return (stream_quads(n_out) + (pre == "rms")) * STREAM_ROWS
+
+
+def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0, fw: int = 1):
     """The chunk kernel (M = 2, batch 1; see the comment above): grid (row-groups, chunks), a block
     of ``warps`` warps builds its chunk's table (as :func:`stream_kernel`'s step 2, from x staged with
     ``pre``) and its warps walk the row-group's quads ``QT`` at a time: 16-byte code loads a lane
@@ -1567,9 +1582,11 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
     row-group are one thread block cluster instead, each block keeps its rows' chunk sums in shared
     memory (after x) and, after a cluster barrier, sums 1 / cs of the row-group's rows over the
     cluster's blocks through distributed shared memory and writes them: no workspace, counter or
-    second pass through L2 (GPU only). Arguments as :func:`stream_kernel`'s (``cps`` is 1 and
-    unread; ``qpb`` a multiple of ``QT``)."""
-    key = (warps, QT, pre, post, cs)
+    second pass through L2 (GPU only). Otherwise each thread of the finishing block sums ``fw``
+    adjacent rows (:func:`chunk_finish_rows`, :func:`~trapetum.gemv.rows_summer`). Arguments as
+    :func:`stream_kernel`'s (``cps`` is 1 and unread; ``qpb`` a multiple of ``QT``)."""
+    fw = 1 if cs > 1 else fw
+    key = (warps, QT, pre, post, cs, fw)
     if key in _chunk_cache:
         return _chunk_cache[key]
     check_chunk_shape(warps, QT)
@@ -1591,7 +1608,8 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
     # the global finish's plans ~2 us a call at 7B and 3-7 us at 70B's 8192 inputs). With a cluster the
     # chunks' sums meet in distributed shared memory; otherwise in the workspace's last column
     # (table_ws_columns), as the table kernel's K-slices' do, and the finishing block applies 1 / rms.
-    _, start, ids, lookup, finish = _stream_parts(warps, 1, pre, post, defer_rms=True)
+    _, start, ids, lookup, _ = _stream_parts(warps, 1, pre, post, defer_rms=True)
+    sum_rows = rows_summer(fw)
     RMS = pre == "rms"
     h16, h8, h4, h2, h1 = (_halver(ROWS >> k, 16 >> k) for k in range(5))
     _, release = launch_hooks()
@@ -1629,6 +1647,36 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
                 y[0, row] = with_res(v + float32(bias[row]), res, 0, row)
             else:
                 ws[c, 0, row] = v
+
+    @cuda.jit(device=True, **INLINE)
+    def put(y, v, bias, res, irms, row, rend):
+        for f in range(fw):
+            if row + f < rend:
+                y[0, row + f] = with_res(v[f] * irms + float32(bias[row + f]), res, 0, row + f)
+
+    @cuda.jit(device=True, **INLINE)
+    def finish(y, ws, bias, res, nsplit, r0, nrows, rend, tid, lane, n_in, eps):
+        # The K-slices' sums of squares load with the first rows' partials, not a round trip before them
+        # (nothing reads a lane's first one until the partials are in); every thread takes that first
+        # step (clamped to the last rows), so the warp's sum sees all lanes.
+        sq = float32(0.0)
+        if RMS:
+            sq = load_cg(ws, min(lane, nsplit - 1), 0, ws.shape[2] - 1)
+        v = cuda.local.array(fw, float32)
+        i = fw * tid
+        sum_rows(ws, nsplit, 0, r0 + min(i, nrows - fw), v)
+        irms = float32(1.0)
+        if RMS:
+            if lane >= nsplit:
+                sq = float32(0.0)
+            for sp in range(lane + 32, nsplit, 32):  # past 32 K-slices: 16384 inputs and more
+                sq += load_cg(ws, sp, 0, ws.shape[2] - 1)
+            irms = inv_rms(warp_sum_f32(sq), n_in, eps)
+        if i < nrows:
+            put(y, v, bias, res, irms, r0 + i, rend)
+        for i in range(fw * (tid + nt), nrows, fw * nt):
+            sum_rows(ws, nsplit, 0, r0 + i, v)
+            put(y, v, bias, res, irms, r0 + i, rend)
 
     bounds = ClusterBounds((nt,), (1, cs, 1)) if cs > 1 else (nt,)
 
@@ -1697,8 +1745,7 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
                 y[0, r0 + i] = with_res(v * irms + float32(bias[r0 + i]), res, 0, r0 + i)
             cluster_sync()
         elif nsplit > 1 and last_to_finish(counters, cuda.blockIdx.x, nsplit, last, tid):
-            irms = slices_irms(ws, nsplit, 0, x32.shape[1] * 2, eps) if RMS else float32(1.0)
-            finish(y, ws, bias, res, nsplit, qb0, (qend - qb0) * STREAM_ROWS, n_out, tid, irms)
+            finish(y, ws, bias, res, nsplit, r0, (qend - qb0) * STREAM_ROWS, rend, tid, lane, x32.shape[1] * 2, eps)
 
     _chunk_cache[key] = kernel
     return kernel
@@ -2037,11 +2084,11 @@ class AdditiveGemv:
             if plan.cluster and not SIM and not clusters_available(self.device):
                 raise ValueError(f"{plan.label()}: a cluster finish needs a GPU of compute capability 9.0 or later "
                                  f"(this one is {'.'.join(map(str, torch.cuda.get_device_capability(self.device)))})")
-            kern = (chunk_kernel(plan.warps, plan.tile, pre, post, plan.cluster) if plan.kernel == "chunk" else
-                    stream_kernel(plan.warps, plan.QW, plan.slots, pre, post))
+            chunk = plan.kernel == "chunk"
+            kern = (chunk_kernel(plan.warps, plan.tile, pre, post, plan.cluster, chunk_finish_rows(plan.qpb, plan.warps))
+                    if chunk else stream_kernel(plan.warps, plan.QW, plan.slots, pre, post))
             grid = plan.grid(self.n_out)
-            # the chunk kernel's K-slices leave their sums of squares (pre='rms') in a last column
-            rows, ncounters = table_ws_columns(self.n_out, pre if plan.kernel == "chunk" else ""), grid[0]
+            rows, ncounters = chunk_ws_columns(self.n_out, pre) if chunk else self.n_out, grid[0]
         else:
             kern = additive_kernel(self.M, B, plan.bt, plan.warps, plan.RB, plan.cps, plan.build == "mma", plan.table, pre, post)
             groups = -(-self.rbs // plan.RB)

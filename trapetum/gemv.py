@@ -103,6 +103,14 @@ if SIM:
         return a[i, j, k]
 
     @cuda.jit(device=True)
+    def load_cg2(a, i, j, k):
+        return a[i, j, k], a[i, j, k + 1]
+
+    @cuda.jit(device=True)
+    def load_cg4(a, i, j, k):
+        return a[i, j, k], a[i, j, k + 1], a[i, j, k + 2], a[i, j, k + 3]
+
+    @cuda.jit(device=True)
     def sload4(a, i):
         return a[i], a[i + 1], a[i + 2], a[i + 3]
 
@@ -542,6 +550,33 @@ else:
 
         return sig, codegen
 
+    def _load_cg_vector(n):
+        def load(typingctx, arr, i, j, k):
+            """a[i, j, k .. k + n - 1] of a float32 array, written by other blocks of this launch: one
+            aligned ``ld.global.cg.v<n>.f32`` past L1 (as :func:`load_cg`), n values a load in flight."""
+            if arr.dtype != types.float32:
+                return None
+            sig = types.UniTuple(types.float32, n)(arr, i, j, k)
+
+            def codegen(context, builder, sig, args):
+                aty = sig.args[0]
+                ary = context.make_array(aty)(context, builder, value=args[0])
+                idx = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:])]
+                ptr = cgutils.get_item_pointer(context, builder, aty, ary, idx, wraparound=False)
+                f32, i64 = ir.FloatType(), ir.IntType(64)
+                regs = ", ".join(f"${q}" for q in range(n))
+                asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([f32] * n), [i64]),
+                                   f"ld.global.cg.v{n}.f32 {{{regs}}}, [${n}];", ",".join(["=f"] * n) + ",l", side_effect=True)
+                v = builder.call(asm, [builder.ptrtoint(ptr, i64)])
+                return context.make_tuple(builder, sig.return_type, [builder.extract_value(v, q) for q in range(n)])
+
+            return sig, codegen
+
+        load.__name__ = f"load_cg{n}"
+        return intrinsic(load)
+
+    load_cg2, load_cg4 = _load_cg_vector(2), _load_cg_vector(4)
+
     @intrinsic
     def copy16_async(typingctx, dst, di, src, si):
         """dst[di:di + 4] (shared) = src[si:si + 4] (global), 16 aligned bytes, as one ``cp.async.ca``
@@ -965,6 +1000,48 @@ def sum_splits(ws, nsplit, b, row):
             v += _sum8(a, n)
         sp += 16
     return v
+
+
+_summers: dict = {}
+
+
+def rows_summer(FW: int):
+    """A device function ``(ws, nsplit, b, row, out)``: out[0 .. FW-1] = ws[:, b, row .. row + FW - 1]
+    summed over the ``nsplit`` K-slices, for a finishing block whose threads own FW adjacent rows.
+    FW = 1 is :func:`sum_splits`; FW = 2 or 4 loads a slice's rows as one 8- or 16-byte load (``row``
+    a multiple of FW, ws's rows padded to it), 32 // FW slices in flight: 32 registers of loads, where
+    FW rows one at a time waited for FW times the round trips (16 for 56 slices x 4 rows: the 70B down
+    projection's finish, 1024 rows a block of 256 threads)."""
+    if FW in _summers:
+        return _summers[FW]
+    if FW not in (1, 2, 4):
+        raise ValueError(f"a finishing thread sums 1, 2 or 4 adjacent rows, got {FW}")
+    S = 32 // FW
+    load = load_cg4 if FW == 4 else load_cg2
+
+    if FW == 1:
+        @cuda.jit(device=True, **INLINE)
+        def summer(ws, nsplit, b, row, out):
+            out[0] = sum_splits(ws, nsplit, b, row)
+    else:
+        @cuda.jit(device=True, **INLINE)
+        def summer(ws, nsplit, b, row, out):
+            for f in range(FW):
+                out[f] = float32(0.0)
+            last = nsplit - 1
+            for sp in range(0, nsplit, S):
+                v = cuda.local.array(32, float32)
+                for k in range(S):  # constant trip counts: unrolled, v and t in registers
+                    t = load(ws, min(sp + k, last), b, row)
+                    for f in range(FW):
+                        v[k * FW + f] = t[f]
+                for k in range(S):
+                    if sp + k <= last:
+                        for f in range(FW):
+                            out[f] += v[k * FW + f]
+
+    _summers[FW] = summer
+    return summer
 
 
 @cuda.jit(device=True, **INLINE)
