@@ -1649,13 +1649,20 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
                 ws[c, 0, row] = v
 
     @cuda.jit(device=True, **INLINE)
-    def put(y, v, bias, res, irms, row, rend):
+    def put(y, v, bias, res, irms, row):
         for f in range(fw):
-            if row + f < rend:
+            if row + f < y.shape[1]:  # its row-group's rows: row + f < r0 + nrows
                 y[0, row + f] = with_res(v[f] * irms + float32(bias[row + f]), res, 0, row + f)
 
     @cuda.jit(device=True, **INLINE)
-    def finish(y, ws, bias, res, nsplit, r0, nrows, rend, tid, lane, n_in, eps):
+    def finish(y, ws, bias, res, nsplit, r0, nrows, tid, lane, n_in, eps):
+        if fw == 1:  # a row a thread: as before the wide loads (this form keeps ptxas's [R+UR] lookups at 8 warps, tiles of 16)
+            irms = slices_irms(ws, nsplit, 0, n_in, eps) if RMS else float32(1.0)
+            for i in range(tid, nrows, nt):
+                row = r0 + i
+                if row < y.shape[1]:
+                    y[0, row] = with_res(sum_splits(ws, nsplit, 0, row) * irms + float32(bias[row]), res, 0, row)
+            return
         # The K-slices' sums of squares load with the first rows' partials, not a round trip before them
         # (nothing reads a lane's first one until the partials are in); every thread takes that first
         # step (clamped to the last rows), so the warp's sum sees all lanes.
@@ -1673,10 +1680,10 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
                 sq += load_cg(ws, sp, 0, ws.shape[2] - 1)
             irms = inv_rms(warp_sum_f32(sq), n_in, eps)
         if i < nrows:
-            put(y, v, bias, res, irms, r0 + i, rend)
+            put(y, v, bias, res, irms, r0 + i)
         for i in range(fw * (tid + nt), nrows, fw * nt):
             sum_rows(ws, nsplit, 0, r0 + i, v)
-            put(y, v, bias, res, irms, r0 + i, rend)
+            put(y, v, bias, res, irms, r0 + i)
 
     bounds = ClusterBounds((nt,), (1, cs, 1)) if cs > 1 else (nt,)
 
@@ -1745,7 +1752,7 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
                 y[0, r0 + i] = with_res(v * irms + float32(bias[r0 + i]), res, 0, r0 + i)
             cluster_sync()
         elif nsplit > 1 and last_to_finish(counters, cuda.blockIdx.x, nsplit, last, tid):
-            finish(y, ws, bias, res, nsplit, r0, (qend - qb0) * STREAM_ROWS, rend, tid, lane, x32.shape[1] * 2, eps)
+            finish(y, ws, bias, res, nsplit, r0, (qend - qb0) * STREAM_ROWS, tid, lane, x32.shape[1] * 2, eps)
 
     _chunk_cache[key] = kernel
     return kernel
