@@ -422,6 +422,31 @@ report.styled(report.chunk_rms_probe(folder))
 report.styled(report.rms_global_probe(folder))
 
 # %% [markdown]
+# ### The K-split finish
+#
+# In a global-finish plan, the last block of a row-group to finish sums its rows' K-slice partials
+# from L2. Every row-group finishes in the kernel's last wave, so that block sits on the launch's
+# critical path. Its threads used to take one row at a time, and each row waited for its own loads.
+# Now each thread takes 1, 2 or 4 adjacent rows, as many as the block's rows leave it ("rows a
+# thread"). It loads a slice's partials for those rows in one 8- or 16-byte load, with the sums of
+# squares of a fused RMSNorm in flight beside them. The table times four versions of the code in one
+# process, at the plans the 2-bit decode uses. The columns, left to right:
+#
+# - e8ac594;
+# - its additive.py on the later `sum_splits`, which loads the last slices at once;
+# - 04bc3b8, which adds the deferred norm's overflow check;
+# - the wide finish.
+#
+# A later probe times only the last two. The `sum_splits` tail helps the one-row-a-thread finish and
+# costs the plans with several rows a thread; why, we did not measure. The overflow check costs the
+# rms launches. In ptxas's code for those launches (sm_90, read on the CPU), the table's shared base
+# is added by an extra IMAD per lookup instead of folded into the load (`LDS [R+UR]`). The wide
+# finish gains most where a thread has 4 rows and many slices.
+
+# %%
+report.styled(report.finish_probe(folder))
+
+# %% [markdown]
 # ### Tried and dropped: a run of chunks a block
 #
 # A cluster holds at most 8 blocks portably, so layers of more than 8 chunks (Llama-2-7B's down

@@ -464,6 +464,19 @@ def test_rms_global_probe_sets_both_rms_launches_against_the_plain_one(tmp_path)
     assert report.rms_global_probe(tmp_path / "nothing").empty
 
 
+def test_finish_probe_sets_the_four_versions_side_by_side(tmp_path):
+    recs = [{"kind": "check", "passed": True}]
+    for v, ms in (("e8ac594", 0.03445), ("e8+sum_splits", 0.04008), ("04bc3b8", 0.04003), ("new", 0.03109)):
+        recs.append({"kind": "time", "what": "70B down", "in_features": 28672, "out_features": 8192, "variant": v, "pre": "silu",
+                     "post": "add", "plan": _plan(8, 8, 1024), "fw": 4, "time_ms": ms, "fp16_ms": 0.11166})
+    _chunk_probe_file(tmp_path, "finish-probe-x-h200.json", recs)
+    t = report.finish_probe(tmp_path)
+    assert len(t) == 1 and t["fused"][0] == "silu / add" and t["rows a thread"][0] == 4 and t["probe"][0] == "82e5276 (1/1 checks)"
+    assert np.isclose(t["+ sum_splits tail (us)"][0], 40.08) and np.isclose(t["+ wide finish (us)"][0], 31.09)
+    assert np.isclose(t["speedup now"][0], 0.11166 / 0.03109)
+    assert report.finish_probe(tmp_path / "nothing").empty
+
+
 def test_chunk_rms_probe_pairs_plain_and_rms_launches_of_one_plan(tmp_path):
     recs = [{"kind": "check", "passed": True}]
     for fin, pre, ms in (("global", "", 0.0128), ("global", "rms", 0.0142), ("cluster", "", 0.0121), ("cluster", "rms", 0.0127)):

@@ -1744,6 +1744,37 @@ def rms_global_probe(folder=None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+FINISH_PROBES = "_runs/finish-probe*.json"  # the chunk kernel's K-split finish, versions of the code side by side
+FINISH_VARIANTS = {"e8ac594": "e8ac594", "e8+sum_splits": "+ sum_splits tail", "04bc3b8": "+ overflow check (04bc3b8)",
+                   "new": "+ wide finish"}
+
+
+def finish_probe(folder=None) -> pd.DataFrame:
+    """The chunk kernel's K-split finish at the plans the 2-bit decode uses, four versions of the code in
+    one process (fastest of three interleaved passes): e8ac594; its additive.py on the later
+    ``sum_splits`` (the last slices loaded at once); 04bc3b8 (that, plus the deferred norm's overflow
+    check); and the finishing thread summing ``fw`` adjacent rows with wide loads (a later probe times
+    04bc3b8 and the wide finish only). One row a GPU, layer, fused operation, plan and probe, in
+    microseconds, with torch fp16 timed beside them."""
+    from .additive import chunk_finish_rows
+
+    rows = []
+    for prov, label, t in _probe_runs(folder, FINISH_PROBES, short=True):
+        if t.empty:
+            continue
+        for (what, n_in, n_out, pre, post, plan), g in t.groupby(["what", "in_features", "out_features", "pre", "post", "plan"], sort=False):
+            us = {r["variant"]: 1e3 * float(r["time_ms"]) for r in g.to_dict("records")}
+            row = {"GPU": gpu_label(prov.get("gpu", "")), "layer": "additive table" if what.startswith("issue 3") else what,
+                   "in x out": shape_label((int(n_in), int(n_out))),
+                   "fused": f"{pre or '-'} / {post or '-'}", "plan": _chunk_plan_label(plan),
+                   "rows a thread": chunk_finish_rows(ast.literal_eval(plan)["rows"] // 4, ast.literal_eval(plan)["warps"])}
+            row |= {f"{name} (us)": us.get(v, np.nan) for v, name in FINISH_VARIANTS.items()}
+            row["torch fp16 (us)"] = 1e3 * float(g["fp16_ms"].iloc[0])
+            row["speedup now"] = row["torch fp16 (us)"] / row["+ wide finish (us)"]
+            rows.append(row | {"probe": label})
+    return pd.DataFrame(rows)
+
+
 CHUNK_RUNS_PROBES = "_runs/chunk-runs-probe*.json"  # runs of chunks a block (tried and reverted; the code is in git history)
 
 
