@@ -1185,12 +1185,15 @@ def stream_shared_bytes(nchunks: int, ksplit: int) -> int:
     return 4 * (2 * STREAM_TABLE_WORDS + -(-nchunks // ksplit) * STREAM_X_WORDS)
 
 
-def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool = False):
+def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool = False, restage_pass: bool = True):
     """The device functions the two streaming kernels share, for blocks of ``warps`` warps whose
     shared memory holds ``tables`` chunk tables and then x (``pre``: how x is staged; ``post``: how
     y is written; ``defer_rms``: pre='rms' stages g * x, un-normalised, and leaves each warp's share
     of the staged chunks' sum of squares in wsq[warp, 0], for the kernel to apply 1 / rms where it
-    writes y). Returned, in this order:
+    writes y; ``restage_pass``: how such a block stages its chunk again when fp16(g * x) overflows,
+    a second pass of the same staging loop, or a branch of its own: the form that keeps ptxas's
+    [R+UR] lookups, or its register count, differs between the global and the cluster finish).
+    Returned, in this order:
 
     - ``build(sm, bfr, lc, buf, warp, lane, cbexp)``: chunk ``lc`` (of the staged x) into table
       ``buf`` (see :func:`stream_kernel`, step 2); returns the factor 2**s its sums must be multiplied by;
@@ -1293,19 +1296,18 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
         return big
 
     @cuda.jit(device=True, **INLINE)
-    def overflow_shift(big, tid, wsq):
-        # The k for which every |g x| of the staged chunks, times 2**-k, stays below 2**14 (fp16 then
-        # holds it and the build's own scale covers the table), from stage_x's per-thread largest |g x|
-        # ``big``, over the block through wsq[:, 1]. Every thread calls it (one barrier).
+    def warp_big(big, tid, wsq):
+        # The warp's largest |g x| (stage_x's per-thread ``big``) into wsq[:, 1], for shift_of after a
+        # barrier. Every thread calls it.
         mb = warp_max_u32(float_bits(big))  # a non-negative float's order is its bits'
         if cuda.laneid == 0:
             wsq[tid // 32, 1] = bits_float(mb)
-        cuda.syncthreads()
-        return shift_of(wsq)
 
     @cuda.jit(device=True, **INLINE)
     def shift_of(wsq):
-        # overflow_shift's k from the warps' largest |g x| it left in wsq[:, 1]
+        # The k for which every |g x| of the staged chunks, times 2**-k, stays below 2**14 (fp16 then
+        # holds it and the build's own scale covers the table), from the warps' largest |g x| that
+        # warp_big left in wsq[:, 1]
         big = float32(0.0)
         for w in range(nt // 32):
             big = max(big, wsq[w, 1])
@@ -1334,20 +1336,38 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
             row_sumsq(x32, wsq, tid, warp)
             cuda.syncthreads()
             irms = irms_of(wsq, 0, x32[0].shape[0] * 2, eps)
-        big = stage_x(sm, x32, g32, irms, c0, nc, tid, wsq)
-        async_wait_all()
+        # pre='rms' (deferred): fp16(g * x) un-normalised can overflow where LlamaRMSNorm's normalised x
+        # would not (|g x| from 65520 up). The barrier after staging reports that as an OR; then the block
+        # stages fp16(g * fp16(x 2**-k)) instead, k from the warps' largest |g x| (wsq[:, 1], written
+        # before that barrier), and its sums are multiplied by 2**k. The restage is the same call site
+        # in a second pass, not a branch of its own: with a second inlined stage_x under the flag,
+        # ptxas (sm_90) kept the table's shared base out of uniform registers for the whole kernel, and
+        # every lookup paid an IMAD (04bc3b8: the 70B gate_up launch +8 us on the H200). Which forms
+        # keep it is ptxas's choice, not a rule: check the SASS (LDS [R+UR]) after changing this.
         shifted = False
-        if RMS and defer_rms:
-            # fp16(g * x) un-normalised can overflow where LlamaRMSNorm's normalised x would not (|g x|
-            # from 65520 up): then the block stages fp16(g * fp16(x 2**-k)) instead and its sums are
-            # multiplied by 2**k. The barrier's OR costs nothing when no word overflowed.
+        if RMS and defer_rms and not restage_pass:
+            # (the cluster plans: the pass below took ptxas from 127 registers to 201, one block an SM)
+            big = stage_x(sm, x32, g32, irms, c0, nc, tid, wsq)
+            async_wait_all()
+            warp_big(big, tid, wsq)
             shifted = cuda.syncthreads_or(int32(big >= float32(65520.0))) != 0
             if shifted:
-                k = overflow_shift(big, tid, wsq)
-                stage_x(sm, x32, g32, bits_float(uint32(127 - k) << uint32(23)), c0, nc, tid, wsq)
+                stage_x(sm, x32, g32, bits_float(uint32(127 - shift_of(wsq)) << uint32(23)), c0, nc, tid, wsq)
                 cuda.syncthreads()
         else:
-            cuda.syncthreads()
+            scale = irms
+            for attempt in range(2):
+                big = stage_x(sm, x32, g32, scale, c0, nc, tid, wsq)
+                async_wait_all()
+                if not (RMS and defer_rms):
+                    break
+                if attempt == 0:
+                    warp_big(big, tid, wsq)
+                if cuda.syncthreads_or(int32(big >= float32(65520.0))) == 0:
+                    break
+                shifted = True
+                scale = bits_float(uint32(127 - shift_of(wsq)) << uint32(23))
+            cuda.syncthreads()  # (after an OR barrier too: without it ptxas gave up the uniform base again)
         # fp16 entries: each chunk's table is scaled by 2**-s, s the least that keeps every entry below
         # 2**15 whatever the codes (from max |x| over the chunk and cbexp, as in additive_kernel; s is 0
         # for ordinary activations), and its sums multiplied by 2**s.
@@ -1608,7 +1628,7 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
     # the global finish's plans ~2 us a call at 7B and 3-7 us at 70B's 8192 inputs). With a cluster the
     # chunks' sums meet in distributed shared memory; otherwise in the workspace's last column
     # (table_ws_columns), as the table kernel's K-slices' do, and the finishing block applies 1 / rms.
-    _, start, ids, lookup, _ = _stream_parts(warps, 1, pre, post, defer_rms=True)
+    _, start, ids, lookup, _ = _stream_parts(warps, 1, pre, post, defer_rms=True, restage_pass=cs <= 1)
     sum_rows = rows_summer(fw)
     RMS = pre == "rms"
     h16, h8, h4, h2, h1 = (_halver(ROWS >> k, 16 >> k) for k in range(5))
