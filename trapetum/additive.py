@@ -1627,9 +1627,8 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
     # The row's sum of squares is its chunks': no block reads the whole row before its build (that cost
     # the global finish's plans ~2 us a call at 7B and 3-7 us at 70B's 8192 inputs). With a cluster the
     # chunks' sums meet in distributed shared memory; otherwise in the workspace's last column
-    # (table_ws_columns), as the table kernel's K-slices' do, and the finishing block applies 1 / rms.
-    _, start, ids, lookup, _ = _stream_parts(warps, 1, pre, post, defer_rms=True, restage_pass=cs <= 1)
-    sum_rows = rows_summer(fw)
+    # (chunk_ws_columns), as the table kernel's K-slices' do, and the finishing block applies 1 / rms.
+    _, start, ids, lookup, finish_row = _stream_parts(warps, 1, pre, post, defer_rms=True, restage_pass=cs <= 1)
     RMS = pre == "rms"
     h16, h8, h4, h2, h1 = (_halver(ROWS >> k, 16 >> k) for k in range(5))
     _, release = launch_hooks()
@@ -1669,41 +1668,46 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
                 ws[c, 0, row] = v
 
     @cuda.jit(device=True, **INLINE)
-    def put(y, v, bias, res, irms, row):
-        for f in range(fw):
-            if row + f < y.shape[1]:  # its row-group's rows: row + f < r0 + nrows
-                y[0, row + f] = with_res(v[f] * irms + float32(bias[row + f]), res, 0, row + f)
+    def finish_rows(y, ws, bias, res, nsplit, r0, nrows, tid, lane, n_in, eps):
+        # a row a thread: the streaming kernel's finish (this form keeps ptxas's [R+UR] lookups at 8 warps,
+        # tiles of 16; rows are checked against y.shape[1], which holds nothing live past the tile loop)
+        irms = slices_irms(ws, nsplit, 0, n_in, eps) if RMS else float32(1.0)
+        finish_row(y, ws, bias, res, nsplit, r0 // STREAM_ROWS, nrows, y.shape[1], tid, irms)
 
-    @cuda.jit(device=True, **INLINE)
-    def finish(y, ws, bias, res, nsplit, r0, nrows, tid, lane, n_in, eps):
-        if fw == 1:  # a row a thread: as before the wide loads (this form keeps ptxas's [R+UR] lookups at 8 warps, tiles of 16)
-            irms = slices_irms(ws, nsplit, 0, n_in, eps) if RMS else float32(1.0)
-            for i in range(tid, nrows, nt):
-                row = r0 + i
-                if row < y.shape[1]:
-                    y[0, row] = with_res(sum_splits(ws, nsplit, 0, row) * irms + float32(bias[row]), res, 0, row)
-            return
-        # The K-slices' sums of squares load with the first rows' partials, not a round trip before them
-        # (nothing reads a lane's first one until the partials are in); every thread takes that first
-        # step (clamped to the last rows), so the warp's sum sees all lanes.
-        sq = float32(0.0)
-        if RMS:
-            sq = load_cg(ws, min(lane, nsplit - 1), 0, ws.shape[2] - 1)
-        v = cuda.local.array(fw, float32)
-        i = fw * tid
-        sum_rows(ws, nsplit, 0, r0 + min(i, nrows - fw), v)
-        irms = float32(1.0)
-        if RMS:
-            if lane >= nsplit:
-                sq = float32(0.0)
-            for sp in range(lane + 32, nsplit, 32):  # past 32 K-slices: 16384 inputs and more
-                sq += load_cg(ws, sp, 0, ws.shape[2] - 1)
-            irms = inv_rms(warp_sum_f32(sq), n_in, eps)
-        if i < nrows:
-            put(y, v, bias, res, irms, r0 + i)
-        for i in range(fw * (tid + nt), nrows, fw * nt):
-            sum_rows(ws, nsplit, 0, r0 + i, v)
-            put(y, v, bias, res, irms, r0 + i)
+    if fw > 1:
+        sum_rows = rows_summer(fw)
+
+        @cuda.jit(device=True, **INLINE)
+        def put(y, v, bias, res, irms, row):
+            for f in range(fw):
+                if row + f < y.shape[1]:  # its row-group's rows: row + f < r0 + nrows
+                    y[0, row + f] = with_res(v[f] * irms + float32(bias[row + f]), res, 0, row + f)
+
+        @cuda.jit(device=True, **INLINE)
+        def finish_wide(y, ws, bias, res, nsplit, r0, nrows, tid, lane, n_in, eps):
+            # The K-slices' sums of squares load with the first rows' partials, not a round trip before them
+            # (nothing reads a lane's first one until the partials are in); every thread takes that first
+            # step (clamped to the last rows), so the warp's sum sees all lanes.
+            sq = float32(0.0)
+            if RMS:
+                sq = load_cg(ws, min(lane, nsplit - 1), 0, ws.shape[2] - 1)
+            v = cuda.local.array(fw, float32)
+            i = fw * tid
+            sum_rows(ws, nsplit, 0, r0 + min(i, nrows - fw), v)
+            irms = float32(1.0)
+            if RMS:
+                if lane >= nsplit:
+                    sq = float32(0.0)
+                for sp in range(lane + 32, nsplit, 32):  # past 32 K-slices: 16384 inputs and more
+                    sq += load_cg(ws, sp, 0, ws.shape[2] - 1)
+                irms = inv_rms(warp_sum_f32(sq), n_in, eps)
+            if i < nrows:
+                put(y, v, bias, res, irms, r0 + i)
+            for i in range(fw * (tid + nt), nrows, fw * nt):
+                sum_rows(ws, nsplit, 0, r0 + i, v)
+                put(y, v, bias, res, irms, r0 + i)
+
+    finish = finish_wide if fw > 1 else finish_rows
 
     bounds = ClusterBounds((nt,), (1, cs, 1)) if cs > 1 else (nt,)
 

@@ -1008,37 +1008,32 @@ _summers: dict = {}
 def rows_summer(FW: int):
     """A device function ``(ws, nsplit, b, row, out)``: out[0 .. FW-1] = ws[:, b, row .. row + FW - 1]
     summed over the ``nsplit`` K-slices, for a finishing block whose threads own FW adjacent rows.
-    FW = 1 is :func:`sum_splits`; FW = 2 or 4 loads a slice's rows as one 8- or 16-byte load (``row``
+    FW = 2 or 4 (one row a thread is :func:`sum_splits`): a slice's rows are one 8- or 16-byte load (``row``
     a multiple of FW, ws's rows padded to it), 32 // FW slices in flight: 32 registers of loads, where
     FW rows one at a time waited for FW times the round trips (16 for 56 slices x 4 rows: the 70B down
     projection's finish, 1024 rows a block of 256 threads)."""
     if FW in _summers:
         return _summers[FW]
-    if FW not in (1, 2, 4):
-        raise ValueError(f"a finishing thread sums 1, 2 or 4 adjacent rows, got {FW}")
+    if FW not in (2, 4):
+        raise ValueError(f"a finishing thread sums 2 or 4 adjacent rows with wide loads, got {FW}")
     S = 32 // FW
     load = load_cg4 if FW == 4 else load_cg2
 
-    if FW == 1:
-        @cuda.jit(device=True, **INLINE)
-        def summer(ws, nsplit, b, row, out):
-            out[0] = sum_splits(ws, nsplit, b, row)
-    else:
-        @cuda.jit(device=True, **INLINE)
-        def summer(ws, nsplit, b, row, out):
-            for f in range(FW):
-                out[f] = float32(0.0)
-            last = nsplit - 1
-            for sp in range(0, nsplit, S):
-                v = cuda.local.array(32, float32)
-                for k in range(S):  # constant trip counts: unrolled, v and t in registers
-                    t = load(ws, min(sp + k, last), b, row)
+    @cuda.jit(device=True, **INLINE)
+    def summer(ws, nsplit, b, row, out):
+        for f in range(FW):
+            out[f] = float32(0.0)
+        last = nsplit - 1
+        for sp in range(0, nsplit, S):
+            v = cuda.local.array(32, float32)
+            for k in range(S):  # constant trip counts: unrolled, v and t in registers
+                t = load(ws, min(sp + k, last), b, row)
+                for f in range(FW):
+                    v[k * FW + f] = t[f]
+            for k in range(S):
+                if sp + k <= last:
                     for f in range(FW):
-                        v[k * FW + f] = t[f]
-                for k in range(S):
-                    if sp + k <= last:
-                        for f in range(FW):
-                            out[f] += v[k * FW + f]
+                        out[f] += v[k * FW + f]
 
     _summers[FW] = summer
     return summer

@@ -1764,10 +1764,11 @@ def finish_probe(folder=None) -> pd.DataFrame:
             continue
         for (what, n_in, n_out, pre, post, plan), g in t.groupby(["what", "in_features", "out_features", "pre", "post", "plan"], sort=False):
             us = {r["variant"]: 1e3 * float(r["time_ms"]) for r in g.to_dict("records")}
+            p = ast.literal_eval(plan)
             row = {"GPU": gpu_label(prov.get("gpu", "")), "layer": "additive table" if what.startswith("issue 3") else what,
                    "in x out": shape_label((int(n_in), int(n_out))),
                    "fused": f"{pre or '-'} / {post or '-'}", "plan": _chunk_plan_label(plan),
-                   "rows a thread": chunk_finish_rows(ast.literal_eval(plan)["rows"] // 4, ast.literal_eval(plan)["warps"])}
+                   "rows a thread": chunk_finish_rows(p["rows"] // 4, p["warps"])}
             row |= {f"{name} (us)": us.get(v, np.nan) for v, name in FINISH_VARIANTS.items()}
             row["torch fp16 (us)"] = 1e3 * float(g["fp16_ms"].iloc[0])
             row["speedup now"] = row["torch fp16 (us)"] / row["+ wide finish (us)"]
