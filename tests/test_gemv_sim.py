@@ -678,11 +678,12 @@ def _sum_splits_each(ws, out):
 
 
 def test_sum_splits_adds_every_slice_once_whatever_the_count():
-    # The K-split finish loads its last 1..15 slices in one go, the slices past the last reading it
-    # again: every count from 1 to 40 must add each partial exactly once (powers of two, so exact).
+    # The K-split finish loads the next 1..32 slices in one go (8, 16 or 32 loads), the slices past
+    # the last reading it again: every count from 1 to 72 (three rounds, each branch) must add each
+    # partial exactly once (small integers, so every order of the sums is exact).
     import numpy as np
 
-    ws = (2.0 ** -np.arange(40, dtype=np.float32)).reshape(40, 1, 1)
-    out = np.full(40, np.nan, dtype=np.float32)
-    _sum_splits_each[1, 40](ws, out)
-    assert np.array_equal(out, np.cumsum(ws.ravel()).astype(np.float32)), out
+    ws = np.arange(1, 73, dtype=np.float32).reshape(72, 1, 1)
+    out = np.full(72, np.nan, dtype=np.float32)
+    _sum_splits_each[1, 72](ws, out)
+    assert np.array_equal(out, np.cumsum(ws.ravel())), out

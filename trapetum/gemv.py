@@ -970,7 +970,7 @@ def _load8(ws, sp, last, b, row):
 
 @cuda.jit(device=True, **INLINE)
 def _sum8(v, n):
-    """The first ``n`` (0..8) of the eight values ``v``, in _load8's order."""
+    """The first ``n`` (at most 8; none where n <= 0) of the eight values ``v``, in _load8's order."""
     v0, v1, v2, v3, v4, v5, v6, v7 = v
     if n >= 8:
         return ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))
@@ -984,21 +984,25 @@ def _sum8(v, n):
 @cuda.jit(device=True, **INLINE)
 def sum_splits(ws, nsplit, b, row):
     """The ``nsplit`` K-slice partials ws[:, b, row]: the last block sums them on the launch's critical
-    path, so each serialized L2 round trip adds to its time. Sixteen loads are in flight at a time, and
-    the last 1..15 slices are loaded at once as well, 8 or 16 loads with the slices past the last
-    reading it again, their values not added. A K-split of 22 (11008 inputs in the chunk kernel) waits
-    for two round trips, where whole groups of 8, then 4, then single loads waited for four."""
+    path, so each serialized L2 round trip adds to its time. Up to 32 loads are in flight at a time: the
+    next 1..32 slices are loaded at once, 8, 16 or 32 loads, with the slices past the last reading it
+    again, their values not added. A K-split of 22 (11008 inputs in the chunk kernel) waits for one
+    round trip, where 16 at a time waited for two (and whole groups of 8, then 4, then single loads
+    for four); e8ac594's loop, which ptxas unrolled, had up to 32 in flight as well."""
     v = float32(0.0)
     last = nsplit - 1
     sp = 0
     while sp < nsplit:
         n = nsplit - sp
         a = _load8(ws, sp, last, b, row)
-        if n > 8:
-            v += _sum8(a, 8) + _sum8(_load8(ws, sp + 8, last, b, row), min(n - 8, 8))
+        if n > 16:
+            c, d, e = _load8(ws, sp + 8, last, b, row), _load8(ws, sp + 16, last, b, row), _load8(ws, sp + 24, last, b, row)
+            v += (_sum8(a, 8) + _sum8(c, 8)) + (_sum8(d, min(n - 16, 8)) + _sum8(e, min(n - 24, 8)))
+        elif n > 8:
+            v += _sum8(a, 8) + _sum8(_load8(ws, sp + 8, last, b, row), n - 8)
         else:
             v += _sum8(a, n)
-        sp += 16
+        sp += 32
     return v
 
 
@@ -1009,14 +1013,14 @@ def rows_summer(FW: int):
     """A device function ``(ws, nsplit, b, row, out)``: out[0 .. FW-1] = ws[:, b, row .. row + FW - 1]
     summed over the ``nsplit`` K-slices, for a finishing block whose threads own FW adjacent rows.
     FW = 2 or 4 (one row a thread is :func:`sum_splits`): a slice's rows are one 8- or 16-byte load (``row``
-    a multiple of FW, ws's rows padded to it), 32 // FW slices in flight: 32 registers of loads, where
+    a multiple of FW, ws's rows padded to it), 64 // FW slices in flight: 64 registers of loads, where
     FW rows one at a time waited for FW times the round trips (16 for 56 slices x 4 rows: the 70B down
-    projection's finish, 1024 rows a block of 256 threads)."""
+    projection's finish, 1024 rows a block of 256 threads; 7 with 32 registers, 4 with 64)."""
     if FW in _summers:
         return _summers[FW]
     if FW not in (2, 4):
         raise ValueError(f"a finishing thread sums 2 or 4 adjacent rows with wide loads, got {FW}")
-    S = 32 // FW
+    S = 64 // FW
     load = load_cg4 if FW == 4 else load_cg2
 
     @cuda.jit(device=True, **INLINE)
@@ -1025,7 +1029,7 @@ def rows_summer(FW: int):
             out[f] = float32(0.0)
         last = nsplit - 1
         for sp in range(0, nsplit, S):
-            v = cuda.local.array(32, float32)
+            v = cuda.local.array(64, float32)
             for k in range(S):  # constant trip counts: unrolled, v and t in registers
                 t = load(ws, min(sp + k, last), b, row)
                 for f in range(FW):
@@ -1545,12 +1549,15 @@ def lut_kernel(K: int, B: int, warps: int, wide: bool = True, RB: int | None = N
                             write_out(s, y, bb, row, res, irms)
                     elif r < rleft:
                         ws[split, bb, row] = s
-        if nsplit > 1 and last_to_finish(counters, blk, nsplit, last, tid) and warp == 0:
-            for r in range(RB):
+        if nsplit > 1 and last_to_finish(counters, blk, nsplit, last, tid):
+            # the block's RB x B rows a lane spread over its warps: each row's sum waits for its own
+            # round trips, which warp 0 alone took one row after another
+            for i in range(warp, RB * B, warps):
+                r = i // B
+                bb = i - r * B
                 row = i32(u32(u32(u32(rb0 + r) << u32(5)) + u32(cuda.laneid)))
-                for bb in range(B):
-                    if row < n_out:  # so rb0 + r < rbs
-                        write_out(sum_splits(ws, nsplit, bb, row), y, bb, row, res, irms)
+                if row < n_out:  # so rb0 + r < rbs
+                    write_out(sum_splits(ws, nsplit, bb, row), y, bb, row, res, irms)
 
     _kernel_cache[key] = kernel
     return kernel
