@@ -1709,7 +1709,9 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
 
     finish = finish_wide if fw > 1 else finish_rows
 
-    bounds = ClusterBounds((nt,), (1, cs, 1)) if cs > 1 else (nt,)
+    # 16 warps: two blocks an SM (at most 64 registers), as ptxas chose itself until d7d80cb's restage pass
+    # took rms to 88 and one block: 70B qkv 19.4 -> 22.1 us (NOTES "Session 56")
+    bounds = ClusterBounds((nt,), (1, cs, 1)) if cs > 1 else ((nt, 2) if warps == 16 else (nt,))
 
     @cuda.jit(**({} if SIM else {"launch_bounds": bounds}))
     def kernel(x32, codes, cb32, scales, bias, y, ws, counters, n_out, nq, nch, cps, qpb, cbexp, g32, res, eps):

@@ -1013,14 +1013,16 @@ def rows_summer(FW: int):
     """A device function ``(ws, nsplit, b, row, out)``: out[0 .. FW-1] = ws[:, b, row .. row + FW - 1]
     summed over the ``nsplit`` K-slices, for a finishing block whose threads own FW adjacent rows.
     FW = 2 or 4 (one row a thread is :func:`sum_splits`): a slice's rows are one 8- or 16-byte load (``row``
-    a multiple of FW, ws's rows padded to it), 64 // FW slices in flight: 64 registers of loads, where
-    FW rows one at a time waited for FW times the round trips (16 for 56 slices x 4 rows: the 70B down
-    projection's finish, 1024 rows a block of 256 threads; 7 with 32 registers, 4 with 64)."""
+    a multiple of FW, ws's rows padded to it), 16 slices in flight (32 or 64 registers of loads), where FW
+    rows one at a time waited for FW times the round trips (16 for 56 slices x 4 rows: the 70B down
+    projection's finish, 1024 rows a block of 256 threads). 32 slices at 2 rows took 8 warps, tiles of 16,
+    rms from 80 registers to 114, a block an SM fewer: 13B qkv +2.3 us (NOTES "Session 56")."""
     if FW in _summers:
         return _summers[FW]
     if FW not in (2, 4):
         raise ValueError(f"a finishing thread sums 2 or 4 adjacent rows with wide loads, got {FW}")
-    S = 64 // FW
+    S = 16
+    NV = S * FW  # (a local array's size must be one constant)
     load = load_cg4 if FW == 4 else load_cg2
 
     @cuda.jit(device=True, **INLINE)
@@ -1029,7 +1031,7 @@ def rows_summer(FW: int):
             out[f] = float32(0.0)
         last = nsplit - 1
         for sp in range(0, nsplit, S):
-            v = cuda.local.array(64, float32)
+            v = cuda.local.array(NV, float32)
             for k in range(S):  # constant trip counts: unrolled, v and t in registers
                 t = load(ws, min(sp + k, last), b, row)
                 for f in range(FW):
