@@ -267,3 +267,19 @@ report.fig_batch(df)
 
 # %%
 report.styled(report.tile_trials(folder))
+
+# %% [markdown]
+# ### The lut kernel's K-split finish
+#
+# With a K-split, the last block of each row group sums that group's K-slice partials from L2. That
+# block's threads hold RB x B rows each, where RB is the row-blocks a block and B the batch. Until
+# d4029ca, warp 0 alone summed them, one row after another, so each row waited for its own L2 round
+# trips. Now the block's warps share the rows, and up to 32 of a row's slices are in flight at once.
+# Both versions ran at the same fixed plans in one process. These plans are not the tuned ones, so
+# the times are not the kernel table's. The change matters where a block holds several row-blocks or
+# batch rows and splits K. Most tuned batch-1 plans in the tables above have one row a lane or no
+# K-split. The K=64 plans at the larger shapes have both 2 row-blocks a block and a K-split. Those
+# tables were recorded before this change and have not been re-timed.
+
+# %%
+report.styled(report.lut_finish_probe(folder))

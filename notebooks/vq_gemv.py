@@ -447,6 +447,22 @@ report.styled(report.rms_global_probe(folder))
 report.styled(report.finish_probe(folder))
 
 # %% [markdown]
+# The overflow check's cost, and two more changes, were timed the same way in a later session:
+#
+# - **Restage a pass.** e33ce3d restages an overflowing chunk in a branch. d4029ca restages it as a
+#   second pass of the one staging call. In ptxas's code (sm_90, read on the CPU) this puts the
+#   folded table base back into the rms launches' lookups.
+# - **More loads in flight.** Each commit's finish has more of a row's slices in flight at once.
+# - **Two blocks an SM.** The 16-warp builds are bounded to two blocks an SM. The restage pass had
+#   taken the 16-warp rms build to one block an SM.
+#
+# "the probe's commit" is the code that probe ran. 77d9920 still had 32 slices in flight at 2 rows a
+# thread and no bound on the 16-warp builds; its 13B and 70B qkv rows show what each of those cost.
+
+# %%
+report.styled(report.restage_probe(folder))
+
+# %% [markdown]
 # ### Tried and dropped: a run of chunks a block
 #
 # A cluster holds at most 8 blocks portably, so layers of more than 8 chunks (Llama-2-7B's down

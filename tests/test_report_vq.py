@@ -477,6 +477,27 @@ def test_finish_probe_sets_the_four_versions_side_by_side(tmp_path):
     assert report.finish_probe(tmp_path / "nothing").empty
 
 
+def test_restage_probe_sets_the_versions_side_by_side_and_lut_finish_probe_reads_the_lut_rows(tmp_path):
+    recs = [{"kind": "check", "passed": True}, {"kind": "not run", "plan": "refused"}]  # a check never run is not counted
+    for v, ms in (("e33ce3d", 0.01933), ("d4029ca", 0.02208), ("new", 0.01833)):
+        recs.append({"kind": "time", "what": "70B qkv", "in_features": 8192, "out_features": 10240, "variant": v, "pre": "rms",
+                     "post": "", "plan": _plan(16, 4, 1024), "fw": 2, "nsplit": 16, "time_ms": ms, "fp16_ms": 0.04765})
+    for v, ms in (("d4029ca", 0.0319), ("new", 0.0261)):
+        recs.append({"kind": "time", "what": "lut K16 batch 8", "in_features": 4096, "out_features": 4096, "variant": v, "batch": 8,
+                     "plan": "LaunchPlan(warps=8, ksplit=8, cps=16, shared_bytes=16384, RB=2, stages=2, kernel='lut', walk=1)",
+                     "time_ms": ms, "fp16_ms": 0.014})
+    _chunk_probe_file(tmp_path, "restage-probe-x-h200.json", recs)
+    t = report.restage_probe(tmp_path)
+    assert len(t) == 1 and t["layer"][0] == "70B qkv" and t["rows a thread"][0] == 2 and t["K-slices"][0] == 16
+    assert t["probe"][0] == "82e5276 (1/1 checks)" and t["fused"][0] == "rms / -"
+    assert np.isclose(t["restage a branch (e33ce3d) (us)"][0], 19.33) and np.isclose(t["the probe's commit (us)"][0], 18.33)
+    assert np.isclose(t["speedup"][0], 0.04765 / 0.01833)
+    u = report.lut_finish_probe(tmp_path)
+    assert len(u) == 1 and u["batch"][0] == 8 and u["plan"][0] == "8 warps, RB 2, K-split 8, stages 2"
+    assert np.isclose(u["saved (us)"][0], 5.8)
+    assert report.restage_probe(tmp_path / "nothing").empty and report.lut_finish_probe(tmp_path / "nothing").empty
+
+
 def test_chunk_rms_probe_pairs_plain_and_rms_launches_of_one_plan(tmp_path):
     recs = [{"kind": "check", "passed": True}]
     for fin, pre, ms in (("global", "", 0.0128), ("global", "rms", 0.0142), ("cluster", "", 0.0121), ("cluster", "rms", 0.0127)):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -1772,6 +1773,55 @@ def finish_probe(folder=None) -> pd.DataFrame:
             row |= {f"{name} (us)": us.get(v, np.nan) for v, name in FINISH_VARIANTS.items()}
             row["torch fp16 (us)"] = 1e3 * float(g["fp16_ms"].iloc[0])
             row["speedup now"] = row["torch fp16 (us)"] / row["+ wide finish (us)"]
+            rows.append(row | {"probe": label})
+    return pd.DataFrame(rows)
+
+
+RESTAGE_PROBES = "_runs/restage-probe*.json"  # session 56: the restage pass, the finishes' loads in flight, 16-warp bounds
+RESTAGE_VARIANTS = {"e33ce3d": "restage a branch (e33ce3d)", "d4029ca": "restage a pass (d4029ca)"}
+
+
+def restage_probe(folder=None) -> pd.DataFrame:
+    """The chunk kernel at the plans the 2-bit decode uses, up to three versions of the code in one
+    process (fastest of three interleaved passes): the deferred norm's overflow restage as a branch
+    (e33ce3d; rms layers only), as a second pass of the one staging call (d4029ca), and the probe's own
+    commit. One row a GPU, layer, fused operation, plan and probe, in microseconds, with torch fp16."""
+    rows = []
+    for prov, label, t in _probe_runs(folder, RESTAGE_PROBES, short=True):
+        if t.empty or "pre" not in t:
+            continue
+        t = t[t["pre"].notna()]
+        for (what, n_in, n_out, pre, post, plan), g in t.groupby(["what", "in_features", "out_features", "pre", "post", "plan"], sort=False):
+            us = {r["variant"]: 1e3 * float(r["time_ms"]) for r in g.to_dict("records")}
+            row = {"GPU": gpu_label(prov.get("gpu", "")), "layer": "additive table" if what.startswith("issue 3") else what,
+                   "in x out": shape_label((int(n_in), int(n_out))), "fused": f"{pre or '-'} / {post or '-'}",
+                   "plan": _chunk_plan_label(plan), "rows a thread": int(g["fw"].iloc[0]), "K-slices": int(g["nsplit"].iloc[0])}
+            row |= {f"{name} (us)": us.get(v, np.nan) for v, name in RESTAGE_VARIANTS.items()}
+            row["the probe's commit (us)"] = us.get("new", np.nan)
+            row["torch fp16 (us)"] = 1e3 * float(g["fp16_ms"].iloc[0])
+            row["speedup"] = row["torch fp16 (us)"] / row["the probe's commit (us)"]
+            rows.append(row | {"probe": label})
+    return pd.DataFrame(rows)
+
+
+def lut_finish_probe(folder=None) -> pd.DataFrame:
+    """The 4-bit lut kernel's K-split finish, d4029ca (warp 0 sums the block's RB x B rows a lane, 16
+    loads in flight) against the probe's commit (the rows over the block's warps, 32 loads in flight),
+    at fixed plans, in one process (fastest of three interleaved passes): one row a GPU, shape, batch,
+    plan and probe, in microseconds, with torch fp16. The plans are fixed, not tuned: the times are not
+    the gemv table's."""
+    rows = []
+    for prov, label, t in _probe_runs(folder, RESTAGE_PROBES, short=True):
+        if t.empty or "batch" not in t:
+            continue
+        for (n_in, n_out, B, plan), g in t[t["batch"].notna()].groupby(["in_features", "out_features", "batch", "plan"], sort=False):
+            us = {r["variant"]: 1e3 * float(r["time_ms"]) for r in g.to_dict("records")}
+            m = re.search(r"warps=(\d+), ksplit=(\d+).*RB=(\d+), stages=(\d+)", plan)
+            row = {"GPU": gpu_label(prov.get("gpu", "")), "in x out": shape_label((int(n_in), int(n_out))), "batch": int(B),
+                   "plan": f"{m[1]} warps, RB {m[3]}, K-split {m[2]}, stages {m[4]}" if m else plan,
+                   "warp 0 finishes (d4029ca, us)": us.get("d4029ca", np.nan), "the warps finish (us)": us.get("new", np.nan),
+                   "torch fp16 (us)": 1e3 * float(g["fp16_ms"].iloc[0])}
+            row["saved (us)"] = row["warp 0 finishes (d4029ca, us)"] - row["the warps finish (us)"]
             rows.append(row | {"probe": label})
     return pd.DataFrame(rows)
 
