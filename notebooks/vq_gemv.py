@@ -463,6 +463,29 @@ report.styled(report.finish_probe(folder))
 report.styled(report.restage_probe(folder))
 
 # %% [markdown]
+# ### Where a 70B launch's time goes
+#
+# The 70B step's 2-bit launches stay well short of the copy bandwidth (the "End to end" chapter has the
+# share of the bandwidth bound). To see why, each stage of the chunk kernel was left out in turn, at
+# the plans the 70B decode runs. The outputs are then wrong on purpose; the full kernel was checked first.
+# Without its code loads, the kernel takes nearly as long as with them: the tile loop's lookups and
+# sums bound it inside the SM, not the bytes it reads. Outside the tile loop, the launch's prologue
+# (x staged, the chunk's table built) and its finish take a large share of the launch. Every block builds its
+# own chunk's table.
+
+# %%
+report.styled(report.chunk_stages(folder))
+
+# %% [markdown]
+# So fewer, bigger row-groups should build each table fewer times. The next table times the same
+# launches with more rows a block; the first plan of each layer is the one the decode ran. The large
+# layers gain. The small ones lose: a layer of 8192 or 10240 rows then has too few blocks for the GPU.
+# The tuner now offers those plans as well.
+
+# %%
+report.styled(report.rows_probe(folder))
+
+# %% [markdown]
 # ### Tried and dropped: a run of chunks a block
 #
 # A cluster holds at most 8 blocks portably, so layers of more than 8 chunks (Llama-2-7B's down

@@ -498,6 +498,27 @@ def test_restage_probe_sets_the_versions_side_by_side_and_lut_finish_probe_reads
     assert report.restage_probe(tmp_path / "nothing").empty and report.lut_finish_probe(tmp_path / "nothing").empty
 
 
+def test_chunk_stages_and_rows_probe_read_their_probes(tmp_path):
+    recs = [{"kind": "check", "passed": True}]
+    for abl, ms in (("full", 0.04816), ("nobuild", 0.04130), ("notiles", 0.01799), ("noload", 0.04446)):
+        recs.append({"kind": "time", "what": "70B gate_up plain", "in_features": 8192, "out_features": 57344, "pre": "", "post": "",
+                     "plan": _plan(8, 8, 1024), "ablation": abl, "time_ms": ms})
+    _chunk_probe_file(tmp_path, "chunk-stages-70b-x-h200.json", recs)
+    t = report.chunk_stages(tmp_path)
+    assert list(t.columns) == ["GPU", "layer", "in x out", "fused", "plan", "full kernel (us)", "no table build (us)",
+                               "no tile loop (us)", "no code loads (us)", "probe"]
+    assert t["layer"][0] == "70B gate_up" and np.isclose(t["no code loads (us)"][0], 44.46)
+    recs = [{"kind": "check", "passed": True}]
+    for rows, blocks, ms in ((1024, 896, 0.05232), (4096, 224, 0.04803)):
+        recs.append({"kind": "time", "what": "70B gate_up", "in_features": 8192, "out_features": 57344, "pre": "rms", "post": "",
+                     "plan": _plan(8, 8, rows), "blocks": blocks, "time_ms": ms})
+    _chunk_probe_file(tmp_path, "rows-probe-x-h200.json", recs)
+    u = report.rows_probe(tmp_path)
+    assert list(u["blocks"]) == [896, 224] and np.isclose(u["over the decode's plan"][1], 0.04803 / 0.05232)
+    assert u["plan"][1] == "8 warps, 4096 rows a block, tiles of 32"
+    assert report.chunk_stages(tmp_path / "nothing").empty and report.rows_probe(tmp_path / "nothing").empty
+
+
 def test_chunk_rms_probe_pairs_plain_and_rms_launches_of_one_plan(tmp_path):
     recs = [{"kind": "check", "passed": True}]
     for fin, pre, ms in (("global", "", 0.0128), ("global", "rms", 0.0142), ("cluster", "", 0.0121), ("cluster", "rms", 0.0127)):

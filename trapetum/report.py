@@ -1826,6 +1826,49 @@ def lut_finish_probe(folder=None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+CHUNK_STAGE_PROBES = "_runs/chunk-stages-*.json"  # the chunk kernel with one stage left out, at the 70B decode's plans
+CHUNK_STAGES = {"full": "full kernel (us)", "nobuild": "no table build (us)", "notiles": "no tile loop (us)",
+                "noload": "no code loads (us)"}
+
+
+def chunk_stages(folder=None) -> pd.DataFrame:
+    """The chunk kernel at the 70B decode's fused launches, each with one stage left out (outputs wrong
+    on purpose, timing only; the full kernel checked first): one row a GPU, layer, fused operation and
+    plan, one column a variant, in microseconds (fastest of three interleaved passes, one process)."""
+    rows = []
+    for prov, probe, t in _probe_runs(folder, CHUNK_STAGE_PROBES, short=True):
+        for r in t.to_dict("records"):
+            rows.append({"GPU": gpu_label(prov.get("gpu", "")), "layer": str(r["what"]).replace(" plain", ""),
+                         "in x out": shape_label((int(r["in_features"]), int(r["out_features"]))),
+                         "fused": f"{r.get('pre') or '-'} / {r.get('post') or '-'}", "plan": _chunk_plan_label(r["plan"]),
+                         "part": CHUNK_STAGES.get(r["ablation"], r["ablation"]), "us": 1e3 * float(r["time_ms"]), "probe": probe})
+    if not rows:
+        return pd.DataFrame()
+    out = pd.DataFrame(rows).pivot_table(index=["GPU", "layer", "in x out", "fused", "plan", "probe"], columns="part", values="us", sort=False)
+    out = out[[c for c in CHUNK_STAGES.values() if c in out.columns]].reset_index()
+    return out[[c for c in out.columns if c != "probe"] + ["probe"]]
+
+
+ROWS_PROBES = "_runs/rows-probe-*.json"  # rows a block of the chunk kernel at the 70B shapes
+
+
+def rows_probe(folder=None) -> pd.DataFrame:
+    """The chunk kernel's rows a block at the 70B decode's fused launches (each plan checked first, then
+    timed interleaved, fastest of three, one process): one row a GPU, layer and plan, with its grid's
+    blocks and its time over the first plan's (the one the decode ran)."""
+    rows = []
+    for prov, probe, t in _probe_runs(folder, ROWS_PROBES, short=True):
+        for what, g in t.groupby("what", sort=False):
+            first = float(g["time_ms"].iloc[0])
+            for r in g.to_dict("records"):
+                rows.append({"GPU": gpu_label(prov.get("gpu", "")), "layer": what,
+                             "in x out": shape_label((int(r["in_features"]), int(r["out_features"]))),
+                             "fused": f"{r.get('pre') or '-'} / {r.get('post') or '-'}", "plan": _chunk_plan_label(r["plan"]),
+                             "blocks": int(r["blocks"]), "us": 1e3 * float(r["time_ms"]),
+                             "over the decode's plan": float(r["time_ms"]) / first, "probe": probe})
+    return pd.DataFrame(rows)
+
+
 CHUNK_RUNS_PROBES = "_runs/chunk-runs-probe*.json"  # runs of chunks a block (tried and reverted; the code is in git history)
 
 
