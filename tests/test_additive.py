@@ -133,6 +133,22 @@ def test_stream_tables_scale_activations_in_the_thousands():
     check(AdditiveGemv(t, plan={"kernel": "stream", "warps": 4, "ksplit": 1, "slots": 2}), x, t)
 
 
+@pytest.mark.parametrize("plan", [{"kernel": "chunk", "warps": 4, "tile": 4, "rows": 64},
+                                  {"kernel": "stream", "warps": 4, "ksplit": 1, "slots": 2}])
+def test_stream_tables_keep_a_code_words_four_entries_summed_in_fp16_finite(plan):
+    # The streaming and chunk kernels sum a code word's four lookups in fp16 (gemv.half_sum4), so their
+    # tables keep entries below 2**13. Here every lookup is the largest entry the bound allows:
+    # |x| = 16304 on every input, each signed as the one codebook entry (L1 1.99), so an entry is
+    # ~32400, and four of them overflow fp16 unless the table is scaled down by 4 first.
+    r = random_additive_tensor(40, 1024, 2, seed=5)
+    sign = torch.tensor([1.0, -1.0] * 4)
+    cb = (sign * 0.24875).expand(r.codebooks.shape).contiguous().half()
+    t = AdditiveTensor(torch.zeros_like(r.codes), cb, torch.full_like(r.scales, 2.0 ** -10))
+    x = (sign.repeat(128) * 16304.0).half()[None]
+    assert A.codebook_exponent(cb) == 1 and 4 * 16304.0 * float(cb[0, 0].float().abs().sum()) > 65504
+    check(AdditiveGemv(t, plan=plan, tune=False), x, t)
+
+
 # The chunk kernel: one chunk's table a block, rows streamed through it in tiles of 16 or 32.
 @pytest.mark.parametrize(
     "n_out, n_in, plan",

@@ -68,6 +68,7 @@ from .gemv import (
     load16_stream,
     load_byte_offset,
     load_cg,
+    half_sum4,
     load_half_byte_offset,
     max_shared_bytes,
     mma_m16n8k8,
@@ -726,6 +727,9 @@ TABLES = {"fp32": 4, "fp16": 2}  # table entry types and their bytes
 # An fp16 entry is kept below 2**15 by a power-of-two factor (see additive_kernel): 2**(14 - FP16_HEADROOM)
 # bounds |x| times a codebook entry's L1 norm before any scaling is needed.
 FP16_HEADROOM = 29
+# The streaming and chunk kernels' tables: entries below 2**13 (two powers of two more headroom), so the four
+# lookups of a code word sum in fp16 (gemv.half_sum4) below 2**15.
+STREAM_FP16_HEADROOM = FP16_HEADROOM - 2
 
 
 def check_table(table: str, mma: bool) -> None:
@@ -1234,7 +1238,7 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
             w = uint32(a[k])
             hx = max(hx, max(w & uint32(0x7FFF), (w >> uint32(16)) & uint32(0x7FFF)))
         # Every warp holds the whole chunk of x in its A fragments, so each finds the same s alone.
-        s = int32(warp_max_u32(hx) >> uint32(10)) + int32(cbexp) - int32(FP16_HEADROOM)
+        s = int32(warp_max_u32(hx) >> uint32(10)) + int32(cbexp) - int32(STREAM_FP16_HEADROOM)
         up = float32(1.0)
         if s > 0:
             up = float32(int64(1) << int64(s))
@@ -1369,7 +1373,7 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
                 scale = bits_float(uint32(127 - shift_of(wsq)) << uint32(23))
             cuda.syncthreads()  # (after an OR barrier too: without it ptxas gave up the uniform base again)
         # fp16 entries: each chunk's table is scaled by 2**-s, s the least that keeps every entry below
-        # 2**15 whatever the codes (from max |x| over the chunk and cbexp, as in additive_kernel; s is 0
+        # 2**13 (STREAM_FP16_HEADROOM) whatever the codes (from max |x| over the chunk and cbexp, as in additive_kernel; s is 0
         # for ordinary activations), and its sums multiplied by 2**s.
         up = build(sm, bfr, 0, 0, warp, lane, cbexp)
         if shifted:  # k again from wsq[:, 1] (only a flag lives through the build)
@@ -1392,10 +1396,17 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
 
     @cuda.jit(device=True, **INLINE)
     def lookup(sm, w, l0):
-        v = load_half_byte_offset(sm, prmt(w, l0, uint32(0x7604)))  # byte 0 -> bits 8..15
-        v += load_half_byte_offset(sm, prmt(w, l0 | uint32(128), uint32(0x7614)))  # codebook 1
-        v += load_half_byte_offset(sm, prmt(w, l0 | uint32(2), uint32(0x7624)))  # high half: group s + 32
-        v += load_half_byte_offset(sm, prmt(w, l0 | uint32(130), uint32(0x7634)))
+        # byte 0 -> bits 8..15; codebook 1; the high half: group s + 32 (codebooks 0 and 1)
+        o0, o1 = prmt(w, l0, uint32(0x7604)), prmt(w, l0 | uint32(128), uint32(0x7614))
+        o2, o3 = prmt(w, l0 | uint32(2), uint32(0x7624)), prmt(w, l0 | uint32(130), uint32(0x7634))
+        if warps <= 8:  # summed in fp16 (entries below 2**13: STREAM_FP16_HEADROOM), widened once
+            return half_sum4(sm, o0, o1, o2, o3)
+        # 16 warps (64 registers): the fp16 sums took ptxas from 8 bytes spilled outside the tile loop to 44
+        # with 10 spill loads and stores in it
+        v = load_half_byte_offset(sm, o0)
+        v += load_half_byte_offset(sm, o1)
+        v += load_half_byte_offset(sm, o2)
+        v += load_half_byte_offset(sm, o3)
         return v
 
     with_res = residual_add(post)
