@@ -60,6 +60,7 @@ from .gemv import (
     fused_operands,
     fused_tuning_operands,
     half2_to_float2,
+    half_sum4,
     inv_rms,
     kernel_device,
     last_to_finish,
@@ -68,7 +69,6 @@ from .gemv import (
     load16_stream,
     load_byte_offset,
     load_cg,
-    half_sum4,
     load_half_byte_offset,
     max_shared_bytes,
     mma_m16n8k8,
@@ -1373,8 +1373,8 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
                 scale = bits_float(uint32(127 - shift_of(wsq)) << uint32(23))
             cuda.syncthreads()  # (after an OR barrier too: without it ptxas gave up the uniform base again)
         # fp16 entries: each chunk's table is scaled by 2**-s, s the least that keeps every entry below
-        # 2**13 (STREAM_FP16_HEADROOM) whatever the codes (from max |x| over the chunk and cbexp, as in additive_kernel; s is 0
-        # for ordinary activations), and its sums multiplied by 2**s.
+        # 2**13 (STREAM_FP16_HEADROOM) whatever the codes (from max |x| over the chunk and cbexp, as in
+        # additive_kernel; s is 0 for ordinary activations), and its sums multiplied by 2**s.
         up = build(sm, bfr, 0, 0, warp, lane, cbexp)
         if shifted:  # k again from wsq[:, 1] (only a flag lives through the build)
             up *= bits_float(uint32(127 + shift_of(wsq)) << uint32(23))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ast
 import json
 import math
-import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -1745,6 +1744,13 @@ def rms_global_probe(folder=None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _chunk_case(prov: dict, what: str, n_in, n_out, pre, post, plan: str) -> dict:
+    """The columns every chunk-kernel probe's row starts with: GPU, layer, shape, fused operations, plan."""
+    return {"GPU": gpu_label(prov.get("gpu", "")), "layer": "additive table" if what.startswith("issue 3") else what,
+            "in x out": shape_label((int(n_in), int(n_out))), "fused": f"{pre or '-'} / {post or '-'}",
+            "plan": _chunk_plan_label(plan)}
+
+
 FINISH_PROBES = "_runs/finish-probe*.json"  # the chunk kernel's K-split finish, versions of the code side by side
 FINISH_VARIANTS = {"e8ac594": "e8ac594", "e8+sum_splits": "+ sum_splits tail", "04bc3b8": "+ overflow check (04bc3b8)",
                    "new": "+ wide finish"}
@@ -1766,10 +1772,7 @@ def finish_probe(folder=None) -> pd.DataFrame:
         for (what, n_in, n_out, pre, post, plan), g in t.groupby(["what", "in_features", "out_features", "pre", "post", "plan"], sort=False):
             us = {r["variant"]: 1e3 * float(r["time_ms"]) for r in g.to_dict("records")}
             p = ast.literal_eval(plan)
-            row = {"GPU": gpu_label(prov.get("gpu", "")), "layer": "additive table" if what.startswith("issue 3") else what,
-                   "in x out": shape_label((int(n_in), int(n_out))),
-                   "fused": f"{pre or '-'} / {post or '-'}", "plan": _chunk_plan_label(plan),
-                   "rows a thread": chunk_finish_rows(p["rows"] // 4, p["warps"])}
+            row = _chunk_case(prov, what, n_in, n_out, pre, post, plan) | {"rows a thread": chunk_finish_rows(p["rows"] // 4, p["warps"])}
             row |= {f"{name} (us)": us.get(v, np.nan) for v, name in FINISH_VARIANTS.items()}
             row["torch fp16 (us)"] = 1e3 * float(g["fp16_ms"].iloc[0])
             row["speedup now"] = row["torch fp16 (us)"] / row["+ wide finish (us)"]
@@ -1793,9 +1796,8 @@ def restage_probe(folder=None) -> pd.DataFrame:
         t = t[t["pre"].notna()]
         for (what, n_in, n_out, pre, post, plan), g in t.groupby(["what", "in_features", "out_features", "pre", "post", "plan"], sort=False):
             us = {r["variant"]: 1e3 * float(r["time_ms"]) for r in g.to_dict("records")}
-            row = {"GPU": gpu_label(prov.get("gpu", "")), "layer": "additive table" if what.startswith("issue 3") else what,
-                   "in x out": shape_label((int(n_in), int(n_out))), "fused": f"{pre or '-'} / {post or '-'}",
-                   "plan": _chunk_plan_label(plan), "rows a thread": int(g["fw"].iloc[0]), "K-slices": int(g["nsplit"].iloc[0])}
+            row = _chunk_case(prov, what, n_in, n_out, pre, post, plan) | {"rows a thread": int(g["fw"].iloc[0]),
+                                                                              "K-slices": int(g["nsplit"].iloc[0])}
             row |= {f"{name} (us)": us.get(v, np.nan) for v, name in RESTAGE_VARIANTS.items()}
             row["the probe's commit (us)"] = us.get("new", np.nan)
             row["torch fp16 (us)"] = 1e3 * float(g["fp16_ms"].iloc[0])
@@ -1810,15 +1812,17 @@ def lut_finish_probe(folder=None) -> pd.DataFrame:
     at fixed plans, in one process (fastest of three interleaved passes): one row a GPU, shape, batch,
     plan and probe, in microseconds, with torch fp16. The plans are fixed, not tuned: the times are not
     the gemv table's."""
+    from .gemv import LaunchPlan  # numba and torch: only where this table is drawn
+
     rows = []
     for prov, label, t in _probe_runs(folder, RESTAGE_PROBES, short=True):
         if t.empty or "batch" not in t:
             continue
         for (n_in, n_out, B, plan), g in t[t["batch"].notna()].groupby(["in_features", "out_features", "batch", "plan"], sort=False):
             us = {r["variant"]: 1e3 * float(r["time_ms"]) for r in g.to_dict("records")}
-            m = re.search(r"warps=(\d+), ksplit=(\d+).*RB=(\d+), stages=(\d+)", plan)
+            kw = {k.arg: ast.literal_eval(k.value) for k in ast.parse(plan, mode="eval").body.keywords}  # the LaunchPlan's repr
             row = {"GPU": gpu_label(prov.get("gpu", "")), "in x out": shape_label((int(n_in), int(n_out))), "batch": int(B),
-                   "plan": f"{m[1]} warps, RB {m[3]}, K-split {m[2]}, stages {m[4]}" if m else plan,
+                   "plan": LaunchPlan(**kw).label(),
                    "warp 0 finishes (d4029ca, us)": us.get("d4029ca", np.nan), "the warps finish (us)": us.get("new", np.nan),
                    "torch fp16 (us)": 1e3 * float(g["fp16_ms"].iloc[0])}
             row["saved (us)"] = row["warp 0 finishes (d4029ca, us)"] - row["the warps finish (us)"]
@@ -1838,10 +1842,9 @@ def chunk_stages(folder=None) -> pd.DataFrame:
     rows = []
     for prov, probe, t in _probe_runs(folder, CHUNK_STAGE_PROBES, short=True):
         for r in t.to_dict("records"):
-            rows.append({"GPU": gpu_label(prov.get("gpu", "")), "layer": str(r["what"]).replace(" plain", ""),
-                         "in x out": shape_label((int(r["in_features"]), int(r["out_features"]))),
-                         "fused": f"{r.get('pre') or '-'} / {r.get('post') or '-'}", "plan": _chunk_plan_label(r["plan"]),
-                         "part": CHUNK_STAGES.get(r["ablation"], r["ablation"]), "us": 1e3 * float(r["time_ms"]), "probe": probe})
+            rows.append(_chunk_case(prov, str(r["what"]).replace(" plain", ""), r["in_features"], r["out_features"], r.get("pre"),
+                                    r.get("post"), r["plan"])
+                        | {"part": CHUNK_STAGES.get(r["ablation"], r["ablation"]), "us": 1e3 * float(r["time_ms"]), "probe": probe})
     if not rows:
         return pd.DataFrame()
     out = pd.DataFrame(rows).pivot_table(index=["GPU", "layer", "in x out", "fused", "plan", "probe"], columns="part", values="us", sort=False)
@@ -1861,11 +1864,9 @@ def rows_probe(folder=None) -> pd.DataFrame:
         for what, g in t.groupby("what", sort=False):
             first = float(g["time_ms"].iloc[0])
             for r in g.to_dict("records"):
-                rows.append({"GPU": gpu_label(prov.get("gpu", "")), "layer": what,
-                             "in x out": shape_label((int(r["in_features"]), int(r["out_features"]))),
-                             "fused": f"{r.get('pre') or '-'} / {r.get('post') or '-'}", "plan": _chunk_plan_label(r["plan"]),
-                             "blocks": int(r["blocks"]), "us": 1e3 * float(r["time_ms"]),
-                             "over the decode's plan": float(r["time_ms"]) / first, "probe": probe})
+                rows.append(_chunk_case(prov, what, r["in_features"], r["out_features"], r.get("pre"), r.get("post"), r["plan"])
+                            | {"blocks": int(r["blocks"]), "us": 1e3 * float(r["time_ms"]),
+                               "over the decode's plan": float(r["time_ms"]) / first, "probe": probe})
     return pd.DataFrame(rows)
 
 
