@@ -486,6 +486,17 @@ report.styled(report.chunk_stages(folder))
 report.styled(report.rows_probe(folder))
 
 # %% [markdown]
+# In the 8-warp builds, a code word's four lookups are now summed in fp16 and widened to fp32 once.
+# Before, each lookup was widened and added in fp32. The four-term sum has to stay inside fp16's
+# range, so these builds' tables keep their entries two powers of two lower (`STREAM_FP16_HEADROOM`).
+# In ptxas's code (sm_90, read on the CPU) the tile loop loses several instructions a code word.
+# The launches gain much less than that, as the next table shows: the loop's issue slots are not all
+# of its time.
+
+# %%
+report.styled(report.hsum_probe(folder))
+
+# %% [markdown]
 # ### Tried and dropped: a run of chunks a block
 #
 # A cluster holds at most 8 blocks portably, so layers of more than 8 chunks (Llama-2-7B's down

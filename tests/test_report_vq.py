@@ -519,6 +519,18 @@ def test_chunk_stages_and_rows_probe_read_their_probes(tmp_path):
     assert report.chunk_stages(tmp_path / "nothing").empty and report.rows_probe(tmp_path / "nothing").empty
 
 
+def test_hsum_probe_pairs_the_fp32_and_fp16_sums_of_one_plan(tmp_path):
+    recs = [{"kind": "check", "passed": True}, {"kind": "check", "passed": False}]
+    for v, ms in (("7126cd0", 0.05192), ("new", 0.05106)):
+        recs.append({"kind": "time", "what": "70B gate_up", "in_features": 8192, "out_features": 57344, "variant": v, "pre": "rms",
+                     "post": "", "plan": _plan(8, 8, 1024), "time_ms": ms})
+    _chunk_probe_file(tmp_path, "hsum-probe-x-h200.json", recs)
+    t = report.hsum_probe(tmp_path)
+    assert len(t) == 1 and t["probe"][0] == "82e5276 (1/2 checks)" and t["fused"][0] == "rms / -"
+    assert np.isclose(t["fp32 sums, 7126cd0 (us)"][0], 51.92) and np.isclose(t["fp16 / fp32 sums"][0], 0.05106 / 0.05192)
+    assert report.hsum_probe(tmp_path / "nothing").empty
+
+
 def test_chunk_rms_probe_pairs_plain_and_rms_launches_of_one_plan(tmp_path):
     recs = [{"kind": "check", "passed": True}]
     for fin, pre, ms in (("global", "", 0.0128), ("global", "rms", 0.0142), ("cluster", "", 0.0121), ("cluster", "rms", 0.0127)):

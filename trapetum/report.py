@@ -1870,6 +1870,23 @@ def rows_probe(folder=None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+HSUM_PROBES = "_runs/hsum-probe-*.json"  # a code word's four lookups summed in fp16 (gemv.half_sum4) against 7126cd0
+
+
+def hsum_probe(folder=None) -> pd.DataFrame:
+    """The 8-warp chunk builds with a code word's four lookups summed in fp16 and widened once (the probe's
+    commit) against 7126cd0's (each lookup widened to fp32 and summed there), at the decode's plans, in one
+    process (fastest of three interleaved passes): one row a GPU, layer and plan, in microseconds."""
+    rows = []
+    for prov, probe, t in _probe_runs(folder, HSUM_PROBES, short=True):
+        for (what, n_in, n_out, pre, post, plan), g in t.groupby(["what", "in_features", "out_features", "pre", "post", "plan"], sort=False):
+            us = {r["variant"]: 1e3 * float(r["time_ms"]) for r in g.to_dict("records")}
+            row = _chunk_case(prov, what, n_in, n_out, pre, post, plan)
+            row |= {"fp32 sums, 7126cd0 (us)": us.get("7126cd0", np.nan), "fp16 sums (us)": us.get("new", np.nan)}
+            rows.append(row | {"fp16 / fp32 sums": row["fp16 sums (us)"] / row["fp32 sums, 7126cd0 (us)"], "probe": probe})
+    return pd.DataFrame(rows)
+
+
 CHUNK_RUNS_PROBES = "_runs/chunk-runs-probe*.json"  # runs of chunks a block (tried and reverted; the code is in git history)
 
 
