@@ -90,6 +90,22 @@ def test_source_id_names_the_commit_whose_files_ran(tmp_path):
     assert R.provenance(command="x")["source_id"] == R.source_id()
 
 
+def test_plan_source_id_ignores_only_the_modules_that_read_and_record_results(tmp_path):
+    (tmp_path / "trapetum").mkdir()
+    for name in ("gemv.py", "report.py", "results.py", "bench.py"):
+        (tmp_path / "trapetum" / name).write_text(f"# {name}\n")
+    sid, pid = R.source_id(tmp_path), R.plan_source_id(tmp_path)
+    assert sid != pid
+    for name in ("report.py", "results.py"):  # a chapter's table edited: the plans stay, the provenance changes
+        (tmp_path / "trapetum" / name).write_text("# edited\n")
+        assert R.plan_source_id(tmp_path) == pid and R.source_id(tmp_path) != sid
+        sid = R.source_id(tmp_path)
+    for name in ("gemv.py", "bench.py"):  # a kernel or its timing edited: both change
+        (tmp_path / "trapetum" / name).write_text("# edited\n")
+        assert R.plan_source_id(tmp_path) != pid and R.source_id(tmp_path) != sid
+        sid, pid = R.source_id(tmp_path), R.plan_source_id(tmp_path)
+
+
 def test_save_writes_gpu_folder_and_round_trips(tmp_path):
     path = R.save("gemv", RECORDS, prov(), folder=tmp_path)
     assert path == tmp_path / "nvidia-h100-80gb-hbm3" / "gemv.json"

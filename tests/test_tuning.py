@@ -52,9 +52,17 @@ def test_families_share_one_file_and_keep_each_others_plans(plan_file):
 def test_plans_of_other_sources_are_ignored(plan_file):
     PlanCache("lut", gemv.LaunchPlan)[KEY] = gemv.LaunchPlan(warps=4, ksplit=1, cps=8, shared_bytes=0)
     doc = json.loads(plan_file.read_text())
-    assert doc["source_id"] == results.source_id()
-    doc["source_id"] = "0" * 64  # tuned by other code: its fastest plan may differ, or not fit
+    assert doc["plan_source_id"] == results.plan_source_id()
+    doc["plan_source_id"] = "0" * 64  # tuned by other code: its fastest plan may differ, or not fit
     plan_file.write_text(json.dumps(doc))
+    assert KEY not in PlanCache("lut", gemv.LaunchPlan)
+
+
+def test_a_version_1_file_is_tuned_again(plan_file):
+    # version 1 named the whole tree's sources (report.py included) under "source_id"
+    PlanCache("lut", gemv.LaunchPlan)[KEY] = gemv.LaunchPlan(warps=4, ksplit=1, cps=8, shared_bytes=0)
+    doc = json.loads(plan_file.read_text())
+    plan_file.write_text(json.dumps({"format_version": 1, "source_id": doc["plan_source_id"], "plans": doc["plans"]}))
     assert KEY not in PlanCache("lut", gemv.LaunchPlan)
 
 
@@ -149,7 +157,7 @@ def test_the_plans_command_names_a_stale_or_broken_file(plan_file, capsys, monke
 
     PlanCache("lut", gemv.LaunchPlan)[KEY] = gemv.LaunchPlan(warps=4, ksplit=2, cps=8, shared_bytes=0)
     doc = json.loads(plan_file.read_text())
-    plan_file.write_text(json.dumps({**doc, "source_id": "0" * 64}))
+    plan_file.write_text(json.dumps({**doc, "plan_source_id": "0" * 64}))
     assert main(["plans"]) == 0 and "tuned by other sources" in capsys.readouterr().out
     plan_file.write_text("{broken")
     assert main(["plans"]) == 2 and "--clear" in capsys.readouterr().err

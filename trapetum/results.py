@@ -71,10 +71,20 @@ def _blob_id(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-def _source_id_of(entries) -> str:
+# Modules that read recorded results or write their provenance, and nothing a kernel, its launch or its
+# timing runs: a change to them leaves every tuned plan as it was (plan_source_id).
+PLAN_NEUTRAL = ("trapetum/report.py", "trapetum/results.py")
+
+
+def _source_id_of(entries, skip=()) -> str:
     lines = sorted(f"{path} {blob}" for path, blob in entries
-                   if path.split("/", 1)[0] in SOURCE_DIRS and path.endswith(SOURCE_SUFFIXES))
+                   if path.split("/", 1)[0] in SOURCE_DIRS and path.endswith(SOURCE_SUFFIXES) and path not in skip)
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def _source_entries(root: Path) -> list[tuple[str, str]]:
+    return [(f.relative_to(root).as_posix(), _blob_id(f.read_bytes()))
+            for d in SOURCE_DIRS if (root / d).is_dir() for f in (root / d).rglob("*") if f.is_file()]
 
 
 def source_id(root: Path | str = REPO_ROOT) -> str:
@@ -82,10 +92,14 @@ def source_id(root: Path | str = REPO_ROOT) -> str:
     (each file's git blob id, by path). The device machine's copy of the tree may carry a stale .git,
     so its HEAD can name another commit than the one whose files ran; this names the files themselves.
     :func:`commit_of` finds the commit with the same sources."""
-    root = Path(root)
-    entries = [(f.relative_to(root).as_posix(), _blob_id(f.read_bytes()))
-               for d in SOURCE_DIRS if (root / d).is_dir() for f in (root / d).rglob("*") if f.is_file()]
-    return _source_id_of(entries)
+    return _source_id_of(_source_entries(Path(root)))
+
+
+def plan_source_id(root: Path | str = REPO_ROOT) -> str:
+    """:func:`source_id` without :data:`PLAN_NEUTRAL`'s modules: the sources a tuned plan depends on
+    (:mod:`trapetum.tuning`). Editing a chapter's table or figure then keeps a GPU's plan cache, which
+    took minutes to tune; a kernel change still discards it."""
+    return _source_id_of(_source_entries(Path(root)), skip=PLAN_NEUTRAL)
 
 
 def commit_of(sid: str, repo: Path | str = REPO_ROOT, max_count: int = 500) -> str | None:

@@ -8,8 +8,8 @@ process compiles only the plans it launches.
 
 Where the file lives: ``$TRAPETUM_PLAN_CACHE`` if set (``off`` keeps plans in memory only), else
 ``plans.json`` under ``$XDG_CACHE_HOME/trapetum`` (``~/.cache/trapetum``). The file names the
-package sources that tuned it (:func:`trapetum.results.source_id`): plans tuned by other code are
-ignored, never trusted, since a kernel change can move the fastest plan or the shared memory a plan
+package sources that tuned it (:func:`trapetum.results.plan_source_id`: every source but the modules
+that only read and record results): plans tuned by other code are ignored, never trusted, since a kernel change can move the fastest plan or the shared memory a plan
 needs. A file that cannot be read is ignored with a warning (and replaced at the next write); one
 that cannot be written leaves the plans in memory. Results files record the cache in use
 (:func:`trapetum.results.provenance`), since their plans may then come from an earlier process.
@@ -24,7 +24,7 @@ import warnings
 from pathlib import Path
 
 ENV = "TRAPETUM_PLAN_CACHE"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: "plan_source_id" (1 named the whole tree, so a chapter's edit discarded the plans)
 _OFF = ("off", "0", "none", "false")
 _WARNED: set = set()  # files this process could not write (warned once each)
 
@@ -46,9 +46,9 @@ def cache_path() -> Path | None:
 
 
 def _source_id() -> str:
-    from .results import source_id
+    from .results import plan_source_id
 
-    return source_id()
+    return plan_source_id()
 
 
 def _load(path: Path) -> dict:
@@ -64,7 +64,7 @@ def _load(path: Path) -> dict:
 
 def _tuned_by(doc: dict, sid: str) -> bool:
     """Whether the sources ``sid`` (and this file format) wrote ``doc``: only then are its plans used."""
-    return doc.get("format_version") == FORMAT_VERSION and doc.get("source_id") == sid
+    return doc.get("format_version") == FORMAT_VERSION and doc.get("plan_source_id") == sid
 
 
 def _read(path: Path, sid: str) -> dict:
@@ -152,7 +152,7 @@ class PlanCache:
         plans = _read(path, self._sid)
         plans.setdefault(self.family, {})[k] = entry
         self._disk, self._disk_path = plans[self.family], path
-        doc = {"format_version": FORMAT_VERSION, "source_id": self._sid, "plans": plans}
+        doc = {"format_version": FORMAT_VERSION, "plan_source_id": self._sid, "plans": plans}
         tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
