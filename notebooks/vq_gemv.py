@@ -366,6 +366,10 @@ report.styled(report.additive_stream_skeleton(folder))
 # copy of that half, so lane l ends with row l (or l / 2), one shuffle a row. The chunks of a row
 # meet as K-slices do (the last block of a row-group adds them up). It reads the streaming kernel's
 # code layout and shares its table build, and it takes the decode step's fused norm, SiLU and add.
+# M = 4 runs on it too, as two M = 2 layers over the same x and scales: codebooks 0 and 1, then 2 and
+# 3, each pair with its own table. The grid has twice the chunks, and its second half reads the second
+# pair's codes over x's chunks again; the finish adds all of a row's chunks, as before. Records
+# made before that (the *plan* column names the kernel) have the table kernel only at M = 4.
 # The tuner times its plans beside the other two kernels'. The probe below checked every chunk plan
 # against float64 with outputs poisoned first, fused operations included. It then timed, in one
 # process, the plan the tuner had picked before this kernel existed (forced) and every chunk plan.

@@ -223,6 +223,60 @@ def test_chunk_kernel_rms_survives_g_x_past_fp16(n_in):
     assert torch.isfinite(y).all() and err <= TOL, err
 
 
+# M=4 as two M=2 layers over the same x and scales (codebooks 0-1, then 2-3): the chunk kernel's grid
+# has twice the chunks, its second half reading the second codebook pair over x's chunks again.
+@pytest.mark.parametrize(
+    "n_out, n_in, plan",
+    [
+        (150, 1088, {"warps": 4, "tile": 4, "rows": 128}),  # 3 x-chunks, 6 chunks, 2 row-groups
+        (70, 512, {"warps": 4, "tile": 8, "rows": 64}),  # one x-chunk: two chunks meet in the finish
+    ],
+)
+def test_chunk_kernel_runs_m4_as_two_halves(n_out, n_in, plan):
+    t = with_bias(random_additive_tensor(n_out, n_in, 4, seed=n_out), seed=n_in)
+    g = AdditiveGemv(t, plan={"kernel": "chunk", **plan})
+    p = g.plan(1)
+    assert isinstance(p, A.StreamPlan) and p.kernel == "chunk" and p.ksplit == 2 * -(-n_in // 512)
+    check(g, x_for(n_in, 1, seed=n_out), t)
+    assert torch.equal(g.t.codes, t.codes)  # the natural codes back from the two halves' layouts
+
+
+@pytest.mark.parametrize("pre,post", [("rms", "add"), ("silu", ""), ("", "add")])
+def test_chunk_kernel_m4_fused_operations(pre, post):
+    # pre='rms': only the first half's blocks count their chunk's squares (each input once)
+    n_out, n_in = 70, 1088
+    t = with_bias(random_additive_tensor(n_out, n_in, 4, seed=17), seed=18)
+    g = AdditiveGemv(t, plan={"kernel": "chunk", "warps": 4, "tile": 4, "rows": 64})
+    x = x_for(2 * n_in if pre == "silu" else n_in, 1, seed=19) * 3
+    w = (torch.rand(n_in, generator=torch.Generator().manual_seed(20)) + 0.5).half()
+    h = x_for(n_out, 1, seed=21)
+    want = reference(x, t, pre, post, w if pre == "rms" else None, h if post else None, 1e-5)
+    y = h.clone() if post else torch.full((1, n_out), float("nan"), dtype=torch.float16)
+    g.bind(x, y, pre=pre, post=post, norm_weight=w if pre == "rms" else None, res=y if post else None)()
+    err = max_rel_err(y, want)
+    assert torch.isfinite(y).all() and err <= TOL, err
+
+
+def test_m4_stream_layout_and_plans():
+    t = random_additive_tensor(38, 1088, 4, seed=3)
+    w = A.stream_codes(t.codes)
+    assert torch.equal(w, torch.cat([A.stream_codes(t.codes[..., :2]), A.stream_codes(t.codes[..., 2:])]))
+    assert torch.equal(A.unstream_codes(w, 38, 136, M=4), t.codes)
+    assert torch.equal(A.unstream_codes(w, 38, 136, rows=(4, 38), M=4), t.codes[4:])
+    with pytest.raises(ValueError, match="M=2 or M=4"):
+        A.stream_codes(t.codes[..., :3])
+    p2, p4 = A.plan_chunk(14336, 4096, 227 * 1024, rows=512), A.plan_chunk(14336, 4096, 227 * 1024, rows=512, M=4)
+    assert (p2.ksplit, p4.ksplit) == (8, 16) and p4.qpb == p2.qpb
+    with pytest.raises(ValueError, match="at M=4"):  # 16 chunks: more than a cluster holds
+        A.plan_chunk(14336, 4096, 227 * 1024, cluster=True, M=4)
+    assert A.plan_chunk(14336, 2048, 227 * 1024, cluster=True, M=4).cluster == 8
+    with pytest.raises(ValueError, match="M=2 or M=4"):
+        A.plan_chunk(64, 512, 227 * 1024, M=3)
+    with pytest.raises(ValueError, match="M=2 at batch 1"):  # the streaming kernel stays M=2
+        AdditiveGemv(random_additive_tensor(16, 512, 4), plan={"kernel": "stream", "warps": 4})(torch.randn(1, 512).half())
+    assert all(q.ksplit == 16 for q in A.chunk_candidates(14336, 4096, 227 * 1024, M=4))
+
+
 def test_chunk_plans_and_their_errors():
     p = A.plan_chunk(14336, 4096, 227 * 1024, warps=8, tile=4, rows=512)
     assert (p.qpb * 4, p.ksplit, p.grid(14336)) == (512, 8, (28, 8)) and "a chunk a block" in p.label()

@@ -1162,10 +1162,14 @@ def stream_codes(codes: torch.Tensor) -> torch.Tensor:
     """The streaming kernel's layout of (out, in/8, 2) uint8 codes, as int32 words: rows padded to
     quads of 4, groups to chunks of 64 (zero codes: their x is zero-padded, so they add nothing), and
     word ((c * quads + q) * 32 + s) * 4 + r = row 4q + r's codes of groups 64c + s and 64c + s + 32,
-    bytes [m0 of g, m1 of g, m0 of g + 32, m1 of g + 32]: lane s's 16-byte load is a quad's word."""
+    bytes [m0 of g, m1 of g, m0 of g + 32, m1 of g + 32]: lane s's 16-byte load is a quad's word.
+    M=4 codes are two M=2 layers over the same x, codebooks 0-1 then 2-3 (:func:`chunk_kernel`'s
+    ``halves``): their two layouts, one after the other, so chunk c + nch is codebooks 2-3's chunk c."""
     n_out, G, M = codes.shape
+    if M == 4:
+        return torch.cat([stream_codes(codes[..., :2]), stream_codes(codes[..., 2:])])
     if M != 2:
-        raise ValueError(f"the streaming layout holds M=2 codes, got M={M}")
+        raise ValueError(f"the streaming layout holds M=2 or M=4 codes, got M={M}")
     nq, nch = stream_quads(n_out), stream_chunks(G)
     c = codes.new_zeros(nq * STREAM_ROWS, nch * STREAM_GROUPS, 2)
     c[:n_out, :G] = codes
@@ -1174,9 +1178,12 @@ def stream_codes(codes: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.int32)
 
 
-def unstream_codes(words: torch.Tensor, n_out: int, G: int, rows: tuple[int, int] | None = None) -> torch.Tensor:
-    """The inverse of :func:`stream_codes`: (out, G, 2) uint8; ``rows=(r0, r1)``: only those rows
+def unstream_codes(words: torch.Tensor, n_out: int, G: int, rows: tuple[int, int] | None = None, M: int = 2) -> torch.Tensor:
+    """The inverse of :func:`stream_codes`: (out, G, M) uint8; ``rows=(r0, r1)``: only those rows
     (r0 a multiple of 4), copying only their quads."""
+    if M == 4:
+        half = words.numel() // 2
+        return torch.cat([unstream_codes(words[:half], n_out, G, rows), unstream_codes(words[half:], n_out, G, rows)], dim=-1)
     nq, nch = stream_quads(n_out), stream_chunks(G)
     r0, r1 = (0, n_out) if rows is None else rows
     q0, q1 = r0 // STREAM_ROWS, stream_quads(r1)
@@ -1201,8 +1208,8 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
 
     - ``build(sm, bfr, lc, buf, warp, lane, cbexp)``: chunk ``lc`` (of the staged x) into table
       ``buf`` (see :func:`stream_kernel`, step 2); returns the factor 2**s its sums must be multiplied by;
-    - ``start(sm, x32, g32, cb32, bfr, wsq, c0, nc, tid, warp, lane, cbexp, eps)``: a block's prologue:
-      the warp's B fragments ``bfr`` loaded, then (after the wait for a programmatic launch's
+    - ``start(sm, x32, g32, cb32, cbo, bfr, wsq, c0, nc, tid, warp, lane, cbexp, eps)``: a block's prologue:
+      the warp's B fragments ``bfr`` loaded (two codebooks from word ``cbo`` of ``cb32``), then (after the wait for a programmatic launch's
       predecessor, :func:`trapetum.gemv.launch_hooks`) chunks c0 .. c0 + nc - 1 of x staged (cp.async,
       or through registers normalised or gated) and chunk c0's table built in table 0; returns its factor;
     - ``ids(qpb)``: (thread, warp, lane, the block's first quad of rows);
@@ -1318,22 +1325,22 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
         return max(int32(float_bits(big) >> uint32(23)) - 140, 1)  # big < 2**(e - 126): times 2**-(e - 140) < 2**14
 
     @cuda.jit(device=True, **INLINE)
-    def load_bfr(bfr, cb32, warp, lane):
+    def load_bfr(bfr, cb32, cbo, warp, lane):
         gid = lane >> uint32(2)
         t = lane & uint32(3)
         for j in range(KT):  # B of k-tile kt: entry (kt & 31) * 8 + gid of codebook kt >> 5, word t
             kt = uint32(warp + j * warps)
-            bfr[j] = cb32[(((kt >> uint32(5)) << uint32(8)) + ((kt & uint32(31)) << uint32(3)) + gid) * uint32(4) + t]
+            bfr[j] = cb32[cbo + (((kt >> uint32(5)) << uint32(8)) + ((kt & uint32(31)) << uint32(3)) + gid) * uint32(4) + t]
 
     wait, _ = launch_hooks()
 
     @cuda.jit(device=True, **INLINE)
-    def start(sm, x32, g32, cb32, bfr, wsq, c0, nc, tid, warp, lane, cbexp, eps):
+    def start(sm, x32, g32, cb32, cbo, bfr, wsq, c0, nc, tid, warp, lane, cbexp, eps):
         # A block's prologue, its first code loads already issued: the B fragments; then, once the
         # launch before has finished (programmatic launch: codes and codebooks are weights, x is its
         # output), chunks c0 .. c0 + nc - 1 of x staged (pre='rms': after the whole row's sum of
         # squares) and chunk c0's table built in table 0; returns that table's factor (build's).
-        load_bfr(bfr, cb32, warp, lane)
+        load_bfr(bfr, cb32, cbo, warp, lane)
         wait()
         irms = float32(1.0)
         if RMS and not defer_rms:
@@ -1520,7 +1527,7 @@ def stream_kernel(warps: int, QW: int, D2: int, pre: str = "", post: str = ""):
         for s in range(D2 - 1):
             fetch(ring, s * SLOT, codes, c0 + s, c1, qb0, qn, nq, warp, lane)
         bfr = cuda.local.array(KT, int32)
-        up = start(sm, x32, g32, cb32, bfr, wsq, c0, nc, tid, warp, lane, cbexp, eps)
+        up = start(sm, x32, g32, cb32, uint32(0), bfr, wsq, c0, nc, tid, warp, lane, cbexp, eps)
 
         # 3. the chunks, the loop body written out D2 times so every code slot index is a constant
         acc = cuda.local.array(SLOT, float32)
@@ -1600,8 +1607,10 @@ def chunk_ws_columns(n_out: int, pre: str) -> int:
     return (stream_quads(n_out) + (pre == "rms")) * STREAM_ROWS
 
 
-def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0, fw: int = 1):
-    """The chunk kernel (M = 2, batch 1; see the comment above): grid (row-groups, chunks), a block
+def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0, fw: int = 1, halves: int = 1):
+    """The chunk kernel (M = 2, batch 1; see the comment above; ``halves=2``: M = 4 as two M = 2 layers
+    over the same x and scales, codebooks 0-1 and 2-3, whose chunks the grid's second half takes;
+    :func:`stream_codes`): grid (row-groups, chunks), a block
     of ``warps`` warps builds its chunk's table (as :func:`stream_kernel`'s step 2, from x staged with
     ``pre``) and its warps walk the row-group's quads ``QT`` at a time: 16-byte code loads a lane
     (``ld.global.nc``; the next tile's issued before this tile's lookups), four lookups a row and
@@ -1617,10 +1626,13 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
     adjacent rows (:func:`chunk_finish_rows`, :func:`~trapetum.gemv.rows_summer`). Arguments as
     :func:`stream_kernel`'s (``cps`` is 1 and unread; ``qpb`` a multiple of ``QT``)."""
     fw = 1 if cs > 1 else fw
-    key = (warps, QT, pre, post, cs, fw)
+    key = (warps, QT, pre, post, cs, fw, halves)
     if key in _chunk_cache:
         return _chunk_cache[key]
     check_chunk_shape(warps, QT)
+    if halves not in (1, 2):
+        raise ValueError(f"the chunk kernel runs M=2 (halves=1) or M=4 (halves=2) codes, got halves={halves}")
+    CBO = 2 * K * D // 2  # words of two codebooks: the second half's B fragments start there
     check_ops(pre, post)
     if cs > 1 and SIM:
         raise ValueError("the chunk kernel's cluster finish runs on a GPU only (the CUDA simulator runs one block at a time)")
@@ -1744,11 +1756,16 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
         fetch(ring, 0, codes, c, q, qend, nq, lane)
         bfr = cuda.local.array(KT, int32)
         # 2. the chunk's table (fp16, scaled by 2**-s; sums by up = 2**s)
-        up = start(sm, x32, g32, cb32, bfr, wsq, c, 1, tid, warp, lane, cbexp, eps)
+        cx, cbo = c, uint32(0)
+        if halves == 2 and c >= nsplit // 2:  # M=4: codebooks 2-3 over x's chunk c - nsplit / 2
+            cx, cbo = c - nsplit // 2, uint32(CBO)
+        up = start(sm, x32, g32, cb32, cbo, bfr, wsq, cx, 1, tid, warp, lane, cbexp, eps)
         if RMS:  # the chunk's sum of squares (wsq: the warps' shares, before start's barriers)
             t = float32(0.0)
             for w in range(warps):
                 t += wsq[w, 0]
+            if halves == 2 and c >= nsplit // 2:  # each input's square counted once
+                t = float32(0.0)
             if cs > 1:
                 if tid == 0:  # for the cluster's blocks, after its barrier (the tiles write past it)
                     smf[SO] = t
@@ -1950,20 +1967,23 @@ def chunk_shared_bytes(rows: int = 0) -> int:
 
 
 def plan_chunk(n_out: int, n_in: int, smem: int, warps: int = 8, tile: int = 4, rows: int = 512,
-               cluster: bool = False) -> StreamPlan:
+               cluster: bool = False, M: int = 2) -> StreamPlan:
     """The chunk kernel's plan for an (out, in) M=2 layer: grid (row-groups, chunks), a block of
     ``warps`` warps over about ``rows`` rows (rounded to whole rounds of its warps' tiles of ``tile``
     quads); ``cluster``: a row-group's chunks one thread block cluster (2 to 8 chunks; the kernel
-    runs it on a GPU only). Raises ValueError where it cannot run."""
+    runs it on a GPU only). M=4: twice the chunks (two M=2 layers, :func:`chunk_kernel`'s ``halves``).
+    Raises ValueError where it cannot run."""
     check_chunk_shape(warps, tile)
     if rows < 1:
         raise ValueError(f"chunk plan: rows a block must be positive, got {rows}")
-    nq, nch = stream_quads(n_out), stream_chunks(n_in // D)
+    if M not in (2, 4):
+        raise ValueError(f"chunk plan: the chunk kernel runs M=2 or M=4 codes, got M={M}")
+    nq, nch = stream_quads(n_out), stream_chunks(n_in // D) * (M // 2)
     per = warps * tile  # quads a block's warps take in one round
     qpb = min(per * max(1, round(rows / (per * STREAM_ROWS))), -(-nq // per) * per)
     if cluster and not 1 < nch <= MAX_CLUSTER:
         raise ValueError(f"chunk plan: a cluster finish takes 2 to {MAX_CLUSTER} chunks of {STREAM_GROUPS * D} inputs; "
-                         f"in_features={n_in} makes {nch}")
+                         f"in_features={n_in} makes {nch}" + (" at M=4 (two halves)" if M == 4 else ""))
     nbytes = chunk_shared_bytes(qpb * STREAM_ROWS if cluster else 0)
     if nbytes + 64 > smem:
         raise ValueError(f"the chunk kernel needs {nbytes} bytes of shared memory a block; this GPU allows {smem}")
@@ -1977,15 +1997,15 @@ CHUNK_PLANS = ((8, 4, 256), (8, 4, 512), (8, 4, 1024), (8, 8, 512), (8, 8, 1024)
                (16, 4, 1024))
 
 
-def chunk_candidates(n_out: int, n_in: int, smem: int, clusters: bool = True) -> list[StreamPlan]:
-    """The chunk kernel's plans the tuner times for an M=2 layer at batch 1 (distinct ones only),
-    each also with a cluster finish where the layer has 2 to 8 chunks and ``clusters`` (a GPU of
-    compute capability 9.0 or later)."""
+def chunk_candidates(n_out: int, n_in: int, smem: int, clusters: bool = True, M: int = 2) -> list[StreamPlan]:
+    """The chunk kernel's plans the tuner times for an M=2 (or M=4) layer at batch 1 (distinct ones
+    only), each also with a cluster finish where the layer has 2 to 8 chunks and ``clusters`` (a GPU
+    of compute capability 9.0 or later)."""
     out = []
     for w, qt, rows in CHUNK_PLANS:
         for cluster in (False, True) if clusters else (False,):
             try:
-                p = plan_chunk(n_out, n_in, smem, warps=w, tile=qt, rows=rows, cluster=cluster)
+                p = plan_chunk(n_out, n_in, smem, warps=w, tile=qt, rows=rows, cluster=cluster, M=M)
             except ValueError:
                 continue
             if p not in out:
@@ -2036,7 +2056,7 @@ class AdditiveGemv:
     for :func:`plan_chunk` (warps, tile, rows); otherwise tuned on a
     GPU (``tune=True``) or taken from the heuristic. ``kernels``: the families the tuner may pick from:
     "table" (:func:`additive_kernel`, every batch and the fused operations) and "stream"
-    (:func:`stream_kernel` and :func:`chunk_kernel`, which read the same layout: M=2 at batch 1, with
+    (:func:`stream_kernel` and :func:`chunk_kernel`, which read the same layout: M=2 at batch 1, the chunk kernel M=4 too, with
     or without the fused operations; a layer that uses both families holds its codes twice). ``single_layout``: the batch-1 plain plan picks the family every call
     of this weight then uses, so it holds one copy of its codes (a model's layers,
     :class:`trapetum.qlinear.AdditiveQLinear`): its fused plans are tuned within that family, and
@@ -2090,7 +2110,7 @@ class AdditiveGemv:
         r0, r1 = (0, self.n_out) if rows is None else rows
         if self._tiled_t is not None:
             return untile(self._tiled_t, self.n_out, self._ncode_bytes, rows=rows).reshape(r1 - r0, self.n_in // D, self.M)
-        return unstream_codes(self._stream_t, self.n_out, self._G, rows=(r0, r1))
+        return unstream_codes(self._stream_t, self.n_out, self._G, rows=(r0, r1), M=self.M)
 
     def _hold(self, layout: str) -> None:
         """Make sure the codes are held in ``layout`` ("tiled" or "stream"), and drop a layout no
@@ -2133,7 +2153,9 @@ class AdditiveGemv:
                 raise ValueError(f"{plan.label()}: a cluster finish needs a GPU of compute capability 9.0 or later "
                                  f"(this one is {'.'.join(map(str, torch.cuda.get_device_capability(self.device)))})")
             chunk = plan.kernel == "chunk"
-            kern = (chunk_kernel(plan.warps, plan.tile, pre, post, plan.cluster, chunk_finish_rows(plan.qpb, plan.warps))
+            if not chunk and self.M != 2:
+                raise ValueError(f"{plan.label()}: the streaming kernel runs M=2 codes (M=4 runs the chunk kernel)")
+            kern = (chunk_kernel(plan.warps, plan.tile, pre, post, plan.cluster, chunk_finish_rows(plan.qpb, plan.warps), self.M // 2)
                     if chunk else stream_kernel(plan.warps, plan.QW, plan.slots, pre, post))
             grid = plan.grid(self.n_out)
             rows, ncounters = chunk_ws_columns(self.n_out, pre) if chunk else self.n_out, grid[0]
@@ -2172,11 +2194,13 @@ class AdditiveGemv:
             return self._prepare(1)
         sms, smem = sm_count(self.device), self._smem()
         if self.fixed_plan is not None and self.fixed_plan.get("kernel") in ("stream", "chunk"):
-            if B != 1 or self.M != 2:
-                raise ValueError(f"a streaming plan runs M=2 at batch 1, asked for M={self.M}, batch {B}")
+            chunk = self.fixed_plan["kernel"] == "chunk"
+            if B != 1 or self.M not in ((2, 4) if chunk else (2,)):
+                raise ValueError(f"a {'chunk' if chunk else 'streaming'} plan runs M={'2 or 4' if chunk else 2} at batch 1, "
+                                 f"asked for M={self.M}, batch {B}")
             kw = {k: v for k, v in self.fixed_plan.items() if k != "kernel"}
             smem = OPTIN_SIM if SIM else smem
-            plan = (plan_chunk(self.n_out, self.n_in, smem, **kw) if self.fixed_plan["kernel"] == "chunk"
+            plan = (plan_chunk(self.n_out, self.n_in, smem, M=self.M, **kw) if chunk
                     else plan_stream(self.n_out, self.n_in, sms, smem, **kw))
         elif self.fixed_plan is not None:
             plan = plan_additive(self.n_out, self.nchunks, self.M, B, sms, smem, **self.fixed_plan)
@@ -2265,13 +2289,14 @@ class AdditiveGemv:
 
     def _candidates(self, B: int, pre: str, post: str, kernels: tuple[str, ...]) -> list:
         """The plans :meth:`tune` times: the table kernel's (fused: tensor-core builds only) and, at
-        batch 1 for M=2, the streaming kernel's (pre='rms': those leaving room for its sums of squares)."""
+        batch 1, the streaming and chunk kernels' for M=2 and the chunk kernel's for M=4 (pre='rms': those
+        leaving room for its sums of squares)."""
         sms, smem = sm_count(self.device), self._smem()
         cands = [p for p in candidate_plans(self.n_out, self.nchunks, self.M, B, sms, smem)
                  if p.build == "mma" or not (pre or post)] if "table" in kernels else []
-        if B == 1 and self.M == 2 and "stream" in kernels and tuning_enabled("additive-stream"):
-            streams = (stream_candidates(self.n_out, self.n_in, sms, smem)
-                       + chunk_candidates(self.n_out, self.n_in, smem, clusters_available(self.device)))
+        if B == 1 and "stream" in kernels and tuning_enabled("additive-stream"):
+            streams = ((stream_candidates(self.n_out, self.n_in, sms, smem) if self.M == 2 else [])
+                       + chunk_candidates(self.n_out, self.n_in, smem, clusters_available(self.device), M=self.M))
             cands += [p for p in streams if pre != "rms" or stream_rms_fits(p, smem)]
         return cands
 
@@ -2411,14 +2436,15 @@ def correctness_sweep(shapes, Ms=(2, 4), batches=(1, 2, 3, 8, 16), seed: int = 0
     if 2 in Ms:
         big += [(shapes[0], 2, 1, dict(kernel="stream", ksplit=2, warps=16, slots=2))]
         jobs += [(s, 2, 1, dict(kernel="stream", ksplit=ks, warps=w, slots=d)) for s in shapes[:2] for ks in (1, 2) for w, d in ((8, 3), (16, 2))]
-        # the chunk kernel: tiles of 16 and 32 rows, one row-group and several
-        big += [(shapes[0], 2, 1, dict(kernel="chunk", warps=8, tile=8, rows=512))]
-        jobs += [(s, 2, 1, dict(kernel="chunk", warps=w, tile=qt, rows=r)) for s in shapes[:2] for w, qt, r in ((8, 4, 256), (16, 4, 1024))]
+    # the chunk kernel (M=4: two M=2 halves): tiles of 16 and 32 rows, one row-group and several
+    for M in Ms:
+        big += [(shapes[0], M, 1, dict(kernel="chunk", warps=8, tile=8, rows=512))]
+        jobs += [(s, M, 1, dict(kernel="chunk", warps=w, tile=qt, rows=r)) for s in shapes[:2] for w, qt, r in ((8, 4, 256), (16, 4, 1024))]
         # its cluster finish (2 to 8 chunks, sm_90 and later): the shapes whose inputs allow it
         if clusters_available(device):
-            cl = [s for s in shapes if 1 < stream_chunks(s[0] // D) <= MAX_CLUSTER][:2]
-            big += [(s, 2, 1, dict(kernel="chunk", warps=8, tile=8, rows=512, cluster=True)) for s in cl[:1]]
-            jobs += [(s, 2, 1, dict(kernel="chunk", warps=w, tile=qt, rows=r, cluster=True)) for s in cl
+            cl = [s for s in shapes if 1 < stream_chunks(s[0] // D) * (M // 2) <= MAX_CLUSTER][:2]
+            big += [(s, M, 1, dict(kernel="chunk", warps=8, tile=8, rows=512, cluster=True)) for s in cl[:1]]
+            jobs += [(s, M, 1, dict(kernel="chunk", warps=w, tile=qt, rows=r, cluster=True)) for s in cl
                      for w, qt, r in ((8, 4, 512), (16, 4, 1024))]
     jobs += big
     recs, failures = [], []
