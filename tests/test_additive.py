@@ -6,6 +6,7 @@ a 16-byte chunk column is 8 groups (64 columns) at M=2 and 4 groups (32 columns)
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -293,17 +294,26 @@ def test_chunk_plans_and_their_errors():
 
 
 def test_chunk_cluster_plans_and_their_errors():
-    # A cluster finish: the row-group's 8 chunks one cluster, each block's 512 chunk sums after x.
+    # A cluster finish: the row-group's 8 chunks one cluster; the chunk's sum of squares after x (dynamic),
+    # each block's row sums a static array of CLUSTER_ROWS.
     p = A.plan_chunk(14336, 4096, 227 * 1024, warps=8, tile=8, rows=512, cluster=True)
-    assert (p.cluster, p.grid(14336), p.shared_bytes) == (8, (28, 8), A.chunk_shared_bytes(512))
-    assert A.chunk_shared_bytes(512) == A.chunk_shared_bytes() + 4 * 513  # the chunk's sum of squares and 512 row sums
+    assert (p.cluster, p.grid(14336), p.shared_bytes) == (8, (28, 8), A.chunk_shared_bytes() + 4)
+    assert A.chunk_shared_bytes(True) == A.chunk_shared_bytes() + 4 * (1 + A.CLUSTER_ROWS)
+    assert A.plan_chunk(14336, 4096, 227 * 1024, warps=8, tile=8, rows=1024, cluster=True).qpb * 4 == A.CLUSTER_ROWS
+    with pytest.raises(ValueError, match="at most 1024 rows a block"):
+        A.plan_chunk(14336, 4096, 227 * 1024, warps=8, tile=8, rows=2048, cluster=True)
+    too_big = dataclasses.replace(p, qpb=512)  # 2048 rows: a plan built by hand, past the static array
+    g = AdditiveGemv(random_additive_tensor(16, 1024, 2), plan={"kernel": "chunk", "warps": 4, "tile": 4, "rows": 16})
+    with pytest.raises(ValueError, match="at most 1024 rows a block"):
+        g._launch_parts(1, too_big)
     assert "clusters of 8" in p.label() and A.plan_chunk(14336, 4096, 227 * 1024).cluster == 0
     assert A.plan_chunk(100, 1024, 227 * 1024, cluster=True).cluster == 2
     for n_in in (512, 4608):  # 1 chunk (nothing to meet) and 9 (past a portable cluster)
         with pytest.raises(ValueError, match="cluster finish takes 2 to 8 chunks"):
             A.plan_chunk(64, n_in, 227 * 1024, cluster=True)
     got = A.chunk_candidates(4096, 4096, 227 * 1024)
-    assert sum(q.cluster == 8 for q in got) == sum(q.cluster == 0 for q in got) > 0
+    # every plan of up to CLUSTER_ROWS rows a block also with a cluster
+    assert sum(q.cluster == 8 for q in got) == sum(q.cluster == 0 and q.qpb * 4 <= A.CLUSTER_ROWS for q in got) > 0
     assert not any(q.cluster for q in A.chunk_candidates(4096, 11008, 227 * 1024))
     # before sm_90 (an sm_86 rerun of a chapter) the tuner is offered no cluster plan to compile
     assert [q for q in got if not q.cluster] == A.chunk_candidates(4096, 4096, 227 * 1024, clusters=False)

@@ -1196,14 +1196,12 @@ def stream_shared_bytes(nchunks: int, ksplit: int) -> int:
     return 4 * (2 * STREAM_TABLE_WORDS + -(-nchunks // ksplit) * STREAM_X_WORDS)
 
 
-def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool = False, restage_pass: bool = True):
+def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool = False):
     """The device functions the two streaming kernels share, for blocks of ``warps`` warps whose
     shared memory holds ``tables`` chunk tables and then x (``pre``: how x is staged; ``post``: how
     y is written; ``defer_rms``: pre='rms' stages g * x, un-normalised, and leaves each warp's share
     of the staged chunks' sum of squares in wsq[warp, 0], for the kernel to apply 1 / rms where it
-    writes y; ``restage_pass``: how such a block stages its chunk again when fp16(g * x) overflows,
-    a second pass of the same staging loop, or a branch of its own: the form that keeps ptxas's
-    [R+UR] lookups, or its register count, differs between the global and the cluster finish).
+    writes y).
     Returned, in this order:
 
     - ``build(sm, bfr, lc, buf, warp, lane, cbexp)``: chunk ``lc`` (of the staged x) into table
@@ -1356,29 +1354,19 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
         # every lookup paid an IMAD (04bc3b8: the 70B gate_up launch +8 us on the H200). Which forms
         # keep it is ptxas's choice, not a rule: check the SASS (LDS [R+UR]) after changing this.
         shifted = False
-        if RMS and defer_rms and not restage_pass:
-            # (the cluster plans: the pass below took ptxas from 127 registers to 201, one block an SM)
-            big = stage_x(sm, x32, g32, irms, c0, nc, tid, wsq)
+        scale = irms
+        for attempt in range(2):
+            big = stage_x(sm, x32, g32, scale, c0, nc, tid, wsq)
             async_wait_all()
-            warp_big(big, tid, wsq)
-            shifted = cuda.syncthreads_or(int32(big >= float32(65520.0))) != 0
-            if shifted:
-                stage_x(sm, x32, g32, bits_float(uint32(127 - shift_of(wsq)) << uint32(23)), c0, nc, tid, wsq)
-                cuda.syncthreads()
-        else:
-            scale = irms
-            for attempt in range(2):
-                big = stage_x(sm, x32, g32, scale, c0, nc, tid, wsq)
-                async_wait_all()
-                if not (RMS and defer_rms):
-                    break
-                if attempt == 0:
-                    warp_big(big, tid, wsq)
-                if cuda.syncthreads_or(int32(big >= float32(65520.0))) == 0:
-                    break
-                shifted = True
-                scale = bits_float(uint32(127 - shift_of(wsq)) << uint32(23))
-            cuda.syncthreads()  # (after an OR barrier too: without it ptxas gave up the uniform base again)
+            if not (RMS and defer_rms):
+                break
+            if attempt == 0:
+                warp_big(big, tid, wsq)
+            if cuda.syncthreads_or(int32(big >= float32(65520.0))) == 0:
+                break
+            shifted = True
+            scale = bits_float(uint32(127 - shift_of(wsq)) << uint32(23))
+        cuda.syncthreads()  # (after an OR barrier too: without it ptxas gave up the uniform base again)
         # fp16 entries: each chunk's table is scaled by 2**-s, s the least that keeps every entry below
         # 2**13 (STREAM_FP16_HEADROOM) whatever the codes (from max |x| over the chunk and cbexp, as in
         # additive_kernel; s is 0 for ordinary activations), and its sums multiplied by 2**s.
@@ -1640,7 +1628,11 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
         raise ValueError(f"the chunk kernel's cluster finish takes at most {MAX_CLUSTER} chunks, got {cs}")
     WSQ = (warps, 2) if pre == "rms" else (1, 1)  # [w, 0]: a warp's sum of squares; [w, 1]: its largest |g x| (start)
     SO = STREAM_TABLE_WORDS + STREAM_X_WORDS  # word offset of the chunk's sum of squares (cs > 1, pre='rms')
-    RO = SO + 1  # of the rows' chunk sums (cs > 1)
+    # A cluster block's rows' chunk sums are a static array: where they sat in the dynamic shared memory
+    # past x, the tile's store to them kept ptxas from folding the table's shared base into the lookups
+    # (an IMAD a lookup in every 7B cluster build), and the restage pass took the rms builds to 201
+    # registers. Static, every cluster build has LDS [R+UR] with the pass (ptxas, sm_90; NOTES "Session 57").
+    RSUM = CLUSTER_ROWS if cs > 1 else 1
     nt = warps * 32
     KT = 64 // warps
     ROWS = QT * STREAM_ROWS  # rows a tile: code words a lane holds for one
@@ -1651,7 +1643,7 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
     # the global finish's plans ~2 us a call at 7B and 3-7 us at 70B's 8192 inputs). With a cluster the
     # chunks' sums meet in distributed shared memory; otherwise in the workspace's last column
     # (chunk_ws_columns), as the table kernel's K-slices' do, and the finishing block applies 1 / rms.
-    _, start, ids, lookup, finish_row = _stream_parts(warps, 1, pre, post, defer_rms=True, restage_pass=cs <= 1)
+    _, start, ids, lookup, finish_row = _stream_parts(warps, 1, pre, post, defer_rms=True)
     RMS = pre == "rms"
     h16, h8, h4, h2, h1 = (_halver(ROWS >> k, 16 >> k) for k in range(5))
     _, release = launch_hooks()
@@ -1668,7 +1660,7 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
                 ring[o + 4 * i], ring[o + 4 * i + 1], ring[o + 4 * i + 2], ring[o + 4 * i + 3] = zero, zero, zero, zero
 
     @cuda.jit(device=True, **INLINE)
-    def tile(sm, ring, o, acc, lane, q0, c, nsplit, up, rend, scales, bias, y, ws, res, r0, smf):
+    def tile(sm, ring, o, acc, lane, q0, c, nsplit, up, rend, scales, bias, y, ws, res, r0, rsum):
         l0 = lane << uint32(2)  # the one table's byte offset: codebook 0, group s
         for i in range(ROWS):
             acc[i] = lookup(sm, uint32(ring[o + i]), l0)
@@ -1684,7 +1676,7 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
         if lane & uint32(OWNER) == uint32(0) and row < rend:
             v = acc[0] * up * float32(scales[row])
             if cs > 1:
-                smf[RO + row - r0] = v
+                rsum[row - r0] = v
             elif nsplit == 1:
                 y[0, row] = with_res(v + float32(bias[row]), res, 0, row)
             else:
@@ -1742,6 +1734,7 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
         smf = cuda.shared.array(0, float32)  # the same dynamic shared memory, as fp32 (the chunk sums)
         last = cuda.shared.array(1, int32)
         wsq = cuda.shared.array(WSQ, float32)
+        rsum = cuda.shared.array(RSUM, float32)  # cs > 1: the block's rows' chunk sums, read across the cluster
         tid, warp, lane, qb0 = ids(qpb)
         qend = min(qb0 + qpb, nq)
         r0 = qb0 * STREAM_ROWS
@@ -1778,12 +1771,12 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
         acc = cuda.local.array(ROWS, float32)
         while q < qend:
             fetch(ring, ROWS, codes, c, q + step, qend, nq, lane)
-            tile(sm, ring, 0, acc, lane, q, c, nsplit, up, rend, scales, bias, y, ws, res, r0, smf)
+            tile(sm, ring, 0, acc, lane, q, c, nsplit, up, rend, scales, bias, y, ws, res, r0, rsum)
             q += step
             if q >= qend:
                 break
             fetch(ring, 0, codes, c, q + step, qend, nq, lane)
-            tile(sm, ring, ROWS, acc, lane, q, c, nsplit, up, rend, scales, bias, y, ws, res, r0, smf)
+            tile(sm, ring, ROWS, acc, lane, q, c, nsplit, up, rend, scales, bias, y, ws, res, r0, rsum)
             q += step
 
         release()  # the next launch may start placing its blocks: this one's are into their last stage
@@ -1802,7 +1795,7 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
             for i in range(c * per + tid, min(rend - r0, (c + 1) * per), nt):
                 v = float32(0.0)
                 for k in range(cs):
-                    v += load_cluster_f32(smf, RO + i, k)
+                    v += load_cluster_f32(rsum, i, k)
                 y[0, r0 + i] = with_res(v * irms + float32(bias[r0 + i]), res, 0, r0 + i)
             cluster_sync()
         elif nsplit > 1 and last_to_finish(counters, cuda.blockIdx.x, nsplit, last, tid):
@@ -1960,10 +1953,13 @@ def plan_stream(n_out: int, n_in: int, sms: int, smem: int, warps: int = 8, kspl
     return StreamPlan(warps, ksplit, slots, qpb, QW, cps, nch, nbytes)
 
 
-def chunk_shared_bytes(rows: int = 0) -> int:
-    """Dynamic shared memory of a chunk-kernel block: one chunk table and its slice of x, and with a
-    cluster finish (``rows`` > 0) the chunk's sum of squares and the chunk sums of its ``rows`` rows."""
-    return 4 * (STREAM_TABLE_WORDS + STREAM_X_WORDS + (1 + rows if rows else 0))
+CLUSTER_ROWS = 1024  # the most rows a cluster plan's block takes: its rows' chunk sums are a static array this long
+
+
+def chunk_shared_bytes(cluster: bool = False) -> int:
+    """Shared memory of a chunk-kernel block: one chunk table and its slice of x (dynamic), and with a
+    cluster finish the chunk's sum of squares (dynamic) and :data:`CLUSTER_ROWS` rows' chunk sums (static)."""
+    return 4 * (STREAM_TABLE_WORDS + STREAM_X_WORDS + (1 + CLUSTER_ROWS if cluster else 0))
 
 
 def plan_chunk(n_out: int, n_in: int, smem: int, warps: int = 8, tile: int = 4, rows: int = 512,
@@ -1984,9 +1980,13 @@ def plan_chunk(n_out: int, n_in: int, smem: int, warps: int = 8, tile: int = 4, 
     if cluster and not 1 < nch <= MAX_CLUSTER:
         raise ValueError(f"chunk plan: a cluster finish takes 2 to {MAX_CLUSTER} chunks of {STREAM_GROUPS * D} inputs; "
                          f"in_features={n_in} makes {nch}" + (" at M=4 (two halves)" if M == 4 else ""))
-    nbytes = chunk_shared_bytes(qpb * STREAM_ROWS if cluster else 0)
-    if nbytes + 64 > smem:
-        raise ValueError(f"the chunk kernel needs {nbytes} bytes of shared memory a block; this GPU allows {smem}")
+    if cluster and qpb * STREAM_ROWS > CLUSTER_ROWS:
+        raise ValueError(f"chunk plan: a cluster finish takes at most {CLUSTER_ROWS} rows a block, "
+                         f"{rows} asked make {qpb * STREAM_ROWS}")
+    total = chunk_shared_bytes(cluster)
+    if total + 64 > smem:
+        raise ValueError(f"the chunk kernel needs {total} bytes of shared memory a block; this GPU allows {smem}")
+    nbytes = total - (4 * CLUSTER_ROWS if cluster else 0)  # what the launch asks for: the dynamic part
     return StreamPlan(warps, nch, 2, qpb, 0, 1, nch, nbytes, kernel="chunk", tile=tile, cluster=nch if cluster else 0)
 
 
@@ -2153,6 +2153,8 @@ class AdditiveGemv:
                 raise ValueError(f"{plan.label()}: a cluster finish needs a GPU of compute capability 9.0 or later "
                                  f"(this one is {'.'.join(map(str, torch.cuda.get_device_capability(self.device)))})")
             chunk = plan.kernel == "chunk"
+            if chunk and plan.cluster and plan.qpb * STREAM_ROWS > CLUSTER_ROWS:
+                raise ValueError(f"{plan.label()}: a cluster finish takes at most {CLUSTER_ROWS} rows a block")
             if not chunk and self.M != 2:
                 raise ValueError(f"{plan.label()}: the streaming kernel runs M=2 codes (M=4 runs the chunk kernel)")
             kern = (chunk_kernel(plan.warps, plan.tile, pre, post, plan.cluster, chunk_finish_rows(plan.qpb, plan.warps), self.M // 2)
