@@ -1608,9 +1608,10 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
     g * x un-normalised and sums that chunk's squares; the chunks' sums meet where the row-group's chunks
     do, and 1 / rms multiplies the row's sum where y is written. ``cs`` > 1: the grid's ``cs`` chunks of a
     row-group are one thread block cluster instead, each block keeps its rows' chunk sums in shared
-    memory (after x) and, after a cluster barrier, sums 1 / cs of the row-group's rows over the
-    cluster's blocks through distributed shared memory and writes them: no workspace, counter or
-    second pass through L2 (GPU only). Otherwise each thread of the finishing block sums ``fw``
+    memory (a static array, :data:`CLUSTER_ROWS` long) and, after a cluster barrier, sums 1 / cs of the
+    row-group's rows over the cluster's blocks through distributed shared memory and writes them: no
+    workspace, counter or second pass through L2 (GPU only). Otherwise each thread of the finishing
+    block sums ``fw``
     adjacent rows (:func:`chunk_finish_rows`, :func:`~trapetum.gemv.rows_summer`). Arguments as
     :func:`stream_kernel`'s (``cps`` is 1 and unread; ``qpb`` a multiple of ``QT``)."""
     fw = 1 if cs > 1 else fw
