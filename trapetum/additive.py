@@ -1653,10 +1653,21 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
 
     @cuda.jit(device=True, **INLINE)
     def fetch(ring, o, codes, c, q0, qend, nq, lane):
-        for i in range(QT):
-            if q0 + i < qend:
+        # Quad q0 + i's words are word w0 + 128 i: a 64-bit base and constant steps, so every load of a
+        # whole tile is [R + imm] off one address (ptxas, sm_90: the 70B gate_up build's tile loop lost
+        # ~80 address and predicate instructions a slot, where each load computed its own 32-bit index,
+        # 64-bit compare and pointer). The last tile of a row-group, past qend, zeroes the rest.
+        w0 = int64(((uint32(c) * uint32(nq) + uint32(q0)) * uint32(32) + lane) * uint32(4))
+        left = int32(qend - q0)
+        if left >= QT:
+            for i in range(QT):
                 ring[o + 4 * i], ring[o + 4 * i + 1], ring[o + 4 * i + 2], ring[o + 4 * i + 3] = load16_stream(
-                    codes, ((uint32(c) * uint32(nq) + uint32(q0 + i)) * uint32(32) + lane) * uint32(4))
+                    codes, w0 + int64(128 * i))
+            return
+        for i in range(QT):
+            if int32(i) < left:
+                ring[o + 4 * i], ring[o + 4 * i + 1], ring[o + 4 * i + 2], ring[o + 4 * i + 3] = load16_stream(
+                    codes, w0 + int64(128 * i))
             else:
                 ring[o + 4 * i], ring[o + 4 * i + 1], ring[o + 4 * i + 2], ring[o + 4 * i + 3] = zero, zero, zero, zero
 
