@@ -1206,10 +1206,11 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
 
     - ``build(sm, bfr, lc, buf, warp, lane, cbexp)``: chunk ``lc`` (of the staged x) into table
       ``buf`` (see :func:`stream_kernel`, step 2); returns the factor 2**s its sums must be multiplied by;
-    - ``start(sm, x32, g32, cb32, cbo, bfr, wsq, c0, nc, tid, warp, lane, cbexp, eps)``: a block's prologue:
-      the warp's B fragments ``bfr`` loaded (two codebooks from word ``cbo`` of ``cb32``), then (after the wait for a programmatic launch's
-      predecessor, :func:`trapetum.gemv.launch_hooks`) chunks c0 .. c0 + nc - 1 of x staged (cp.async,
-      or through registers normalised or gated) and chunk c0's table built in table 0; returns its factor;
+    - ``start(sm, x32, g32, cb32, cbo, bfr, wsq, c0, nc, tid, warp, lane, cbexp, eps)``: a block's
+      prologue: the warp's B fragments ``bfr`` loaded (two codebooks from word ``cbo`` of ``cb32``), then
+      (after the wait for a programmatic launch's predecessor, :func:`trapetum.gemv.launch_hooks`) chunks
+      c0 .. c0 + nc - 1 of x staged (cp.async, or through registers normalised or gated) and chunk c0's
+      table built in table 0; returns its factor;
     - ``ids(qpb)``: (thread, warp, lane, the block's first quad of rows);
     - ``lookup(sm, w, l0)``: the sum of code word w's four table entries (l0: the lane's byte offset of
       codebook 0, group s, in the table read);
@@ -1598,8 +1599,7 @@ def chunk_ws_columns(n_out: int, pre: str) -> int:
 def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0, fw: int = 1, halves: int = 1):
     """The chunk kernel (M = 2, batch 1; see the comment above; ``halves=2``: M = 4 as two M = 2 layers
     over the same x and scales, codebooks 0-1 and 2-3, whose chunks the grid's second half takes;
-    :func:`stream_codes`): grid (row-groups, chunks), a block
-    of ``warps`` warps builds its chunk's table (as :func:`stream_kernel`'s step 2, from x staged with
+    :func:`stream_codes`): grid (row-groups, chunks), a block of ``warps`` warps builds its chunk's table (as :func:`stream_kernel`'s step 2, from x staged with
     ``pre``) and its warps walk the row-group's quads ``QT`` at a time: 16-byte code loads a lane
     (``ld.global.nc``; the next tile's issued before this tile's lookups), four lookups a row and
     lane, then the halving exchange. Each row's chunk sum, times the table's factor and the row's
@@ -1611,8 +1611,7 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
     memory (a static array, :data:`CLUSTER_ROWS` long) and, after a cluster barrier, sums 1 / cs of the
     row-group's rows over the cluster's blocks through distributed shared memory and writes them: no
     workspace, counter or second pass through L2 (GPU only). Otherwise each thread of the finishing
-    block sums ``fw``
-    adjacent rows (:func:`chunk_finish_rows`, :func:`~trapetum.gemv.rows_summer`). Arguments as
+    block sums ``fw`` adjacent rows (:func:`chunk_finish_rows`, :func:`~trapetum.gemv.rows_summer`). Arguments as
     :func:`stream_kernel`'s (``cps`` is 1 and unread; ``qpb`` a multiple of ``QT``)."""
     fw = 1 if cs > 1 else fw
     key = (warps, QT, pre, post, cs, fw, halves)
@@ -1621,7 +1620,6 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
     check_chunk_shape(warps, QT)
     if halves not in (1, 2):
         raise ValueError(f"the chunk kernel runs M=2 (halves=1) or M=4 (halves=2) codes, got halves={halves}")
-    CBO = 2 * K * D // 2  # words of two codebooks: the second half's B fragments start there
     check_ops(pre, post)
     if cs > 1 and SIM:
         raise ValueError("the chunk kernel's cluster finish runs on a GPU only (the CUDA simulator runs one block at a time)")
@@ -1629,6 +1627,7 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
         raise ValueError(f"the chunk kernel's cluster finish takes at most {MAX_CLUSTER} chunks, got {cs}")
     WSQ = (warps, 2) if pre == "rms" else (1, 1)  # [w, 0]: a warp's sum of squares; [w, 1]: its largest |g x| (start)
     SO = STREAM_TABLE_WORDS + STREAM_X_WORDS  # word offset of the chunk's sum of squares (cs > 1, pre='rms')
+    CBO = 2 * K * D // 2  # words of two codebooks: halves=2's second half's B fragments start there
     # A cluster block's rows' chunk sums are a static array: where they sat in the dynamic shared memory
     # past x, the tile's store to them kept ptxas from folding the table's shared base into the lookups
     # (an IMAD a lookup in every 7B cluster build), and the restage pass took the rms builds to 201
@@ -1761,15 +1760,16 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
         fetch(ring, 0, codes, c, q, qend, nq, lane)
         bfr = cuda.local.array(KT, int32)
         # 2. the chunk's table (fp16, scaled by 2**-s; sums by up = 2**s)
+        second = halves == 2 and c >= nsplit // 2  # M=4: codebooks 2-3 over x's chunk c - nsplit / 2
         cx, cbo = c, uint32(0)
-        if halves == 2 and c >= nsplit // 2:  # M=4: codebooks 2-3 over x's chunk c - nsplit / 2
+        if second:
             cx, cbo = c - nsplit // 2, uint32(CBO)
         up = start(sm, x32, g32, cb32, cbo, bfr, wsq, cx, 1, tid, warp, lane, cbexp, eps)
         if RMS:  # the chunk's sum of squares (wsq: the warps' shares, before start's barriers)
             t = float32(0.0)
             for w in range(warps):
                 t += wsq[w, 0]
-            if halves == 2 and c >= nsplit // 2:  # each input's square counted once
+            if second:  # each input's square counted once
                 t = float32(0.0)
             if cs > 1:
                 if tid == 0:  # for the cluster's blocks, after its barrier (the tiles write past it)

@@ -1751,6 +1751,13 @@ def _chunk_case(prov: dict, what: str, n_in, n_out, pre, post, plan: str) -> dic
             "plan": _chunk_plan_label(plan)}
 
 
+def _chunk_variants(t: pd.DataFrame):
+    """A variants probe's timing records by case: (its keys what, in, out, pre, post, plan; its records;
+    their microseconds by variant), in the probe's order."""
+    for keys, g in t.groupby(["what", "in_features", "out_features", "pre", "post", "plan"], sort=False):
+        yield keys, g, {r["variant"]: 1e3 * float(r["time_ms"]) for r in g.to_dict("records")}
+
+
 FINISH_PROBES = "_runs/finish-probe*.json"  # the chunk kernel's K-split finish, versions of the code side by side
 FINISH_VARIANTS = {"e8ac594": "e8ac594", "e8+sum_splits": "+ sum_splits tail", "04bc3b8": "+ overflow check (04bc3b8)",
                    "new": "+ wide finish"}
@@ -1769,10 +1776,9 @@ def finish_probe(folder=None) -> pd.DataFrame:
     for prov, label, t in _probe_runs(folder, FINISH_PROBES, short=True):
         if t.empty:
             continue
-        for (what, n_in, n_out, pre, post, plan), g in t.groupby(["what", "in_features", "out_features", "pre", "post", "plan"], sort=False):
-            us = {r["variant"]: 1e3 * float(r["time_ms"]) for r in g.to_dict("records")}
-            p = ast.literal_eval(plan)
-            row = _chunk_case(prov, what, n_in, n_out, pre, post, plan) | {"rows a thread": chunk_finish_rows(p["rows"] // 4, p["warps"])}
+        for keys, g, us in _chunk_variants(t):
+            p = ast.literal_eval(keys[-1])
+            row = _chunk_case(prov, *keys) | {"rows a thread": chunk_finish_rows(p["rows"] // 4, p["warps"])}
             row |= {f"{name} (us)": us.get(v, np.nan) for v, name in FINISH_VARIANTS.items()}
             row["torch fp16 (us)"] = 1e3 * float(g["fp16_ms"].iloc[0])
             row["speedup now"] = row["torch fp16 (us)"] / row["+ wide finish (us)"]
@@ -1794,10 +1800,8 @@ def restage_probe(folder=None) -> pd.DataFrame:
         if t.empty or "pre" not in t:
             continue
         t = t[t["pre"].notna()]
-        for (what, n_in, n_out, pre, post, plan), g in t.groupby(["what", "in_features", "out_features", "pre", "post", "plan"], sort=False):
-            us = {r["variant"]: 1e3 * float(r["time_ms"]) for r in g.to_dict("records")}
-            row = _chunk_case(prov, what, n_in, n_out, pre, post, plan) | {"rows a thread": int(g["fw"].iloc[0]),
-                                                                              "K-slices": int(g["nsplit"].iloc[0])}
+        for keys, g, us in _chunk_variants(t):
+            row = _chunk_case(prov, *keys) | {"rows a thread": int(g["fw"].iloc[0]), "K-slices": int(g["nsplit"].iloc[0])}
             row |= {f"{name} (us)": us.get(v, np.nan) for v, name in RESTAGE_VARIANTS.items()}
             row["the probe's commit (us)"] = us.get("new", np.nan)
             row["torch fp16 (us)"] = 1e3 * float(g["fp16_ms"].iloc[0])
@@ -1879,9 +1883,8 @@ def hsum_probe(folder=None) -> pd.DataFrame:
     process (fastest of three interleaved passes): one row a GPU, layer and plan, in microseconds."""
     rows = []
     for prov, probe, t in _probe_runs(folder, HSUM_PROBES, short=True):
-        for (what, n_in, n_out, pre, post, plan), g in t.groupby(["what", "in_features", "out_features", "pre", "post", "plan"], sort=False):
-            us = {r["variant"]: 1e3 * float(r["time_ms"]) for r in g.to_dict("records")}
-            row = _chunk_case(prov, what, n_in, n_out, pre, post, plan)
+        for keys, _, us in _chunk_variants(t):
+            row = _chunk_case(prov, *keys)
             row |= {"fp32 sums, 7126cd0 (us)": us.get("7126cd0", np.nan), "fp16 sums (us)": us.get("new", np.nan)}
             rows.append(row | {"fp16 / fp32 sums": row["fp16 sums (us)"] / row["fp32 sums, 7126cd0 (us)"], "probe": probe})
     return pd.DataFrame(rows)

@@ -9,8 +9,8 @@ process compiles only the plans it launches.
 Where the file lives: ``$TRAPETUM_PLAN_CACHE`` if set (``off`` keeps plans in memory only), else
 ``plans.json`` under ``$XDG_CACHE_HOME/trapetum`` (``~/.cache/trapetum``). The file names the
 package sources that tuned it (:func:`trapetum.results.plan_source_id`: every source but the modules
-that only read and record results): plans tuned by other code are ignored, never trusted, since a kernel change can move the fastest plan or the shared memory a plan
-needs. A file that cannot be read is ignored with a warning (and replaced at the next write); one
+that only read and record results): plans tuned by other code are ignored, never trusted, since a
+kernel change can move the fastest plan or the shared memory a plan needs. A file that cannot be read is ignored with a warning (and replaced at the next write); one
 that cannot be written leaves the plans in memory. Results files record the cache in use
 (:func:`trapetum.results.provenance`), since their plans may then come from an earlier process.
 """
