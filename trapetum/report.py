@@ -1890,6 +1890,49 @@ def hsum_probe(folder=None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+STATIC_SUMS_PROBES = "_runs/cluster-static-probe-*.json"  # 034c66f, a32db5e (static cluster sums), 90922cd's fetch
+
+
+def static_sums_probe(folder=None) -> pd.DataFrame:
+    """Three versions of the chunk kernel at the decode's plans, in one process (fastest of three
+    interleaved passes): 034c66f (a cluster block's row sums in the dynamic shared memory past x; each
+    code load its own index), a32db5e (those sums a static array) and the probe's commit (a tile's code
+    loads off one 64-bit base, 90922cd). One row a GPU, layer and plan, in microseconds."""
+    rows = []
+    for prov, probe, t in _probe_runs(folder, STATIC_SUMS_PROBES, short=True):
+        for keys, _, us in _chunk_variants(t):
+            a, b, c = (us.get(k, np.nan) for k in ("034c66f", "a32db5e", "new"))
+            rows.append(_chunk_case(prov, *keys) | {"034c66f (us)": a, "static sums, a32db5e (us)": b, "one-base fetch (us)": c,
+                                                    "a32db5e / 034c66f": b / a, "fetch / a32db5e": c / b, "probe": probe})
+    return pd.DataFrame(rows)
+
+
+M4_PROBES = "_runs/m4-probe-*.json"  # 4-bit (M = 4) on the chunk kernel (two M = 2 halves) against the table kernel
+
+
+def m4_chunk_probe(folder=None) -> pd.DataFrame:
+    """4-bit additive codes (M = 4, batch 1) on the chunk kernel, as two M = 2 halves, against the table
+    kernel's plan from the additive table, in one process (fastest of three interleaved passes, torch
+    fp16 timed beside them): one row a GPU and shape, the table plan's time and the fastest chunk plan's."""
+    rows = []
+    for prov, probe, t in _probe_runs(folder, M4_PROBES, short=True):
+        if t.empty:
+            continue
+        t = t.assign(chunk=t["plan"].str.contains("'kernel': 'chunk'"))
+        for (n_in, n_out), g in t.groupby(["in_features", "out_features"], sort=False):
+            table, chunk = g[~g["chunk"]], g[g["chunk"]]
+            if table.empty or chunk.empty:
+                continue
+            best = chunk.loc[chunk["time_ms"].idxmin()]
+            fp16 = 1e3 * float(g["fp16_ms"].min())
+            tu, cu = 1e3 * float(table["time_ms"].min()), 1e3 * float(best["time_ms"])
+            rows.append({"GPU": gpu_label(prov.get("gpu", "")), "in x out": shape_label((int(n_in), int(n_out))),
+                         "torch fp16 (us)": fp16, "table kernel (us)": tu, "chunk kernel (us)": cu,
+                         "chunk plan": _chunk_plan_label(best["plan"]), "table: fp16 / it": fp16 / tu,
+                         "chunk: fp16 / it": fp16 / cu, "probe": probe})
+    return pd.DataFrame(rows)
+
+
 CHUNK_RUNS_PROBES = "_runs/chunk-runs-probe*.json"  # runs of chunks a block (tried and reverted; the code is in git history)
 
 
