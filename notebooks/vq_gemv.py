@@ -379,6 +379,14 @@ report.styled(report.additive_stream_skeleton(folder))
 report.styled(report.additive_chunk_probe(folder))
 
 # %% [markdown]
+# M = 4 on the chunk kernel, probed on its own: at the additive table's shapes, each chunk plan and the
+# table kernel's plan from an earlier run of the table were checked against float64 (large inputs too),
+# then timed in one process beside torch fp16. The ratio columns are torch fp16's time over each kernel's.
+
+# %%
+report.styled(report.m4_chunk_probe(folder))
+
+# %% [markdown]
 # Where the chunk kernel's time goes: the same kernel with one stage left out at a time (timing only:
 # the outputs are wrong; the full kernel passed its check first in the same process). With no code
 # loads at all, the kernel still takes most of its full time. Its fixed stages are the launch, the table
@@ -499,6 +507,18 @@ report.styled(report.rows_probe(folder))
 
 # %%
 report.styled(report.hsum_probe(folder))
+
+# %% [markdown]
+# Two more changes to the tile loop, read first in ptxas's code and then timed. A cluster block's row
+# sums moved from the dynamic shared memory past x into a static array, which let ptxas fold the
+# table's base into every lookup of the cluster builds. Then a tile's code loads went off one 64-bit
+# address with constant offsets, so only a row-group's last tile takes the predicated form. The probe
+# loaded the two earlier versions of `trapetum/additive.py` beside the package and timed all three at
+# the decode's plans in one process. Fewer instructions did not mean less time everywhere: the
+# ratio columns show which layers gained and which lost, and we have not found why they split that way.
+
+# %%
+report.styled(report.static_sums_probe(folder))
 
 # %% [markdown]
 # ### Tried and dropped: a run of chunks a block
