@@ -475,6 +475,16 @@ report.styled(report.finish_probe(folder))
 report.styled(report.restage_probe(folder))
 
 # %% [markdown]
+# The table kernel's finish (4-bit plans, batch 1) had got slower too. `sum_splits` had come to
+# clamp every load's index to the last slice, so that any count of slices could load 32 at a time.
+# In ptxas's code that tripled the finish's instructions a row. The probe below ran the committed form and
+# a second one, where whole groups of 32 slices load unclamped and only the tail is clamped, each in its
+# own process with the form installed before any kernel compiled. The second form is the package's now.
+
+# %%
+report.styled(report.splits_probe(folder))
+
+# %% [markdown]
 # ### Where a 70B launch's time goes
 #
 # The 70B step's 2-bit launches stay well short of the copy bandwidth (the "End to end" chapter has the

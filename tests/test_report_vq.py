@@ -531,6 +531,45 @@ def test_hsum_probe_pairs_the_fp32_and_fp16_sums_of_one_plan(tmp_path):
     assert report.hsum_probe(tmp_path / "nothing").empty
 
 
+def test_static_sums_probe_puts_three_versions_of_a_plan_in_one_row(tmp_path):
+    recs = [{"kind": "check", "passed": True}]
+    for v, ms in (("034c66f", 0.01089), ("a32db5e", 0.01081), ("new", 0.01142)):
+        recs.append({"kind": "time", "what": "7B qkv (cluster)", "in_features": 4096, "out_features": 12288, "variant": v, "pre": "rms",
+                     "post": "", "plan": _plan(8, 8, 1024, True), "time_ms": ms})
+    _chunk_probe_file(tmp_path, "cluster-static-probe-x-h200.json", recs)
+    t = report.static_sums_probe(tmp_path)
+    assert len(t) == 1 and t["probe"][0] == "82e5276 (1/1 checks)" and t["plan"][0] == "8 warps, 1024 rows a block, tiles of 32"
+    assert np.isclose(t["a32db5e / 034c66f"][0], 0.01081 / 0.01089) and np.isclose(t["fetch / a32db5e"][0], 0.01142 / 0.01081)
+    assert report.static_sums_probe(tmp_path / "nothing").empty
+
+
+def test_m4_chunk_probe_sets_the_fastest_chunk_plan_beside_the_table_plan(tmp_path):
+    table = str({"warps": 8, "RB": 32, "ksplit": 64, "build": "mma", "table": "fp16"})
+    recs = [{"kind": "check", "passed": True}]
+    for plan, ms in ((table, 0.2347), (_plan(8, 8, 2048), 0.1440), (_plan(8, 8, 4096), 0.1550)):
+        recs.append({"kind": "time", "in_features": 16384, "out_features": 53248, "M": 4, "plan": plan, "time_ms": ms,
+                     "fp16_ms": 0.4338 if ms > 0.15 else 0.4337})
+    recs.append({"kind": "time", "in_features": 4096, "out_features": 4096, "M": 4, "plan": table, "time_ms": 0.011, "fp16_ms": 0.013})
+    _chunk_probe_file(tmp_path, "m4-probe-x-h200.json", recs)
+    t = report.m4_chunk_probe(tmp_path)
+    assert len(t) == 1, "a shape with no chunk plan timed has no row"
+    assert t["chunk plan"][0] == "8 warps, 2048 rows a block, tiles of 32" and np.isclose(t["chunk kernel (us)"][0], 144.0)
+    assert np.isclose(t["chunk: fp16 / it"][0], 0.4337 / 0.1440) and np.isclose(t["table: fp16 / it"][0], 0.4337 / 0.2347)
+    assert report.m4_chunk_probe(tmp_path / "nothing").empty
+
+
+def test_splits_probe_pairs_the_two_forms_of_a_plan_across_processes(tmp_path):
+    plan = str({"warps": 8, "RB": 32, "ksplit": 64, "build": "mma", "table": "fp16"})
+    for v, ms in (("head", 0.03016), ("fix", 0.02422)):
+        _chunk_probe_file(tmp_path, f"splits-probe-{v}-x-h200.json", [
+            {"kind": "check", "passed": True},
+            {"kind": "time", "variant": v, "in_features": 14336, "out_features": 4096, "M": 4, "plan": plan, "time_ms": ms, "fp16_ms": 0.032}])
+    t = report.splits_probe(tmp_path)
+    assert len(t) == 1 and t["plan"][0] == "8 warps, 32 rows a block, K-split 64"
+    assert np.isclose(t["unclamped / clamped"][0], 0.02422 / 0.03016) and np.isclose(t["torch fp16 (us)"][0], 32.0)
+    assert report.splits_probe(tmp_path / "nothing").empty
+
+
 def test_chunk_rms_probe_pairs_plain_and_rms_launches_of_one_plan(tmp_path):
     recs = [{"kind": "check", "passed": True}]
     for fin, pre, ms in (("global", "", 0.0128), ("global", "rms", 0.0142), ("cluster", "", 0.0121), ("cluster", "rms", 0.0127)):
