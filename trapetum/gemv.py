@@ -1002,17 +1002,30 @@ def _sum8(v, n):
 
 
 @cuda.jit(device=True, **INLINE)
+def _load8_whole(ws, sp, b, row):
+    """ws[sp .. sp + 7, b, row], issued together, where all eight slices exist (no clamping)."""
+    return (load_cg(ws, sp, b, row), load_cg(ws, sp + 1, b, row), load_cg(ws, sp + 2, b, row), load_cg(ws, sp + 3, b, row),
+            load_cg(ws, sp + 4, b, row), load_cg(ws, sp + 5, b, row), load_cg(ws, sp + 6, b, row), load_cg(ws, sp + 7, b, row))
+
+
+@cuda.jit(device=True, **INLINE)
 def sum_splits(ws, nsplit, b, row):
     """The ``nsplit`` K-slice partials ws[:, b, row]: the last block sums them on the launch's critical
-    path, so each serialized L2 round trip adds to its time. Up to 32 loads are in flight at a time: the
-    next 1..32 slices are loaded at once, 8, 16 or 32 loads, with the slices past the last reading it
-    again, their values not added. A K-split of 22 (11008 inputs in the chunk kernel) waits for one
-    round trip, where 16 at a time waited for two (and whole groups of 8, then 4, then single loads
-    for four); e8ac594's loop, which ptxas unrolled, had up to 32 in flight as well."""
+    path, so each serialized L2 round trip adds to its time. Up to 32 loads are in flight at a time.
+    Whole groups of 32 slices load unclamped; the rest (1..31) is loaded at once, 8, 16 or 32 loads,
+    with the slices past the last reading it again, their values not added. A K-split of 22 (11008
+    inputs in the chunk kernel) waits for one round trip, where 16 at a time waited for two. Clamping
+    every load's index, whole groups too (5602353), tripled the table kernel's finish in instructions
+    a row and made its 4-bit launches 3-20 % slower on the H200 (NOTES "Session 58")."""
     v = float32(0.0)
     last = nsplit - 1
     sp = 0
-    while sp < nsplit:
+    while sp + 32 <= nsplit:
+        a, c = _load8_whole(ws, sp, b, row), _load8_whole(ws, sp + 8, b, row)
+        d, e = _load8_whole(ws, sp + 16, b, row), _load8_whole(ws, sp + 24, b, row)
+        v += (_sum8(a, 8) + _sum8(c, 8)) + (_sum8(d, 8) + _sum8(e, 8))
+        sp += 32
+    if sp < nsplit:
         n = nsplit - sp
         a = _load8(ws, sp, last, b, row)
         if n > 16:
@@ -1022,7 +1035,6 @@ def sum_splits(ws, nsplit, b, row):
             v += _sum8(a, 8) + _sum8(_load8(ws, sp + 8, last, b, row), n - 8)
         else:
             v += _sum8(a, n)
-        sp += 32
     return v
 
 
