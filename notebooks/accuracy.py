@@ -378,46 +378,8 @@ if gpu_vq and cpu_vq_path.is_file():
 # the full-text target, which then counts as not measured. The verdicts are computed, not typed.
 
 # %%
-full_text = pd.isna(ref.get("token_budget"))
-measured_on = f"{int(ref.tokens):,} tokens, stride {int(ref.stride)}" + ("" if full_text else " (token budget, not the full text)")
-rows = []
-rtn_rows = df[df.scheme == "rtn"]
-for _, r in rtn_rows.iterrows():
-    rows.append({"target": "reference point: plain RTN 4-bit over the reference", "scheme": r.label,
-                 "bits/weight": r.bits_per_weight, "value": f"{r['vs reference (%)']:+.1f}%", "met": "(reference point)",
-                 "measured on": measured_on})
-
-rows += pipelines.four_bit_targets(df, ref, measured_on)
-for ft_path, _, ft_run, ft_ref in ft_runs:  # the fine-tuning runs (section above): each with its own reference and peer rows
-    rows += pipelines.four_bit_targets(pipelines.scheme_rows(ft_run, ft_ref), ft_ref, pipelines.run_scope(ft_ref, ft_path.name))
-vq_path = folder / f"{results.slug(model)}-additive.json"  # the vector-codebook run: same model, text and setup
-if vq_path.is_file():
-    _, vq = results.read(vq_path)
-    vq_ref = vq[vq.scheme == "reference"].iloc[-1]
-    vq = vq[(vq.scheme != "reference") & vq.ppl.notna()]
-    beaten = pipelines.two_bit_peers(df)
-    note = f" (best of those: {beaten.ppl.min():,.0f} at {beaten.bits_per_weight.min():.3f} bits/weight)" if len(beaten) else ""
-    for _, v in vq[vq.bits == 2].iterrows():
-        rows.append(pipelines.two_bit_target(
-            v, vq_ref.ppl, beaten, note, f"{int(vq_ref.tokens):,} tokens, stride {int(vq_ref.stride)} ({vq_path.name}, its own reference run)"))
-else:
-    rows.append({"target": "best 2-bit vector codebook at most +60%, below GPTQ 2-bit and hqq 2-bit", "scheme": "",
-                 "bits/weight": float("nan"), "value": "", "met": "not measured (no vector-codebook accuracy run recorded)",
-                 "measured on": ""})
-for gpu_path, _, g_run, g_ref in gpu_runs:  # the GPU runs: each against its own reference and peers
-    g_on = pipelines.run_scope(g_ref, f"{gpu_path.name}, on the GPU")
-    g_rows = pipelines.scheme_rows(g_run, g_ref)
-    rows += pipelines.four_bit_targets(g_rows, g_ref, g_on)
-    g_vq = g_rows[(g_rows.scheme == "additive") & (g_rows.bits == 2)]
-    if len(g_vq):
-        beaten = pipelines.two_bit_peers(g_rows)
-        note = f" (best of those in this run: {beaten.ppl.min():,.0f})" if len(beaten) else " (no GPTQ or hqq 2-bit row in this run)"
-        rows.append(pipelines.two_bit_target(g_vq.loc[g_vq.ppl.idxmin()], g_ref.ppl, beaten, note, g_on))
-if not full_text:
-    rows.append({"target": "the rows of the main run on the full text", "scheme": "", "bits/weight": float("nan"), "value": "",
-                 "met": "not measured (the main run used a token budget)", "measured on": ""})
 display(Markdown(f"*{setting()}*"))
-pd.DataFrame(rows).style.format({"bits/weight": "{:.3f}"}, na_rep="").hide(axis="index")
+pipelines.accuracy_targets(folder, model, df, ref, ft_runs, gpu_runs).style.format({"bits/weight": "{:.3f}"}, na_rep="").hide(axis="index")
 
 # %% [markdown]
 # ## Provenance

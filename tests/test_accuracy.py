@@ -674,3 +674,40 @@ def test_calibration_comparison_pairs_labels_and_checks_the_reference():
     assert t.loc[0, "vs reference (%), main run"] == pytest.approx(10.0) and t.loc[0, "vs reference (%), generated"] == pytest.approx(5.0)
     assert t["within +8%"].tolist() == ["yes", "no"] and pd.isna(t.loc[1, "PPL, main run's calibration"])
     assert not P.calibration_comparison(main, pd.Series({"tokens": 2048, "ppl": 20.0}), cal)[1]
+
+
+def test_accuracy_targets_judge_each_run_against_its_own_reference(tmp_path):
+    import json
+
+    import pandas as pd
+
+    def run(ref, *rows, budget=None):
+        return pd.DataFrame([{"scheme": "reference", "label": "reference", "ppl": ref, "bits": None, "bits_per_weight": None,
+                              "tokens": 30720, "stride": 2048, "ctx": 2048, "token_budget": budget}, *rows])
+
+    rtn = {"scheme": "rtn", "label": "rtn:group_size=96", "ppl": 31.0, "bits": 4.0, "bits_per_weight": 4.33}
+    km = {"scheme": "kmeans-act", "label": "kmeans-act", "ppl": 21.0, "bits": 4.0, "bits_per_weight": 4.25}
+    hqq = {"scheme": "hqq", "label": "hqq:group_size=96", "ppl": 22.0, "bits": 4.0, "bits_per_weight": 4.33, "peer": "hqq"}
+    gptq2 = {"scheme": "gptq", "label": "gptq:bits=2", "ppl": 900.0, "bits": 2.0, "bits_per_weight": 2.33}
+    main = run(20.0, rtn, km, hqq, gptq2, budget=30720)
+    ref = main.iloc[0]
+    df = P.scheme_rows(main, ref)
+    add = {"scheme": "additive", "label": "additive", "ppl": 30.0, "bits": 2.0, "bits_per_weight": 2.15}
+    g = run(20.0, add, {**km, "ppl": 23.0})
+    gpu = [(tmp_path / "m-gpu-a.json", {}, g, g.iloc[0])]
+    t = P.accuracy_targets(tmp_path, "m", df, ref, [], gpu).set_index("target")
+    assert t.loc["reference point: plain RTN 4-bit over the reference", "value"] == "+55.0%"
+    best = t.loc["best 4-bit pipeline at most +8% over the reference"]
+    assert list(best["met"]) == ["yes", "no"] and list(best["value"]) == ["+5.00%", "+15.00%"]  # the main run, then the GPU run
+    assert "(token budget, not the full text)" in best["measured on"].iloc[0] and "m-gpu-a.json, on the GPU" in best["measured on"].iloc[1]
+    assert t.loc["below hqq 4-bit (hqq:group_size=96, 4.330 bits/weight, PPL 22.00)", "met"] == "yes"
+    assert t.loc["best 2-bit vector codebook at most +60%, below GPTQ 2-bit and hqq 2-bit", "met"].startswith("not measured")
+    gpu2 = t.loc["best 2-bit vector codebook at most +60%, below GPTQ 2-bit and hqq 2-bit (no GPTQ or hqq 2-bit row in this run)"]
+    assert (gpu2["met"], gpu2["value"]) == ("yes", "+50.0% (PPL 30.00)")
+    assert t.loc["the rows of the main run on the full text", "met"] == "not measured (the main run used a token budget)"
+    # the vector-codebook run, with its own reference, judged against the main run's 2-bit peers
+    (tmp_path / "m-additive.json").write_text(json.dumps({"provenance": {"git_commit": "abc"},
+                                                           "records": run(25.0, {**add, "ppl": 45.0}).to_dict("records")}))
+    vq = P.accuracy_targets(tmp_path, "m", df, ref, [], []).set_index("target")
+    row = vq.loc["best 2-bit vector codebook at most +60%, below GPTQ 2-bit and hqq 2-bit (best of those: 900 at 2.330 bits/weight)"]
+    assert (row["met"], row["value"]) == ("no", "+80.0% (PPL 45.00)") and "m-additive.json, its own reference run" in row["measured on"]

@@ -1561,6 +1561,54 @@ def two_bit_target(v, ref_ppl: float, peers: "pd.DataFrame", peers_note: str, me
             "met": "yes" if ok else "no", "measured on": measured_on}
 
 
+def accuracy_targets(folder: Path | str, model_name: str, df: "pd.DataFrame", ref, ft_runs: list, gpu_runs: list) -> "pd.DataFrame":
+    """Issue 5's targets, a row each, every verdict on one run against that run's own reference: the
+    main run ``df`` (its :func:`scheme_rows`, reference row ``ref``: plain RTN as the reference point,
+    the 4-bit verdicts), each fine-tuning run of ``ft_runs`` and GPU run of ``gpu_runs``
+    (:func:`recorded_runs`; 4-bit, and 2-bit for a GPU run's additive rows), and the vector-codebook
+    run ``<folder>/<model>-additive.json`` (2-bit, against the main run's GPTQ and hqq 2-bit rows).
+    Columns: target, scheme, bits/weight, value, met, measured on; a target nothing measured says so."""
+    import pandas as pd
+
+    from . import results
+
+    full_text = pd.isna(ref.get("token_budget"))
+    measured_on = f"{int(ref.tokens):,} tokens, stride {int(ref.stride)}" + ("" if full_text else " (token budget, not the full text)")
+    rows = [{"target": "reference point: plain RTN 4-bit over the reference", "scheme": r.label, "bits/weight": r.bits_per_weight,
+             "value": f"{r['vs reference (%)']:+.1f}%", "met": "(reference point)", "measured on": measured_on}
+            for _, r in df[df.scheme == "rtn"].iterrows()]
+    rows += four_bit_targets(df, ref, measured_on)
+    for ft_path, _, ft_run, ft_ref in ft_runs:  # each with its own reference and peer rows
+        rows += four_bit_targets(scheme_rows(ft_run, ft_ref), ft_ref, run_scope(ft_ref, Path(ft_path).name))
+    vq_path = Path(folder) / f"{results.slug(model_name)}-additive.json"  # same model, text and setup
+    if vq_path.is_file():
+        _, vq = results.read(vq_path)
+        vq_ref = vq[vq.scheme == "reference"].iloc[-1]
+        vq = vq[(vq.scheme != "reference") & vq.ppl.notna()]
+        beaten = two_bit_peers(df)
+        note = f" (best of those: {beaten.ppl.min():,.0f} at {beaten.bits_per_weight.min():.3f} bits/weight)" if len(beaten) else ""
+        for _, v in vq[vq.bits == 2].iterrows():
+            rows.append(two_bit_target(v, vq_ref.ppl, beaten, note,
+                                       f"{int(vq_ref.tokens):,} tokens, stride {int(vq_ref.stride)} ({vq_path.name}, its own reference run)"))
+    else:
+        rows.append({"target": "best 2-bit vector codebook at most +60%, below GPTQ 2-bit and hqq 2-bit", "scheme": "",
+                     "bits/weight": float("nan"), "value": "", "met": "not measured (no vector-codebook accuracy run recorded)",
+                     "measured on": ""})
+    for gpu_path, _, g_run, g_ref in gpu_runs:
+        g_on = run_scope(g_ref, f"{Path(gpu_path).name}, on the GPU")
+        g_rows = scheme_rows(g_run, g_ref)
+        rows += four_bit_targets(g_rows, g_ref, g_on)
+        g_vq = g_rows[(g_rows.scheme == "additive") & (g_rows.bits == 2)]
+        if len(g_vq):
+            beaten = two_bit_peers(g_rows)
+            note = f" (best of those in this run: {beaten.ppl.min():,.0f})" if len(beaten) else " (no GPTQ or hqq 2-bit row in this run)"
+            rows.append(two_bit_target(g_vq.loc[g_vq.ppl.idxmin()], g_ref.ppl, beaten, note, g_on))
+    if not full_text:
+        rows.append({"target": "the rows of the main run on the full text", "scheme": "", "bits/weight": float("nan"), "value": "",
+                     "met": "not measured (the main run used a token budget)", "measured on": ""})
+    return pd.DataFrame(rows)
+
+
 def finetune_table(run: "pd.DataFrame") -> "pd.DataFrame":
     """One row per scheme of a run (its records, reference row included): perplexity and % over the
     run's own reference, whether it is within +8 %, quantize seconds (fine-tuning included), and
