@@ -36,10 +36,14 @@ import contextlib
 import copy
 import datetime as _dt
 import functools
+import hashlib
 import importlib.util
 import json
 import math
+import os
+import platform
 import re
+import shlex
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -1436,11 +1440,6 @@ def record_accuracy(model_name: str, schemes: list[str], folder: Path | str | No
     command that repeats the run, its parameters, the CPU and torch threads, the packages, the text file
     and its SHA-256, and llmcompressor's status. Until the run ends, ``<model>.partial.json`` holds every
     row measured so far, so a stopped run leaves what it measured."""
-    import os
-    import platform
-    import shlex
-    import hashlib
-
     from . import results
 
     folder = Path(folder) if folder is not None else ACCURACY_DIR

@@ -1751,10 +1751,10 @@ def _chunk_case(prov: dict, what: str, n_in, n_out, pre, post, plan: str) -> dic
             "plan": _chunk_plan_label(plan)}
 
 
-def _chunk_variants(t: pd.DataFrame):
-    """A variants probe's timing records by case: (its keys what, in, out, pre, post, plan; its records;
-    their microseconds by variant), in the probe's order."""
-    for keys, g in t.groupby(["what", "in_features", "out_features", "pre", "post", "plan"], sort=False):
+def _chunk_variants(t: pd.DataFrame, keys=("what", "in_features", "out_features", "pre", "post", "plan")):
+    """A variants probe's timing records by case: (the case's ``keys``, by default what, in, out, pre,
+    post, plan; its records; their microseconds by variant), in the probe's order."""
+    for keys, g in t.groupby(list(keys), sort=False):
         yield keys, g, {r["variant"]: 1e3 * float(r["time_ms"]) for r in g.to_dict("records")}
 
 
@@ -1946,8 +1946,7 @@ def splits_probe(folder=None) -> pd.DataFrame:
         return pd.DataFrame()
     t = pd.concat([t.assign(gpu=gpu_label(prov.get("gpu", "")), commit=str(prov.get("git_commit"))[:7]) for prov, t in runs])
     rows = []
-    for (gpu, commit, n_in, n_out, M, plan), g in t.groupby(["gpu", "commit", "in_features", "out_features", "M", "plan"], sort=False):
-        us = {r["variant"]: 1e3 * float(r["time_ms"]) for r in g.to_dict("records")}
+    for (gpu, commit, n_in, n_out, M, plan), g, us in _chunk_variants(t, ("gpu", "commit", "in_features", "out_features", "M", "plan")):
         p = ast.literal_eval(plan)
         rows.append({"GPU": gpu, "in x out": shape_label((int(n_in), int(n_out))), "M": int(M),
                      "plan": f"{p['warps']} warps, {p['RB']} rows a block, K-split {p['ksplit']}",
