@@ -268,9 +268,10 @@ def test_m4_stream_layout_and_plans():
         A.stream_codes(t.codes[..., :3])
     p2, p4 = A.plan_chunk(14336, 4096, 227 * 1024, rows=512), A.plan_chunk(14336, 4096, 227 * 1024, rows=512, M=4)
     assert (p2.ksplit, p4.ksplit) == (8, 16) and p4.qpb == p2.qpb
-    with pytest.raises(ValueError, match="at M=4"):  # 16 chunks: more than a cluster holds
-        A.plan_chunk(14336, 4096, 227 * 1024, cluster=True, M=4)
+    with pytest.raises(ValueError, match="at M=4"):  # 32 chunks: more than a cluster holds
+        A.plan_chunk(14336, 8192, 227 * 1024, cluster=True, M=4)
     assert A.plan_chunk(14336, 2048, 227 * 1024, cluster=True, M=4).cluster == 8
+    assert A.plan_chunk(14336, 4096, 227 * 1024, cluster=True, M=4).cluster == 16  # a non-portable cluster
     with pytest.raises(ValueError, match="M=2 or M=4"):
         A.plan_chunk(64, 512, 227 * 1024, M=3)
     with pytest.raises(ValueError, match="M=2 at batch 1"):  # the streaming kernel stays M=2
@@ -308,9 +309,12 @@ def test_chunk_cluster_plans_and_their_errors():
         g._launch_parts(1, too_big)
     assert "clusters of 8" in p.label() and A.plan_chunk(14336, 4096, 227 * 1024).cluster == 0
     assert A.plan_chunk(100, 1024, 227 * 1024, cluster=True).cluster == 2
-    for n_in in (512, 4608):  # 1 chunk (nothing to meet) and 9 (past a portable cluster)
-        with pytest.raises(ValueError, match="cluster finish takes 2 to 8 chunks"):
+    for n_in in (512, 8704):  # 1 chunk (nothing to meet) and 17 (past what sm_90 lets a cluster hold)
+        with pytest.raises(ValueError, match="cluster finish takes 2 to 16 chunks"):
             A.plan_chunk(64, n_in, 227 * 1024, cluster=True)
+    # 9 to 16 chunks: a non-portable cluster, which the launch opts in to (gemv.with_shared_limit)
+    assert [A.plan_chunk(64, n_in, 227 * 1024, cluster=True).cluster for n_in in (4608, 5120, 8192)] == [9, 10, 16]
+    assert any(q.cluster == 10 for q in A.chunk_candidates(15360, 5120, 227 * 1024))
     got = A.chunk_candidates(4096, 4096, 227 * 1024)
     # every plan of up to CLUSTER_ROWS rows a block also with a cluster
     assert sum(q.cluster == 8 for q in got) == sum(q.cluster == 0 and q.qpb * 4 <= A.CLUSTER_ROWS for q in got) > 0

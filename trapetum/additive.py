@@ -1127,7 +1127,12 @@ STREAM_TABLE_WORDS = K * 2 * 32  # a chunk's table: 256 entries x 2 codebooks x 
 STREAM_X_WORDS = STREAM_GROUPS * D // 2  # a chunk's slice of x: 512 fp16 values in 256 words
 STREAM_ROWS = 4  # rows a lane's 16-byte code load covers (a "quad")
 CHUNK_TILES = (4, 8)  # quads a warp's tile in the chunk kernel (:func:`chunk_kernel`): 16 or 32 rows
-MAX_CLUSTER = 8  # the most blocks a thread block cluster may portably hold: the chunk kernel's cluster finish
+# The most chunks the chunk kernel's cluster finish takes: 8 portably; 16 as a non-portable cluster, which sm_90 runs
+# once the kernel opts in (gemv.with_shared_limit). On the H200, 13B qkv and gate_up (10 chunks), 70B qkv (16) and
+# M=4 at 4096 x 14336 (16) ran 6-12 % under their global finish; 70B o and gate_up, 13B o and M=4 4096^2 ran
+# slower (data/_runs/c16-probe-7a9ccf1-h200.json): the tuner times both. A GPU that cannot place such a
+# cluster refuses the launch, and the tuner skips that candidate.
+MAX_CLUSTER = 16
 _stream_cache: dict = {}
 
 
@@ -1650,20 +1655,27 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
     with_res = residual_add(post)  # where a layer of one chunk writes y
     zero = int32(0)
 
+    HQ = QT // 2  # quads a half tile
+
     @cuda.jit(device=True, **INLINE)
-    def fetch(ring, o, codes, c, q0, qend, nq, lane):
-        # Quad q0 + i's words are word w0 + 128 i: a 64-bit base and constant steps, so every load of a
-        # whole tile is [R + imm] off one address (ptxas, sm_90: the 70B gate_up build's tile loop lost
-        # ~80 address and predicate instructions a slot, where each load computed its own 32-bit index,
-        # 64-bit compare and pointer). The last tile of a row-group, past qend, zeroes the rest.
+    def fetch(ring, o, codes, c, q0, qend, nq, lane, h):
+        # Half h of the tile: quads h HQ .. h HQ + HQ - 1. Quad q0 + i's words are word w0 + 128 i: a
+        # 64-bit base and constant steps, so every load is [R + imm] off one address (ptxas, sm_90: the
+        # 70B gate_up build's tile loop lost ~80 address and predicate instructions a slot, where each
+        # load computed its own 32-bit index, 64-bit compare and pointer). The tile loop issues a half
+        # before each half of the lookups: fetched whole, ptxas put all of them in one burst before the
+        # 128 lookups, and the 7B qkv and down builds lost 4-6 % (NOTES "Session 59"). The last tile of a
+        # row-group, past qend, zeroes the rest.
         w0 = int64(((uint32(c) * uint32(nq) + uint32(q0)) * uint32(32) + lane) * uint32(4))
         left = int32(qend - q0)
         if left >= QT:
-            for i in range(QT):
+            for j in range(HQ):
+                i = h * HQ + j
                 ring[o + 4 * i], ring[o + 4 * i + 1], ring[o + 4 * i + 2], ring[o + 4 * i + 3] = load16_stream(
                     codes, w0 + int64(128 * i))
             return
-        for i in range(QT):
+        for j in range(HQ):
+            i = h * HQ + j
             if int32(i) < left:
                 ring[o + 4 * i], ring[o + 4 * i + 1], ring[o + 4 * i + 2], ring[o + 4 * i + 3] = load16_stream(
                     codes, w0 + int64(128 * i))
@@ -1671,10 +1683,15 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
                 ring[o + 4 * i], ring[o + 4 * i + 1], ring[o + 4 * i + 2], ring[o + 4 * i + 3] = zero, zero, zero, zero
 
     @cuda.jit(device=True, **INLINE)
-    def tile(sm, ring, o, acc, lane, q0, c, nsplit, up, rend, scales, bias, y, ws, res, r0, rsum):
+    def look(sm, ring, o, acc, lane, h):
         l0 = lane << uint32(2)  # the one table's byte offset: codebook 0, group s
-        for i in range(ROWS):
+        for j in range(ROWS // 2):
+            i = h * (ROWS // 2) + j
             acc[i] = lookup(sm, uint32(ring[o + i]), l0)
+
+    @cuda.jit(device=True, **INLINE)
+    def tile(acc, lane, q0, c, nsplit, up, rend, scales, bias, y, ws, res, r0, rsum):
+        # the looked-up tile's rows summed across the lanes, and each row's sum stored
         h16(acc, lane)
         h8(acc, lane)
         h4(acc, lane)
@@ -1757,7 +1774,8 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
 
         # 1. the first tile's codes in flight; x's chunk (fused: normalised or gated); B fragments
         ring = cuda.local.array(RING, int32)
-        fetch(ring, 0, codes, c, q, qend, nq, lane)
+        fetch(ring, 0, codes, c, q, qend, nq, lane, 0)
+        fetch(ring, 0, codes, c, q, qend, nq, lane, 1)
         bfr = cuda.local.array(KT, int32)
         # 2. the chunk's table (fp16, scaled by 2**-s; sums by up = 2**s)
         second = halves == 2 and c >= nsplit // 2  # M=4: codebooks 2-3 over x's chunk c - nsplit / 2
@@ -1782,13 +1800,17 @@ def chunk_kernel(warps: int, QT: int, pre: str = "", post: str = "", cs: int = 0
         # 3. the row tiles, two code slots written out so their indices are constants
         acc = cuda.local.array(ROWS, float32)
         while q < qend:
-            fetch(ring, ROWS, codes, c, q + step, qend, nq, lane)
-            tile(sm, ring, 0, acc, lane, q, c, nsplit, up, rend, scales, bias, y, ws, res, r0, rsum)
+            for h in range(2):
+                fetch(ring, ROWS, codes, c, q + step, qend, nq, lane, h)
+                look(sm, ring, 0, acc, lane, h)
+            tile(acc, lane, q, c, nsplit, up, rend, scales, bias, y, ws, res, r0, rsum)
             q += step
             if q >= qend:
                 break
-            fetch(ring, 0, codes, c, q + step, qend, nq, lane)
-            tile(sm, ring, ROWS, acc, lane, q, c, nsplit, up, rend, scales, bias, y, ws, res, r0, rsum)
+            for h in range(2):
+                fetch(ring, 0, codes, c, q + step, qend, nq, lane, h)
+                look(sm, ring, ROWS, acc, lane, h)
+            tile(acc, lane, q, c, nsplit, up, rend, scales, bias, y, ws, res, r0, rsum)
             q += step
 
         release()  # the next launch may start placing its blocks: this one's are into their last stage
@@ -1978,7 +2000,7 @@ def plan_chunk(n_out: int, n_in: int, smem: int, warps: int = 8, tile: int = 4, 
                cluster: bool = False, M: int = 2) -> StreamPlan:
     """The chunk kernel's plan for an (out, in) M=2 layer: grid (row-groups, chunks), a block of
     ``warps`` warps over about ``rows`` rows (rounded to whole rounds of its warps' tiles of ``tile``
-    quads); ``cluster``: a row-group's chunks one thread block cluster (2 to 8 chunks; the kernel
+    quads); ``cluster``: a row-group's chunks one thread block cluster (2 to MAX_CLUSTER chunks; the kernel
     runs it on a GPU only). M=4: twice the chunks (two M=2 layers, :func:`chunk_kernel`'s ``halves``).
     Raises ValueError where it cannot run."""
     check_chunk_shape(warps, tile)
@@ -2011,7 +2033,7 @@ CHUNK_PLANS = ((8, 4, 256), (8, 4, 512), (8, 4, 1024), (8, 8, 512), (8, 8, 1024)
 
 def chunk_candidates(n_out: int, n_in: int, smem: int, clusters: bool = True, M: int = 2) -> list[StreamPlan]:
     """The chunk kernel's plans the tuner times for an M=2 (or M=4) layer at batch 1 (distinct ones
-    only), each also with a cluster finish where the layer has 2 to 8 chunks and ``clusters`` (a GPU
+    only), each also with a cluster finish where the layer has 2 to MAX_CLUSTER chunks and ``clusters`` (a GPU
     of compute capability 9.0 or later)."""
     out = []
     for w, qt, rows in CHUNK_PLANS:
@@ -2051,11 +2073,12 @@ _TUNED = PlanCache("additive", AdditivePlan, StreamPlan)
 _LIMITED: dict = {}
 
 
-def _with_limit(kern, args, nbytes: int):
+def _with_limit(kern, args, plan):
     """gemv.with_shared_limit, once per kernel, table size and device (it specializes and compiles)."""
+    nbytes, cluster = plan.shared_bytes, getattr(plan, "cluster", 0)
     key = (id(kern), nbytes, None if SIM else torch.cuda.current_device())
     if key not in _LIMITED:
-        _LIMITED[key] = with_shared_limit(kern, args, nbytes)
+        _LIMITED[key] = with_shared_limit(kern, args, nbytes, cluster)
     return _LIMITED[key]
 
 
@@ -2279,7 +2302,7 @@ class AdditiveGemv:
         def launchers(plan):
             kern, _, grid, owners, kviews = self._launch_parts(B, plan, pre, post)
             codes = sviews if isinstance(plan, StreamPlan) else views
-            kern = _with_limit(kern, self._args(xa, codes[0], ya, kviews, extra, plan), plan.shared_bytes)
+            kern = _with_limit(kern, self._args(xa, codes[0], ya, kviews, extra, plan), plan)
 
             def launcher(ta):
                 args = self._args(xa, ta, ya, kviews, extra, plan)
@@ -2369,7 +2392,7 @@ class AdditiveGemv:
         if fused:
             extra, res, res_src = fused_operands(xa, pre, post, norm_weight, res, eps)
         args = self._args(xa, self._stream if isinstance(plan, StreamPlan) else self._tiled, ya, views, extra, plan)
-        kern = _with_limit(kern, args, plan.shared_bytes)
+        kern = _with_limit(kern, args, plan)
         block, smem, dev = plan.warps * 32, plan.shared_bytes, self.device
         pdl = after_kernel and isinstance(plan, StreamPlan)  # the kernels whose prologue waits (_stream_parts' start)
 
@@ -2454,7 +2477,7 @@ def correctness_sweep(shapes, Ms=(2, 4), batches=(1, 2, 3, 8, 16), seed: int = 0
     for M in Ms:
         big += [(shapes[0], M, 1, dict(kernel="chunk", warps=8, tile=8, rows=512))]
         jobs += [(s, M, 1, dict(kernel="chunk", warps=w, tile=qt, rows=r)) for s in shapes[:2] for w, qt, r in ((8, 4, 256), (16, 4, 1024))]
-        # its cluster finish (2 to 8 chunks, sm_90 and later): the shapes whose inputs allow it
+        # its cluster finish (2 to MAX_CLUSTER chunks, sm_90 and later): the shapes whose inputs allow it
         if clusters_available(device):
             cl = [s for s in shapes if 1 < stream_chunks(s[0] // D) * (M // 2) <= MAX_CLUSTER][:2]
             big += [(s, M, 1, dict(kernel="chunk", warps=8, tile=8, rows=512, cluster=True)) for s in cl[:1]]

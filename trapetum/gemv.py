@@ -2771,33 +2771,43 @@ def shared_optin_works(device) -> bool:
 _RAISED: dict = {}  # id(specialized dispatcher) -> the limit it was raised to
 
 
-def with_shared_limit(dispatcher, args, nbytes: int):
-    """A dispatcher specialized to `args` whose kernel may use `nbytes` of dynamic shared memory.
+PORTABLE_CLUSTER = 8  # the most blocks a thread block cluster holds without the kernel's opt-in
+
+
+def with_shared_limit(dispatcher, args, nbytes: int, cluster: int = 0):
+    """A dispatcher specialized to `args` whose kernel may use `nbytes` of dynamic shared memory
+    (and, for ``cluster`` > 8 blocks a cluster, launch as a non-portable cluster).
 
     numba never opts a kernel in to more than the 48 KiB default (numba-cuda issue #94), so
     a launch asking for more fails with "invalid argument". This compiles the kernel for these
     argument types and raises the kernel's limit through the driver, as cudaFuncSetAttribute
-    would. Call it once, outside any CUDA-graph capture.
+    would. A cluster of 9 to 16 blocks (sm_90) needs the kernel's opt-in the same way. Call it
+    once, outside any CUDA-graph capture.
     """
     # Static shared memory counts against the same 48 KiB default: a 48 KiB table beside a 4-byte
     # static flag failed ("invalid argument") until this raised every limit above zero.
-    if SIM or nbytes <= 0:
+    if SIM or (nbytes <= 0 and cluster <= PORTABLE_CLUSTER):
         return dispatcher
     from numba.cuda.cudadrv.driver import binding, driver
 
     spec = dispatcher.specialize(*args)
-    # The limit belongs to the kernel, shared by every launch of it: never lower it, or a launcher
-    # bound earlier with more shared memory fails ("invalid argument").
-    nbytes = max(int(nbytes), _RAISED.get(id(spec), 0))
-    _RAISED[id(spec)] = nbytes
-    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    attrs = []
+    if nbytes > 0:
+        # The limit belongs to the kernel, shared by every launch of it: never lower it, or a launcher
+        # bound earlier with more shared memory fails ("invalid argument").
+        nbytes = max(int(nbytes), _RAISED.get(id(spec), 0))
+        _RAISED[id(spec)] = nbytes
+        attrs.append((binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes))
+    if cluster > PORTABLE_CLUSTER:
+        attrs.append((binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))
     for k in spec.overloads.values():
         f = k._codelibrary.get_cufunc()
-        driver.cuKernelSetAttribute(attr, int(nbytes), f.handle, f.device.id)
-        # and on this context's function of that kernel, which is what a launch runs
         err, fn = binding.cuKernelGetFunction(f.handle)
-        if int(err) == 0:
-            binding.cuFuncSetAttribute(fn, attr, int(nbytes))
+        for attr, value in attrs:
+            driver.cuKernelSetAttribute(attr, value, f.handle, f.device.id)
+            # and on this context's function of that kernel, which is what a launch runs
+            if int(err) == 0:
+                binding.cuFuncSetAttribute(fn, attr, value)
     return spec
 
 
