@@ -315,6 +315,7 @@ def test_chunk_cluster_plans_and_their_errors():
     # 9 to 16 chunks: a non-portable cluster, which the launch opts in to (gemv.with_shared_limit)
     assert [A.plan_chunk(64, n_in, 227 * 1024, cluster=True).cluster for n_in in (4608, 5120, 8192)] == [9, 10, 16]
     assert any(q.cluster == 10 for q in A.chunk_candidates(15360, 5120, 227 * 1024))
+    assert not any(q.cluster for q in A.chunk_candidates(15360, 5120, 227 * 1024, max_cluster=A.PORTABLE_CLUSTER))
     got = A.chunk_candidates(4096, 4096, 227 * 1024)
     # every plan of up to CLUSTER_ROWS rows a block also with a cluster
     assert sum(q.cluster == 8 for q in got) == sum(q.cluster == 0 and q.qpb * 4 <= A.CLUSTER_ROWS for q in got) > 0
@@ -393,6 +394,22 @@ def test_fused_tuning_candidates_follow_the_family_and_leave_room_for_the_norm(m
     assert 1 in {p.ksplit for p in g._candidates(1, "silu", "add", ("stream",))}
     assert all(isinstance(p, A.AdditivePlan) for p in g._candidates(1, "", "add", ("table",)))
     assert g._candidates(2, "", "", ("stream",)) == []  # the streaming kernel is batch 1's
+
+
+def test_the_fused_step_is_offered_portable_clusters_only(monkeypatch):
+    # 13B's 5120 inputs make 10 chunks: a plain call may time a cluster of 10, the decode step's fused
+    # calls (where those lost to the global finish) only clusters of up to 8
+    g = AdditiveGemv(random_additive_tensor(640, 5120, 2, seed=0), tune=False)
+    monkeypatch.setattr(g, "_smem", lambda: 227 * 1024)
+    monkeypatch.setattr(A, "sm_count", lambda device: 132)
+    monkeypatch.setattr(A, "clusters_available", lambda device: True)
+    plain = {p.cluster for p in g._candidates(1, "", "", ("stream",)) if p.kernel == "chunk"}
+    assert plain == {0, 10}
+    for pre, post in (("rms", ""), ("", "add"), ("silu", "add")):
+        assert {p.cluster for p in g._candidates(1, pre, post, ("stream",)) if p.kernel == "chunk"} == {0}
+    g4 = AdditiveGemv(random_additive_tensor(64, 2048, 4, seed=0), tune=False)  # M=4: 8 chunks, a portable cluster
+    monkeypatch.setattr(g4, "_smem", lambda: 227 * 1024)
+    assert 8 in {p.cluster for p in g4._candidates(1, "rms", "", ("stream",)) if p.kernel == "chunk"}
 
 
 def test_stream_plans_refuse_what_they_cannot_run():

@@ -42,6 +42,7 @@ from .gemv import (
     ClusterBounds,
     MAX_FUSED_BATCH,
     OPTIN_SIM,
+    PORTABLE_CLUSTER,
     SIM,
     _as_kernel_array,
     apply_post,
@@ -1130,8 +1131,9 @@ CHUNK_TILES = (4, 8)  # quads a warp's tile in the chunk kernel (:func:`chunk_ke
 # The most chunks the chunk kernel's cluster finish takes: 8 portably; 16 as a non-portable cluster, which sm_90 runs
 # once the kernel opts in (gemv.with_shared_limit). On the H200, 13B qkv and gate_up (10 chunks), 70B qkv (16) and
 # M=4 at 4096 x 14336 (16) ran 6-12 % under their global finish; 70B o and gate_up, 13B o and M=4 4096^2 ran
-# slower (data/_runs/c16-probe-7a9ccf1-h200.json): the tuner times both. A GPU that cannot place such a
-# cluster refuses the launch, and the tuner skips that candidate.
+# slower (data/_runs/c16-probe-7a9ccf1-h200.json): the tuner times both, for plain calls only (the fused
+# step's lost in the decode, AdditiveGemv._candidates). A GPU that cannot place such a cluster refuses the
+# launch, and the tuner skips that candidate.
 MAX_CLUSTER = 16
 _stream_cache: dict = {}
 
@@ -2031,10 +2033,11 @@ CHUNK_PLANS = ((8, 4, 256), (8, 4, 512), (8, 4, 1024), (8, 8, 512), (8, 8, 1024)
                (16, 4, 1024))
 
 
-def chunk_candidates(n_out: int, n_in: int, smem: int, clusters: bool = True, M: int = 2) -> list[StreamPlan]:
+def chunk_candidates(n_out: int, n_in: int, smem: int, clusters: bool = True, M: int = 2,
+                     max_cluster: int = MAX_CLUSTER) -> list[StreamPlan]:
     """The chunk kernel's plans the tuner times for an M=2 (or M=4) layer at batch 1 (distinct ones
-    only), each also with a cluster finish where the layer has 2 to MAX_CLUSTER chunks and ``clusters`` (a GPU
-    of compute capability 9.0 or later)."""
+    only), each also with a cluster finish where the layer has 2 to ``max_cluster`` chunks and ``clusters``
+    (a GPU of compute capability 9.0 or later)."""
     out = []
     for w, qt, rows in CHUNK_PLANS:
         for cluster in (False, True) if clusters else (False,):
@@ -2042,7 +2045,7 @@ def chunk_candidates(n_out: int, n_in: int, smem: int, clusters: bool = True, M:
                 p = plan_chunk(n_out, n_in, smem, warps=w, tile=qt, rows=rows, cluster=cluster, M=M)
             except ValueError:
                 continue
-            if p not in out:
+            if p not in out and p.cluster <= max_cluster:
                 out.append(p)
     return out
 
@@ -2332,8 +2335,15 @@ class AdditiveGemv:
         cands = [p for p in candidate_plans(self.n_out, self.nchunks, self.M, B, sms, smem)
                  if p.build == "mma" or not (pre or post)] if "table" in kernels else []
         if B == 1 and "stream" in kernels and tuning_enabled("additive-stream"):
+            # The fused step's calls (pre or post set) are offered portable clusters only: timed alone,
+            # 13B qkv and gate_up ran 7-11 % faster as clusters of 10 chunks and 70B qkv 12 % as one of 16,
+            # yet chained in the decode step 13B fell from 374.8 to 355.5 tok/s and 70B moved -0.4 %, while
+            # 7B's clusters of 8 beat their global finish there, 584.3 against 550.6
+            # (data/_runs/cluster-decode-ab-de2bff3-h200.json).
+            most = PORTABLE_CLUSTER if pre or post else MAX_CLUSTER
             streams = ((stream_candidates(self.n_out, self.n_in, sms, smem) if self.M == 2 else [])
-                       + chunk_candidates(self.n_out, self.n_in, smem, clusters_available(self.device), M=self.M))
+                       + chunk_candidates(self.n_out, self.n_in, smem, clusters_available(self.device), M=self.M,
+                                          max_cluster=most))
             cands += [p for p in streams if pre != "rms" or stream_rms_fits(p, smem)]
         return cands
 
