@@ -212,6 +212,23 @@ report.styled(report.programmatic_probe(out if out is not None else results.DATA
 report.styled(report.programmatic_variants(out if out is not None else results.DATA_DIR))
 
 # %% [markdown]
+# ### Thread block clusters in the 2-bit step
+#
+# The chunk kernel meets a row-group's chunks either through the global finish (partial sums in a
+# workspace, summed by the last block to finish) or inside one thread block cluster. Timed alone, as
+# the vector-codebook chapter does, clusters of 10 and 16 chunks beat the global finish at several
+# 13B and 70B layers. Chained in the decode step they did not. Each row below is one decode run in its
+# own process (512 tokens, programmatic launch, torch fp16 in the same process), with the step bound
+# of its own kernels timed alone. With the larger clusters the 13B step's kernels got faster and its
+# tokens slower; at 70B the two runs are close. At 7B, whose clusters hold 8 chunks, the clusters win
+# in the step too. So the tuner offers the fused step's calls clusters of at most 8 blocks. Why a
+# larger cluster loses in the chain is not measured. One reading: a cluster's blocks must be placed
+# together on one GPC, which is harder for a launch that starts while its predecessor still holds the SMs.
+
+# %%
+report.styled(report.cluster_decode_ab(out if out is not None else results.DATA_DIR))
+
+# %% [markdown]
 # ### The 4-bit step's GEMVs on the tensor cores
 #
 # The `dual` kernel (the GEMV chapter's batch-1 tensor-core family) also takes the step's fused

@@ -525,10 +525,21 @@ report.styled(report.hsum_probe(folder))
 # address with constant offsets, so only a row-group's last tile takes the predicated form. The probe
 # loaded the two earlier versions of `trapetum/additive.py` beside the package and timed all three at
 # the decode's plans in one process. Fewer instructions did not mean less time everywhere: the
-# ratio columns show which layers gained and which lost, and we have not found why they split that way.
+# ratio columns show which layers gained and which lost.
 
 # %%
 report.styled(report.static_sums_probe(folder))
+
+# %% [markdown]
+# In ptxas's code every build of the one-base fetch had the same shape: the next tile's eight 16-byte
+# loads in one burst, then all of the tile's lookups, where a32db5e's code had spread the loads among
+# the lookups. A fourth version keeps the one-base addressing and issues the loads in two halves, each
+# before half of the lookups. The next probe times it beside a32db5e and the burst, again at the
+# decode's plans in one process, each version checked against float64 first. The halves are faster
+# than the burst at most of the plans and are the package's code now.
+
+# %%
+report.styled(report.fetch_probe(folder))
 
 # %% [markdown]
 # ### Tried and dropped: a run of chunks a block
@@ -548,6 +559,22 @@ report.styled(report.static_sums_probe(folder))
 
 # %%
 report.styled(report.chunk_runs_trial(folder))
+
+# %% [markdown]
+# ### Clusters of more than 8 chunks
+#
+# A cluster of more than 8 blocks is not portable, but sm_90 runs clusters of up to 16 once the kernel
+# opts in (`CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED`, which the package sets where it raises
+# a kernel's shared-memory limit). That reaches the layers of 10 to 16 chunks, which had only the global
+# finish: Llama-2-13B's 5120 inputs, Llama-2-70B's 8192, and 4-bit codes at 4096 inputs. The probe
+# checked each cluster plan against float64 first (fused operations and |g x| past fp16's range included)
+# and then timed it beside the global plan the package had chosen, in one process. A layer of more than
+# 16 chunks is refused by the planner: those are the failed checks its label counts. Some layers gain and
+# some lose, so the tuner times both for a plain call. The "End to end" chapter shows why the decode
+# step's calls are offered clusters of at most 8.
+
+# %%
+report.styled(report.cluster16_probe(folder))
 
 # %% [markdown]
 # ## How far from the bytes

@@ -683,6 +683,26 @@ def test_programmatic_probe_sets_serial_and_programmatic_side_by_side(tmp_path):
     assert report.programmatic_probe(tmp_path / "nothing").empty
 
 
+def test_cluster_decode_ab_sets_each_run_of_a_model_side_by_side(tmp_path):
+    import json
+
+    (tmp_path / "_runs").mkdir()
+
+    def run(tok_s, step, frac, fp16=127.0):
+        prov = {"gpu": "NVIDIA H200", "git_commit": "de2bff3aa"}
+        return {"provenance": prov, "records": [{"scheme": "fp16", "path": "compiled", "tok_s": fp16},
+                                                {"scheme": "A2", "path": "fused-step", "tok_s": tok_s, "step_implied_tok_s": step,
+                                                 "fraction_of_step_bound": frac}]}
+    runs = {"70b-global": run(114.1, 119.4, 0.956), "13b-c16": run(355.5, 409.0, 0.869), "13b-global": run(374.8, 391.3, 0.958),
+            "7b-c8": run(584.3, 674.7, 0.866), "7b-new": {"provenance": {}, "records": [{"scheme": "fp16", "tok_s": 220.0}]}}
+    (tmp_path / "_runs" / "cluster-decode-ab-x-h200.json").write_text(json.dumps({"provenance": {}, "runs": runs}))
+    t = report.cluster_decode_ab(tmp_path)
+    assert list(t["model"]) == ["Llama-2-7B", "Llama-2-13B", "Llama-2-13B", "Llama-2-70B"]  # by size; a run with no fused step left out
+    assert t["plans"][1] == report.CLUSTER_RUNS["13b-c16"] and t["tok/s"][2] == 374.8 and t["commit"][0] == "de2bff3"
+    assert t["torch fp16 tok/s"][0] == 127.0 and t["share of step bound"][3] == 0.956
+    assert report.cluster_decode_ab(tmp_path / "nothing").empty
+
+
 def test_programmatic_variants_sets_each_against_the_serial_step(tmp_path):
     import json
 

@@ -543,6 +543,33 @@ def test_static_sums_probe_puts_three_versions_of_a_plan_in_one_row(tmp_path):
     assert report.static_sums_probe(tmp_path / "nothing").empty
 
 
+def test_fetch_probe_puts_three_versions_of_a_plan_in_one_row(tmp_path):
+    recs = [{"kind": "check", "passed": True}, {"kind": "check", "passed": False}]
+    for v, ms in (("a32db5e", 0.01095), ("fx", 0.01107), ("new", 0.01156)):
+        recs.append({"kind": "time", "what": "7B qkv (cluster)", "in_features": 4096, "out_features": 12288, "variant": v, "pre": "rms",
+                     "post": "", "plan": _plan(8, 8, 1024, True), "time_ms": ms})
+    _chunk_probe_file(tmp_path, "fetch-probe-x-h200.json", recs)
+    t = report.fetch_probe(tmp_path)
+    assert len(t) == 1 and t["probe"][0] == "82e5276 (1/2 checks)" and t["fused"][0] == "rms / -"
+    assert t["two halves (us)"][0] == pytest.approx(11.07) and t["halves / burst"][0] == pytest.approx(0.01107 / 0.01156)
+    assert t["halves / a32db5e"][0] == pytest.approx(0.01107 / 0.01095) and list(t.columns)[-1] == "probe"
+    assert report.fetch_probe(tmp_path / "nothing").empty
+
+
+def test_cluster16_probe_sets_the_fastest_cluster_plan_beside_the_global_one(tmp_path):
+    recs = [{"kind": "check", "passed": True}, {"kind": "check", "passed": False, "error": "refused"}]
+    base = {"kind": "time", "what": "13B qkv", "in_features": 5120, "out_features": 15360, "M": 2, "pre": "rms", "post": ""}
+    recs += [dict(base, variant="global", plan=_plan(8, 4, 512), time_ms=0.01615),
+             dict(base, variant="c16", plan=_plan(8, 4, 512, True), time_ms=0.01497),
+             dict(base, variant="c16", plan=_plan(8, 8, 1024, True), time_ms=0.01511),
+             dict(base, what="13B o", variant="global", plan=_plan(8, 8, 512), time_ms=0.00869)]  # no cluster timed: no row
+    _chunk_probe_file(tmp_path, "c16-probe-x-h200.json", recs)
+    t = report.cluster16_probe(tmp_path)
+    assert len(t) == 1 and t["layer"][0] == "13B qkv" and t["fastest cluster plan"][0] == "8 warps, 512 rows a block, tiles of 16"
+    assert t["cluster / global"][0] == pytest.approx(0.01497 / 0.01615) and t["probe"][0] == "82e5276 (1/2 checks)"
+    assert report.cluster16_probe(tmp_path / "nothing").empty
+
+
 def test_m4_chunk_probe_sets_the_fastest_chunk_plan_beside_the_table_plan(tmp_path):
     table = str({"warps": 8, "RB": 32, "ksplit": 64, "build": "mma", "table": "fp16"})
     recs = [{"kind": "check", "passed": True}]

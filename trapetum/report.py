@@ -1893,17 +1893,68 @@ def hsum_probe(folder=None) -> pd.DataFrame:
 STATIC_SUMS_PROBES = "_runs/cluster-static-probe-*.json"  # 034c66f, a32db5e (static cluster sums), 90922cd's fetch
 
 
+def _versions_probe(folder, pattern: str, labels: dict) -> pd.DataFrame:
+    """A probe of versions of the chunk kernel timed at the same plans in one process: one row a GPU,
+    layer and plan, a column of microseconds a version (``labels``: the probe's variant name -> column)."""
+    rows = []
+    for prov, probe, t in _probe_runs(folder, pattern, short=True):
+        for keys, _, us in _chunk_variants(t):
+            rows.append(_chunk_case(prov, *keys) | {col: us.get(v, np.nan) for v, col in labels.items()} | {"probe": probe})
+    return pd.DataFrame(rows)
+
+
 def static_sums_probe(folder=None) -> pd.DataFrame:
     """Three versions of the chunk kernel at the decode's plans, in one process (fastest of three
     interleaved passes): 034c66f (a cluster block's row sums in the dynamic shared memory past x; each
     code load its own index), a32db5e (those sums a static array) and the probe's commit (a tile's code
     loads off one 64-bit base, 90922cd). One row a GPU, layer and plan, in microseconds."""
+    t = _versions_probe(folder, STATIC_SUMS_PROBES, {"034c66f": "034c66f (us)", "a32db5e": "static sums, a32db5e (us)",
+                                                      "new": "one-base fetch (us)"})
+    if t.empty:
+        return t
+    t.insert(len(t.columns) - 1, "a32db5e / 034c66f", t["static sums, a32db5e (us)"] / t["034c66f (us)"])
+    t.insert(len(t.columns) - 1, "fetch / a32db5e", t["one-base fetch (us)"] / t["static sums, a32db5e (us)"])
+    return t
+
+
+FETCH_PROBES = "_runs/fetch-probe-*.json"  # a tile's code loads: a32db5e's, one burst (90922cd), two halves (de2bff3)
+
+
+def fetch_probe(folder=None) -> pd.DataFrame:
+    """The chunk kernel's code loads, three versions at the decode's plans in one process (fastest of
+    three interleaved passes): a32db5e (each load its own index, spread by ptxas among the lookups), the
+    probe's commit (one 64-bit base; ptxas issues the next tile's loads in one burst before the lookups)
+    and that commit's addressing with the loads in two halves, each before half the lookups. One row a
+    GPU, layer and plan, in microseconds."""
+    t = _versions_probe(folder, FETCH_PROBES, {"a32db5e": "a32db5e (us)", "new": "one burst (us)", "fx": "two halves (us)"})
+    if t.empty:
+        return t
+    t.insert(len(t.columns) - 1, "halves / burst", t["two halves (us)"] / t["one burst (us)"])
+    t.insert(len(t.columns) - 1, "halves / a32db5e", t["two halves (us)"] / t["a32db5e (us)"])
+    return t
+
+
+C16_PROBES = "_runs/c16-probe-*.json"  # clusters of 9 to 16 chunks (non-portable) against the global finish
+
+
+def cluster16_probe(folder=None) -> pd.DataFrame:
+    """Clusters of more than 8 chunks (a non-portable cluster, which sm_90 runs once the kernel opts in)
+    against the global finish the package's plan ran, one process (fastest of three interleaved passes,
+    torch fp16 beside them): one row a GPU and layer, the global plan's time and the fastest cluster
+    plan's. Plans the chunk kernel refused are left out (the probe keeps their errors)."""
     rows = []
-    for prov, probe, t in _probe_runs(folder, STATIC_SUMS_PROBES, short=True):
-        for keys, _, us in _chunk_variants(t):
-            a, b, c = (us.get(k, np.nan) for k in ("034c66f", "a32db5e", "new"))
-            rows.append(_chunk_case(prov, *keys) | {"034c66f (us)": a, "static sums, a32db5e (us)": b, "one-base fetch (us)": c,
-                                                    "a32db5e / 034c66f": b / a, "fetch / a32db5e": c / b, "probe": probe})
+    for prov, probe, t in _probe_runs(folder, C16_PROBES, short=True):
+        if t.empty:
+            continue
+        for (what, n_in, n_out, M, pre, post), g in t.groupby(["what", "in_features", "out_features", "M", "pre", "post"], sort=False):
+            glob, clus = g[g["variant"] == "global"], g[g["variant"] != "global"]
+            if glob.empty or clus.empty:
+                continue
+            best = clus.loc[clus["time_ms"].idxmin()]
+            gu, cu = 1e3 * float(glob["time_ms"].min()), 1e3 * float(best["time_ms"])
+            rows.append(_chunk_case(prov, what, n_in, n_out, pre, post, glob["plan"].iloc[0]) |
+                        {"M": int(M), "global finish (us)": gu, "fastest cluster plan": _chunk_plan_label(best["plan"]),
+                         "cluster (us)": cu, "cluster / global": cu / gu, "probe": probe})
     return pd.DataFrame(rows)
 
 
@@ -2063,6 +2114,41 @@ def dual_step_probe(folder=None) -> pd.DataFrame:
                          "top-2 logit gap there (lut / lut or dual)": gaps,
                          "max logit difference before it": float(check["max_abs_logit_diff_before_mismatch"])})
     return pd.DataFrame(rows)
+
+
+CLUSTER_DECODE_AB = "_runs/cluster-decode-ab-*.json"  # the 2-bit decode with and without the chunk kernel's cluster plans
+CLUSTER_RUNS = {  # a run's key in the A/B file -> what its fused step's plans were
+    "7b-c8": "the carried plans: clusters of 8 at qkv, gate_up and o", "7b-global": "the same plans, global finish",
+    "13b-global": "the carried plans: global finish", "13b-c16": "clusters of 10 chunks at qkv and gate_up",
+    "13b-c16-first": "clusters of 10 chunks at qkv and gate_up (first run)",
+    "70b-global": "the carried plans: global finish", "70b-c16": "a cluster of 16 chunks at qkv",
+}
+
+
+def cluster_decode_ab(folder=None) -> pd.DataFrame:
+    """The 2-bit fused step with and without thread block clusters in its chunk plans, one row a decode
+    run (each its own process, 512 tokens, programmatic launch): tok/s, torch fp16's in the same
+    process, the step bound (the fused step's own kernels, each timed alone in CUDA graphs) and the
+    share of it the decode reached. 7B's "global" replaces its clusters of 8 by the same plans' global
+    finish; 13B's and 70B's "c16" set the layers that a cluster of 10 or 16 chunks ran faster alone."""
+    rows = []
+    for f in sorted(_root(folder).glob(CLUSTER_DECODE_AB)):
+        for key, run in json.loads(f.read_text()).get("runs", {}).items():
+            model, plans = key.split("-", 1)
+            recs = run.get("records", [])
+            q = next((r for r in recs if r.get("path") == "fused-step"), None)
+            fp16 = next((r for r in recs if r.get("scheme") == "fp16"), None)
+            if q is None:
+                continue
+            rows.append({"GPU": gpu_label(run["provenance"].get("gpu", "")), "model": f"Llama-2-{model[:-1]}{model[-1].upper()}",
+                         "plans": CLUSTER_RUNS.get(key, plans), "commit": str(run["provenance"].get("git_commit"))[:7],
+                         "tok/s": float(q["tok_s"]), "torch fp16 tok/s": float(fp16["tok_s"]) if fp16 else np.nan,
+                         "step bound tok/s": float(q["step_implied_tok_s"]), "share of step bound": float(q["fraction_of_step_bound"])})
+    t = pd.DataFrame(rows)
+    if t.empty:
+        return t
+    size = t["model"].str.extract(r"(\d+)B")[0].astype(int)
+    return t.assign(_size=size).sort_values(["_size", "plans"], kind="stable").drop(columns="_size").reset_index(drop=True)
 
 
 # The 4-bit step (lut or dual GEMVs) two ways in one process: per probe file pattern, its variants
