@@ -29,6 +29,12 @@ def test_cli_requires_a_subcommand(run_without_simulator):
     assert p.returncode == 2 and "gemv" in p.stderr
 
 
+def test_python_m_trapetum_is_the_same_command_line(run_without_simulator):
+    p = run_without_simulator(["-m", "trapetum", "gemv", "--help"])
+    assert p.returncode == 0 and "--checks-only" in p.stdout, p.stderr[-2000:]
+    assert run_without_simulator(["-m", "trapetum"]).returncode == 2
+
+
 def test_generate_is_handed_to_trapetum_decode(capsys):
     from trapetum import cli
 
