@@ -531,11 +531,15 @@ def test_hsum_probe_pairs_the_fp32_and_fp16_sums_of_one_plan(tmp_path):
     assert report.hsum_probe(tmp_path / "nothing").empty
 
 
+def _versions_of_7b_qkv(ms_by_variant: dict, checks=(True,)) -> list[dict]:
+    # a versions probe's records: its checks, then 7B qkv's cluster plan timed once a version
+    recs = [{"kind": "check", "passed": c} for c in checks]
+    return recs + [{"kind": "time", "what": "7B qkv (cluster)", "in_features": 4096, "out_features": 12288, "variant": v, "pre": "rms",
+                    "post": "", "plan": _plan(8, 8, 1024, True), "time_ms": ms} for v, ms in ms_by_variant.items()]
+
+
 def test_static_sums_probe_puts_three_versions_of_a_plan_in_one_row(tmp_path):
-    recs = [{"kind": "check", "passed": True}]
-    for v, ms in (("034c66f", 0.01089), ("a32db5e", 0.01081), ("new", 0.01142)):
-        recs.append({"kind": "time", "what": "7B qkv (cluster)", "in_features": 4096, "out_features": 12288, "variant": v, "pre": "rms",
-                     "post": "", "plan": _plan(8, 8, 1024, True), "time_ms": ms})
+    recs = _versions_of_7b_qkv({"034c66f": 0.01089, "a32db5e": 0.01081, "new": 0.01142})
     _chunk_probe_file(tmp_path, "cluster-static-probe-x-h200.json", recs)
     t = report.static_sums_probe(tmp_path)
     assert len(t) == 1 and t["probe"][0] == "82e5276 (1/1 checks)" and t["plan"][0] == "8 warps, 1024 rows a block, tiles of 32"
@@ -544,10 +548,7 @@ def test_static_sums_probe_puts_three_versions_of_a_plan_in_one_row(tmp_path):
 
 
 def test_fetch_probe_puts_three_versions_of_a_plan_in_one_row(tmp_path):
-    recs = [{"kind": "check", "passed": True}, {"kind": "check", "passed": False}]
-    for v, ms in (("a32db5e", 0.01095), ("fx", 0.01107), ("new", 0.01156)):
-        recs.append({"kind": "time", "what": "7B qkv (cluster)", "in_features": 4096, "out_features": 12288, "variant": v, "pre": "rms",
-                     "post": "", "plan": _plan(8, 8, 1024, True), "time_ms": ms})
+    recs = _versions_of_7b_qkv({"a32db5e": 0.01095, "fx": 0.01107, "new": 0.01156}, checks=(True, False))
     _chunk_probe_file(tmp_path, "fetch-probe-x-h200.json", recs)
     t = report.fetch_probe(tmp_path)
     assert len(t) == 1 and t["probe"][0] == "82e5276 (1/2 checks)" and t["fused"][0] == "rms / -"
