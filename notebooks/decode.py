@@ -221,9 +221,12 @@ report.styled(report.programmatic_variants(out if out is not None else results.D
 # own process (512 tokens, programmatic launch, torch fp16 in the same process), with the step bound
 # of its own kernels timed alone. With the larger clusters the 13B step's kernels got faster and its
 # tokens slower; at 70B the two runs are close. At 7B, whose clusters hold 8 chunks, the clusters win
-# in the step too. So the tuner offers the fused step's calls clusters of at most 8 blocks. Why a
-# larger cluster loses in the chain is not measured. One reading: a cluster's blocks must be placed
-# together on one GPC, which is harder for a launch that starts while its predecessor still holds the SMs.
+# in the step too. Two later 13B runs also ran the step with every launch strictly serial (the rows
+# without a step bound). Serially, the clusters of 10 beat the global finish, as they do alone; it is
+# programmatic launch that gains the global plans much more than the clustered ones. So the larger
+# clusters forfeit the overlap of a launch with the one before it. Each cluster's blocks must be placed
+# together in one GPC, which may be what holds them back while the predecessor still occupies the SMs;
+# that part is not measured. The tuner offers the fused step's calls clusters of at most 8 blocks.
 
 # %%
 report.styled(report.cluster_decode_ab(out if out is not None else results.DATA_DIR))

@@ -696,10 +696,16 @@ def test_cluster_decode_ab_sets_each_run_of_a_model_side_by_side(tmp_path):
     runs = {"70b-global": run(114.1, 119.4, 0.956), "13b-c16": run(355.5, 409.0, 0.869), "13b-global": run(374.8, 391.3, 0.958),
             "7b-c8": run(584.3, 674.7, 0.866), "7b-new": {"provenance": {}, "records": [{"scheme": "fp16", "tok_s": 220.0}]}}
     (tmp_path / "_runs" / "cluster-decode-ab-x-h200.json").write_text(json.dumps({"provenance": {}, "runs": runs}))
+    both = run(374.9, None, None)  # --programmatic both, no kernel times: a row each way, no step bound
+    both["records"].append({"scheme": "A2", "path": "fused-step", "programmatic": False, "tok_s": 338.2})
+    (tmp_path / "_runs" / "cluster-decode-ab-y-h200.json").write_text(json.dumps({"provenance": {}, "runs": {"13b-global": both}}))
     t = report.cluster_decode_ab(tmp_path)
-    assert list(t["model"]) == ["Llama-2-7B", "Llama-2-13B", "Llama-2-13B", "Llama-2-70B"]  # by size; a run with no fused step left out
+    assert list(t["model"]) == ["Llama-2-7B"] + ["Llama-2-13B"] * 4 + ["Llama-2-70B"]  # by size; a run with no fused step left out
     assert t["plans"][1] == report.CLUSTER_RUNS["13b-c16"] and t["tok/s"][2] == 374.8 and t["commit"][0] == "de2bff3"
-    assert t["torch fp16 tok/s"][0] == 127.0 and t["share of step bound"][3] == 0.956
+    assert t["torch fp16 tok/s"][0] == 127.0 and t["share of step bound"][5] == 0.956
+    serial = t[t["launches"] == "serial"]
+    assert len(serial) == 1 and serial["tok/s"].iloc[0] == 338.2 and np.isnan(serial["step bound tok/s"].iloc[0])
+    assert (t["launches"] == "programmatic").sum() == 5
     assert report.cluster_decode_ab(tmp_path / "nothing").empty
 
 

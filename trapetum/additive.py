@@ -2338,8 +2338,9 @@ class AdditiveGemv:
             # The fused step's calls (pre or post set) are offered portable clusters only: timed alone,
             # 13B qkv and gate_up ran 7-11 % faster as clusters of 10 chunks and 70B qkv 12 % as one of 16,
             # yet chained in the decode step 13B fell from 374.8 to 355.5 tok/s and 70B moved -0.4 %, while
-            # 7B's clusters of 8 beat their global finish there, 584.3 against 550.6
-            # (data/_runs/cluster-decode-ab-de2bff3-h200.json).
+            # 7B's clusters of 8 beat their global finish there, 584.3 against 550.6. Launched strictly
+            # serially the 13B clusters win (351.2 against 338.2): they lose the programmatic overlap
+            # (data/_runs/cluster-decode-ab-*-h200.json).
             most = PORTABLE_CLUSTER if pre or post else MAX_CLUSTER
             streams = ((stream_candidates(self.n_out, self.n_in, sms, smem) if self.M == 2 else [])
                        + chunk_candidates(self.n_out, self.n_in, smem, clusters_available(self.device), M=self.M,

@@ -2127,28 +2127,29 @@ CLUSTER_RUNS = {  # a run's key in the A/B file -> what its fused step's plans w
 
 def cluster_decode_ab(folder=None) -> pd.DataFrame:
     """The 2-bit fused step with and without thread block clusters in its chunk plans, one row a decode
-    run (each its own process, 512 tokens, programmatic launch): tok/s, torch fp16's in the same
-    process, the step bound (the fused step's own kernels, each timed alone in CUDA graphs) and the
-    share of it the decode reached. 7B's "global" replaces its clusters of 8 by the same plans' global
-    finish; 13B's and 70B's "c16" set the layers that a cluster of 10 or 16 chunks ran faster alone."""
+    run's fused-step row (each run its own process, 512 tokens): its launches (programmatic, or strictly
+    serial), tok/s, torch fp16's in the same process, and where the run timed them, the step bound (the
+    fused step's own kernels, each timed alone in CUDA graphs) and the share of it the decode reached.
+    7B's "global" replaces its clusters of 8 by the same plans' global finish; 13B's and 70B's "c16" set
+    the layers that a cluster of 10 or 16 chunks ran faster alone."""
     rows = []
     for f in sorted(_root(folder).glob(CLUSTER_DECODE_AB)):
         for key, run in json.loads(f.read_text()).get("runs", {}).items():
-            model, plans = key.split("-", 1)
+            model = key.split("-", 1)[0]
             recs = run.get("records", [])
-            q = next((r for r in recs if r.get("path") == "fused-step"), None)
             fp16 = next((r for r in recs if r.get("scheme") == "fp16"), None)
-            if q is None:
-                continue
-            rows.append({"GPU": gpu_label(run["provenance"].get("gpu", "")), "model": f"Llama-2-{model[:-1]}{model[-1].upper()}",
-                         "plans": CLUSTER_RUNS.get(key, plans), "commit": str(run["provenance"].get("git_commit"))[:7],
-                         "tok/s": float(q["tok_s"]), "torch fp16 tok/s": float(fp16["tok_s"]) if fp16 else np.nan,
-                         "step bound tok/s": float(q["step_implied_tok_s"]), "share of step bound": float(q["fraction_of_step_bound"])})
+            for q in (r for r in recs if r.get("path") == "fused-step"):
+                rows.append({"GPU": gpu_label(run["provenance"].get("gpu", "")), "model": f"Llama-2-{model[:-1]}{model[-1].upper()}",
+                             "plans": CLUSTER_RUNS.get(key, key), "launches": "serial" if q.get("programmatic") is False else "programmatic",
+                             "commit": str(run["provenance"].get("git_commit"))[:7], "tok/s": float(q["tok_s"]),
+                             "torch fp16 tok/s": float(fp16["tok_s"]) if fp16 else np.nan,
+                             "step bound tok/s": float(q.get("step_implied_tok_s") or np.nan),
+                             "share of step bound": float(q.get("fraction_of_step_bound") or np.nan)})
     t = pd.DataFrame(rows)
     if t.empty:
         return t
     size = t["model"].str.extract(r"(\d+)B")[0].astype(int)
-    return t.assign(_size=size).sort_values(["_size", "plans"], kind="stable").drop(columns="_size").reset_index(drop=True)
+    return t.assign(_size=size).sort_values(["_size", "plans", "commit"], kind="stable").drop(columns="_size").reset_index(drop=True)
 
 
 # The 4-bit step (lut or dual GEMVs) two ways in one process: per probe file pattern, its variants
