@@ -689,16 +689,19 @@ def test_cluster_decode_ab_sets_each_run_of_a_model_side_by_side(tmp_path):
     (tmp_path / "_runs").mkdir()
 
     def run(tok_s, step, frac, fp16=127.0):
-        prov = {"gpu": "NVIDIA H200", "git_commit": "de2bff3aa"}
-        return {"provenance": prov, "records": [{"scheme": "fp16", "path": "compiled", "tok_s": fp16},
-                                                {"scheme": "A2", "path": "fused-step", "tok_s": tok_s, "step_implied_tok_s": step,
-                                                 "fraction_of_step_bound": frac}]}
-    runs = {"70b-global": run(114.1, 119.4, 0.956), "13b-c16": run(355.5, 409.0, 0.869), "13b-global": run(374.8, 391.3, 0.958),
-            "7b-c8": run(584.3, 674.7, 0.866), "7b-new": {"provenance": {}, "records": [{"scheme": "fp16", "tok_s": 220.0}]}}
-    (tmp_path / "_runs" / "cluster-decode-ab-x-h200.json").write_text(json.dumps({"provenance": {}, "runs": runs}))
+        return [{"scheme": "fp16", "path": "compiled", "tok_s": fp16},
+                {"scheme": "A2", "path": "fused-step", "tok_s": tok_s, "step_implied_tok_s": step, "fraction_of_step_bound": frac}]
+
+    def write(name, runs, date):  # a results file whose records each name their decode process
+        prov = {"gpu": "NVIDIA H200", "git_commit": "de2bff3aa", "date": date}
+        recs = [dict(r, run=k) for k, rs in runs.items() for r in rs]
+        (tmp_path / "_runs" / name).write_text(json.dumps({"provenance": prov, "records": recs}))
+    write("cluster-decode-ab-x-h200.json", {"70b-global": run(114.1, 119.4, 0.956), "13b-c16": run(355.5, 409.0, 0.869),
+                                            "13b-global": run(374.8, 391.3, 0.958), "7b-c8": run(584.3, 674.7, 0.866),
+                                            "7b-new": [{"scheme": "fp16", "tok_s": 220.0}]}, "2026-11-29T18:00")
     both = run(374.9, None, None)  # --programmatic both, no kernel times: a row each way, no step bound
-    both["records"].append({"scheme": "A2", "path": "fused-step", "programmatic": False, "tok_s": 338.2})
-    (tmp_path / "_runs" / "cluster-decode-ab-y-h200.json").write_text(json.dumps({"provenance": {}, "runs": {"13b-global": both}}))
+    both.append({"scheme": "A2", "path": "fused-step", "programmatic": False, "tok_s": 338.2})
+    write("cluster-decode-ab-y-h200.json", {"13b-global": both}, "2026-11-29T19:00")
     t = report.cluster_decode_ab(tmp_path)
     assert list(t["model"]) == ["Llama-2-7B"] + ["Llama-2-13B"] * 4 + ["Llama-2-70B"]  # by size; a run with no fused step left out
     assert t["plans"][1] == report.CLUSTER_RUNS["13b-c16"] and t["tok/s"][2] == 374.8 and t["commit"][0] == "de2bff3"

@@ -2133,15 +2133,17 @@ def cluster_decode_ab(folder=None) -> pd.DataFrame:
     7B's "global" replaces its clusters of 8 by the same plans' global finish; 13B's and 70B's "c16" set
     the layers that a cluster of 10 or 16 chunks ran faster alone."""
     rows = []
-    for f in sorted(_root(folder).glob(CLUSTER_DECODE_AB)):
-        for key, run in json.loads(f.read_text()).get("runs", {}).items():
+    for _, prov, all_recs in _probe_files(folder, CLUSTER_DECODE_AB):
+        runs: dict = {}
+        for r in all_recs:  # each record names its decode process
+            runs.setdefault(r["run"], []).append(r)
+        for key, recs in runs.items():
             model = key.split("-", 1)[0]
-            recs = run.get("records", [])
             fp16 = next((r for r in recs if r.get("scheme") == "fp16"), None)
             for q in (r for r in recs if r.get("path") == "fused-step"):
-                rows.append({"GPU": gpu_label(run["provenance"].get("gpu", "")), "model": f"Llama-2-{model[:-1]}{model[-1].upper()}",
+                rows.append({"GPU": gpu_label(prov.get("gpu", "")), "model": f"Llama-2-{model[:-1]}{model[-1].upper()}",
                              "plans": CLUSTER_RUNS.get(key, key), "launches": "serial" if q.get("programmatic") is False else "programmatic",
-                             "commit": str(run["provenance"].get("git_commit"))[:7], "tok/s": float(q["tok_s"]),
+                             "commit": str(prov.get("git_commit"))[:7], "tok/s": float(q["tok_s"]),
                              "torch fp16 tok/s": float(fp16["tok_s"]) if fp16 else np.nan,
                              "step bound tok/s": float(q.get("step_implied_tok_s") or np.nan),
                              "share of step bound": float(q.get("fraction_of_step_bound") or np.nan)})
