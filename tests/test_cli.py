@@ -170,6 +170,8 @@ def test_vq_resume_completes_the_additive_table_shape_by_shape(fake_gpu_run, tmp
     assert len(cpp) == 1 and len(calls["skip_additive"]) == 3 * len(shapes) + 1
     d = json.loads((out / "fake-gpu" / "vq_gemv.json").read_text())
     assert len([r for r in d["records"] if r["grid"] == "additive"]) == 3 * len(shapes) + 1
+    # ... and its provenance does not claim a second process measured a part of it
+    assert "nothing left to measure" in d["provenance"]["resumed"] and "two processes" not in d["provenance"]["resumed"]
 
 
 def test_additive_key_matches_a_job_to_its_record_read_back():

@@ -76,15 +76,20 @@ def _resumed(path) -> dict | None:
     return {"prov": prov0, "copy": copy0, "records": done}
 
 
-def _provenance(args, resumed: dict | None, extra: dict, t0: float) -> dict:
-    """A results file's provenance: this process's, or with ``resumed`` the first process's, saying so."""
+def _provenance(args, resumed: dict | None, extra: dict, t0: float, added: int = 1) -> dict:
+    """A results file's provenance: this process's, or with ``resumed`` the first process's, saying so
+    (``added``: the records this second process measured; none means the first had measured them all)."""
     from . import results
 
     if not resumed:
         return results.provenance(command=args.command or None, **extra, seconds=round(time.time() - t0, 1))
     p0 = resumed["prov"]
-    note = (f"measured by two processes of one commit: the first kept {len(resumed['records'])} records "
-            f"(started {p0.get('date')}), the second ({results.invocation()}) the rest")
+    if added:
+        note = (f"measured by two processes of one commit: the first kept {len(resumed['records'])} records "
+                f"(started {p0.get('date')}), the second ({results.invocation()}) the rest")
+    else:
+        note = (f"measured by one process (started {p0.get('date')}), which kept all {len(resumed['records'])} records; "
+                f"a second ({results.invocation()}) found nothing left to measure")
     return {**p0, **extra, "resumed": note, "seconds_second_process": round(time.time() - t0, 1)}
 
 
@@ -213,7 +218,7 @@ def _vq(args) -> int:
     extra.update(suite_extra)
     for r in recs:
         r.update(copy)
-    prov = _provenance(args, resumed, {**copy, **extra}, t0)
+    prov = _provenance(args, resumed, {**copy, **extra}, t0, added=len(recs) + len(checks) - len(done))
     path = results.save("vq_gemv", recs + checks, prov, folder=args.out)
     print(f"wrote {path}")
     return 0
