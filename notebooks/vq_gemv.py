@@ -570,8 +570,9 @@ report.styled(report.chunk_runs_trial(folder))
 # checked each cluster plan against float64 first (fused operations and |g x| past fp16's range included)
 # and then timed it beside the global plan the package had chosen, in one process. A layer of more than
 # 16 chunks is refused by the planner: those are the failed checks its label counts. Some layers gain and
-# some lose, so the tuner times both for a plain call. The "End to end" chapter shows why the decode
-# step's calls are offered clusters of at most 8.
+# some lose, so the tuner times both for a plain call: the additive table's plan column says where it
+# took a cluster of more than 8 (a run from before this change could not). The "End to end" chapter
+# shows why the decode step's calls are offered clusters of at most 8.
 
 # %%
 report.styled(report.cluster16_probe(folder))

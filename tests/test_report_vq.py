@@ -128,6 +128,11 @@ def test_additive_table_and_figure(vq):
     ours = t[t["kernel"] == "ours (numba)"]["table"]
     assert set(ours) <= {"fp32, tensor cores", "fp16, tensor cores", "fp32, multiply-adds"} and "" not in set(ours)
     assert (t["% of copy"] > 0).all()
+    assert set(t[t["kernel"] == "aqlm package"]["plan"]) == {""}
+    lab = report.additive_plan_label
+    assert lab({"plan": "additive chunk: 8 warps, a chunk a block"}) == "chunk: 8 warps, a chunk a block"
+    assert lab({"plan": "additive: 8 warps, RB 16, K-split 2, fp16 table"}) == "8 warps, RB 16, K-split 2, fp16 table"
+    assert lab({"plan": "rows256 w8 cps4"}) == "rows256 w8 cps4" and lab({"plan": float("nan")}) == ""
     fig = report.fig_additive(vq)
     bars = [p for ax in fig.axes for p in ax.patches]
     assert len(bars) == 9

@@ -1513,10 +1513,21 @@ def additive_table_label(rec: dict) -> str:
     return ""
 
 
+def additive_plan_label(rec: dict) -> str:
+    """The launch plan a timed additive row ran (the tuner's pick for numba, the C++ program's own), without
+    the kernel family's name; empty where the run recorded none (the aqlm package)."""
+    plan = rec.get("plan")
+    if not isinstance(plan, str):
+        return ""
+    return plan.removeprefix("additive ").removeprefix("additive: ")
+
+
 def additive_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Additive kernels against fp16 by GPU, shape and scheme: time, speedup, bandwidth and error."""
+    """Additive kernels against fp16 by GPU, shape and scheme: time, speedup, bandwidth and error, and the
+    plan each ran."""
     d = df[(df["grid"] == "additive") & df["time_ms"].notna()].copy()
     d["table"] = [additive_table_label(r) for r in d.to_dict("records")]
+    d["plan"] = [additive_plan_label(r) for r in d.to_dict("records")]
     d["kernel"] = d["kernel"].map(lambda k: ADDITIVE_KERNELS.get(k, k))
     d["% of copy"] = 100 * d["gbps"] / d["copy_gbps"]
     d = d.sort_values(["gpu", "scheme", "in_features", "out_features", "kernel"])
@@ -1526,7 +1537,7 @@ def additive_table(df: pd.DataFrame) -> pd.DataFrame:
         "in x out": [shape_label(s) for s in zip(d["in_features"], d["out_features"])],
         "time (ms)": d["time_ms"].to_numpy(), "torch fp16 (ms)": d["fp16_ms"].to_numpy(),
         "speedup": d["speedup"].to_numpy(), "GB/s": d["gbps"].to_numpy(), "% of copy": d["% of copy"].to_numpy(),
-        "max rel err": d["max_rel_err"].to_numpy(),
+        "max rel err": d["max_rel_err"].to_numpy(), "plan": d["plan"].to_numpy(),
     })
 
 
