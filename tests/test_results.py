@@ -92,11 +92,12 @@ def test_source_id_names_the_commit_whose_files_ran(tmp_path):
 
 def test_plan_source_id_ignores_only_the_modules_that_read_and_record_results(tmp_path):
     (tmp_path / "trapetum").mkdir()
-    for name in ("gemv.py", "report.py", "results.py", "bench.py"):
+    for name in ("gemv.py", "report.py", "results.py", "cli.py", "bench.py"):
         (tmp_path / "trapetum" / name).write_text(f"# {name}\n")
     sid, pid = R.source_id(tmp_path), R.plan_source_id(tmp_path)
     assert sid != pid
-    for name in ("report.py", "results.py"):  # a chapter's table edited: the plans stay, the provenance changes
+    # a chapter's table or the command line edited: the plans stay, the provenance changes
+    for name in ("report.py", "results.py", "cli.py"):
         (tmp_path / "trapetum" / name).write_text("# edited\n")
         assert R.plan_source_id(tmp_path) == pid and R.source_id(tmp_path) != sid
         sid = R.source_id(tmp_path)

@@ -71,9 +71,10 @@ def _blob_id(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-# Modules that read recorded results or write their provenance, and nothing a kernel, its launch or its
-# timing runs: a change to them leaves every tuned plan as it was (plan_source_id).
-PLAN_NEUTRAL = ("trapetum/report.py", "trapetum/results.py")
+# Modules that read recorded results, write their provenance or parse the command line that starts a run,
+# and nothing a kernel, its launch or its timing runs: a change to them leaves every tuned plan as it was
+# (plan_source_id).
+PLAN_NEUTRAL = ("trapetum/report.py", "trapetum/results.py", "trapetum/cli.py", "trapetum/__main__.py")
 
 
 def _source_id_of(entries, skip=()) -> str:
