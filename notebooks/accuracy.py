@@ -252,6 +252,15 @@ else:
 # its own reference pass, and the line above its table says which text it scored; the KL columns
 # are the mean over the first calibration samples' tokens, before fine-tuning and after the rounding.
 #
+# Run c is a paired screen of one lever for the 2-bit codebooks, on a token budget: the same calibration
+# samples, the same layer-wise fit and the same fine-tuning, once on the weights as they are and once
+# with QuIP#'s incoherence processing around the additive codebooks (`additive-hadamard`: each layer
+# quantized as V W U^T against U H U^T, with U and V randomized Hadamard rotations regenerated from a
+# seed, and served as V^T Q(.) U). The rotation spreads a layer's outlier input channels over all its
+# inputs, so the 8-weight groups the codebooks fit look alike. Compare its two rows: the KL before
+# fine-tuning, after it, and the perplexity. Like `kmeans-hadamard`, this is an accuracy pipeline: the
+# GEMV kernels of the other chapters do not apply U and V, so no speed row runs it.
+#
 
 # %%
 def styled_finetune_table(run: pd.DataFrame):

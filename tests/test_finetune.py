@@ -31,6 +31,7 @@ FORM_SPECS = {  # one small-option spec per scheme, for the checks that run ever
     "awq-lsq": "awq-lsq:group_size=32,n_grid=3", "awq-lsq-refit": "awq-lsq-refit:group_size=32,n_grid=3",
     "gptq": "gptq:group_size=32", "awq-gptq": "awq-gptq:group_size=32,n_grid=3", "hqq-gptq": "hqq-gptq:group_size=32",
     "gptq-kmeans": "gptq-kmeans", "gptq-kmeans-hadamard": "gptq-kmeans-hadamard", "additive": "additive:iters=1,beam=2",
+    "additive-hadamard": "additive-hadamard:iters=1,beam=2",
     "hqq": "hqq:group_size=32", "residual": "residual:iters=2",
 }
 
