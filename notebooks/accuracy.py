@@ -257,9 +257,11 @@ else:
 # with QuIP#'s incoherence processing around the additive codebooks (`additive-hadamard`: each layer
 # quantized as V W U^T against U H U^T, with U and V randomized Hadamard rotations regenerated from a
 # seed, and served as V^T Q(.) U). The rotation spreads a layer's outlier input channels over all its
-# inputs, so the 8-weight groups the codebooks fit look alike. Compare its two rows: the KL before
-# fine-tuning, after it, and the perplexity. Like `kmeans-hadamard`, this is an accuracy pipeline: the
-# GEMV kernels of the other chapters do not apply U and V, so no speed row runs it.
+# inputs, so the 8-weight groups the codebooks fit look alike. Compare its rows: the KL before
+# fine-tuning, after it, and the perplexity. Its third row (`outputs=false`, a second process with the
+# same reference and calibration samples) rotates the inputs only, which a served layer could do with
+# one fast Hadamard transform of x before its GEMV and nothing after. Like `kmeans-hadamard`, this is an
+# accuracy pipeline: the GEMV kernels of the other chapters do not apply U or V, so no speed row runs it.
 #
 
 # %%

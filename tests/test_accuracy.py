@@ -393,6 +393,10 @@ def test_additive_hadamard_fits_the_codebooks_to_the_rotated_layer_and_rotates_b
     assert q.bits == inner.bits == P.additive(W, H, M=2, iters=1, beam=2).bits  # the rotation is regenerated: no bits
     assert torch.allclose(q.form.W_hat(), q.W_hat, atol=1e-6) and torch.equal(q.form.codes, inner.form.codes)
     assert P.SCHEMES["additive-hadamard"].form and not P.SCHEMES["additive-hadamard"].recode
+    # outputs=false: U alone, so nothing but U x has to run beside the GEMV
+    q_in = P.get_scheme("additive-hadamard", iters=1, beam=2, outputs=False)[2](W, H)
+    inner_in = P.additive(W @ U.T, U @ H @ U.T, M=2, iters=1, beam=2, seed=0)
+    assert torch.allclose(q_in.W_hat, inner_in.W_hat @ U, atol=1e-6) and torch.allclose(q_in.form.W_hat(), q_in.W_hat, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- bits per weight

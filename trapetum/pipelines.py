@@ -534,27 +534,33 @@ def random_rotation(n: int, seed: int = 0) -> torch.Tensor:
     return (Hd * signs[None, :] / math.sqrt(n)).float()
 
 
-def incoherent(W: torch.Tensor, H: torch.Tensor | None = None, *, inner: Callable[..., Quantized], seed: int = 0) -> Quantized:
+def incoherent(W: torch.Tensor, H: torch.Tensor | None = None, *, inner: Callable[..., Quantized], seed: int = 0,
+               outputs: bool = True) -> Quantized:
     """Quantize V W U^T (U, V randomized Hadamard on inputs and outputs), return V^T Q(.) U.
 
     The rotated layer computes (V W U^T)(U x) = V W x, so before quantization the model's
     function is unchanged; rotating spreads outlier weights over a row and outlier input
     channels over all inputs. At run time U x and V^T y are fast Hadamard transforms (signs
     regenerated from the seed: no bits stored). H rotates with the inputs: U H U^T.
+    ``outputs=False``: U only (V = I), so a served layer needs U x before its GEMV and nothing after.
     """
     out, n = W.shape
-    U, V = random_rotation(n, seed), random_rotation(out, seed + 1)
-    Wr = V @ W.float() @ U.T
+    U, V = random_rotation(n, seed), (random_rotation(out, seed + 1) if outputs else None)
+    Wr = W.float() @ U.T if V is None else V @ W.float() @ U.T
     Hr = U @ H @ U.T if H is not None else None
     q = inner(Wr, Hr)
     form = None if q.form is None else Form(q.form.codes, q.form.params,
                                             functools.partial(_rotated_decode, decode=q.form.decode, U=U, V=V))
-    return Quantized(V.T @ q.W_hat @ U, q.bits, form)
+    return Quantized(_unrotate(q.W_hat, U, V), q.bits, form)
+
+
+def _unrotate(Wr: torch.Tensor, U: torch.Tensor, V: torch.Tensor | None) -> torch.Tensor:
+    return Wr @ U if V is None else V.T @ Wr @ U
 
 
 def _rotated_decode(codes, *, decode, U, V, **params):
     """The rotation undone around the inner format's weight (U and V come from the seed: not stored, not trained)."""
-    return V.T @ decode(codes, **params) @ U
+    return _unrotate(decode(codes, **params), U, V)
 
 
 # --------------------------------------------------------------------------- GPTQ
@@ -868,8 +874,9 @@ def _incoherent_kmeans(bits, iters, seed):
     return functools.partial(incoherent, inner=functools.partial(kmeans, bits=bits, weighted=True, iters=iters, seed=seed), seed=seed)
 
 
-def _incoherent_additive(bits, iters, beam, seed):
-    return functools.partial(incoherent, inner=functools.partial(additive, M=bits, iters=iters, beam=beam, seed=seed), seed=seed)
+def _incoherent_additive(bits, iters, beam, seed, outputs):
+    return functools.partial(incoherent, inner=functools.partial(additive, M=bits, iters=iters, beam=beam, seed=seed), seed=seed,
+                             outputs=outputs)
 
 
 def _incoherent_gptq_kmeans(bits, act_order, seed):
@@ -930,8 +937,9 @@ SCHEMES: dict[str, Scheme] = {
                lambda bits, iters, beam, seed: functools.partial(additive, M=bits, iters=iters, beam=beam, seed=seed),
                dict(bits=2, iters=2, beam=4, seed=0), calibrated=True, form=True, recode=True),
         # Fake quantization, as every rotated scheme here: the GEMV kernels do not apply U and V.
-        Scheme("additive-hadamard", "Hadamard rotation (incoherence processing, as QuIP#) + additive vector codebooks",
-               _incoherent_additive, dict(bits=2, iters=2, beam=4, seed=0), calibrated=True, form=True),
+        Scheme("additive-hadamard", "Hadamard rotation (incoherence processing, as QuIP#) + additive vector codebooks "
+               "(outputs=false: the inputs' rotation only)",
+               _incoherent_additive, dict(bits=2, iters=2, beam=4, seed=0, outputs=True), calibrated=True, form=True),
         Scheme("residual", "residual vector codebooks (VPTQ-style: main k-means of 8-vectors, then the residuals', Hessian-weighted)",
                lambda main, residual, iters, seed: functools.partial(_residual_q, main=main, residual=residual, iters=iters, seed=seed),
                dict(main=4096, residual=256, iters=8, seed=0), calibrated=True, bits_of=_residual_bits),
