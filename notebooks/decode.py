@@ -68,7 +68,8 @@ if report.should_measure(measure):
     from trapetum import decode
 
     decode.main(["bench", "--arch", arch, "--gen", str(gen), "--fuse", fuse] + (["--out", out] if out else []))
-df = report.load_decode(out if out is not None else results.DATA_DIR)
+folder = out if out is not None else results.DATA_DIR
+df = report.load_decode(folder)
 
 # %% [markdown]
 # ## Integration paths, models and GPUs
@@ -192,7 +193,7 @@ report.styled(report.decode_step_profile(df))
 # give the same tokens and logits bit for bit.
 
 # %%
-report.styled(report.programmatic_probe(out if out is not None else results.DATA_DIR))
+report.styled(report.programmatic_probe(folder))
 
 # %% [markdown]
 # The 4-bit lut kernel was given the same wait and release: it loads its first codes and its
@@ -209,7 +210,7 @@ report.styled(report.programmatic_probe(out if out is not None else results.DATA
 # has not been looked at.
 
 # %%
-report.styled(report.programmatic_variants(out if out is not None else results.DATA_DIR))
+report.styled(report.programmatic_variants(folder))
 
 # %% [markdown]
 # ### Thread block clusters in the 2-bit step
@@ -229,7 +230,7 @@ report.styled(report.programmatic_variants(out if out is not None else results.D
 # that part is not measured. The tuner offers the fused step's calls clusters of at most 8 blocks.
 
 # %%
-report.styled(report.cluster_decode_ab(out if out is not None else results.DATA_DIR))
+report.styled(report.cluster_decode_ab(folder))
 
 # %% [markdown]
 # ### The 4-bit step's GEMVs on the tensor cores
@@ -245,7 +246,7 @@ report.styled(report.cluster_decode_ab(out if out is not None else results.DATA_
 # before it.
 
 # %%
-report.styled(report.dual_step_probe(out if out is not None else results.DATA_DIR))
+report.styled(report.dual_step_probe(folder))
 
 # %% [markdown]
 # The dual kernel then launched serially, like the lut kernel: it staged x beside its codebooks and
@@ -260,7 +261,7 @@ report.styled(report.dual_step_probe(out if out is not None else results.DATA_DI
 # launch dual programmatically (each row's commit is in its provenance).
 
 # %%
-report.styled(report.dual_launch_probe(out if out is not None else results.DATA_DIR))
+report.styled(report.dual_launch_probe(folder))
 
 # %% [markdown]
 # ## A real model: each graphed path against eager
@@ -276,7 +277,7 @@ report.styled(report.dual_launch_probe(out if out is not None else results.DATA_
 # a looser tolerance (`trapetum.decode.CHECK_TOL`; the table applies it to each recorded run).
 
 # %%
-report.styled(report.decode_check_table(report.load_decode_checks(out if out is not None else results.DATA_DIR)))
+report.styled(report.decode_check_table(report.load_decode_checks(folder)))
 
 # %% [markdown]
 # ## Where the numbers come from

@@ -76,9 +76,9 @@ def _resumed(path) -> dict | None:
     return {"prov": prov0, "copy": copy0, "records": done}
 
 
-def _provenance(args, resumed: dict | None, extra: dict, t0: float, added: int = 1) -> dict:
+def _provenance(args, resumed: dict | None, extra: dict, t0: float, added: bool = True) -> dict:
     """A results file's provenance: this process's, or with ``resumed`` the first process's, saying so
-    (``added``: the records this second process measured; none means the first had measured them all)."""
+    (``added``: whether this second process measured anything; not when the first had measured it all)."""
     from . import results
 
     if not resumed:
@@ -218,7 +218,7 @@ def _vq(args) -> int:
     extra.update(suite_extra)
     for r in recs:
         r.update(copy)
-    prov = _provenance(args, resumed, {**copy, **extra}, t0, added=len(recs) + len(checks) - len(done))
+    prov = _provenance(args, resumed, {**copy, **extra}, t0, added=len(recs) + len(checks) > len(done))
     path = results.save("vq_gemv", recs + checks, prov, folder=args.out)
     print(f"wrote {path}")
     return 0

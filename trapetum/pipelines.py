@@ -874,9 +874,13 @@ def _incoherent_kmeans(bits, iters, seed):
     return functools.partial(incoherent, inner=functools.partial(kmeans, bits=bits, weighted=True, iters=iters, seed=seed), seed=seed)
 
 
+def _additive(bits, iters, beam, seed):
+    # bits = M: each codebook spends an 8-bit code on 8 weights
+    return functools.partial(additive, M=bits, iters=iters, beam=beam, seed=seed)
+
+
 def _incoherent_additive(bits, iters, beam, seed, outputs):
-    return functools.partial(incoherent, inner=functools.partial(additive, M=bits, iters=iters, beam=beam, seed=seed), seed=seed,
-                             outputs=outputs)
+    return functools.partial(incoherent, inner=_additive(bits, iters, beam, seed), seed=seed, outputs=outputs)
 
 
 def _incoherent_gptq_kmeans(bits, act_order, seed):
@@ -933,9 +937,7 @@ SCHEMES: dict[str, Scheme] = {
         Scheme("gptq-kmeans-hadamard", "Hadamard rotation + GPTQ with a k-means codebook",
                _incoherent_gptq_kmeans, dict(bits=4, act_order=True, seed=0), calibrated=True),
         Scheme("additive", "additive vector codebooks (AQLM-style beam search + least squares, M codebooks of 256 x 8)",
-               # bits = M: each codebook spends an 8-bit code on 8 weights
-               lambda bits, iters, beam, seed: functools.partial(additive, M=bits, iters=iters, beam=beam, seed=seed),
-               dict(bits=2, iters=2, beam=4, seed=0), calibrated=True, form=True, recode=True),
+               _additive, dict(bits=2, iters=2, beam=4, seed=0), calibrated=True, form=True, recode=True),
         # Fake quantization, as every rotated scheme here: the GEMV kernels do not apply U and V.
         Scheme("additive-hadamard", "Hadamard rotation (incoherence processing, as QuIP#) + additive vector codebooks "
                "(outputs=false: the inputs' rotation only)",
