@@ -399,6 +399,15 @@ def test_additive_hadamard_fits_the_codebooks_to_the_rotated_layer_and_rotates_b
     assert torch.allclose(q_in.W_hat, inner_in.W_hat @ U, atol=1e-6) and torch.allclose(q_in.form.W_hat(), q_in.W_hat, atol=1e-6)
 
 
+def test_incoherent_builds_its_rotations_on_the_weights_device():
+    # The rotations are generated on the CPU; a GPU run (session 61) failed at its first layer when
+    # they stayed there. "meta" stands in for a GPU: mixing it with CPU tensors raises as cuda would.
+    W = torch.empty(64, 128, device="meta")
+    for outputs in (True, False):
+        q = P.incoherent(W, None, inner=lambda A, B: P.Quantized(A, 0, None), outputs=outputs)
+        assert q.W_hat.device.type == "meta" and q.W_hat.shape == W.shape
+
+
 # --------------------------------------------------------------------------- bits per weight
 
 

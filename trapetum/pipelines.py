@@ -545,7 +545,8 @@ def incoherent(W: torch.Tensor, H: torch.Tensor | None = None, *, inner: Callabl
     ``outputs=False``: U only (V = I), so a served layer needs U x before its GEMV and nothing after.
     """
     out, n = W.shape
-    U, V = random_rotation(n, seed), (random_rotation(out, seed + 1) if outputs else None)
+    U = random_rotation(n, seed).to(W.device)
+    V = random_rotation(out, seed + 1).to(W.device) if outputs else None
     Wr = W.float() @ U.T if V is None else V @ W.float() @ U.T
     Hr = U @ H @ U.T if H is not None else None
     q = inner(Wr, Hr)
