@@ -1414,6 +1414,8 @@ def compare(
                                 group_size=full.get("group_size"), options=full, bits_per_weight=None, ppl=None,
                                 quantize_seconds=None, peer=s.peer,
                                 skipped=f"not run: the run had taken {elapsed:.0f} s, past its time limit of {time_limit_s:.0f} s"))
+            if callback:  # a skipped row is recorded too: the saved file must say the scheme was asked for
+                callback(records)
             if progress:
                 print(f"{spec:40s} skipped (time limit)")
             continue
