@@ -286,7 +286,7 @@ if not ft_runs:
 # %% [markdown]
 # ### On the GPU: the full text, and 2 bits with fine-tuning
 #
-# The same harness on the lent H100 (`pipelines.compare(..., device="cuda")`), scoring the full
+# The same harness on the lent GPU, an H100 and later an H200 (`pipelines.compare(..., device="cuda")`), scoring the full
 # text. The GPU samples its own calibration tokens (same seed, other device), so these rows are
 # compared with their own run's reference and peer rows only. The line under the tables compares
 # the 2-bit additive codebooks' quantize time here and on the CPU: the GPU is what made fine-tuning
@@ -306,6 +306,15 @@ if not ft_runs:
 # line under the tables says how many bits its codebooks and padding add to its indices, and where its
 # perplexity lands beside the 2-bit additive codebooks. Per-layer codebooks of thousands of vectors are
 # sized for layers of millions of weights; the speed chapters measure them at those sizes.
+#
+# Runs j and k fit the 2-bit additive codebooks to each layer after a randomized Hadamard rotation, QuIP#'s
+# incoherence processing (scheme `additive-hadamard`), with run d's recipe otherwise. Run j rotates the
+# inputs only, which is all a served layer would need (one fast Hadamard transform of x before the
+# unchanged GEMV; not built yet, so these rows are fake-quantized like every row here). Run k rotates both
+# sides. The line under the tables sets each beside run d's unrotated row (run d ran on the H100, runs j and
+# k on the H200, from the same seeds). The CPU screen of the fine-tuning
+# section (run c) found the rotation worth more than it is here: with many more calibration samples and
+# longer fine-tuning, the unrotated codebooks had already recovered much of what the rotation gives.
 
 # %%
 gpu_runs = pipelines.recorded_runs(folder, model, "-gpu-")
@@ -318,9 +327,9 @@ for gpu_path, g_prov, g_run, g_ref in gpu_runs:
     display(styled_finetune_table(g_run))
 if not gpu_runs:
     display(Markdown("*No GPU accuracy run is recorded for this model.*"))
-residual_line = pipelines.residual_note(gpu_runs)
-if residual_line:
-    display(Markdown(f"*{residual_line}*"))
+for line in (pipelines.residual_note(gpu_runs), pipelines.rotation_note(gpu_runs)):
+    if line:
+        display(Markdown(f"*{line}*"))
 
 # %% [markdown]
 # The GPU runs on one figure: every run scored the same full text against the same reference, so

@@ -109,6 +109,30 @@ def test_residual_note_counts_the_codebooks_and_sets_the_row_beside_the_best_add
     assert rows["bit class"].tolist() == ["2.5-bit", "4-bit"]  # not folded into the 2-bit class
 
 
+def test_rotation_note_sets_each_rotated_row_beside_the_same_recipe_unrotated(tmp_path):
+    import pandas as pd
+
+    def run(*rows):
+        return pd.DataFrame([{"scheme": "reference", "label": "reference", "ppl": 20.0, "bits": None, "bits_per_weight": None},
+                             *rows])
+
+    ft = {"epochs": 6, "lr": 3e-3, "batch": 8, "norms": True, "seconds": 1.0}
+    base = {"bits": 2.0, "bits_per_weight": 2.15, "calibration_tokens": 1000}
+    plain = {**base, "scheme": "additive", "label": "additive:ft", "ppl": 60.0, "options": {"iters": 4}, "finetune": ft}
+    other = {**plain, "label": "additive:ft10", "ppl": 40.0, "finetune": {**ft, "epochs": 10}}  # another recipe: not the match
+    rot_in = {**base, "scheme": "additive-hadamard", "label": "ah:in", "ppl": 50.0, "options": {"iters": 4, "outputs": False},
+              "finetune": {**ft, "seconds": 2.0}}
+    rot_both = {**rot_in, "label": "ah:both", "ppl": 55.0, "options": {"iters": 4, "outputs": True}}
+    lone = {**rot_in, "label": "ah:more", "ppl": 45.0, "calibration_tokens": 2000}
+    runs = [(tmp_path / f"m-gpu-{k}.json", {}, r, r.iloc[0]) for k, r in
+            (("d", run(plain, other)), ("j", run(rot_in, lone)), ("k", run(rot_both)))]
+    assert P.rotation_note(runs[:1]) is None  # no rotated row
+    note = P.rotation_note(runs)
+    assert "ah:in (inputs only, m-gpu-j.json) is +150% over its run's reference; the same recipe unrotated (m-gpu-d.json) is +200%, so the rotation leaves 75%" in note
+    assert "ah:both (inputs and outputs, m-gpu-k.json) is +175%" in note and "leaves 88%" in note
+    assert "ah:more (inputs only, m-gpu-j.json) is +125% over its run's reference; no GPU run has the same recipe unrotated" in note
+
+
 def test_best_rows_and_the_pareto_figure_of_several_runs(tmp_path):
     import pandas as pd
 

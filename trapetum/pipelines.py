@@ -1699,6 +1699,43 @@ def finetune_table(run: "pd.DataFrame") -> "pd.DataFrame":
     return pd.DataFrame(rows)
 
 
+def _recipe(r) -> tuple:
+    """What makes two additive rows the same recipe apart from the rotation: the codebook options
+    (``outputs`` aside), the fine-tuning and the number of calibration tokens."""
+    opts = {k: v for k, v in (r.get("options") or {}).items() if k != "outputs"}
+    ft = r.get("finetune")
+    ft = {k: ft.get(k) for k in ("epochs", "lr", "batch", "norms")} if isinstance(ft, dict) else None
+    return json.dumps([opts, ft, r.get("calibration_tokens")], sort_keys=True, default=str)
+
+
+def rotation_note(runs: list[tuple]) -> str | None:
+    """The GPU runs' rotated 2-bit additive rows (``additive-hadamard``, :func:`recorded_runs`) beside
+    the unrotated ``additive`` row of the same recipe (:func:`_recipe`) from any of those runs: each
+    % over its own run's reference, and the share of the unrotated row's excess perplexity that the
+    rotation leaves. None without a rotated row."""
+    rot, plain = [], {}
+    for path, _, run, ref in runs:
+        rows = scheme_rows(run, ref)
+        rot += [(path, r) for _, r in rows[rows.scheme == "additive-hadamard"].iterrows()]
+        for _, r in rows[rows.scheme == "additive"].iterrows():
+            plain.setdefault(_recipe(r), (path, r))
+    if not rot:
+        return None
+    parts = []
+    for path, r in rot:
+        side = "inputs only" if (r.get("options") or {}).get("outputs") is False else "inputs and outputs"
+        part = f"{r.label} ({side}, {path.name}) is {r['vs reference (%)']:+.0f}% over its run's reference"
+        match = plain.get(_recipe(r))
+        if match is not None:
+            p_path, p = match
+            part += (f"; the same recipe unrotated ({p_path.name}) is {p['vs reference (%)']:+.0f}%, so the rotation "
+                     f"leaves {100 * r['vs reference (%)'] / p['vs reference (%)']:.0f}% of that excess perplexity")
+        else:
+            part += "; no GPU run has the same recipe unrotated"
+        parts.append(part)
+    return "; ".join(parts) + "."
+
+
 def residual_note(runs: list[tuple]) -> str | None:
     """What the GPU runs' residual-codebook rows (:func:`recorded_runs`) stored and scored: index bits
     against bits a weight as stored, the per-layer codebooks and padding that make the difference, and
