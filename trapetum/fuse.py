@@ -89,6 +89,8 @@ def _why_not(mods: list[nn.Module]) -> str | None:
         return "different in_features"
     if len({m.bias is None for m in mods}) != 1:
         return "some have a bias and some do not"
+    if len({getattr(m, "rotation", None) for m in mods}) != 1:
+        return "different input rotations"
     if kind is nn.Linear:
         if len({(m.weight.dtype, m.weight.device) for m in mods}) != 1:
             return "weights of different dtypes or devices"
@@ -156,7 +158,7 @@ def _stack(mods: list[nn.Module]) -> nn.Module:
         if bias is not None:
             new.bias = nn.Parameter(bias, requires_grad=first.bias.requires_grad)
     if isinstance(first, QLinear):
-        new.mode, new.simulate = first.mode, first.simulate
+        new.mode, new.simulate, new.rotation = first.mode, first.simulate, first.rotation
     return new
 
 

@@ -476,62 +476,7 @@ def _clip_ratios(W, H, inner, grid, group_size) -> torch.Tensor:
 # --------------------------------------------------------------------------- incoherence processing
 
 
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def _is_prime(q: int) -> bool:
-    return q > 1 and all(q % p for p in range(2, int(q**0.5) + 1))
-
-
-def _paley(q: int) -> torch.Tensor:
-    # Paley I: q prime, q = 3 mod 4 -> a Hadamard matrix of order q + 1.
-    residues = {(x * x) % q for x in range(1, q)}
-    chi = torch.tensor([0.0] + [1.0 if x in residues else -1.0 for x in range(1, q)])
-    idx = (torch.arange(q)[None, :] - torch.arange(q)[:, None]) % q
-    S = torch.zeros(q + 1, q + 1)
-    S[0, 1:] = 1
-    S[1:, 0] = -1
-    S[1:, 1:] = chi[idx]
-    return S + torch.eye(q + 1)
-
-
-def hadamard(n: int) -> torch.Tensor | None:
-    """A Hadamard matrix of order n (entries +-1, H H^T = n I): Sylvester 2^k, or Paley (q+1) x 2^k; None if neither fits."""
-    if _is_pow2(n):
-        m, base = n, torch.ones(1, 1)
-    else:
-        base = None
-        for k in range(0, n.bit_length()):
-            if n % (1 << k) == 0 and n >> k > 2:
-                q = (n >> k) - 1
-                if q % 4 == 3 and _is_prime(q):
-                    base, m = _paley(q), 1 << k
-                    break
-        if base is None:
-            return None
-    H2 = torch.tensor([[1.0, 1.0], [1.0, -1.0]])
-    Hs = torch.ones(1, 1)
-    while Hs.shape[0] < m:
-        Hs = torch.kron(Hs, H2)
-    return torch.kron(base, Hs)
-
-
-def random_rotation(n: int, seed: int = 0) -> torch.Tensor:
-    """Orthogonal U = H diag(random signs) / sqrt(n), the randomized Hadamard transform of QuIP#.
-
-    For orders with no Hadamard matrix here (n = 2^k m, m not a Paley order) the odd factor is
-    a random orthogonal matrix (QuIP's Kronecker construction): still orthogonal, still incoherent.
-    """
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + n)
-    Hd = hadamard(n)
-    if Hd is None:
-        k = (n & -n).bit_length() - 1
-        m = n >> k
-        Qm, _ = torch.linalg.qr(torch.randn(m, m, generator=gen, dtype=torch.float64))
-        Hd = torch.kron(Qm.float().contiguous() * math.sqrt(m), hadamard(1 << k))
-    signs = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
-    return (Hd * signs[None, :] / math.sqrt(n)).float()
+from .hadamard import hadamard, random_rotation  # noqa: E402  (the constructions live beside the served transform)
 
 
 def incoherent(W: torch.Tensor, H: torch.Tensor | None = None, *, inner: Callable[..., Quantized], seed: int = 0,

@@ -79,6 +79,20 @@ def _(x, handle):
     return x.new_empty(x.shape[0], _LAYERS[handle].out_features)
 
 
+@torch.library.custom_op("trapetum::qlinear_rotate", mutates_args=())
+def qlinear_rotate(x: torch.Tensor, handle: int) -> torch.Tensor:
+    """x (B, in) U^T, the input rotation of QLinear ``handle`` (:class:`trapetum.hadamard.Rotation`), fp16."""
+    layer = _LAYERS.get(handle)
+    if layer is None:
+        raise RuntimeError(f"no QLinear is registered under handle {handle} (the layer was freed or copied)")
+    return layer.rotator()(x, simulate=layer.simulate)
+
+
+@qlinear_rotate.register_fake
+def _(x, handle):
+    return torch.empty_like(x)
+
+
 SLAB_BYTES = 16 * 2**20  # fp16 weight rebuilt at a time by dequant_matmul
 
 
@@ -112,7 +126,17 @@ def _kmeans_weight(module: nn.Module, kind: type, K: int, iters: int, seed: int,
 
 
 class QLinear(nn.Module):
-    """``y = x @ W_hat.T + b`` with ``W_hat`` a codebook weight; a drop-in for ``nn.Linear``."""
+    """``y = x @ W_hat.T + b`` with ``W_hat`` a codebook weight; a drop-in for ``nn.Linear``.
+
+    ``rotation`` (every format): None, or the seed of a served input rotation U
+    (:class:`trapetum.hadamard.Rotation`, regenerated, not stored): then the codes hold the layer fitted
+    as W U^T and the forward computes ``(U x) @ W_hat.T + b``, one fp16 transform of x before the
+    unchanged kernel (``quantize_model(..., rotate=True)``). The fused decode step and :mod:`trapetum.fuse`
+    keep such a layer as its own call.
+    """
+
+    rotation: int | None = None
+    _rot = None
 
     def __init__(self, in_features: int, out_features: int, K: int = 16, bias: bool = False, device=None):
         super().__init__()
@@ -189,14 +213,36 @@ class QLinear(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def dequantize(self, dtype=torch.float16) -> torch.Tensor:
+        """The stored weight decoded: for a rotated layer, in the rotated basis (see :meth:`effective_weight`)."""
         return self.codebook_tensor().dequantize(dtype)
+
+    def rotator(self):
+        """The :class:`~trapetum.hadamard.Rotation` of this layer's inputs (ValueError if it has none)."""
+        if self.rotation is None:
+            raise ValueError("this layer has no input rotation")
+        if self._rot is None or (self._rot.n, self._rot.seed) != (self.in_features, self.rotation):
+            from .hadamard import Rotation
+
+            self._rot = Rotation(self.in_features, self.rotation)
+        return self._rot
+
+    def effective_weight(self, dtype=torch.float32) -> torch.Tensor:
+        """The weight the layer applies to its inputs as they arrive: dequantize() U for a rotated layer."""
+        W = self.dequantize(torch.float32)
+        if self.rotation is not None:
+            W = W @ self.rotator().matrix(torch.float32).to(W.device)
+        return W.to(dtype)
+
+    def _rotation_repr(self) -> str:
+        return "" if self.rotation is None else f", rotation={self.rotation}"
 
     @property
     def bits_per_weight(self) -> float:
         return 8 / codes_per_byte(self.K) + self.K * 16 / self.in_features
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, K={self.K}, bias={self.bias is not None}, mode={self.mode}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, K={self.K}, bias={self.bias is not None}, "
+                f"mode={self.mode}{self._rotation_repr()}")
 
     def _apply(self, fn, *args, **kwargs):
         # A move invalidates the kernel's copy of the weight (it lives on one device).
@@ -240,6 +286,8 @@ class QLinear(nn.Module):
         if not (x.is_cuda or self.simulate):
             if x.device != self.codes.device:
                 raise ValueError(f"x is on {x.device} but the weight is on {self.codes.device}")
+            if self.rotation is not None:
+                x = self.rotator()(x)
             W = self.codebook_tensor().dequantize(x.dtype)
             return F.linear(x, W, None if self.bias is None else self.bias.to(x.dtype))
         if self.mode == "naive":
@@ -259,6 +307,8 @@ class QLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         B = x2.shape[0]
         g = self.gemv()
+        if self.rotation is not None:
+            x2 = qlinear_rotate(x2, self._handle)
         y = qlinear_gemv(x2, self._handle) if B <= g.max_batch else dequant_matmul(x2, g)
         if self.bias is not None:
             y = y + self.bias
@@ -313,7 +363,8 @@ class AdditiveQLinear(QLinear):
         return self.codebook_tensor().bits_per_weight
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, M={self.M}, bias={self.bias is not None}, mode={self.mode}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, M={self.M}, bias={self.bias is not None}, "
+                f"mode={self.mode}{self._rotation_repr()}")
 
     _FP16 = ("codebooks", "scales", "bias")
 
@@ -383,7 +434,7 @@ class ResidualQLinear(QLinear):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, main={self.Nm}, residual={self.Nr}, "
-                f"norm={self.norm}, bias={self.bias is not None}, mode={self.mode}")
+                f"norm={self.norm}, bias={self.bias is not None}, mode={self.mode}{self._rotation_repr()}")
 
     _FP16 = ("main", "res", "norm_scale", "norm_bias", "bias")
 
@@ -440,10 +491,13 @@ def empty_layer(spec: dict, device="meta") -> QLinear:
     kind, params = parse_scheme(spec["K"])
     n_in, n_out, bias = spec["in_features"], spec["out_features"], spec["bias"]
     if kind == "scalar":
-        return QLinear(n_in, n_out, params[0], bias=bias, device=device)
-    if kind == "additive":
-        return AdditiveQLinear(n_in, n_out, params[0], bias=bias, device=device)
-    return ResidualQLinear(n_in, n_out, *params, norm=spec.get("norm", False), bias=bias, device=device)
+        q = QLinear(n_in, n_out, params[0], bias=bias, device=device)
+    elif kind == "additive":
+        q = AdditiveQLinear(n_in, n_out, params[0], bias=bias, device=device)
+    else:
+        q = ResidualQLinear(n_in, n_out, *params, norm=spec.get("norm", False), bias=bias, device=device)
+    q.rotation = spec.get("rotation")
+    return q
 
 
 def _quantize_linear(lin: nn.Linear, K, iters: int | None, seed: int, device, H: torch.Tensor | None = None) -> tuple[QLinear, float]:
@@ -551,6 +605,8 @@ def layer_spec(q: QLinear) -> dict:
     spec = {"K": q.K, "in_features": q.in_features, "out_features": q.out_features, "bias": q.bias is not None}
     if isinstance(q, ResidualQLinear):
         spec["norm"] = q.norm
+    if q.rotation is not None:
+        spec["rotation"] = q.rotation
     return spec
 
 
@@ -573,7 +629,8 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, iters: int | None = None, seed: int = 0,
                    device=None, progress: bool = True, embedding: bool = False, joint: bool = False,
-                   calib: torch.Tensor | None = None, batch_size: int = 8, finetune: int | dict | None = None) -> dict:
+                   calib: torch.Tensor | None = None, batch_size: int = 8, finetune: int | dict | None = None,
+                   rotate: bool = False) -> dict:
     """Replace every decoder projection (nn.Linear in model.model.layers) by a QLinear, in place.
 
     ``K`` is the scheme (:func:`parse_scheme`): 16, 64, 256 (or "K16"...) for scalar codebooks (a
@@ -608,6 +665,10 @@ def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, 
     model's fp16 bytes of memory, and activations. Returns the quantization summary, also kept as
     ``model.trapetum_quant`` (what save_quantized writes); with ``finetune`` its "finetune" entry
     holds the options and the :class:`~trapetum.finetune.FinetuneReport`.
+    ``rotate``: every quantized layer is fitted as W U^T (U the served randomized Hadamard rotation of its
+    inputs, :class:`trapetum.hadamard.Rotation` of ``seed``; H as U H U^T) and computes U x before its kernel
+    (QuIP#'s incoherence processing on the inputs only, the accuracy chapter's ``outputs=false``). Such layers
+    run unfused: one more launch each, which the decode step does not fold into its fused kernels.
     """
     import copy
 
@@ -639,9 +700,14 @@ def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, 
     joint = joint and kind != "scalar"
 
     def run(names, H=None):
-        done = (_quantize_group([linears[n] for n in names], K, iters, seed, device, H) if len(names) > 1
-                else [_quantize_linear(linears[names[0]], K, iters, seed, device, H)])
+        lins = [linears[n] for n in names]
+        if rotate:
+            lins, H = _rotated(lins, H, seed)
+        done = (_quantize_group(lins, K, iters, seed, device, H) if len(names) > 1
+                else [_quantize_linear(lins[0], K, iters, seed, device, H)])
         for name, (q, rel_mse[name]) in zip(names, done):
+            if rotate:
+                q.rotation = seed
             _set_submodule(model, name, q)
             layers[name] = layer_spec(q)
         bar.update(len(names))
@@ -661,12 +727,30 @@ def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, 
         embeddings[name] = q.spec()
         rel_mse[name] = rep.rel_mse
     summary = {"K": K, "layers": layers, "excluded": excluded, "embeddings": embeddings, "joint": joint,
-               "calibration_tokens": 0 if calib is None else int(calib.numel())}
+               "calibration_tokens": 0 if calib is None else int(calib.numel()), "rotate": bool(rotate)}
     if ft:
         summary["finetune"] = {**ft, **_finetune_codebooks(model, teacher, calib, list(layers), ft, progress).as_dict()}
         del teacher
     model.trapetum_quant = summary
     return {**summary, "rel_mse": rel_mse}
+
+
+def _rotated(lins: list[nn.Linear], H: torch.Tensor | None, seed: int) -> tuple[list[nn.Linear], torch.Tensor | None]:
+    """``lins`` (one input) as the layers their rotated codes are fitted to, W U^T in fp32, and H as U H U^T."""
+    from .hadamard import Rotation
+
+    n = lins[0].in_features
+    if n % 2:
+        raise ValueError(f"rotate=True needs layers with an even number of inputs; {n} is odd")
+    U = Rotation(n, seed).matrix(torch.float32).to(lins[0].weight.device)
+    out = []
+    for lin in lins:
+        r = nn.Linear(n, lin.out_features, bias=lin.bias is not None, device="meta")
+        r.weight = nn.Parameter(lin.weight.detach().float() @ U.T, requires_grad=False)
+        if lin.bias is not None:
+            r.bias = nn.Parameter(lin.bias.detach(), requires_grad=False)
+        out.append(r)
+    return out, None if H is None else U.to(H.device) @ H.float() @ U.T.to(H.device)
 
 
 FINETUNE_DEFAULTS = dict(lr=None, batch=8, norms=True)  # quantize_model's finetune (see trapetum.finetune.finetune)
@@ -703,6 +787,25 @@ def _trainable(q, pool: list):
     """(the :class:`~trapetum.pipelines.Form` of QLinear or AdditiveQLinear ``q``: its codes and its stored
     parameters in fp32, the layer built back from a form). Codebooks equal to one already in ``pool`` (a joint
     group's one set) are that same tensor, so fine-tuning trains them as one."""
+    form, build = _trainable_stored(q, pool)
+    if q.rotation is None:
+        return form, build
+    import functools
+
+    from .pipelines import Form, _rotated_decode
+
+    U, seed = q.rotator().matrix(torch.float32).to(form.codes.device), q.rotation
+
+    def rebuild(f):
+        new = build(f)
+        new.rotation = seed
+        return new
+
+    return Form(form.codes, form.params, functools.partial(_rotated_decode, decode=form.decode, U=U, V=None)), rebuild
+
+
+def _trainable_stored(q, pool: list):
+    """:func:`_trainable` of the weight as stored (for a rotated layer, in the rotated basis)."""
     from .pipelines import Form, _additive_decode, _codebook_decode
 
     bias = q.bias
@@ -923,6 +1026,10 @@ def read_config(folder: str | Path) -> dict:
             raise QuantizedModelError(f"{path}: layer {name}: {e}") from e
         if not isinstance(spec.get("norm", False), bool) or ("norm" in spec and kind != "residual"):
             raise QuantizedModelError(f"{path}: layer {name}: 'norm' is a residual layer's true/false, got {spec.get('norm')!r}")
+        rot = spec.get("rotation")
+        if rot is not None and (not isinstance(rot, int) or isinstance(rot, bool) or rot < 0 or n_in % 2):
+            raise QuantizedModelError(f"{path}: layer {name}: 'rotation' is a non-negative integer seed of a layer with an even "
+                                      f"number of inputs, got {rot!r} at in_features={n_in}")
     return h
 
 

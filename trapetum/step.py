@@ -153,7 +153,9 @@ class FusedStep:
             raise UnsupportedModelError(f"{name}: the projections give {r0} outputs, the step expects {out.shape[1]}")
         kernels = []
         for lin in linears:
-            ok = isinstance(lin, QLinear) and lin.bias is None and lin.mode == "fast" and (lin.codes.is_cuda or lin.simulate)
+            # a rotated layer's input is U x, which the fused kernels' prologues do not compute: its own call
+            ok = (isinstance(lin, QLinear) and lin.bias is None and lin.mode == "fast" and lin.rotation is None
+                  and (lin.codes.is_cuda or lin.simulate))
             g = lin.gemv() if ok else None
             kernels.append(g if isinstance(g, (LutGemv, AdditiveGemv)) and g.fusable(1) else None)
         if all(k is not None for k in kernels):

@@ -1,0 +1,152 @@
+"""The served input rotation (trapetum.hadamard) and rotated layers end to end (quantize, forward, save, load, fuse)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from trapetum import gemv, hadamard
+from trapetum.hadamard import Rotation, factors, fwht
+from trapetum.qlinear import (CONFIG_FILE, QLinear, QuantizedModelError, load_quantized, qlinears, quantize_model,
+                              save_quantized)
+from test_qlinear import tiny_llama, tiny_llama_256
+
+
+@pytest.mark.parametrize("n", [2, 64, 96, 344, 576, 1536])
+def test_the_rotation_is_orthogonal_and_its_fast_form_is_the_dense_one(n):
+    r = Rotation(n, seed=3)
+    U = r.matrix()
+    assert torch.allclose(U @ U.T, torch.eye(n, dtype=torch.float64), atol=1e-6)
+    assert r.m * r.p == n and r.p & (r.p - 1) == 0 and r.m % 2 == 1  # p: the largest power of two dividing n
+    x = torch.randn(3, 2, n)
+    torch.testing.assert_close(r.reference(x).double(), x.double() @ U.T, atol=1e-5, rtol=0)
+    # incoherent: no input channel keeps its own weight (every entry of U is small)
+    assert U.abs().max() < 3 / math.sqrt(r.p)
+    assert not torch.equal(Rotation(n, seed=4).matrix(), U)  # the seed picks the signs (and B)
+
+
+def test_fwht_is_sylvesters_matrix_and_powers_of_two_match_the_accuracy_pipelines():
+    H = torch.ones(1, 1)
+    while H.shape[0] < 16:
+        H = torch.kron(H, torch.tensor([[1.0, 1.0], [1.0, -1.0]]))
+    v = torch.randn(5, 16)
+    torch.testing.assert_close(fwht(v), v @ H)
+    with pytest.raises(ValueError, match="power of two"):
+        fwht(torch.randn(12))
+    # where both constructions pick the same odd factor (a power of two: none), they are one matrix
+    torch.testing.assert_close(Rotation(256, 3).matrix(torch.float32), hadamard.random_rotation(256, 3), atol=1e-6, rtol=0)
+
+
+def test_rotation_bad_inputs():
+    for n in (7, 0, 1):
+        with pytest.raises(ValueError, match="even number of inputs"):
+            factors(n)
+    r = Rotation(64)
+    with pytest.raises(ValueError, match=r"\(\.\.\., 64\)"):
+        r(torch.randn(2, 32))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        r([1.0] * 64)
+    x = torch.randn(2, 64).half()
+    with pytest.raises(ValueError, match="contiguous float16"):
+        r.launcher(x.float(), x)
+    with pytest.raises(ValueError, match="contiguous float16"):
+        r.launcher(x, torch.empty(2, 32).half())
+
+
+@pytest.mark.skipif(not gemv.SIM, reason="the kernel on CPU tensors needs the CUDA simulator")
+@pytest.mark.parametrize("n", [64, 96, 344])
+def test_rotation_kernel_matches_the_float64_transform(n):
+    # 344 = 43 x 8: a dense 43 x 43 factor after three butterfly stages; 64: butterflies only
+    r = Rotation(n, seed=1)
+    x = (torch.randn(3, n) * torch.linspace(0.1, 30, n)).half()  # loud channels, as a layer's inputs have
+    y = torch.full_like(x, float("nan"))  # poisoned: every output must be written
+    r.launcher(x, y)()
+    ref = x.double() @ r.matrix().T
+    assert torch.isfinite(y).all()
+    assert float((y.double() - ref).abs().max() / ref.abs().max()) < 2e-3
+    torch.testing.assert_close(r(x, simulate=True), y, rtol=0, atol=0)
+
+
+def test_a_rotated_layer_applies_its_codes_to_the_rotated_input():
+    torch.manual_seed(0)
+    m = tiny_llama(seed=3)
+    dense = {n: lin.weight.detach().clone() for n, lin in m.named_modules() if isinstance(lin, torch.nn.Linear)}
+    s = quantize_model(m, K=16, iters=4, progress=False, rotate=True, seed=2)
+    assert s["rotate"] and all(spec["rotation"] == 2 for spec in s["layers"].values())
+    for name, q in qlinears(m).items():
+        assert q.rotation == 2 and "rotation=2" in repr(q)
+        x = torch.randn(3, q.in_features)
+        W = q.effective_weight(torch.float64)
+        torch.testing.assert_close(q(x).double(), x.double() @ W.T, atol=1e-5, rtol=1e-5)
+        # the codes were fitted to W U^T: the effective weight is close to the layer's own, as the summary says
+        err = float((W.float() - dense[name]).pow(2).sum() / dense[name].pow(2).sum())
+        assert err == pytest.approx(s["rel_mse"][name], rel=1e-3) and err < 0.05
+        assert not torch.allclose(q.dequantize(torch.float32), dense[name], atol=0.05)  # stored in the rotated basis
+
+
+def test_a_rotated_model_saves_loads_and_refuses_a_bad_rotation(tmp_path):
+    m = tiny_llama(seed=4)
+    quantize_model(m, K=16, iters=2, progress=False, rotate=True, seed=5)
+    folder = save_quantized(m, tmp_path / "q")
+    m2 = load_quantized(folder)
+    assert all(q.rotation == 5 for q in qlinears(m2).values())
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(m2(ids).logits, m(ids).logits, rtol=0, atol=0)
+    h = json.loads((folder / CONFIG_FILE).read_text())
+    for bad in ("5", -1, True, 1.5):
+        h["layers"]["model.layers.0.self_attn.q_proj"]["rotation"] = bad
+        (folder / CONFIG_FILE).write_text(json.dumps(h))
+        with pytest.raises(QuantizedModelError, match="'rotation' is a non-negative integer seed"):
+            load_quantized(folder)
+
+
+def test_fusion_keeps_one_rotation_a_group_and_refuses_mixed_ones():
+    from trapetum.fuse import fuse_projections
+
+    m = tiny_llama_256(seed=2)
+    quantize_model(m, K="A2", iters=1, progress=False, joint=True, rotate=True)
+    ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = m(ids).logits
+    report = fuse_projections(m)
+    assert report["model.layers.0.self_attn.qkv_proj"] == "fused"
+    assert m.model.layers[0].self_attn.qkv_proj.linear.rotation == 0
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids).logits, want, rtol=1e-5, atol=1e-5)
+    u = tiny_llama_256(seed=2)
+    quantize_model(u, K="A2", iters=1, progress=False, joint=True, rotate=True)
+    u.model.layers[0].self_attn.k_proj.rotation = None
+    assert fuse_projections(u)["model.layers.0.self_attn.qkv_proj"] == "different input rotations"
+
+
+def test_finetuning_a_rotated_model_trains_through_the_rotation():
+    calib = torch.randint(0, 96, (8, 24), generator=torch.Generator().manual_seed(3))
+    plain, m = tiny_llama(seed=8), tiny_llama(seed=8)
+    quantize_model(plain, K=16, iters=4, progress=False, calib=calib, batch_size=3, rotate=True)
+    s = quantize_model(m, K=16, iters=4, progress=False, calib=calib, batch_size=3, rotate=True,
+                       finetune=dict(epochs=4, lr=1e-2, batch=4))
+    assert s["finetune"]["kl_after"] < s["finetune"]["kl_before"]
+    before = qlinears(plain)
+    for name, q in qlinears(m).items():
+        assert q.rotation == 0 and torch.equal(q.codes, before[name].codes)  # the same rotated codes, trained codebooks
+        x = torch.randn(2, q.in_features)
+        torch.testing.assert_close(q(x).double(), x.double() @ q.effective_weight(torch.float64).T, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not gemv.SIM, reason="the kernel dispatch on CPU tensors needs the CUDA simulator")
+def test_a_rotated_layer_in_the_simulator_rotates_then_runs_its_kernel():
+    from trapetum.codebook import random_codebook_tensor
+
+    q = QLinear.from_codebook(random_codebook_tensor(32, 64, 16, seed=5))
+    q.rotation, q.simulate = 7, True
+    W = q.effective_weight(torch.float32)
+    for rows in (1, 17):  # the fused kernel, then dequantize + matmul: both after the rotation
+        x = torch.randn(rows, 64).half()
+        torch.testing.assert_close(q(x).float(), x.float() @ W.T, atol=2e-2, rtol=2e-2)
+    got = torch.compile(q, backend="aot_eager", fullgraph=True)(x)  # the rotation is an opaque op too
+    torch.testing.assert_close(got, q(x))
+    with pytest.raises(RuntimeError, match="no QLinear is registered"):
+        torch.ops.trapetum.qlinear_rotate(x, 12345)

@@ -1,0 +1,238 @@
+"""Randomized Hadamard rotations of a layer's inputs (QuIP#'s incoherence processing), and the served transform.
+
+A rotated layer stores Q(W U^T), the codebook weight fitted to the layer rotated by an orthogonal U, and
+computes Q(W U^T) (U x) ~ W x: one transform of the activation before the unchanged codebook GEMV, nothing
+after it (the accuracy chapter's runs j and k: rotating the inputs alone did as well as both sides). The
+rotation spreads the inputs' outlier channels over every input, which is what a 2-bit codebook fitted to
+the layer's input statistics gains from (NOTES, session 60).
+
+Two constructions of U share this module:
+
+* :func:`random_rotation` (dense, the accuracy pipelines' fake-quantized ``incoherent`` schemes):
+  H diag(s) / sqrt(n), H a Hadamard matrix of order n where one is known here (Sylvester, or Paley times
+  Sylvester with the smallest Paley order), else a random orthogonal odd factor times Sylvester.
+* :class:`Rotation` (served, :func:`factors`): U = kron(B, H_p) diag(s) / sqrt(n) with p the largest power
+  of two dividing n and B of order m = n / p, which is odd: 1, else a random orthogonal matrix times
+  sqrt(m) (QuIP's Kronecker construction; no Hadamard matrix has an odd order above 1). H_p is applied by the fast
+  Walsh-Hadamard transform (p log2 p adds a row), B densely (m^2 multiplies a column: m is 1 at 4096 and
+  8192 inputs, 43 at 11008, 7 at 14336 and 28672). The two agree wherever they pick the same B (every power
+  of two); at SmolLM2's 576 = 72 x 8 the dense one takes Paley's 72, the served one 9 x 64.
+
+Nothing is stored: B and the signs s come back from (n, seed), so a rotated layer costs no bits.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from numba import cuda, float32
+
+from .gemv import SIM, _as_kernel_array, float2_to_half2, half2_to_float2, require_gpu, with_shared_limit
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _is_prime(q: int) -> bool:
+    return q > 1 and all(q % p for p in range(2, int(q**0.5) + 1))
+
+
+def _paley(q: int) -> torch.Tensor:
+    # Paley I: q prime, q = 3 mod 4 -> a Hadamard matrix of order q + 1.
+    residues = {(x * x) % q for x in range(1, q)}
+    chi = torch.tensor([0.0] + [1.0 if x in residues else -1.0 for x in range(1, q)])
+    idx = (torch.arange(q)[None, :] - torch.arange(q)[:, None]) % q
+    S = torch.zeros(q + 1, q + 1)
+    S[0, 1:] = 1
+    S[1:, 0] = -1
+    S[1:, 1:] = chi[idx]
+    return S + torch.eye(q + 1)
+
+
+def hadamard(n: int) -> torch.Tensor | None:
+    """A Hadamard matrix of order n (entries +-1, H H^T = n I): Sylvester 2^k, or Paley (q+1) x 2^k; None if neither fits."""
+    if _is_pow2(n):
+        m, base = n, torch.ones(1, 1)
+    else:
+        base = None
+        for k in range(0, n.bit_length()):
+            if n % (1 << k) == 0 and n >> k > 2:
+                q = (n >> k) - 1
+                if q % 4 == 3 and _is_prime(q):
+                    base, m = _paley(q), 1 << k
+                    break
+        if base is None:
+            return None
+    H2 = torch.tensor([[1.0, 1.0], [1.0, -1.0]])
+    Hs = torch.ones(1, 1)
+    while Hs.shape[0] < m:
+        Hs = torch.kron(Hs, H2)
+    return torch.kron(base, Hs)
+
+
+def random_rotation(n: int, seed: int = 0) -> torch.Tensor:
+    """Orthogonal U = H diag(random signs) / sqrt(n), the randomized Hadamard transform of QuIP#.
+
+    For orders with no Hadamard matrix here (n = 2^k m, m not a Paley order) the odd factor is
+    a random orthogonal matrix (QuIP's Kronecker construction): still orthogonal, still incoherent.
+    """
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + n)
+    Hd = hadamard(n)
+    if Hd is None:
+        k = (n & -n).bit_length() - 1
+        m = n >> k
+        Qm, _ = torch.linalg.qr(torch.randn(m, m, generator=gen, dtype=torch.float64))
+        Hd = torch.kron(Qm.float().contiguous() * math.sqrt(m), hadamard(1 << k))
+    signs = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
+    return (Hd * signs[None, :] / math.sqrt(n)).float()
+
+
+
+
+def _generator(n: int, seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + n)
+
+
+def factors(n: int, seed: int = 0) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """The served rotation of order ``n`` as (B (m, m) float32 with B B^T = m I, p, signs (n,) of +-1):
+    U = kron(B, H_p) diag(signs) / sqrt(n), p the largest power of two dividing n."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 2 or n % 2:
+        raise ValueError(f"a rotated layer needs an even number of inputs, got {n!r}")
+    p = n & -n
+    m = n // p
+    gen = _generator(n, seed)
+    if m == 1:
+        B = torch.ones(1, 1)
+    else:  # m is odd: no Hadamard matrix of that order exists
+        Q, _ = torch.linalg.qr(torch.randn(m, m, generator=gen, dtype=torch.float64))
+        B = Q.float().contiguous() * math.sqrt(m)
+    signs = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
+    return B, p, signs
+
+
+def fwht(v: torch.Tensor) -> torch.Tensor:
+    """v @ H_p along the last axis (Sylvester's H_p, p = v.shape[-1] a power of two), by butterflies."""
+    p = v.shape[-1]
+    if not _is_pow2(p):
+        raise ValueError(f"the fast Walsh-Hadamard transform takes a power of two, got {p}")
+    h = 1
+    while h < p:
+        w = v.reshape(*v.shape[:-1], p // (2 * h), 2, h)
+        v = torch.stack((w[..., 0, :] + w[..., 1, :], w[..., 0, :] - w[..., 1, :]), dim=-2).reshape(v.shape)
+        h *= 2
+    return v
+
+
+NT = 32 if SIM else 512  # threads of a block (one block a row of x; the simulator runs each as a Python thread)
+_kernels: dict = {}
+
+
+def rotate_kernel(n: int, p: int, m: int):
+    """The kernel of the served rotation of order n = m p: block r rotates row r of x into row r of y."""
+    key = (n, p, m)
+    if key in _kernels:
+        return _kernels[key]
+    half, hp = n // 2, p // 2
+
+    @cuda.jit(**({} if SIM else {"launch_bounds": (NT,)}))
+    def kernel(x, y, signs, B, scale):
+        # x, y (rows, n / 2) int32: fp16 pairs; signs (n,), B (m, m) fp32; dynamic shared memory: n fp32.
+        s = cuda.shared.array(0, float32)
+        r, t = cuda.blockIdx.x, cuda.threadIdx.x
+        for w in range(t, half, NT):
+            a, b = half2_to_float2(x[r, w])
+            s[2 * w], s[2 * w + 1] = a * signs[2 * w], b * signs[2 * w + 1]
+        cuda.syncthreads()
+        h = 1
+        while h < p:  # H_p on each of the m runs of p values: a butterfly a thread, a barrier a stage
+            for u in range(t, half, NT):
+                i = (u // hp) * p + (u % hp) // h * 2 * h + u % h
+                a, b = s[i], s[i + h]
+                s[i], s[i + h] = a + b, a - b
+            cuda.syncthreads()
+            h *= 2
+        for w in range(t, half, NT):  # then B across the runs: a pair of outputs a thread (p is even)
+            i = 2 * w
+            blk, j = i // p, i % p
+            a = b = float32(0)
+            for k in range(m):
+                c = B[blk, k]
+                a += c * s[k * p + j]
+                b += c * s[k * p + j + 1]
+            y[r, w] = float2_to_half2(a * scale, b * scale)
+
+    _kernels[key] = kernel
+    return kernel
+
+
+class Rotation:
+    """The served rotation U of a layer's ``n`` inputs (:func:`factors` of ``seed``): ``rot(x)`` is x U^T
+    along the last axis. fp16 CUDA inputs run one numba.cuda launch on torch's current stream (capturable
+    in a CUDA graph), fp32 arithmetic in shared memory; any other input runs the same transform in torch."""
+
+    def __init__(self, n: int, seed: int = 0):
+        self.n, self.seed = n, seed
+        self.B, self.p, self.signs = factors(n, seed)
+        self.m = n // self.p
+        self._dev: dict = {}  # device -> (signs, B) there
+
+    def matrix(self, dtype=torch.float64) -> torch.Tensor:
+        """U, dense (n, n): for checks and for fitting the weight, W U^T."""
+        Hp = torch.ones(1, 1, dtype=torch.float64)
+        H2 = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+        while Hp.shape[0] < self.p:
+            Hp = torch.kron(Hp, H2)
+        U = torch.kron(self.B.double(), Hp) * self.signs.double()[None, :] / math.sqrt(self.n)
+        return U.to(dtype)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """x U^T in torch (float32 arithmetic, x's dtype back)."""
+        self._check(x)
+        v = x.float() * self.signs.to(x.device)
+        v = fwht(v.reshape(*x.shape[:-1], self.m, self.p))
+        v = torch.einsum("ik,...kp->...ip", self.B.to(x.device), v) if self.m > 1 else v
+        return (v.reshape(x.shape) / math.sqrt(self.n)).to(x.dtype)
+
+    def _check(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"a rotation takes a torch.Tensor, got {type(x).__name__}")
+        if x.shape[-1:] != (self.n,):
+            raise ValueError(f"this rotation takes (..., {self.n}) inputs, got {tuple(x.shape)}")
+
+    def __call__(self, x: torch.Tensor, simulate: bool = False) -> torch.Tensor:
+        self._check(x)
+        if x.dtype != torch.float16 or not (x.is_cuda or (SIM and simulate)):
+            return self.reference(x)
+        if x.is_cuda:
+            require_gpu()
+        x2 = x.reshape(-1, self.n)
+        if not x2.is_contiguous() or x2.data_ptr() % 4:
+            x2 = x2.clone(memory_format=torch.contiguous_format)
+        y = torch.empty_like(x2)
+        if x2.shape[0]:
+            self.launcher(x2, y)()
+        return y.view(x.shape)
+
+    def launcher(self, x2: torch.Tensor, y: torch.Tensor):
+        """A launch of y = x2 U^T on (rows, n) contiguous fp16 buffers, for a graph to record (built once, outside capture)."""
+        for name, t in (("x", x2), ("y", y)):
+            if t.dtype != torch.float16 or t.dim() != 2 or t.shape[1] != self.n or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous float16 (rows, {self.n}) tensor, got {tuple(t.shape)} {t.dtype}")
+        if x2.shape != y.shape or x2.device != y.device:
+            raise ValueError("x and y must have the same shape and device")
+        dev = x2.device
+        nbytes = 4 * self.n
+        if dev not in self._dev:
+            self._dev[dev] = [self.signs.to(dev).contiguous(), self.B.to(dev).contiguous(), None]
+        signs, B, kernel = self._dev[dev]
+        args = [_as_kernel_array(t) for t in (x2.view(torch.int32), y.view(torch.int32), signs, B)] + [float(1 / math.sqrt(self.n))]
+        if kernel is None:  # once a device: the driver calls that raise the shared memory limit stay out of later calls
+            kernel = self._dev[dev][2] = with_shared_limit(rotate_kernel(self.n, self.p, self.m), args, nbytes)
+        rows = x2.shape[0]
+
+        def launch():
+            stream = 0 if SIM else cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
+            kernel[rows, NT, stream, nbytes](*args)
+
+        return launch
