@@ -235,6 +235,18 @@ def test_decode_bench_runs_an_additive_model():
     assert decode._parse_quantize("K64") == 64 and decode._parse_quantize("none") is None
 
 
+def test_decode_bench_rotated_rows_beside_plain_ones():
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=96)
+    recs = decode.decode_bench("llama-2-7b", Ks=(16,), paths=("eager", "graphed"), fp16_paths=("graphed",), gen_len=5,
+                               prompt_len=20, energy=False, progress=False, device="cpu", rotates=(False, True), **tiny)
+    assert [(r["scheme"], r["rotate"]) for r in recs] == [("fp16", False)] + [("4-bit K=16", False)] * 2 + \
+        [("4-bit K=16, inputs rotated", True)] * 2
+    assert all(r["matches_graphed_tokens"] for r in recs[1:])  # each against its own graphed row
+    m = decode.random_llama("llama-2-7b", 16, device="cpu", progress=False, rotate=True, **tiny)
+    specs = m.trapetum_quant["layers"]
+    assert all(s["rotation"] == 0 for n, s in specs.items()) and len(specs) == 14  # 7 a layer; the fp16 head has none
+
+
 def test_decode_bench_runs_a_residual_model():
     # Residual layers take in_features of whole 256-column chunks; they run unfused (the step falls back to them).
     tiny = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, vocab_size=96)

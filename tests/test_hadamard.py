@@ -150,3 +150,23 @@ def test_a_rotated_layer_in_the_simulator_rotates_then_runs_its_kernel():
     torch.testing.assert_close(got, q(x))
     with pytest.raises(RuntimeError, match="no QLinear is registered"):
         torch.ops.trapetum.qlinear_rotate(x, 12345)
+
+
+@pytest.mark.skipif(not gemv.SIM, reason="the fused step's kernels run in the CUDA simulator")
+@pytest.mark.parametrize("K", [16, "A2"])
+def test_the_fused_step_rotates_before_its_gemvs_and_matches_the_eager_path(K):
+    # The rotation launch takes each GEMV's pre-operation (RMSNorm, SiLU x up): one launch more a projection group
+    from trapetum.decode import FakeGraphRunner, check_equivalence
+    from trapetum.step import FusedStep
+
+    m = tiny_llama_256(seed=5) if K == "A2" else tiny_llama(seed=5)
+    quantize_model(m, K=K, iters=2, progress=False, rotate=True, joint=K == "A2")
+    m.half()
+    for q in qlinears(m).values():
+        q.simulate = True
+    r = check_equivalence(m, torch.tensor([[3, 17, 42, 8, 61]]), n=6, runner=FakeGraphRunner(), path="fused-step")
+    assert r["first_mismatch"] is None and r["max_rel_logit_diff"] < 1e-2, r
+    step = FusedStep(m, max_len=16, n=4)
+    layers = len(m.model.layers)
+    assert step.rotation_launches == 4 * layers and step.unfused_projections == ["lm_head"]
+    assert sorted({k.split(" ")[1] for k in step.plans}) == ["-/-", "-/add"]  # the GEMVs' own prologues: none

@@ -412,7 +412,7 @@ def random_qlinear(in_features: int, out_features: int, K: int, device, generato
 
 @torch.no_grad()
 def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progress: bool = True, head_K: int | None = None,
-                 fuse: bool = False, embed_K: int | None = None, **overrides):
+                 fuse: bool = False, embed_K: int | None = None, rotate: bool = False, **overrides):
     """A Llama-2 architecture with random fp16 weights built directly on the device, layer by layer.
 
     ``K=None``: fp16 nn.Linear projections. Otherwise every decoder projection is a random
@@ -423,6 +423,8 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
     ``fuse``: each layer's q/k/v and gate/up become one layer each (:mod:`trapetum.fuse`); additive
     and residual groups are then built with one shared codebook set (a group quantized jointly),
     since layers with separate codebooks do not fuse.
+    ``rotate``: every decoder projection rotates its inputs (:attr:`~trapetum.qlinear.QLinear.rotation`, seed 0),
+    as ``quantize_model(..., rotate=True)`` leaves them; the LM head does not.
     """
     from .fuse import GROUPS, fuse_projections
 
@@ -465,6 +467,7 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
                             new.weight.normal_(0, 0.02, generator=gen)
                         else:
                             new = random_qlinear(lin.in_features, lin.out_features, K, device, gen)
+                            new.rotation = 0 if rotate else None
                         parent, _, child = name.rpartition(".")
                         setattr(layer.get_submodule(parent), child, new)
                 if fuse:
@@ -484,7 +487,8 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
         raise RuntimeError(f"random_llama left tensors unallocated: {left[:5]}")
     if K is not None or head_K is not None or embed_K is not None:
         model.trapetum_quant = {"K": K, "excluded": {}, "layers": {
-            n: {"K": head_K if n == "lm_head" else K, "in_features": mod.in_features, "out_features": mod.out_features, "bias": False}
+            n: {"K": head_K if n == "lm_head" else K, "in_features": mod.in_features, "out_features": mod.out_features, "bias": False,
+                **({} if mod.rotation is None else {"rotation": mod.rotation})}
             for n, mod in model.named_modules() if isinstance(mod, QLinear)},
             "embeddings": {} if embed_K is None else {"model.embed_tokens": model.model.embed_tokens.spec()}}
     return model.eval()
@@ -723,7 +727,7 @@ def programmatic_runs(asked, cuda: bool = True) -> tuple[bool, ...]:
 def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_paths=("graphed",), gen_len: int = 512,
                  prompt_len: int = 32, eager_gen_len: int = 128, seed: int = 0, energy=True, progress=True,
                  device="cuda", kernel_times: bool = True, heads=(None,), fuses=(False,), embeds=(None,),
-                 profile: bool = False, programmatic=(True,), on_record=None, **arch_overrides) -> list[dict]:
+                 profile: bool = False, programmatic=(True,), on_record=None, rotates=(False,), **arch_overrides) -> list[dict]:
     """fp16 vs codebook decode on a Llama-2 architecture with random weights, built on the device.
 
     One record per (scheme, path), per the results contract; ``fp16_tok_s`` is the fp16 graphed
@@ -749,6 +753,10 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
 
     ``programmatic``: True and/or False, a fused-step row each: its kernels launched so that each
     may start while the one before runs (sm_90), or strictly one after another.
+
+    ``rotates``: False and/or True, a row each for every codebook scheme: True rotates every decoder projection's
+    inputs (:mod:`trapetum.hadamard`; ``rotate`` True, the scheme named "..., inputs rotated"). The kernel bounds
+    count the GEMVs only, so a rotated row's share of them also says what its rotation launches cost.
 
     ``on_record(rec)`` sees each record as it is made (the CLI's partial file: a run cut short keeps
     the rows it finished).
@@ -799,17 +807,19 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
 
     fp16_tok_s = {}  # fp16's tok/s by (graphed path, fused): each path is compared with fp16 on the same path
     fp16_vram = {}
-    runs = [(f, K, h, e) for f in fuses for K, h, e in [(None, None, None)] + [(K, h, e) for K in Ks for h in heads for e in embeds]]
-    for fused, K, head, embed in runs:
+    runs = [(f, K, h, e, r) for f in fuses
+            for K, h, e, r in [(None, None, None, False)] + [(K, h, e, r) for K in Ks for h in heads for e in embeds for r in rotates]]
+    for fused, K, head, embed, rotate in runs:
         scheme = scheme_label(K) + ("" if head is None else f", LM head {SCHEME_NAMES.get(head, head)}")
         scheme += "" if embed is None else f", embedding {SCHEME_NAMES.get(embed, embed)}"
+        scheme += ", inputs rotated" if rotate else ""
         model = None
         if cuda:
             _release_gpu_memory()
             torch.cuda.reset_peak_memory_stats()
         base = {"model": arch, "weights": "random", "architecture": "real (published config)", "scheme": scheme, "K": K,
                 "head_K": head, "lm_head": SCHEME_NAMES.get(head, head), "embed_K": embed, "embedding": SCHEME_NAMES.get(embed, embed),
-                "bits_per_weight_codes": _bits(K), "batch": 1,
+                "bits_per_weight_codes": _bits(K), "batch": 1, "rotate": bool(rotate),
                 "prompt_len": prompt_len, "fused": bool(fused), "vram_before_gb": torch.cuda.memory_allocated() / 1e9 if cuda else None}
         try:
             bound = {}
@@ -824,7 +834,7 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
                               f"-> {bound['step_implied_tok_s']:.1f} tok/s bound", flush=True)
             t0 = time.time()
             model = random_llama(arch, K, device=device, seed=seed, progress=progress, head_K=head, fuse=fused, embed_K=embed,
-                                 **arch_overrides)
+                                 rotate=rotate, **arch_overrides)
             if not cuda:
                 model.float()  # CPU matmuls in fp32 (tests); codebooks stay fp16
             else:
@@ -888,7 +898,7 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
     # The same model must decode the same tokens whoever launches the step: eager vs graphed
     # exactly; naive (DynamicCache, fp32 casts) may drift late. Stored as text (JSON-flat).
     for r in recs:
-        same = ("K", "head_K", "embed_K", "fused")
+        same = ("K", "head_K", "embed_K", "fused", "rotate")
         ref = next((x for x in recs if all(x[k] == r[k] for k in same) and x.get("path") == "graphed"
                     and not x.get("oom")), None)
         if ref is not None and not r.get("oom"):
@@ -1018,6 +1028,7 @@ def _bench_cmd(args) -> int:
                              heads=tuple(_parse_quantize(k) for k in args.lm_head.split(",")), fuses=FUSE_CHOICES[args.fuse],
                              embeds=tuple(_parse_quantize(k) for k in args.embed.split(",")), profile=args.profile,
                              programmatic={"on": (True,), "off": (False,), "both": (True, False)}[args.programmatic],
+                             rotates={"off": (False,), "on": (True,), "both": (False, True)}[args.rotate],
                              on_record=None if partial is None else (lambda r: results.append_partial(partial, r)))
     prov = results.provenance(command=command, seconds=round(time.time() - t0, 1))
     path = results.save(args.name, recs, prov, folder=args.out)
@@ -1096,6 +1107,8 @@ def main(argv=None) -> int:
                    help="fused-step rows also record a torch.profiler breakdown of a token (kernel by kernel) from the same process")
     b.add_argument("--programmatic", choices=("on", "off", "both"), default="on",
                    help="fused-step rows: kernels that may start while the one before runs (sm_90), strictly serial, or a row each")
+    b.add_argument("--rotate", choices=("off", "on", "both"), default="off",
+                   help="codebook schemes with every decoder projection's inputs rotated (trapetum.hadamard), or a row each")
     b.set_defaults(func=_bench_cmd)
     args = p.parse_args(argv)
     if getattr(args, "max_new_tokens", 1) < 1:

@@ -27,7 +27,8 @@ import math
 import torch
 from numba import cuda, float32
 
-from .gemv import SIM, _as_kernel_array, float2_to_half2, half2_to_float2, require_gpu, with_shared_limit
+from .gemv import (SIM, _as_kernel_array, float2_to_half2, half2_to_float2, launch_hooks, programmatic, require_gpu,
+                   with_shared_limit)
 
 
 def _is_pow2(n: int) -> bool:
@@ -125,24 +126,64 @@ def fwht(v: torch.Tensor) -> torch.Tensor:
 
 
 NT = 32 if SIM else 512  # threads of a block (one block a row of x; the simulator runs each as a Python thread)
+PRES = ("", "rms", "silu")  # what the kernel computes before the rotation (the decode step's pre-operations)
+MAX_SPLIT = 16  # blocks a row's B product is split over (each redoes the row's transform by H_p, which is cheap)
+
+
+def out_split(m: int) -> int:
+    """Blocks a row: the dense B product costs m^2 p multiply-adds a row, the transform by H_p p log2 p adds
+    (m x fewer for m > log2 p). One block a row where m = 1; else up to MAX_SPLIT, each writing 1/G of the row."""
+    return 1 if m == 1 else min(MAX_SPLIT, m)
 _kernels: dict = {}
 
 
-def rotate_kernel(n: int, p: int, m: int):
-    """The kernel of the served rotation of order n = m p: block r rotates row r of x into row r of y."""
-    key = (n, p, m)
+def rotate_kernel(n: int, p: int, m: int, pre: str = ""):
+    """The kernel of the served rotation of order n = m p: block r rotates row r of x into row r of y.
+
+    ``pre`` (the fused decode step's operations on the GEMV's input, :mod:`trapetum.step`): "rms" rotates
+    RMSNorm(x) = x / sqrt(mean(x^2) + eps) * w; "silu" takes x as the (rows, 2n) gate/up output and rotates
+    silu(gate) * up. The whole row is in shared memory anyway, so either costs one more pass over it.
+    """
+    if pre not in PRES:
+        raise ValueError(f"pre must be one of {PRES}, got {pre!r}")
+    key = (n, p, m, pre)
     if key in _kernels:
         return _kernels[key]
     half, hp = n // 2, p // 2
+    rms, silu = pre == "rms", pre == "silu"
+    per = -(-half // out_split(m))  # output pairs a block writes
+    wait, _ = launch_hooks()  # it reads its predecessor's output from the first load (its exit releases)
 
     @cuda.jit(**({} if SIM else {"launch_bounds": (NT,)}))
-    def kernel(x, y, signs, B, scale):
-        # x, y (rows, n / 2) int32: fp16 pairs; signs (n,), B (m, m) fp32; dynamic shared memory: n fp32.
+    def kernel(x, y, signs, B, scale, w, eps):
+        # Grid (rows, out_split(m)): block (r, g) transforms row r whole and writes its g-th share of y's row.
+        # x (rows, n / 2 or n for silu), y (rows, n / 2) int32: fp16 pairs; signs (n,), B (m, m) fp32;
+        # w (n / 2,) int32: the norm's fp16 weight pairs (rms); dynamic shared memory: n fp32.
+        wait()
         s = cuda.shared.array(0, float32)
+        red = cuda.shared.array(NT, float32)
         r, t = cuda.blockIdx.x, cuda.threadIdx.x
-        for w in range(t, half, NT):
-            a, b = half2_to_float2(x[r, w])
-            s[2 * w], s[2 * w + 1] = a * signs[2 * w], b * signs[2 * w + 1]
+        ss = float32(0)
+        for u in range(t, half, NT):
+            a, b = half2_to_float2(x[r, u])
+            if silu:
+                c, d = half2_to_float2(x[r, u + half])
+                a, b = a / (float32(1) + math.exp(-a)) * c, b / (float32(1) + math.exp(-b)) * d
+            ss += a * a + b * b
+            s[2 * u], s[2 * u + 1] = a * signs[2 * u], b * signs[2 * u + 1]
+        if rms:  # the mean square of the row, reduced across the block, then the norm applied in place
+            red[t] = ss
+            cuda.syncthreads()
+            k = NT // 2
+            while k > 0:
+                if t < k:
+                    red[t] += red[t + k]
+                cuda.syncthreads()
+                k //= 2
+            inv = float32(1) / math.sqrt(red[0] / float32(n) + eps)
+            for u in range(t, half, NT):
+                a, b = half2_to_float2(w[u])
+                s[2 * u], s[2 * u + 1] = s[2 * u] * inv * a, s[2 * u + 1] * inv * b
         cuda.syncthreads()
         h = 1
         while h < p:  # H_p on each of the m runs of p values: a butterfly a thread, a barrier a stage
@@ -152,15 +193,16 @@ def rotate_kernel(n: int, p: int, m: int):
                 s[i], s[i + h] = a + b, a - b
             cuda.syncthreads()
             h *= 2
-        for w in range(t, half, NT):  # then B across the runs: a pair of outputs a thread (p is even)
-            i = 2 * w
+        u0 = cuda.blockIdx.y * per
+        for u in range(u0 + t, min(half, u0 + per), NT):  # then B across the runs: a pair of outputs a thread (p is even)
+            i = 2 * u
             blk, j = i // p, i % p
             a = b = float32(0)
             for k in range(m):
                 c = B[blk, k]
                 a += c * s[k * p + j]
                 b += c * s[k * p + j + 1]
-            y[r, w] = float2_to_half2(a * scale, b * scale)
+            y[r, u] = float2_to_half2(a * scale, b * scale)
 
     _kernels[key] = kernel
     return kernel
@@ -214,25 +256,40 @@ class Rotation:
             self.launcher(x2, y)()
         return y.view(x.shape)
 
-    def launcher(self, x2: torch.Tensor, y: torch.Tensor):
-        """A launch of y = x2 U^T on (rows, n) contiguous fp16 buffers, for a graph to record (built once, outside capture)."""
-        for name, t in (("x", x2), ("y", y)):
-            if t.dtype != torch.float16 or t.dim() != 2 or t.shape[1] != self.n or not t.is_contiguous():
-                raise ValueError(f"{name} must be a contiguous float16 (rows, {self.n}) tensor, got {tuple(t.shape)} {t.dtype}")
-        if x2.shape != y.shape or x2.device != y.device:
-            raise ValueError("x and y must have the same shape and device")
+    def launcher(self, x2: torch.Tensor, y: torch.Tensor, pre: str = "", norm_weight: torch.Tensor | None = None,
+                 eps: float = 1e-6, after_kernel: bool = False):
+        """A launch of y = pre(x2) U^T on contiguous fp16 buffers (x2 (rows, n), or (rows, 2 n) gate/up for
+        ``pre="silu"``; ``norm_weight`` (n,) fp16 for "rms"), for a graph to record (build it outside capture).
+        ``after_kernel``: the launch always follows a kernel in its stream (:func:`trapetum.gemv.programmatic`)."""
+        if pre not in PRES:
+            raise ValueError(f"pre must be one of {PRES}, got {pre!r}")
+        width = 2 * self.n if pre == "silu" else self.n
+        for name, t, cols in (("x", x2, width), ("y", y, self.n)):
+            if t.dtype != torch.float16 or t.dim() != 2 or t.shape[1] != cols or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous float16 (rows, {cols}) tensor, got {tuple(t.shape)} {t.dtype}")
+        if x2.shape[0] != y.shape[0] or x2.device != y.device:
+            raise ValueError("x and y must have the same rows and device")
+        if pre == "rms":
+            if norm_weight is None or norm_weight.shape != (self.n,) or norm_weight.dtype != torch.float16 or not norm_weight.is_contiguous():
+                raise ValueError(f"pre='rms' needs the norm's contiguous float16 ({self.n},) weight")
+            wt = norm_weight.view(torch.int32)
+        else:
+            wt = None  # unused: any read-only tensor (the simulator copies every argument back after a launch)
         dev = x2.device
         nbytes = 4 * self.n
         if dev not in self._dev:
-            self._dev[dev] = [self.signs.to(dev).contiguous(), self.B.to(dev).contiguous(), None]
-        signs, B, kernel = self._dev[dev]
-        args = [_as_kernel_array(t) for t in (x2.view(torch.int32), y.view(torch.int32), signs, B)] + [float(1 / math.sqrt(self.n))]
-        if kernel is None:  # once a device: the driver calls that raise the shared memory limit stay out of later calls
-            kernel = self._dev[dev][2] = with_shared_limit(rotate_kernel(self.n, self.p, self.m), args, nbytes)
-        rows = x2.shape[0]
+            self._dev[dev] = [self.signs.to(dev).contiguous(), self.B.to(dev).contiguous(), {}]
+        signs, B, kernels = self._dev[dev]
+        wt = signs.view(torch.int32) if wt is None else wt
+        args = ([_as_kernel_array(t) for t in (x2.view(torch.int32), y.view(torch.int32), signs, B)]
+                + [float(1 / math.sqrt(self.n)), _as_kernel_array(wt), float(eps)])
+        if pre not in kernels:  # once a device: the driver calls that raise the shared memory limit stay out of later calls
+            kernels[pre] = with_shared_limit(rotate_kernel(self.n, self.p, self.m, pre), args, nbytes + 4 * NT)
+        kernel, grid = kernels[pre], (x2.shape[0], out_split(self.m))
 
         def launch():
             stream = 0 if SIM else cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
-            kernel[rows, NT, stream, nbytes](*args)
+            with programmatic(after_kernel):
+                kernel[grid, NT, stream, nbytes](*args)
 
         return launch

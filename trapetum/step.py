@@ -71,7 +71,8 @@ class FusedStep:
 
     ``max_len``: prompt plus generated tokens the cache holds; ``n``: tokens to record;
     ``keep_logits``: also record every step's logits (the graph-vs-eager check).
-    :attr:`fused_launches` / :attr:`unfused_projections` say how much of the model took the fused kernels.
+    :attr:`fused_launches` / :attr:`unfused_projections` say how much of the model took the fused kernels;
+    :attr:`rotation_launches`: input rotations launched before rotated layers' GEMVs (:mod:`trapetum.hadamard`).
     """
 
     def __init__(self, model, max_len: int, n: int, keep_logits: bool = False, programmatic: bool = True):
@@ -98,7 +99,7 @@ class FusedStep:
         scale = getattr(inner.layers[0].self_attn, "scaling", D ** -0.5)
         self.attention = DecodeAttention(len(inner.layers), H, Hkv, D, max_len, rot.inv_freq, self.pos, dev, scale,
                                          rope_scaling=getattr(rot, "attention_scaling", 1.0))
-        self.fused_launches, self.unfused_projections = 0, []
+        self.fused_launches, self.unfused_projections, self.rotation_launches = 0, [], 0
         self.plans: dict[str, str] = {}  # "in x out pre/post" -> the fused GEMV's launch plan
         self.embed = self._embed(inner.embed_tokens)
         self.ops = []
@@ -152,17 +153,27 @@ class FusedStep:
         if r0 != out.shape[1]:
             raise UnsupportedModelError(f"{name}: the projections give {r0} outputs, the step expects {out.shape[1]}")
         kernels = []
+        rot = getattr(linears[0], "rotation", None)  # rotated layers (QLinear.rotation) fuse only under one rotation
         for lin in linears:
-            # a rotated layer's input is U x, which the fused kernels' prologues do not compute: its own call
-            ok = (isinstance(lin, QLinear) and lin.bias is None and lin.mode == "fast" and lin.rotation is None
+            ok = (isinstance(lin, QLinear) and lin.bias is None and lin.mode == "fast" and lin.rotation == rot
                   and (lin.codes.is_cuda or lin.simulate))
             g = lin.gemv() if ok else None
             kernels.append(g if isinstance(g, (LutGemv, AdditiveGemv)) and g.fusable(1) else None)
         if all(k is not None for k in kernels):
             pre, post = "rms" if norm is not None else "silu" if silu else "", "add" if add else ""
+            eps = getattr(norm, "variance_epsilon", 1e-6)
+            if rot is not None:
+                # The rotation's launch takes the pre-operation (it holds the whole row anyway) and writes
+                # U pre(x); the GEMVs read that with no prologue of their own: one launch more, no torch op.
+                xr = torch.empty(1, linears[0].in_features, dtype=torch.float16, device=x.device)
+                self.ops.append(linears[0].rotator().launcher(x, xr, pre=pre, norm_weight=None if norm is None else norm.weight,
+                                                              eps=eps, after_kernel=self._after_kernel))
+                self.rotation_launches += 1
+                self._after_kernel = self.programmatic
+                x, pre, norm = xr, "", None
             for g, o in zip(kernels, slices):
                 self.ops.append(g.bind(x, o, pre=pre, post=post, norm_weight=None if norm is None else norm.weight,
-                                       eps=getattr(norm, "variance_epsilon", 1e-6), res=o if add else None,
+                                       eps=eps, res=o if add else None,
                                        after_kernel=self._after_kernel))
                 self.fused_launches += 1
                 self._after_kernel = self.programmatic
