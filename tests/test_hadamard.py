@@ -56,9 +56,10 @@ def test_rotation_bad_inputs():
 
 
 @pytest.mark.skipif(not gemv.SIM, reason="the kernel on CPU tensors needs the CUDA simulator")
-@pytest.mark.parametrize("n", [64, 96, 344])
+@pytest.mark.parametrize("n", [64, 96, 128, 344])
 def test_rotation_kernel_matches_the_float64_transform(n):
-    # 344 = 43 x 8: a dense 43 x 43 factor after three butterfly stages; 64: butterflies only
+    # 344 = 43 x 8: a dense 43 x 43 factor after three butterfly stages (one radix-4 pass, one radix-2);
+    # 64: butterflies only, three radix-4 passes; 128: and a last radix-2 stage
     r = Rotation(n, seed=1)
     x = (torch.randn(3, n) * torch.linspace(0.1, 30, n)).half()  # loud channels, as a layer's inputs have
     y = torch.full_like(x, float("nan"))  # poisoned: every output must be written

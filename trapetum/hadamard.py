@@ -149,7 +149,9 @@ def rotate_kernel(n: int, p: int, m: int, pre: str = ""):
     key = (n, p, m, pre)
     if key in _kernels:
         return _kernels[key]
-    half, hp = n // 2, p // 2
+    half, quarter = n // 2, n // 4
+    LP = p.bit_length() - 1  # log2 p
+    QL = LP - 2  # log2 of the quads a run of p holds
     rms, silu = pre == "rms", pre == "silu"
     per = -(-half // out_split(m))  # output pairs a block writes
     wait, _ = launch_hooks()  # it reads its predecessor's output from the first load (its exit releases)
@@ -185,18 +187,28 @@ def rotate_kernel(n: int, p: int, m: int, pre: str = ""):
                 a, b = half2_to_float2(w[u])
                 s[2 * u], s[2 * u + 1] = s[2 * u] * inv * a, s[2 * u + 1] * inv * b
         cuda.syncthreads()
-        h = 1
-        while h < p:  # H_p on each of the m runs of p values: a butterfly a thread, a barrier a stage
-            for u in range(t, half, NT):
-                i = (u // hp) * p + (u % hp) // h * 2 * h + u % h
-                a, b = s[i], s[i + h]
-                s[i], s[i + h] = a + b, a - b
+        # H_p on each of the m runs of p values, two stages a pass (radix 4: four values a thread, a barrier a
+        # pass), indices by shifts and masks: the first version's // and % by the stage's stride were 64-bit
+        # divisions, which made a 4096-point transform take 23 us on one SM (NOTES, session 61).
+        for st in range(0, LP - 1, 2):
+            h = 1 << st
+            for q in range(t, quarter, NT):
+                ql = q & ((1 << QL) - 1)
+                i = ((q >> QL) << LP) + ((ql >> st) << (st + 2)) + (ql & (h - 1))
+                e0, e1, e2, e3 = s[i], s[i + h], s[i + 2 * h], s[i + 3 * h]
+                a0, a1, a2, a3 = e0 + e1, e0 - e1, e2 + e3, e2 - e3
+                s[i], s[i + h], s[i + 2 * h], s[i + 3 * h] = a0 + a2, a1 + a3, a0 - a2, a1 - a3
             cuda.syncthreads()
-            h *= 2
+        if LP % 2:  # an odd number of stages: the last, stride p / 2, radix 2
+            for u in range(t, half, NT):
+                i = ((u >> (LP - 1)) << LP) + (u & ((1 << (LP - 1)) - 1))
+                a, b = s[i], s[i + (p >> 1)]
+                s[i], s[i + (p >> 1)] = a + b, a - b
+            cuda.syncthreads()
         u0 = cuda.blockIdx.y * per
         for u in range(u0 + t, min(half, u0 + per), NT):  # then B across the runs: a pair of outputs a thread (p is even)
             i = 2 * u
-            blk, j = i // p, i % p
+            blk, j = i >> LP, i & (p - 1)
             a = b = float32(0)
             for k in range(m):
                 c = B[blk, k]
