@@ -171,3 +171,28 @@ def test_the_fused_step_rotates_before_its_gemvs_and_matches_the_eager_path(K):
     layers = len(m.model.layers)
     assert step.rotation_launches == 4 * layers and step.unfused_projections == ["lm_head"]
     assert sorted({k.split(" ")[1] for k in step.plans}) == ["-/-", "-/add"]  # the GEMVs' own prologues: none
+
+
+@pytest.mark.skipif(not gemv.SIM, reason="the kernel on CPU tensors needs the CUDA simulator")
+@pytest.mark.parametrize("n", [64, 344])
+def test_the_rotation_launch_takes_the_steps_pre_operations(n):
+    import torch.nn.functional as F
+
+    r, U = Rotation(n, seed=2), None
+    U = r.matrix()
+    x, w = torch.randn(2, n).half(), (1 + 0.3 * torch.randn(n)).half()
+    y = torch.full((2, n), float("nan")).half()
+    r.launcher(x, y, pre="rms", norm_weight=w, eps=1e-5)()
+    ref = (x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()) @ U.T
+    assert float((y.double() - ref).abs().max() / ref.abs().max()) < 2e-3
+    gu = torch.randn(2, 2 * n).half()
+    y = torch.full((2, n), float("nan")).half()
+    r.launcher(gu, y, pre="silu")()
+    ref = (F.silu(gu.double()[:, :n]) * gu.double()[:, n:]) @ U.T
+    assert float((y.double() - ref).abs().max() / ref.abs().max()) < 2e-3
+    with pytest.raises(ValueError, match="norm's contiguous float16"):
+        r.launcher(x, y, pre="rms")
+    with pytest.raises(ValueError, match=r"\(rows, %d\)" % (2 * n)):
+        r.launcher(x, y, pre="silu")
+    with pytest.raises(ValueError, match="pre must be one of"):
+        r.launcher(x, y, pre="gelu")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 
 import torch
-from numba import cuda, float32
+from numba import cuda, float32, int32
 
 from .gemv import (SIM, _as_kernel_array, float2_to_half2, half2_to_float2, launch_hooks, programmatic, require_gpu,
                    with_shared_limit)
@@ -125,7 +125,7 @@ def fwht(v: torch.Tensor) -> torch.Tensor:
     return v
 
 
-NT = 32 if SIM else 512  # threads of a block (one block a row of x; the simulator runs each as a Python thread)
+NT = 32 if SIM else 1024  # threads of a block (one block a row of x; the simulator runs each as a Python thread)
 PRES = ("", "rms", "silu")  # what the kernel computes before the rotation (the decode step's pre-operations)
 MAX_SPLIT = 16  # blocks a row's B product is split over (each redoes the row's transform by H_p, which is cheap)
 
@@ -154,6 +154,7 @@ def rotate_kernel(n: int, p: int, m: int, pre: str = ""):
     QL = LP - 2  # log2 of the quads a run of p holds
     rms, silu = pre == "rms", pre == "silu"
     per = -(-half // out_split(m))  # output pairs a block writes
+    WL = -(-half // NT)  # words of the row a thread loads (a literal size for numba's local arrays)
     wait, _ = launch_hooks()  # it reads its predecessor's output from the first load (its exit releases)
 
     @cuda.jit(**({} if SIM else {"launch_bounds": (NT,)}))
@@ -165,14 +166,32 @@ def rotate_kernel(n: int, p: int, m: int, pre: str = ""):
         s = cuda.shared.array(0, float32)
         red = cuda.shared.array(NT, float32)
         r, t = cuda.blockIdx.x, cuda.threadIdx.x
+        # Every global load of the row first, then their use: a loop that loads and stores in turn waits a
+        # memory round trip an iteration (the second version spent ~6 us of a 4096-point launch so; NOTES, session 61).
+        xa = cuda.local.array(WL, int32)
+        xb = cuda.local.array(WL, int32)
+        wa = cuda.local.array(WL, int32)
+        sa = cuda.local.array(WL, float32)
+        sb = cuda.local.array(WL, float32)
+        for k in range(WL):
+            u = t + k * NT
+            if u < half:
+                xa[k] = x[r, u]
+                if silu:
+                    xb[k] = x[r, u + half]
+                if rms:
+                    wa[k] = w[u]
+                sa[k], sb[k] = signs[2 * u], signs[2 * u + 1]
         ss = float32(0)
-        for u in range(t, half, NT):
-            a, b = half2_to_float2(x[r, u])
-            if silu:
-                c, d = half2_to_float2(x[r, u + half])
-                a, b = a / (float32(1) + math.exp(-a)) * c, b / (float32(1) + math.exp(-b)) * d
-            ss += a * a + b * b
-            s[2 * u], s[2 * u + 1] = a * signs[2 * u], b * signs[2 * u + 1]
+        for k in range(WL):
+            u = t + k * NT
+            if u < half:
+                a, b = half2_to_float2(xa[k])
+                if silu:
+                    c, d = half2_to_float2(xb[k])
+                    a, b = a / (float32(1) + math.exp(-a)) * c, b / (float32(1) + math.exp(-b)) * d
+                ss += a * a + b * b
+                s[2 * u], s[2 * u + 1] = a * sa[k], b * sb[k]
         if rms:  # the mean square of the row, reduced across the block, then the norm applied in place
             red[t] = ss
             cuda.syncthreads()
@@ -183,9 +202,11 @@ def rotate_kernel(n: int, p: int, m: int, pre: str = ""):
                 cuda.syncthreads()
                 k //= 2
             inv = float32(1) / math.sqrt(red[0] / float32(n) + eps)
-            for u in range(t, half, NT):
-                a, b = half2_to_float2(w[u])
-                s[2 * u], s[2 * u + 1] = s[2 * u] * inv * a, s[2 * u + 1] * inv * b
+            for k in range(WL):
+                u = t + k * NT
+                if u < half:
+                    a, b = half2_to_float2(wa[k])
+                    s[2 * u], s[2 * u + 1] = s[2 * u] * inv * a, s[2 * u + 1] * inv * b
         cuda.syncthreads()
         # H_p on each of the m runs of p values, two stages a pass (radix 4: four values a thread, a barrier a
         # pass), indices by shifts and masks: the first version's // and % by the stage's stride were 64-bit
@@ -208,12 +229,15 @@ def rotate_kernel(n: int, p: int, m: int, pre: str = ""):
         u0 = cuda.blockIdx.y * per
         for u in range(u0 + t, min(half, u0 + per), NT):  # then B across the runs: a pair of outputs a thread (p is even)
             i = 2 * u
-            blk, j = i >> LP, i & (p - 1)
-            a = b = float32(0)
-            for k in range(m):
-                c = B[blk, k]
-                a += c * s[k * p + j]
-                b += c * s[k * p + j + 1]
+            if m == 1:
+                a, b = s[i], s[i + 1]
+            else:
+                blk, j = i >> LP, i & (p - 1)
+                a = b = float32(0)
+                for k in range(m):
+                    c = B[blk, k]
+                    a += c * s[k * p + j]
+                    b += c * s[k * p + j + 1]
             y[r, u] = float2_to_half2(a * scale, b * scale)
 
     _kernels[key] = kernel
