@@ -62,6 +62,8 @@ fuse = "both"  # fused q/k/v and gate/up projections: "off", "on" or "both" (eve
 out = None  # results folder (None: the data/ folder of the repository)
 
 # %%
+from IPython.display import Markdown, display
+
 from trapetum import report, results
 
 if report.should_measure(measure):
@@ -262,6 +264,44 @@ report.styled(report.dual_step_probe(folder))
 
 # %%
 report.styled(report.dual_launch_probe(folder))
+
+# %% [markdown]
+# ## Serving a rotated model
+#
+# The accuracy chapter's best 2-bit rows fit the additive codebooks to each layer with its inputs rotated
+# by a randomized Hadamard transform U (QuIP#'s incoherence processing; runs j and k there). Served, such a
+# layer computes Q(W U^T) (U x): `quantize_model(..., rotate=True)` stores codes fitted that way, and
+# `trapetum.hadamard` applies U to x in one launch before the unchanged GEMV. U = kron(B, H_p) diag(s) / sqrt(n),
+# with p the largest power of two dividing n: the fast Walsh-Hadamard transform in shared memory, then a
+# small dense B of odd order m = n / p (none at 4096 and 8192 inputs). Nothing is stored: B and the signs s
+# come back from the seed. In the fused step the rotation launch also takes the GEMV's RMSNorm or SiLU x up
+# prologue (it holds the whole row anyway), so a layer gains one launch per projection group and no torch op.
+#
+# The first table times the launch alone at the Llama-2 input sizes, one probe per version of its kernel,
+# each checked first against the same transform in fp64 on loud inputs with its output poisoned. The second
+# sets it inside one layer: a codebook GEMV with and without its inputs rotated, torch fp16 beside them, every
+# GEMV on its planner's heuristic plan. The third is what it costs a decoded token: each rotated row beside
+# the row of the same scheme without rotation from the same run (`bench --rotate both`).
+
+# %%
+report.styled(report.rotation_probe(folder))
+
+# %%
+report.styled(report.rotation_layers(folder))
+
+# %%
+rotation = report.rotation_decode(df, folder)
+display(Markdown(f"*{report.rotation_summary(rotation)}*"))
+report.styled(rotation)
+
+# %% [markdown]
+# The launch is one block a row, on one SM: its time is the latency of its passes over shared memory, not
+# bytes. The first version computed each butterfly's index by dividing by the stage's stride, a runtime
+# value, so every butterfly paid 64-bit divisions; the second uses shifts and masks and two stages a pass.
+# The third issued every load of the row before the first use, with twice the threads, and gained nothing,
+# so the loads' latency was not what was left; what is has not been profiled yet. The line above the last
+# table says what the rotation costs a token as served now. It is the accuracy chapter's lever at 2 bits, so
+# the next versions are a multi-block transform, or the transform inside the GEMV's own staging of x.
 
 # %% [markdown]
 # ## A real model: each graphed path against eager

@@ -772,3 +772,44 @@ def test_dual_launch_probe_sets_each_variant_against_its_probes_first(tmp_path):
     t = report.dual_launch_probe(tmp_path)
     assert t["token (us)"].tolist()[2:] == pytest.approx([1805.0, 1800.0]) and not t["same greedy tokens"].iloc[3]
     assert report.dual_launch_probe(tmp_path / "nothing").empty
+
+
+# -- the served input rotation ----------------------------------------------------------------------
+def _rotation_files(tmp_path):
+    runs = tmp_path / "_runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    prov = {"gpu": "NVIDIA H200", "git_commit": "abcdef0123", "date": "2026-11-30T00:00:00+00:00"}
+    recs = [{"kind": "rotation", "n_in": 4096, "m": 1, "p": 4096, "batch": 1, "time_ms": 0.006, "max_rel_err": 3e-4, "finite": True},
+            {"kind": "layer", "model": "7B", "layer": "o", "n_in": 4096, "n_out": 4096, "fp16_ms": 0.0135, "K16_ms": 0.015,
+             "K16_rot_ms": 0.0225, "A2_ms": 0.02, "A2_rot_ms": 0.03, "K16_rot_max_rel_err": 4e-4, "A2_rot_max_rel_err": 3e-4}]
+    (runs / "rotation-probe-v1-h200.json").write_text(json.dumps({"provenance": prov, "records": recs}))
+    old = {**prov, "git_commit": "0000000aaa", "date": "2026-11-29T00:00:00+00:00", "format_version": 1}
+    base = {"model": "llama-2-7b", "path": "fused-step", "fused": True, "K": 16}
+    rows = [{**base, "scheme": "4-bit K=16", "rotate": False, "tok_s": 500.0},
+            {**base, "scheme": "4-bit K=16, inputs rotated", "rotate": True, "tok_s": 100.0,
+             "profile": json.dumps({"rows": [["trapetum::hadamard::rotate_kernel", 128.0, 5000.0], ["trapetum::gemv::x", 128, 1.0]]})}]
+    (runs / "rotation-decode-k16-v1-h200.json").write_text(json.dumps({"provenance": old, "records": rows}))
+    return prov, base
+
+
+def test_the_rotation_tables_read_the_probes_and_pair_each_rotated_run_with_its_own_plain_row(tmp_path):
+    prov, base = _rotation_files(tmp_path)
+    p = report.rotation_probe(tmp_path)
+    assert p.to_dict("records") == [{"GPU": "H200", "commit": "abcdef0", "inputs": 4096, "m x p": "1 x 4096", "batch": 1,
+                                     "launch (us)": pytest.approx(6.0), "max rel. error": 3e-4, "all written": True}]
+    lay = report.rotation_layers(tmp_path).iloc[0]
+    assert lay["4-bit K=16: rotated / plain"] == pytest.approx(1.5) and lay["2-bit additive, rotated (us)"] == pytest.approx(30.0)
+    assert lay["max rel. error (rotated)"] == 4e-4
+    # the recorded run (newer): its rotated row beside its own plain row, not the older file's
+    df = pd.DataFrame([{**base, "scheme": "4-bit K=16", "rotate": False, "tok_s": 540.0, "file": "decode.json", "gpu_label": "H200",
+                        "git_commit": "1234567", "date": "2026-11-30"},
+                       {**base, "scheme": "4-bit K=16, inputs rotated", "rotate": True, "tok_s": 270.0, "file": "decode.json",
+                        "gpu_label": "H200", "git_commit": "1234567", "date": "2026-11-30", "profile": None}])
+    t = report.rotation_decode(df, tmp_path)
+    assert t["run (commit)"].tolist() == ["0000000", "1234567"]  # oldest first
+    assert t["rotated / plain"].tolist() == [pytest.approx(0.2), pytest.approx(0.5)]
+    assert t["rotation launches (us a token)"].iloc[0] == pytest.approx(5000.0) and pd.isna(t["rotation launches (us a token)"].iloc[1])
+    assert report.rotation_summary(t) == ("As served now: llama-2-7b 4-bit K=16 on the H200 (1234567) keeps 50% of its tok/s.")
+    t.loc[1, "rotation launches (us a token)"] = 740.0  # of a 3704 us token
+    assert report.rotation_summary(t).endswith("keeps 50% of its tok/s, its rotation launches 20% of the rotated token.")
+    assert report.rotation_decode(df[df["rotate"] == False], tmp_path / "none").empty and report.rotation_summary(pd.DataFrame()) == ""  # noqa: E712

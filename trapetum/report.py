@@ -2512,3 +2512,105 @@ def fig_decode_pareto(df: pd.DataFrame) -> Figure:
         _shared_legend(fig, axes, ncols=3)
         fig.suptitle("Random weights, real Llama-2 architectures", fontsize=10)
     return fig
+
+
+# --------------------------------------------------------------------------- the served input rotation
+
+ROTATION_PROBES = "_runs/rotation-probe-*.json"  # trapetum.hadamard's launch alone and rotated layers, per version
+ROTATION_DECODE_RUNS = "_runs/rotation-decode-*.json"  # decode runs of the rotation's earlier versions (code in git history)
+ROTATED = ", inputs rotated"  # what decode_bench adds to a rotated scheme's name
+
+
+def rotation_probe(folder=None) -> pd.DataFrame:
+    """The rotation launch alone (:mod:`trapetum.hadamard`, each probe file a version of its kernel, oldest
+    first): one row a probe, input size and batch: its factors (n = m p), the median launch in a CUDA graph
+    and the max relative error against the same transform in fp64, checked first on loud inputs with the
+    output poisoned."""
+    rows = []
+    for _, prov, recs in _probe_files(folder, ROTATION_PROBES):
+        for r in recs:
+            if r.get("kind") == "rotation":
+                rows.append({"GPU": gpu_label(prov.get("gpu", "")), "commit": str(prov.get("git_commit"))[:7], "inputs": int(r["n_in"]),
+                             "m x p": f"{r['m']} x {r['p']}", "batch": int(r["batch"]), "launch (us)": 1e3 * float(r["time_ms"]),
+                             "max rel. error": float(r["max_rel_err"]), "all written": bool(r["finite"])})
+    return pd.DataFrame(rows)
+
+
+def rotation_layers(folder=None) -> pd.DataFrame:
+    """What the rotation adds to one layer (the newest probe of each GPU): torch fp16, and the 4-bit and
+    2-bit codebook layers without and with their inputs rotated, each a QLinear call timed over CUDA-graph
+    replays in one process (random weights, real shapes; every GEMV on its planner's heuristic plan), and
+    the rotated layer's max relative error against fp64 (the codes applied to the rotated input)."""
+    newest = {}
+    for _, prov, recs in _probe_files(folder, ROTATION_PROBES):
+        newest[gpu_label(prov.get("gpu", ""))] = (prov, recs)
+    rows = []
+    for gpu, (prov, recs) in newest.items():
+        for r in recs:
+            if r.get("kind") != "layer":
+                continue
+            row = {"GPU": gpu, "layer": f"{r['model']} {r['layer']}", "in x out": shape_label((int(r["n_in"]), int(r["n_out"]))),
+                   "fp16 (us)": 1e3 * r["fp16_ms"]}
+            for k, name in (("K16", "4-bit K=16"), ("A2", "2-bit additive")):
+                row[f"{name} (us)"] = 1e3 * r[f"{k}_ms"]
+                row[f"{name}, rotated (us)"] = 1e3 * r[f"{k}_rot_ms"]
+                row[f"{name}: rotated / plain"] = r[f"{k}_rot_ms"] / r[f"{k}_ms"]
+            row["max rel. error (rotated)"] = max(r["K16_rot_max_rel_err"], r["A2_rot_max_rel_err"])
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _rotation_kernel_us(profile) -> float:
+    """A profiled token's time in the rotation launches (us), NaN without a profile."""
+    if not isinstance(profile, str):
+        return np.nan
+    return float(sum(us for name, _c, us in json.loads(profile)["rows"] if name.startswith("trapetum::hadamard::")))
+
+
+def rotation_decode(df: pd.DataFrame, folder=None) -> pd.DataFrame:
+    """Each rotated decode row beside the same run's unrotated row of that scheme and path (decode_bench
+    ``--rotate both``; the recorded runs in ``df`` (:func:`load_decode`) and the earlier kernel versions'
+    runs, :data:`ROTATION_DECODE_RUNS`): tok/s both ways, their ratio, and the rotated token's time in its
+    rotation launches (its profile). Random weights, real architectures."""
+    frames = [df]
+    for path in sorted(_root(folder).glob(ROTATION_DECODE_RUNS)):
+        prov, d = results.read(path)
+        frames.append(d.assign(file=path.name, gpu_label=gpu_label(prov.get("gpu", "")), git_commit=prov.get("git_commit"),
+                               date=prov.get("date")))
+    rows = []
+    for d in frames:
+        if "rotate" not in d:
+            continue
+        rot = d[d["rotate"].fillna(False).astype(bool) & d["tok_s"].notna()]
+        for _, r in rot.iterrows():
+            plain = d[(d["file"] == r["file"]) & (d["scheme"] == r["scheme"].replace(ROTATED, "")) & (d["path"] == r["path"])
+                      & (d["fused"] == r["fused"]) & d["tok_s"].notna()]
+            if plain.empty:
+                continue
+            p = plain.iloc[-1]
+            rows.append({"_date": str(r.get("date")), "GPU": r["gpu_label"], "Model (random weights)": r["model"], "Scheme": p["scheme"],
+                         "Path": r["path"] + (FUSED_SUFFIX if r["fused"] else ""), "run (commit)": str(r.get("git_commit"))[:7],
+                         "tok/s": float(p["tok_s"]), "tok/s, inputs rotated": float(r["tok_s"]),
+                         "rotated / plain": float(r["tok_s"] / p["tok_s"]),
+                         "rotation launches (us a token)": _rotation_kernel_us(r.get("profile"))})
+    cols = ["GPU", "Model (random weights)", "Scheme", "Path", "run (commit)", "tok/s", "tok/s, inputs rotated", "rotated / plain",
+            "rotation launches (us a token)"]
+    if not rows:
+        return pd.DataFrame(columns=cols)
+    t = pd.DataFrame(rows).sort_values(["GPU", "Model (random weights)", "Scheme", "_date"])  # each kernel version in turn
+    return t[cols].reset_index(drop=True)
+
+
+def rotation_summary(t: pd.DataFrame) -> str:
+    """One line on :func:`rotation_decode`'s newest rows: the share of tok/s the rotation keeps, and the share of the
+    rotated token its launches take (from its profile). Empty without a rotated row."""
+    if t.empty:
+        return ""
+    newest = t.groupby(["GPU", "Model (random weights)", "Scheme"], sort=False).tail(1)
+    parts = []
+    for _, r in newest.iterrows():
+        us = r["rotation launches (us a token)"]
+        share = "" if pd.isna(us) else f", its rotation launches {us / (1e6 / r['tok/s, inputs rotated']):.0%} of the rotated token"
+        parts.append(f"{r['Model (random weights)']} {r['Scheme']} on the {r['GPU']} ({r['run (commit)']}) keeps "
+                     f"{r['rotated / plain']:.0%} of its tok/s{share}")
+    return "As served now: " + "; ".join(parts) + "."
