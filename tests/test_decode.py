@@ -168,6 +168,14 @@ def test_cli_generate_calibrates_the_quantizer(tmp_path, capsys, monkeypatch):
     # --finetune: the same samples train the codebooks afterwards
     assert decode.main(["generate", str(tmp_path / "fp"), "--quantize", "K16", "--calibrate", "3", "--calib-len", "12", "--finetune", "1"] + args) == 0
     assert "fine-tuned" in capsys.readouterr().out
+    # --rotate: the layers fitted to rotated inputs, saved with their rotation
+    assert decode.main(["generate", str(tmp_path / "fp"), "--quantize", "K16", "--calibrate", "3", "--calib-len", "12", "--rotate",
+                        "--save", str(tmp_path / "rot")] + args) == 0
+    assert json.loads((tmp_path / "rot" / "trapetum.json").read_text())["layers"]["model.layers.0.mlp.down_proj"]["rotation"] == 0
+    with pytest.raises(SystemExit, match="--rotate goes with --quantize"):
+        decode.main(["generate", str(tmp_path / "fp"), "--rotate"] + args)
+    with pytest.raises(ValueError, match="rotate goes with quantize"):
+        decode.load(str(tmp_path / "fp"), device="cpu", rotate=True)
     for extra, why in ((["--quantize", "K16", "--finetune", "1"], "goes with --calibrate"),
                        (["--quantize", "R4096+256", "--calibrate", "2", "--finetune", "1"], "additive")):
         with pytest.raises(SystemExit, match=why):

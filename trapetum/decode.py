@@ -496,12 +496,13 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
 
 def load(name: str, device=None, dtype=None, quantize: int | None = None, exclude=(), min_features: int = 0, progress=True,
          embedding: bool = False, joint: bool = False, calibrate: int = 0, calib_source: str = "generated", calib_len: int = 512,
-         finetune: int = 0):
+         finetune: int = 0, rotate: bool = False):
     """(model, tokenizer or None) from a saved quantized folder, a local model folder, a hub id or 'smollm2-135m'.
     ``quantize``, ``exclude``, ``min_features``, ``embedding``, ``joint``: as :func:`trapetum.qlinear.quantize_model`;
     ``calibrate`` > 0: calibration-aware, on that many samples of ``calib_len`` tokens from ``calib_source``
     ("generated": sampled from the model itself, offline; or a :func:`trapetum.pipelines.calibration_text` source);
-    ``finetune`` > 0: then that many epochs of distillation over the same samples (quantize_model's ``finetune``)."""
+    ``finetune`` > 0: then that many epochs of distillation over the same samples (quantize_model's ``finetune``);
+    ``rotate``: the layers fitted to, and run on, randomly rotated inputs (quantize_model's ``rotate``)."""
     from . import ppl
     from .qlinear import is_quantized_folder, load_quantized, quantize_model
 
@@ -522,6 +523,8 @@ def load(name: str, device=None, dtype=None, quantize: int | None = None, exclud
         return model, tok
     model, tok = ppl.load_model(name, dtype=dtype)
     calib = None
+    if rotate and not quantize:
+        raise ValueError("rotate goes with quantize (the codes are fitted to the rotated layer)")
     if calibrate and not quantize:
         raise ValueError("calibrate goes with quantize (it calibrates the quantizer)")
     if finetune and not calibrate:
@@ -534,7 +537,7 @@ def load(name: str, device=None, dtype=None, quantize: int | None = None, exclud
     if quantize:
         quantize_model(model, K=quantize, exclude=exclude, min_features=min_features, progress=progress, embedding=embedding,
                        device=device if torch.device(device).type == "cuda" else None, joint=joint, calib=calib,
-                       finetune=finetune or None)
+                       finetune=finetune or None, rotate=rotate)
     return model.to(device).eval(), tok
 
 
@@ -925,6 +928,8 @@ def _generate_cmd(args) -> int:
         raise SystemExit(f"--quantize-embedding takes a scalar codebook (K16, K64, K256), not {K}")
     if args.calibrate and K is None:
         raise SystemExit("--calibrate goes with --quantize (it calibrates the quantizer)")
+    if args.rotate and K is None:
+        raise SystemExit("--rotate goes with --quantize (the codes are fitted to the rotated layer)")
     if args.finetune and not args.calibrate:
         raise SystemExit("--finetune goes with --calibrate N (it trains on those N samples)")
     if args.finetune and _kind(K) not in FINETUNE_LR:
@@ -932,7 +937,7 @@ def _generate_cmd(args) -> int:
     # --fuse: vector-codebook groups quantized jointly, since layers with separate codebooks do not fuse
     model, tok = load(args.model, device=args.device, quantize=K, exclude=tuple(args.exclude or ()), min_features=args.min_features,
                       embedding=args.quantize_embedding, joint=args.fuse, calibrate=args.calibrate, calib_source=args.calib_source,
-                      calib_len=args.calib_len, finetune=args.finetune)
+                      calib_len=args.calib_len, finetune=args.finetune, rotate=args.rotate)
     ft = getattr(model, "trapetum_quant", {}).get("finetune")
     if ft and args.finetune:  # fine-tuned now (a saved model's record of it travels in trapetum.json)
         print(f"fine-tuned {ft['epochs']} epochs ({ft['seconds']:.0f} s): KL to the unquantized model on the first "
@@ -1065,6 +1070,9 @@ def main(argv=None) -> int:
                    help="after a calibrated K16..K256, A2 or A4 quantizing, train the codebooks and norms (codes fixed) for "
                         "EPOCHS passes over the calibration samples, to match the unquantized model's next-token "
                         "distribution; keeps a copy of the model while it runs")
+    g.add_argument("--rotate", action="store_true",
+                   help="fit every layer to randomly rotated inputs and rotate x before each GEMV (QuIP#'s incoherence "
+                        "processing, inputs only: the accuracy chapter's additive-hadamard:outputs=false; one launch more a projection group)")
     g.add_argument("--save", default=None, help="write the quantized model to this folder")
     g.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: the GPU where there is one)")
     g.add_argument("--no-energy", action="store_true", help="skip the NVML power sampling (J/token)")
