@@ -309,8 +309,11 @@ if not ft_runs:
 #
 # Runs j and k fit the 2-bit additive codebooks to each layer after a randomized Hadamard rotation, QuIP#'s
 # incoherence processing (scheme `additive-hadamard`), with run d's recipe otherwise. Run j rotates the
-# inputs only, which is all a served layer would need (one fast Hadamard transform of x before the
-# unchanged GEMV; not built yet, so these rows are fake-quantized like every row here). Run k rotates both
+# inputs only, which is all a served layer needs: one fast Hadamard transform of x before the unchanged
+# GEMV, which `quantize_model(..., rotate=True)` builds and the decode chapter times ("Serving a rotated
+# model"). The rows here are fake-quantized like every row in this chapter, with the pipelines' dense
+# rotation; the served one factors U differently where the number of inputs is not a power of two (both
+# of this model's input sizes), so a served model's perplexity may differ slightly. Run k rotates both
 # sides. The line under the tables sets each beside run d's unrotated row (run d ran on the H100, runs j and
 # k on the H200, from the same seeds). The CPU screen of the fine-tuning
 # section (run c) found the rotation worth more than it is here: with many more calibration samples and
