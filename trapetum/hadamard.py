@@ -253,7 +253,7 @@ class Rotation:
         self.n, self.seed = n, seed
         self.B, self.p, self.signs = factors(n, seed)
         self.m = n // self.p
-        self._dev: dict = {}  # device -> (signs, B) there
+        self._dev: dict = {}  # device -> [signs, B, {pre: the kernel with its shared memory limit raised}] there
 
     def matrix(self, dtype=torch.float64) -> torch.Tensor:
         """U, dense (n, n): for checks and for fitting the weight, W U^T."""
