@@ -542,6 +542,7 @@ def load(name: str, device=None, dtype=None, quantize: int | None = None, exclud
 
 
 # -- benchmark ------------------------------------------------------------------------------------
+ROTATED = ", inputs rotated"  # what a rotated row's scheme name ends in (decode_bench's rotates)
 SCHEME_NAMES = {None: "fp16", 16: "4-bit K=16", 64: "uint8 K=64", 256: "uint8 K=256",
                 "A2": "2-bit additive (M=2)", "A4": "4-bit additive (M=4)"}
 
@@ -815,7 +816,7 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
     for fused, K, head, embed, rotate in runs:
         scheme = scheme_label(K) + ("" if head is None else f", LM head {SCHEME_NAMES.get(head, head)}")
         scheme += "" if embed is None else f", embedding {SCHEME_NAMES.get(embed, embed)}"
-        scheme += ", inputs rotated" if rotate else ""
+        scheme += ROTATED if rotate else ""
         model = None
         if cuda:
             _release_gpu_memory()

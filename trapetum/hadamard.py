@@ -78,21 +78,27 @@ def random_rotation(n: int, seed: int = 0) -> torch.Tensor:
     For orders with no Hadamard matrix here (n = 2^k m, m not a Paley order) the odd factor is
     a random orthogonal matrix (QuIP's Kronecker construction): still orthogonal, still incoherent.
     """
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + n)
+    gen = _generator(n, seed)
     Hd = hadamard(n)
     if Hd is None:
-        k = (n & -n).bit_length() - 1
-        m = n >> k
-        Qm, _ = torch.linalg.qr(torch.randn(m, m, generator=gen, dtype=torch.float64))
-        Hd = torch.kron(Qm.float().contiguous() * math.sqrt(m), hadamard(1 << k))
-    signs = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
-    return (Hd * signs[None, :] / math.sqrt(n)).float()
+        p = n & -n
+        Hd = torch.kron(_odd_factor(n // p, gen), hadamard(p))
+    return (Hd * _signs(n, gen)[None, :] / math.sqrt(n)).float()
 
 
-
-
+# Both constructions draw from one generator a (n, seed), the odd factor first where there is one, then the signs.
 def _generator(n: int, seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + n)
+
+
+def _odd_factor(m: int, gen: torch.Generator) -> torch.Tensor:
+    """A random orthogonal matrix of order m times sqrt(m), float32 (QuIP's Kronecker construction)."""
+    Q, _ = torch.linalg.qr(torch.randn(m, m, generator=gen, dtype=torch.float64))
+    return Q.float().contiguous() * math.sqrt(m)
+
+
+def _signs(n: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
 
 
 def factors(n: int, seed: int = 0) -> tuple[torch.Tensor, int, torch.Tensor]:
@@ -103,13 +109,8 @@ def factors(n: int, seed: int = 0) -> tuple[torch.Tensor, int, torch.Tensor]:
     p = n & -n
     m = n // p
     gen = _generator(n, seed)
-    if m == 1:
-        B = torch.ones(1, 1)
-    else:  # m is odd: no Hadamard matrix of that order exists
-        Q, _ = torch.linalg.qr(torch.randn(m, m, generator=gen, dtype=torch.float64))
-        B = Q.float().contiguous() * math.sqrt(m)
-    signs = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
-    return B, p, signs
+    B = torch.ones(1, 1) if m == 1 else _odd_factor(m, gen)  # m is odd: no Hadamard matrix of that order exists
+    return B, p, _signs(n, gen)
 
 
 def fwht(v: torch.Tensor) -> torch.Tensor:
@@ -134,6 +135,8 @@ def out_split(m: int) -> int:
     """Blocks a row: the dense B product costs m^2 p multiply-adds a row, the transform by H_p p log2 p adds
     (m x fewer for m > log2 p). One block a row where m = 1; else up to MAX_SPLIT, each writing 1/G of the row."""
     return 1 if m == 1 else min(MAX_SPLIT, m)
+
+
 _kernels: dict = {}
 
 
@@ -166,8 +169,8 @@ def rotate_kernel(n: int, p: int, m: int, pre: str = ""):
         s = cuda.shared.array(0, float32)
         red = cuda.shared.array(NT, float32)
         r, t = cuda.blockIdx.x, cuda.threadIdx.x
-        # Every global load of the row first, then their use: a loop that loads and stores in turn waits a
-        # memory round trip an iteration (the second version spent ~6 us of a 4096-point launch so; NOTES, session 61).
+        # Every global load of the row first, then their use. Meant to save a memory round trip a loop
+        # iteration; on the H200 it did not shorten the launch (6.0 -> 6.8 us at 4096 points; NOTES, session 61).
         xa = cuda.local.array(WL, int32)
         xb = cuda.local.array(WL, int32)
         wa = cuda.local.array(WL, int32)
@@ -257,11 +260,7 @@ class Rotation:
 
     def matrix(self, dtype=torch.float64) -> torch.Tensor:
         """U, dense (n, n): for checks and for fitting the weight, W U^T."""
-        Hp = torch.ones(1, 1, dtype=torch.float64)
-        H2 = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
-        while Hp.shape[0] < self.p:
-            Hp = torch.kron(Hp, H2)
-        U = torch.kron(self.B.double(), Hp) * self.signs.double()[None, :] / math.sqrt(self.n)
+        U = torch.kron(self.B.double(), hadamard(self.p).double()) * self.signs.double()[None, :] / math.sqrt(self.n)
         return U.to(dtype)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
@@ -305,18 +304,16 @@ class Rotation:
                 raise ValueError(f"{name} must be a contiguous float16 (rows, {cols}) tensor, got {tuple(t.shape)} {t.dtype}")
         if x2.shape[0] != y.shape[0] or x2.device != y.device:
             raise ValueError("x and y must have the same rows and device")
-        if pre == "rms":
-            if norm_weight is None or norm_weight.shape != (self.n,) or norm_weight.dtype != torch.float16 or not norm_weight.is_contiguous():
-                raise ValueError(f"pre='rms' needs the norm's contiguous float16 ({self.n},) weight")
-            wt = norm_weight.view(torch.int32)
-        else:
-            wt = None  # unused: any read-only tensor (the simulator copies every argument back after a launch)
+        if pre == "rms" and (norm_weight is None or norm_weight.shape != (self.n,) or norm_weight.dtype != torch.float16
+                             or not norm_weight.is_contiguous()):
+            raise ValueError(f"pre='rms' needs the norm's contiguous float16 ({self.n},) weight")
         dev = x2.device
         nbytes = 4 * self.n
         if dev not in self._dev:
             self._dev[dev] = [self.signs.to(dev).contiguous(), self.B.to(dev).contiguous(), {}]
         signs, B, kernels = self._dev[dev]
-        wt = signs.view(torch.int32) if wt is None else wt
+        # w is read for "rms" only; else any read-only tensor (the simulator copies every argument back after a launch)
+        wt = (norm_weight if pre == "rms" else signs).view(torch.int32)
         args = ([_as_kernel_array(t) for t in (x2.view(torch.int32), y.view(torch.int32), signs, B)]
                 + [float(1 / math.sqrt(self.n)), _as_kernel_array(wt), float(eps)])
         if pre not in kernels:  # once a device: the driver calls that raise the shared memory limit stay out of later calls

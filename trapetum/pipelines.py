@@ -56,6 +56,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from . import ppl as _ppl
+from .hadamard import hadamard, random_rotation  # the constructions live beside the served transform
 
 
 class SchemeError(ValueError):
@@ -474,9 +475,6 @@ def _clip_ratios(W, H, inner, grid, group_size) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- incoherence processing
-
-
-from .hadamard import hadamard, random_rotation  # noqa: E402  (the constructions live beside the served transform)
 
 
 def incoherent(W: torch.Tensor, H: torch.Tensor | None = None, *, inner: Callable[..., Quantized], seed: int = 0,
@@ -1644,7 +1642,7 @@ def finetune_table(run: "pd.DataFrame") -> "pd.DataFrame":
     return pd.DataFrame(rows)
 
 
-def _recipe(r) -> tuple:
+def _recipe(r) -> str:
     """What makes two additive rows the same recipe apart from the rotation: the codebook options
     (``outputs`` aside), the fine-tuning and the number of calibration tokens."""
     opts = {k: v for k, v in (r.get("options") or {}).items() if k != "outputs"}

@@ -131,8 +131,8 @@ class QLinear(nn.Module):
     ``rotation`` (every format): None, or the seed of a served input rotation U
     (:class:`trapetum.hadamard.Rotation`, regenerated, not stored): then the codes hold the layer fitted
     as W U^T and the forward computes ``(U x) @ W_hat.T + b``, one fp16 transform of x before the
-    unchanged kernel (``quantize_model(..., rotate=True)``). The fused decode step and :mod:`trapetum.fuse`
-    keep such a layer as its own call.
+    unchanged kernel (``quantize_model(..., rotate=True)``). :mod:`trapetum.fuse` stacks only layers of one
+    rotation; the fused decode step launches the rotation (with the GEMV's RMSNorm or SiLU) before the GEMVs.
     """
 
     rotation: int | None = None
@@ -667,8 +667,8 @@ def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, 
     holds the options and the :class:`~trapetum.finetune.FinetuneReport`.
     ``rotate``: every quantized layer is fitted as W U^T (U the served randomized Hadamard rotation of its
     inputs, :class:`trapetum.hadamard.Rotation` of ``seed``; H as U H U^T) and computes U x before its kernel
-    (QuIP#'s incoherence processing on the inputs only, the accuracy chapter's ``outputs=false``). Such layers
-    run unfused: one more launch each, which the decode step does not fold into its fused kernels.
+    (QuIP#'s incoherence processing on the inputs only, the accuracy chapter's ``outputs=false``): one more
+    launch a projection group (a layer's q/k/v and its gate/up share theirs once fused).
     """
     import copy
 
@@ -740,8 +740,6 @@ def _rotated(lins: list[nn.Linear], H: torch.Tensor | None, seed: int) -> tuple[
     from .hadamard import Rotation
 
     n = lins[0].in_features
-    if n % 2:
-        raise ValueError(f"rotate=True needs layers with an even number of inputs; {n} is odd")
     U = Rotation(n, seed).matrix(torch.float32).to(lins[0].weight.device)
     out = []
     for lin in lins:

@@ -2518,7 +2518,6 @@ def fig_decode_pareto(df: pd.DataFrame) -> Figure:
 
 ROTATION_PROBES = "_runs/rotation-probe-*.json"  # trapetum.hadamard's launch alone and rotated layers, per version
 ROTATION_DECODE_RUNS = "_runs/rotation-decode-*.json"  # decode runs of the rotation's earlier versions (code in git history)
-ROTATED = ", inputs rotated"  # what decode_bench adds to a rotated scheme's name
 
 
 def rotation_probe(folder=None) -> pd.DataFrame:
@@ -2577,6 +2576,8 @@ def rotation_decode(df: pd.DataFrame, folder=None) -> pd.DataFrame:
         prov, d = results.read(path)
         frames.append(d.assign(file=path.name, gpu_label=gpu_label(prov.get("gpu", "")), git_commit=prov.get("git_commit"),
                                date=prov.get("date")))
+    from .decode import ROTATED  # torch and transformers: only where this table is drawn
+
     rows = []
     for d in frames:
         if "rotate" not in d:
