@@ -172,6 +172,11 @@ def test_cli_generate_calibrates_the_quantizer(tmp_path, capsys, monkeypatch):
     assert decode.main(["generate", str(tmp_path / "fp"), "--quantize", "K16", "--calibrate", "3", "--calib-len", "12", "--rotate",
                         "--save", str(tmp_path / "rot")] + args) == 0
     assert json.loads((tmp_path / "rot" / "trapetum.json").read_text())["layers"]["model.layers.0.mlp.down_proj"]["rotation"] == 0
+    # --rotate stream: the residual stream rotated offline, only down_proj's inputs at run time
+    assert decode.main(["generate", str(tmp_path / "fp"), "--quantize", "K16", "--rotate", "stream",
+                        "--save", str(tmp_path / "stream")] + args) == 0
+    layers = json.loads((tmp_path / "stream" / "trapetum.json").read_text())["layers"]
+    assert sorted(n for n, spec in layers.items() if "rotation" in spec) == [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
     with pytest.raises(SystemExit, match="--rotate goes with --quantize"):
         decode.main(["generate", str(tmp_path / "fp"), "--rotate"] + args)
     with pytest.raises(ValueError, match="rotate goes with quantize"):
@@ -246,13 +251,15 @@ def test_decode_bench_runs_an_additive_model():
 def test_decode_bench_rotated_rows_beside_plain_ones():
     tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=96)
     recs = decode.decode_bench("llama-2-7b", Ks=(16,), paths=("eager", "graphed"), fp16_paths=("graphed",), gen_len=5,
-                               prompt_len=20, energy=False, progress=False, device="cpu", rotates=(False, True), **tiny)
+                               prompt_len=20, energy=False, progress=False, device="cpu", rotates=decode.ROTATE_CHOICES["all"], **tiny)
     assert [(r["scheme"], r["rotate"]) for r in recs] == [("fp16", False)] + [("4-bit K=16", False)] * 2 + \
-        [("4-bit K=16, inputs rotated", True)] * 2
+        [("4-bit K=16, inputs rotated", True)] * 2 + [("4-bit K=16, stream rotated", "stream")] * 2
     assert all(r["matches_graphed_tokens"] for r in recs[1:])  # each against its own graphed row
     m = decode.random_llama("llama-2-7b", 16, device="cpu", progress=False, rotate=True, **tiny)
     specs = m.trapetum_quant["layers"]
     assert all(s["rotation"] == 0 for n, s in specs.items()) and len(specs) == 14  # 7 a layer; the fp16 head has none
+    m = decode.random_llama("llama-2-7b", 16, device="cpu", progress=False, rotate="stream", **tiny)
+    assert sorted(n for n, s in m.trapetum_quant["layers"].items() if "rotation" in s) == [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
 
 
 def test_decode_bench_runs_a_residual_model():

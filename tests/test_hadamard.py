@@ -155,14 +155,14 @@ def test_a_rotated_layer_in_the_simulator_rotates_then_runs_its_kernel():
 
 
 @pytest.mark.skipif(not gemv.SIM, reason="the fused step's kernels run in the CUDA simulator")
-@pytest.mark.parametrize("K", [16, "A2"])
-def test_the_fused_step_rotates_before_its_gemvs_and_matches_the_eager_path(K):
+@pytest.mark.parametrize("K, rotate", [(16, True), ("A2", True), (16, "stream")])
+def test_the_fused_step_rotates_before_its_gemvs_and_matches_the_eager_path(K, rotate):
     # The rotation launch takes each GEMV's pre-operation (RMSNorm, SiLU x up): one launch more a projection group
     from trapetum.decode import FakeGraphRunner, check_equivalence
     from trapetum.step import FusedStep
 
     m = tiny_llama_256(seed=5) if K == "A2" else tiny_llama(seed=5)
-    quantize_model(m, K=K, iters=2, progress=False, rotate=True, joint=K == "A2")
+    quantize_model(m, K=K, iters=2, progress=False, rotate=rotate, joint=K == "A2")
     m.half()
     for q in qlinears(m).values():
         q.simulate = True
@@ -170,8 +170,13 @@ def test_the_fused_step_rotates_before_its_gemvs_and_matches_the_eager_path(K):
     assert r["first_mismatch"] is None and r["max_rel_logit_diff"] < 1e-2, r
     step = FusedStep(m, max_len=16, n=4)
     layers = len(m.model.layers)
-    assert step.rotation_launches == 4 * layers and step.unfused_projections == ["lm_head"]
-    assert sorted({k.split(" ")[1] for k in step.plans}) == ["-/-", "-/add"]  # the GEMVs' own prologues: none
+    assert step.unfused_projections == ["lm_head"]
+    if rotate is True:
+        assert step.rotation_launches == 4 * layers
+        assert sorted({k.split(" ")[1] for k in step.plans}) == ["-/-", "-/add"]  # the GEMVs' own prologues: none
+    else:  # the stream rotated offline: q/k/v and gate/up keep their RMSNorm prologue, down's rotation takes the SiLU
+        assert step.rotation_launches == layers
+        assert "rms/-" in {k.split(" ")[1] for k in step.plans}
 
 
 @pytest.mark.skipif(not gemv.SIM, reason="the kernel on CPU tensors needs the CUDA simulator")
@@ -197,3 +202,64 @@ def test_the_rotation_launch_takes_the_steps_pre_operations(n):
         r.launcher(x, y, pre="silu")
     with pytest.raises(ValueError, match="pre must be one of"):
         r.launcher(x, y, pre="gelu")
+
+
+def _loud_norms(m, seed=0):
+    # trained norms are far from 1, and what folding them into the layers must keep
+    g = torch.Generator().manual_seed(seed)
+    for name, p in m.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data = 1 + 0.5 * torch.randn(p.shape, generator=g)
+    return m
+
+
+@pytest.mark.parametrize("tie, bias", [(False, False), (True, True)])
+def test_rotating_the_residual_stream_keeps_the_models_function(tie, bias):
+    m = _loud_norms(tiny_llama(seed=6, tie=tie, bias=bias))
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = m(ids).logits
+        h_before = m.model.embed_tokens(ids)
+    info = hadamard.rotate_residual(m, seed=3)
+    assert info == {"seed": 3, "hidden": 64, "head_dim": 16}
+    with torch.no_grad():
+        got = m(ids).logits
+        h_after = m.model.embed_tokens(ids)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    # the stream itself is rotated: the embedding is Q e, and the norms' weights are now in the layers
+    torch.testing.assert_close(h_after.double(), h_before.double() @ Rotation(64, 3).matrix().T, atol=1e-6, rtol=0)
+    assert all(torch.equal(p, torch.ones_like(p)) for n, p in m.named_parameters() if n.endswith("norm.weight"))
+    assert m.lm_head.weight is not m.model.embed_tokens.weight and not m.config.tie_word_embeddings
+
+
+def test_rotate_residual_refuses_what_it_cannot_rotate():
+    from torch import nn
+
+    m = tiny_llama(seed=1)
+    quantize_model(m, K=16, iters=1, progress=False, exclude=["*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj", "*.gate_proj", "*.up_proj"])
+    with pytest.raises(ValueError, match="layer 0's down_proj is QLinear"):
+        hadamard.rotate_residual(m)
+    m = tiny_llama(seed=1)
+    m.model.norm = nn.LayerNorm(64)
+    with pytest.raises(ValueError, match="RMSNorm .* the final norm is LayerNorm"):
+        hadamard.rotate_residual(m)
+    with pytest.raises(ValueError, match="rotate is False, True or 'stream'"):
+        quantize_model(tiny_llama(), K=16, rotate="inputs")
+
+
+def test_a_stream_rotated_model_rotates_only_down_projs_inputs_and_saves_loads(tmp_path):
+    m, ref = _loud_norms(tiny_llama(seed=4, tie=True)), _loud_norms(tiny_llama(seed=4, tie=True))
+    s = quantize_model(m, K=16, iters=4, progress=False, rotate="stream", seed=5)
+    assert s["rotate"] == "stream" and s["stream_rotation"]["seed"] == 5
+    rotated = {n for n, spec in s["layers"].items() if "rotation" in spec}
+    assert rotated == {f"model.layers.{i}.mlp.down_proj" for i in range(2)}
+    assert all(q.rotation == (5 if n in rotated else None) for n, q in qlinears(m).items())
+    ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # close to the unrotated fp32 model it came from (4-bit codes), not equal
+        a, b = m(ids).logits, ref(ids).logits
+    assert 0 < float((a - b).abs().max()) < 0.5 * float(b.abs().max())
+    folder = save_quantized(m, tmp_path / "q")
+    m2 = load_quantized(folder)
+    assert not m2.config.tie_word_embeddings and m2.lm_head.weight.data_ptr() != m2.model.embed_tokens.weight.data_ptr()
+    with torch.no_grad():
+        torch.testing.assert_close(m2(ids).logits, a, rtol=0, atol=0)

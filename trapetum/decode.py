@@ -412,7 +412,7 @@ def random_qlinear(in_features: int, out_features: int, K: int, device, generato
 
 @torch.no_grad()
 def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progress: bool = True, head_K: int | None = None,
-                 fuse: bool = False, embed_K: int | None = None, rotate: bool = False, **overrides):
+                 fuse: bool = False, embed_K: int | None = None, rotate: bool | str = False, **overrides):
     """A Llama-2 architecture with random fp16 weights built directly on the device, layer by layer.
 
     ``K=None``: fp16 nn.Linear projections. Otherwise every decoder projection is a random
@@ -424,8 +424,11 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
     and residual groups are then built with one shared codebook set (a group quantized jointly),
     since layers with separate codebooks do not fuse.
     ``rotate``: every decoder projection rotates its inputs (:attr:`~trapetum.qlinear.QLinear.rotation`, seed 0),
-    as ``quantize_model(..., rotate=True)`` leaves them; the LM head does not.
+    as ``quantize_model(..., rotate=True)`` leaves them; the LM head does not. ``rotate="stream"``: down_proj only,
+    as ``quantize_model(..., rotate="stream")`` leaves a model (its residual stream rotated: random weights
+    rotated are random weights, so only where the launches are matters for speed).
     """
+    from .qlinear import _online
     from .fuse import GROUPS, fuse_projections
 
     from tqdm.auto import tqdm
@@ -467,7 +470,7 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
                             new.weight.normal_(0, 0.02, generator=gen)
                         else:
                             new = random_qlinear(lin.in_features, lin.out_features, K, device, gen)
-                            new.rotation = 0 if rotate else None
+                            new.rotation = 0 if rotate is True or (rotate == "stream" and _online(name)) else None
                         parent, _, child = name.rpartition(".")
                         setattr(layer.get_submodule(parent), child, new)
                 if fuse:
@@ -496,13 +499,14 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
 
 def load(name: str, device=None, dtype=None, quantize: int | None = None, exclude=(), min_features: int = 0, progress=True,
          embedding: bool = False, joint: bool = False, calibrate: int = 0, calib_source: str = "generated", calib_len: int = 512,
-         finetune: int = 0, rotate: bool = False):
+         finetune: int = 0, rotate: bool | str = False):
     """(model, tokenizer or None) from a saved quantized folder, a local model folder, a hub id or 'smollm2-135m'.
     ``quantize``, ``exclude``, ``min_features``, ``embedding``, ``joint``: as :func:`trapetum.qlinear.quantize_model`;
     ``calibrate`` > 0: calibration-aware, on that many samples of ``calib_len`` tokens from ``calib_source``
     ("generated": sampled from the model itself, offline; or a :func:`trapetum.pipelines.calibration_text` source);
     ``finetune`` > 0: then that many epochs of distillation over the same samples (quantize_model's ``finetune``);
-    ``rotate``: the layers fitted to, and run on, randomly rotated inputs (quantize_model's ``rotate``)."""
+    ``rotate``: the layers fitted to, and run on, randomly rotated inputs (quantize_model's ``rotate``: True, or
+    "stream" for the residual stream rotated and down_proj's inputs at run time)."""
     from . import ppl
     from .qlinear import is_quantized_folder, load_quantized, quantize_model
 
@@ -543,6 +547,8 @@ def load(name: str, device=None, dtype=None, quantize: int | None = None, exclud
 
 # -- benchmark ------------------------------------------------------------------------------------
 ROTATED = ", inputs rotated"  # what a rotated row's scheme name ends in (decode_bench's rotates)
+STREAM_ROTATED = ", stream rotated"  # ... and a row of rotate="stream"
+ROTATE_CHOICES = {"off": (False,), "on": (True,), "stream": ("stream",), "both": (False, True), "all": (False, True, "stream")}
 SCHEME_NAMES = {None: "fp16", 16: "4-bit K=16", 64: "uint8 K=64", 256: "uint8 K=256",
                 "A2": "2-bit additive (M=2)", "A4": "4-bit additive (M=4)"}
 
@@ -758,8 +764,9 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
     ``programmatic``: True and/or False, a fused-step row each: its kernels launched so that each
     may start while the one before runs (sm_90), or strictly one after another.
 
-    ``rotates``: False and/or True, a row each for every codebook scheme: True rotates every decoder projection's
-    inputs (:mod:`trapetum.hadamard`; ``rotate`` True, the scheme named "..., inputs rotated"). The kernel bounds
+    ``rotates``: False, True and/or "stream", a row each for every codebook scheme: True rotates every decoder projection's
+    inputs (:mod:`trapetum.hadamard`; ``rotate`` True, the scheme named "..., inputs rotated"), "stream" down_proj's only
+    (random_llama's ``rotate="stream"``, "..., stream rotated"). The kernel bounds
     count the GEMVs only, so a rotated row's share of them also says what its rotation launches cost.
 
     ``on_record(rec)`` sees each record as it is made (the CLI's partial file: a run cut short keeps
@@ -816,14 +823,14 @@ def decode_bench(arch: str = "llama-2-7b", Ks=(16,), paths=("graphed",), fp16_pa
     for fused, K, head, embed, rotate in runs:
         scheme = scheme_label(K) + ("" if head is None else f", LM head {SCHEME_NAMES.get(head, head)}")
         scheme += "" if embed is None else f", embedding {SCHEME_NAMES.get(embed, embed)}"
-        scheme += ROTATED if rotate else ""
+        scheme += {True: ROTATED, "stream": STREAM_ROTATED}.get(rotate, "")
         model = None
         if cuda:
             _release_gpu_memory()
             torch.cuda.reset_peak_memory_stats()
         base = {"model": arch, "weights": "random", "architecture": "real (published config)", "scheme": scheme, "K": K,
                 "head_K": head, "lm_head": SCHEME_NAMES.get(head, head), "embed_K": embed, "embedding": SCHEME_NAMES.get(embed, embed),
-                "bits_per_weight_codes": _bits(K), "batch": 1, "rotate": bool(rotate),
+                "bits_per_weight_codes": _bits(K), "batch": 1, "rotate": rotate,
                 "prompt_len": prompt_len, "fused": bool(fused), "vram_before_gb": torch.cuda.memory_allocated() / 1e9 if cuda else None}
         try:
             bound = {}
@@ -938,7 +945,8 @@ def _generate_cmd(args) -> int:
     # --fuse: vector-codebook groups quantized jointly, since layers with separate codebooks do not fuse
     model, tok = load(args.model, device=args.device, quantize=K, exclude=tuple(args.exclude or ()), min_features=args.min_features,
                       embedding=args.quantize_embedding, joint=args.fuse, calibrate=args.calibrate, calib_source=args.calib_source,
-                      calib_len=args.calib_len, finetune=args.finetune, rotate=args.rotate)
+                      calib_len=args.calib_len, finetune=args.finetune,
+                      rotate={None: False, "inputs": True, "stream": "stream"}[args.rotate])
     ft = getattr(model, "trapetum_quant", {}).get("finetune")
     if ft and args.finetune:  # fine-tuned now (a saved model's record of it travels in trapetum.json)
         print(f"fine-tuned {ft['epochs']} epochs ({ft['seconds']:.0f} s): KL to the unquantized model on the first "
@@ -1034,7 +1042,7 @@ def _bench_cmd(args) -> int:
                              heads=tuple(_parse_quantize(k) for k in args.lm_head.split(",")), fuses=FUSE_CHOICES[args.fuse],
                              embeds=tuple(_parse_quantize(k) for k in args.embed.split(",")), profile=args.profile,
                              programmatic={"on": (True,), "off": (False,), "both": (True, False)}[args.programmatic],
-                             rotates={"off": (False,), "on": (True,), "both": (False, True)}[args.rotate],
+                             rotates=ROTATE_CHOICES[args.rotate],
                              on_record=None if partial is None else (lambda r: results.append_partial(partial, r)))
     prov = results.provenance(command=command, seconds=round(time.time() - t0, 1))
     path = results.save(args.name, recs, prov, folder=args.out)
@@ -1071,9 +1079,11 @@ def main(argv=None) -> int:
                    help="after a calibrated K16..K256, A2 or A4 quantizing, train the codebooks and norms (codes fixed) for "
                         "EPOCHS passes over the calibration samples, to match the unquantized model's next-token "
                         "distribution; keeps a copy of the model while it runs")
-    g.add_argument("--rotate", action="store_true",
-                   help="fit every layer to randomly rotated inputs and rotate x before each GEMV (QuIP#'s incoherence "
-                        "processing, inputs only: the accuracy chapter's additive-hadamard:outputs=false; one launch more a projection group)")
+    g.add_argument("--rotate", nargs="?", const="inputs", choices=("inputs", "stream"), default=None,
+                   help="fit every layer to randomly rotated inputs (QuIP#'s incoherence processing, inputs only: the accuracy "
+                        "chapter's additive-hadamard:outputs=false): 'inputs' (the default) rotates x before each GEMV, one launch "
+                        "more a projection group; 'stream' rotates the residual stream once, offline (QuaRot: the norms folded "
+                        "into the layers), so that only down_proj rotates at run time, one launch a layer"),
     g.add_argument("--save", default=None, help="write the quantized model to this folder")
     g.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: the GPU where there is one)")
     g.add_argument("--no-energy", action="store_true", help="skip the NVML power sampling (J/token)")
@@ -1116,8 +1126,9 @@ def main(argv=None) -> int:
                    help="fused-step rows also record a torch.profiler breakdown of a token (kernel by kernel) from the same process")
     b.add_argument("--programmatic", choices=("on", "off", "both"), default="on",
                    help="fused-step rows: kernels that may start while the one before runs (sm_90), strictly serial, or a row each")
-    b.add_argument("--rotate", choices=("off", "on", "both"), default="off",
-                   help="codebook schemes with every decoder projection's inputs rotated (trapetum.hadamard), or a row each")
+    b.add_argument("--rotate", choices=tuple(ROTATE_CHOICES), default="off",
+                   help="codebook schemes with every decoder projection's inputs rotated (on), the residual stream rotated "
+                        "and down_proj's inputs at run time (stream), or a row each: off and on (both), off, on and stream (all)")
     b.set_defaults(func=_bench_cmd)
     args = p.parse_args(argv)
     if getattr(args, "max_new_tokens", 1) < 1:

@@ -326,3 +326,97 @@ class Rotation:
                 kernel[grid, NT, stream, nbytes](*args)
 
         return launch
+
+
+# -- the residual stream rotated (QuaRot's folding) ------------------------------------------------
+STREAM_READERS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # read RMSNorm(h): take Q on their inputs
+STREAM_WRITERS = ("o_proj", "down_proj")  # add into h: take Q on their outputs
+ONLINE = ("down_proj",)  # inputs neither in the stream nor foldable (silu(gate) * up): a served rotation before the kernel
+
+
+@torch.no_grad()
+def rotate_residual(model, seed: int = 0) -> dict:
+    """Rewrite a Llama-architecture model in place into the same function with its residual stream rotated
+    (QuaRot, Ashkboos et al. 2024): h -> Q h for Q the served rotation of the hidden size (:class:`Rotation`).
+
+    RMSNorm without its weight commutes with an orthogonal Q (the mean square is the same), so each norm's
+    weight is folded into the layers that read it (W diag(g), the norm's weight then 1) and
+    * the embedding becomes E Q^T, every reader of the stream (q/k/v, gate/up, the LM head) W Q^T;
+    * every writer into it (o_proj, down_proj, and their biases) Q W;
+    * each value head's outputs are rotated by the head size's own Q_h and o_proj's inputs by Q_h^T, head
+      by head (one Q_h for every head, so grouped-query attention keeps it: a query head's output mixes its
+      value head's rows, already rotated).
+    So the rotated layers' codes are fitted to weights whose inputs are already rotated, and only down_proj's
+    input (silu(gate) * up, not in the stream) needs a rotation at run time: one launch a layer where
+    ``quantize_model(..., rotate=True)`` needs one for each of its four inputs (NOTES, session 62).
+    A tied LM head is untied (it now differs from the embedding). Arithmetic in float64, stored in each
+    weight's own dtype. Returns {"seed", "hidden", "head_dim"}, also kept as ``model.trapetum_stream_rotation``.
+    """
+    from torch import nn
+
+    from .pipelines import decoder_layers
+
+    layers = decoder_layers(model)
+    cfg = model.config
+    n = cfg.hidden_size
+    hd = getattr(cfg, "head_dim", None) or n // cfg.num_attention_heads
+    for i, layer in enumerate(layers):
+        for k in STREAM_READERS + STREAM_WRITERS:
+            lin = getattr(layer.self_attn if k[0] in "qkvo" else layer.mlp, k, None)
+            if type(lin) is not nn.Linear:
+                raise ValueError(f"rotate_residual takes a Llama-architecture model of nn.Linear projections, before "
+                                 f"quantization; layer {i}'s {k} is {type(lin).__name__}")
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            _check_rms(norm, f"layer {i}'s")
+    _check_rms(model.model.norm, "final")
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if type(head) is not nn.Linear or type(emb) is not nn.Embedding:
+        raise ValueError("rotate_residual takes an nn.Embedding token embedding and an nn.Linear LM head (rotate before quantizing)")
+    if head.weight is emb.weight:  # the head will be E diag(g) Q^T and the embedding E Q^T: no longer one tensor
+        head.weight = nn.Parameter(emb.weight.detach().clone(), requires_grad=emb.weight.requires_grad)
+        cfg.tie_word_embeddings = False
+    dev = emb.weight.device
+    Q = Rotation(n, seed).matrix().to(dev)
+    Qh = Rotation(hd, seed).matrix().to(dev) if hd % 2 == 0 else None
+
+    def put(p, v):
+        p.copy_(v.to(p.dtype))
+
+    def read(lin, norm):  # W diag(g) Q^T
+        put(lin.weight, (lin.weight.double() * norm.weight.double()[None, :]) @ Q.T)
+
+    def write(lin, heads_in=False):  # Q W (Q_h^T on each head's inputs)
+        W = lin.weight.double()
+        if heads_in and Qh is not None:
+            W = (W.reshape(n, -1, hd) @ Qh.T).reshape(n, -1)
+        put(lin.weight, Q @ W)
+        if lin.bias is not None:
+            put(lin.bias, Q @ lin.bias.double())
+
+    for layer in layers:
+        at, mlp = layer.self_attn, layer.mlp
+        for lin in (at.q_proj, at.k_proj, at.v_proj):
+            read(lin, layer.input_layernorm)
+        if Qh is not None:  # each value head's rows by Q_h (after the input side: the two commute)
+            put(at.v_proj.weight, (Qh @ at.v_proj.weight.double().reshape(-1, hd, n)).reshape(-1, n))
+            if at.v_proj.bias is not None:
+                put(at.v_proj.bias, (Qh @ at.v_proj.bias.double().reshape(-1, hd, 1)).reshape(-1))
+        write(at.o_proj, heads_in=True)
+        for lin in (mlp.gate_proj, mlp.up_proj):
+            read(lin, layer.post_attention_layernorm)
+        write(mlp.down_proj)
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.fill_(1)
+    read(head, model.model.norm)
+    model.model.norm.weight.fill_(1)
+    put(emb.weight, emb.weight.double() @ Q.T)
+    info = {"seed": seed, "hidden": n, "head_dim": hd if Qh is not None else None}
+    model.trapetum_stream_rotation = info
+    return info
+
+
+def _check_rms(norm, where) -> None:
+    # LayerNorm subtracts the mean, which no rotation keeps; an RMSNorm with a bias would need it rotated too
+    w = getattr(norm, "weight", None)
+    if "RMSNorm" not in type(norm).__name__ or w is None or w.dim() != 1 or getattr(norm, "bias", None) is not None:
+        raise ValueError(f"rotate_residual needs RMSNorm (weight only) norms; the {where} norm is {type(norm).__name__}")

@@ -630,7 +630,7 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, iters: int | None = None, seed: int = 0,
                    device=None, progress: bool = True, embedding: bool = False, joint: bool = False,
                    calib: torch.Tensor | None = None, batch_size: int = 8, finetune: int | dict | None = None,
-                   rotate: bool = False) -> dict:
+                   rotate: bool | str = False) -> dict:
     """Replace every decoder projection (nn.Linear in model.model.layers) by a QLinear, in place.
 
     ``K`` is the scheme (:func:`parse_scheme`): 16, 64, 256 (or "K16"...) for scalar codebooks (a
@@ -669,6 +669,10 @@ def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, 
     inputs, :class:`trapetum.hadamard.Rotation` of ``seed``; H as U H U^T) and computes U x before its kernel
     (QuIP#'s incoherence processing on the inputs only, the accuracy chapter's ``outputs=false``): one more
     launch a projection group (a layer's q/k/v and its gate/up share theirs once fused).
+    ``rotate="stream"``: the model's residual stream is rotated first (:func:`trapetum.hadamard.rotate_residual`:
+    the norms' weights folded into the layers, QuaRot's construction), so that every layer's codes are fitted
+    to rotated inputs while only down_proj rotates at run time: one launch a layer. It rewrites the embedding,
+    the LM head (untied) and the norms too, into the same function.
     """
     import copy
 
@@ -678,11 +682,18 @@ def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, 
 
     kind, params = parse_scheme(K)
     K = params[0] if kind == "scalar" else K
+    if rotate not in (False, True, "stream"):
+        raise ValueError(f"rotate is False, True or 'stream', got {rotate!r}")
     if embedding and kind != "scalar":
         raise ValueError(f"a quantized embedding takes scalar codebooks (K16, K64, K256), not {K!r}")
     if isinstance(exclude, str):
         exclude = (exclude,)
     ft = _finetune_options(finetune, kind, K, calib)
+    stream = None
+    if rotate == "stream":
+        from .hadamard import rotate_residual
+
+        stream = rotate_residual(model, seed)
     teacher = copy.deepcopy(model).eval() if ft else None
     linears = decoder_linears(model)
     layers, excluded, rel_mse = {}, {}, {}
@@ -701,12 +712,13 @@ def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, 
 
     def run(names, H=None):
         lins = [linears[n] for n in names]
-        if rotate:
+        rot = rotate is True or (rotate == "stream" and _online(names[0]))
+        if rot:
             lins, H = _rotated(lins, H, seed)
         done = (_quantize_group(lins, K, iters, seed, device, H) if len(names) > 1
                 else [_quantize_linear(lins[0], K, iters, seed, device, H)])
         for name, (q, rel_mse[name]) in zip(names, done):
-            if rotate:
+            if rot:
                 q.rotation = seed
             _set_submodule(model, name, q)
             layers[name] = layer_spec(q)
@@ -727,12 +739,21 @@ def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, 
         embeddings[name] = q.spec()
         rel_mse[name] = rep.rel_mse
     summary = {"K": K, "layers": layers, "excluded": excluded, "embeddings": embeddings, "joint": joint,
-               "calibration_tokens": 0 if calib is None else int(calib.numel()), "rotate": bool(rotate)}
+               "calibration_tokens": 0 if calib is None else int(calib.numel()), "rotate": rotate}
+    if stream:
+        summary["stream_rotation"] = stream
     if ft:
         summary["finetune"] = {**ft, **_finetune_codebooks(model, teacher, calib, list(layers), ft, progress).as_dict()}
         del teacher
     model.trapetum_quant = summary
     return {**summary, "rel_mse": rel_mse}
+
+
+def _online(name: str) -> bool:
+    """Whether layer ``name`` of a stream-rotated model rotates its inputs at run time (its input is not the stream)."""
+    from .hadamard import ONLINE
+
+    return name.rpartition(".")[2] in ONLINE
 
 
 def _rotated(lins: list[nn.Linear], H: torch.Tensor | None, seed: int) -> tuple[list[nn.Linear], torch.Tensor | None]:
