@@ -281,7 +281,16 @@ report.styled(report.dual_launch_probe(folder))
 # each checked first against the same transform in fp64 on loud inputs with its output poisoned. The second
 # sets it inside one layer: a codebook GEMV with and without its inputs rotated, torch fp16 beside them, every
 # GEMV on its planner's heuristic plan. The third is what it costs a decoded token: each rotated row beside
-# the row of the same scheme without rotation from the same run (`bench --rotate both`).
+# the row of the same scheme without rotation from the same run (`bench --rotate all`).
+#
+# A second way to serve it is QuaRot's (Ashkboos et al. 2024): rotate the residual stream itself, offline.
+# RMSNorm without its weight commutes with an orthogonal Q, so `quantize_model(..., rotate="stream")`
+# (`trapetum.hadamard.rotate_residual`) folds each norm's weight into the layers that read it and stores the
+# embedding as E Q^T, every reader of the stream (q/k/v, gate/up, the LM head) as W Q^T and every writer
+# (o_proj, down_proj) as Q W, with each value head's outputs and o_proj's inputs rotated head by head. The
+# model computes the same function, every layer's codes are fitted to rotated inputs, and only down_proj,
+# whose input silu(gate) x up is not in the stream, rotates at run time: one launch a layer instead of four.
+# A probe also rotated o_proj's inputs at run time (two a layer).
 
 # %%
 report.styled(report.rotation_probe(folder))
@@ -295,13 +304,30 @@ display(Markdown(f"*{report.rotation_summary(rotation)}*"))
 report.styled(rotation)
 
 # %% [markdown]
+# What each way buys and costs, side by side: the speed half from the runs above (Llama-2-7B architecture,
+# random weights; the newest run of each mode, tok/s against the same run's unrotated row), the accuracy half
+# from the served 2-bit additive SmolLM2-135M (real weights, `quantize_model(K="A2", calib=..., finetune=6,
+# rotate=...)` with the accuracy chapter's run-d recipe, scored on the full WikiText-2 test text, ctx = stride
+# = 2048; runs with one calibration hash in the file share their samples). The two halves are different models.
+
+# %%
+served = report.served_rotation_accuracy(folder)
+report.styled(report.rotation_tradeoff(rotation, served))
+
+# %% [markdown]
 # The launch is one block a row, on one SM: its time is the latency of its passes over shared memory, not
 # bytes. The first version computed each butterfly's index by dividing by the stage's stride, a runtime
 # value, so every butterfly paid 64-bit divisions; the second uses shifts and masks and two stages a pass.
 # The third issued every load of the row before the first use, with twice the threads, and gained nothing,
-# so the loads' latency was not what was left; what is has not been profiled yet. The line above the last
-# table says what the rotation costs a token as served now. It is the accuracy chapter's lever at 2 bits, so
-# the next versions are a multi-block transform, or the transform inside the GEMV's own staging of x.
+# so the loads' latency was not what was left; what is has not been profiled yet.
+#
+# Rotating the stream offline keeps most of the speed but, on this model, only part of the accuracy: the
+# table above says how much of each. Both offline forms differ from the per-layer rotation in two ways
+# that the runs do not separate: o_proj and down_proj are rotated on their output side too (the accuracy
+# chapter's run k, both sides, scored a little worse than run j, inputs only), and the fine-tuning trains the
+# norms' weights in the rotated basis, where a per-channel scale no longer singles out a channel. Rotating
+# o_proj's inputs at run time as well did not recover it. The next versions are the transform inside the
+# GEMV's own staging of x (no launch), or the last block of down's producer doing it.
 
 # %% [markdown]
 # ## A real model: each graphed path against eager

@@ -809,7 +809,37 @@ def test_the_rotation_tables_read_the_probes_and_pair_each_rotated_run_with_its_
     assert t["run (commit)"].tolist() == ["0000000", "1234567"]  # oldest first
     assert t["rotated / plain"].tolist() == [pytest.approx(0.2), pytest.approx(0.5)]
     assert t["rotation launches (us a token)"].iloc[0] == pytest.approx(5000.0) and pd.isna(t["rotation launches (us a token)"].iloc[1])
-    assert report.rotation_summary(t) == ("As served now: llama-2-7b 4-bit K=16 on the H200 (1234567) keeps 50% of its tok/s.")
+    assert t["rotation launches a token"].iloc[0] == 128.0
+    assert report.rotation_summary(t) == ("As served now: llama-2-7b 4-bit K=16 on the H200 (1234567), every projection's inputs "
+                                          "at run time, keeps 50% of its tok/s.")
     t.loc[1, "rotation launches (us a token)"] = 740.0  # of a 3704 us token
     assert report.rotation_summary(t).endswith("keeps 50% of its tok/s, its rotation launches 20% of the rotated token.")
     assert report.rotation_decode(df[df["rotate"] == False], tmp_path / "none").empty and report.rotation_summary(pd.DataFrame()) == ""  # noqa: E712
+
+
+def test_the_rotation_tradeoff_sets_each_modes_speed_beside_its_served_accuracy(tmp_path):
+    prov, base = _rotation_files(tmp_path)
+    acc = tmp_path / "accuracy"
+    acc.mkdir()
+    ref = {"scheme": "reference", "ppl": 20.0}
+    for name, mode, ppl, cal in (("none", "none", 80.0, "a"), ("inputs", "inputs", 60.0, "b"), ("stream", "stream", 70.0, "c"),
+                                 ("stream-paired", "stream", 71.0, "d")):
+        recs = [ref, {"scheme": "additive", "ppl": ppl, "rotate_mode": mode, "bits_per_weight": 2.153, "calibration_sha256_16": cal}]
+        (acc / f"smollm2-135m-served-a2-{name}.json").write_text(json.dumps({"provenance": prov, "records": recs}))
+    a = report.served_rotation_accuracy(tmp_path)
+    assert sorted(a["mode"]) == ["inputs", "none", "stream", "stream"] and a["vs reference (%)"].max() == pytest.approx(300.0)
+    prof = json.dumps({"rows": [["trapetum::hadamard::rotate_kernel", 32.0, 400.0]]})
+    df = pd.DataFrame([{**base, "scheme": "4-bit K=16", "rotate": False, "tok_s": 540.0},
+                       {**base, "scheme": "4-bit K=16, stream rotated", "rotate": "stream", "tok_s": 432.0, "profile": prof}]
+                      ).assign(file="decode.json", gpu_label="H200", git_commit="1234567", date="2026-11-30")
+    t = report.rotation_tradeoff(report.rotation_decode(df, tmp_path), a)
+    assert t["Rotation"].tolist() == ["none", report.ROTATION_MODES["stream"], report.ROTATION_MODES["stream+o"],
+                                      report.ROTATION_MODES["inputs"]]
+    none, stream, o, inputs = (t.iloc[i] for i in range(4))
+    assert none["7B 4-bit K=16: tok/s kept"] == 1.0 and none["SmolLM2 2-bit additive, served: PPL"] == "80.00"
+    assert stream["7B 4-bit K=16: tok/s kept"] == pytest.approx(0.8) and stream["run-time rotations a 7B token"] == 32.0
+    assert stream["SmolLM2 2-bit additive, served: PPL"] == "71.00, 70.00" and stream["vs reference"] == "+255 %, +250 %"  # by date, then file
+    assert pd.isna(o["7B 4-bit K=16: tok/s kept"]) and o["SmolLM2 2-bit additive, served: PPL"] == "–"  # neither measured
+    assert inputs["7B 4-bit K=16: tok/s kept"] == pytest.approx(0.2)  # the older probe file's v1 row: the only inputs row
+    assert pd.isna(inputs["7B 2-bit additive: tok/s kept"])
+    assert report.rotation_tradeoff(pd.DataFrame(columns=t.columns), report.served_rotation_accuracy(tmp_path / "no")).empty

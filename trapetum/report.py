@@ -2559,11 +2559,31 @@ def rotation_layers(folder=None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _rotation_kernel_us(profile) -> float:
-    """A profiled token's time in the rotation launches (us), NaN without a profile."""
+# decode_bench's ``rotate`` values (and the o_proj probe's, data/_runs) -> what each rotates at run time
+ROTATION_MODES = {"inputs": "every projection's inputs at run time", "stream+o": "residual stream offline; o_proj, down_proj at run time",
+                  "stream": "residual stream offline; down_proj at run time"}
+
+
+def _rotation_mode(v) -> str | None:
+    """A decode record's ``rotate`` as a :data:`ROTATION_MODES` key, None where it is not rotated (False, NaN)."""
+    if v is True or v == 1.0:
+        return "inputs"
+    return v if isinstance(v, str) and v in ROTATION_MODES else None
+
+
+def _unrotated(scheme: str) -> str:
+    """The scheme name of a rotated decode row's plain twin (its name up to the rotation's suffix)."""
+    from .decode import ROTATED, STREAM_ROTATED  # torch and transformers: only where a rotation table is drawn
+
+    return scheme.split(ROTATED)[0].split(STREAM_ROTATED)[0]
+
+
+def _rotation_launches(profile) -> tuple[float, float]:
+    """A profiled token's rotation launches: (how many, their time in us), NaN without a profile."""
     if not isinstance(profile, str):
-        return np.nan
-    return float(sum(us for name, _c, us in json.loads(profile)["rows"] if name.startswith("trapetum::hadamard::")))
+        return np.nan, np.nan
+    rows = [(c, us) for name, c, us in json.loads(profile)["rows"] if name.startswith("trapetum::hadamard::")]
+    return float(sum(c for c, _ in rows)), float(sum(us for _, us in rows))
 
 
 def rotation_decode(df: pd.DataFrame, folder=None) -> pd.DataFrame:
@@ -2576,30 +2596,76 @@ def rotation_decode(df: pd.DataFrame, folder=None) -> pd.DataFrame:
         prov, d = results.read(path)
         frames.append(d.assign(file=path.name, gpu_label=gpu_label(prov.get("gpu", "")), git_commit=prov.get("git_commit"),
                                date=prov.get("date")))
-    from .decode import ROTATED  # torch and transformers: only where this table is drawn
-
     rows = []
     for d in frames:
         if "rotate" not in d:
             continue
-        rot = d[d["rotate"].fillna(False).astype(bool) & d["tok_s"].notna()]
+        rot = d[d["rotate"].map(_rotation_mode).notna() & d["tok_s"].notna()]
         for _, r in rot.iterrows():
-            plain = d[(d["file"] == r["file"]) & (d["scheme"] == r["scheme"].replace(ROTATED, "")) & (d["path"] == r["path"])
+            plain = d[(d["file"] == r["file"]) & (d["scheme"] == _unrotated(r["scheme"])) & (d["path"] == r["path"])
                       & (d["fused"] == r["fused"]) & d["tok_s"].notna()]
             if plain.empty:
                 continue
             p = plain.iloc[-1]
+            launches, us = _rotation_launches(r.get("profile"))
             rows.append({"_date": str(r.get("date")), "GPU": r["gpu_label"], "Model (random weights)": r["model"], "Scheme": p["scheme"],
-                         "Path": r["path"] + (FUSED_SUFFIX if r["fused"] else ""), "run (commit)": str(r.get("git_commit"))[:7],
-                         "tok/s": float(p["tok_s"]), "tok/s, inputs rotated": float(r["tok_s"]),
-                         "rotated / plain": float(r["tok_s"] / p["tok_s"]),
-                         "rotation launches (us a token)": _rotation_kernel_us(r.get("profile"))})
-    cols = ["GPU", "Model (random weights)", "Scheme", "Path", "run (commit)", "tok/s", "tok/s, inputs rotated", "rotated / plain",
-            "rotation launches (us a token)"]
+                         "Rotation": ROTATION_MODES[_rotation_mode(r["rotate"])], "Path": r["path"] + (FUSED_SUFFIX if r["fused"] else ""),
+                         "run (commit)": str(r.get("git_commit"))[:7], "tok/s": float(p["tok_s"]), "tok/s, rotated": float(r["tok_s"]),
+                         "rotated / plain": float(r["tok_s"] / p["tok_s"]), "rotation launches a token": launches,
+                         "rotation launches (us a token)": us})
+    cols = ["GPU", "Model (random weights)", "Scheme", "Rotation", "Path", "run (commit)", "tok/s", "tok/s, rotated", "rotated / plain",
+            "rotation launches a token", "rotation launches (us a token)"]
     if not rows:
         return pd.DataFrame(columns=cols)
-    t = pd.DataFrame(rows).sort_values(["GPU", "Model (random weights)", "Scheme", "_date"])  # each kernel version in turn
+    order = {v: i for i, v in enumerate(ROTATION_MODES.values())}
+    t = pd.DataFrame(rows).assign(_mode=lambda x: x["Rotation"].map(order))
+    t = t.sort_values(["GPU", "Model (random weights)", "Scheme", "_mode", "_date"])  # each mode, each kernel version in turn
     return t[cols].reset_index(drop=True)
+
+
+SERVED_ACCURACY = "accuracy/{model}-served-a2-*.json"  # the served 2-bit model's perplexity under each rotation mode
+
+
+def served_rotation_accuracy(folder=None, model: str = "smollm2-135m") -> pd.DataFrame:
+    """The served 2-bit additive model (``quantize_model(K="A2", calib, finetune=6, rotate=...)``) scored on the full
+    text, one row a run: rotation mode (the decode runs' keys, "none" unrotated), perplexity, its own run's
+    reference, % over it, and the calibration samples' hash (runs with one hash are paired)."""
+    rows = []
+    for path in sorted(_root(folder).glob(SERVED_ACCURACY.format(model=model))):
+        prov, d = results.read(path)
+        ref = d[d["scheme"] == "reference"].iloc[-1]
+        for _, r in d[(d["scheme"] != "reference") & d["ppl"].notna()].iterrows():
+            mode = {"inputs": "inputs", "stream-o": "stream+o"}.get(r["rotate_mode"], r["rotate_mode"])
+            rows.append({"mode": mode, "ppl": float(r["ppl"]), "reference_ppl": float(ref["ppl"]),
+                         "vs reference (%)": 100 * (float(r["ppl"]) / float(ref["ppl"]) - 1), "bits_per_weight": float(r["bits_per_weight"]),
+                         "calibration": r.get("calibration_sha256_16"), "file": path.name, "date": prov.get("date")})
+    cols = ["mode", "ppl", "reference_ppl", "vs reference (%)", "bits_per_weight", "calibration", "file", "date"]
+    return pd.DataFrame(rows, columns=cols).sort_values(["date", "file"], kind="stable").reset_index(drop=True)  # oldest run first
+
+
+def rotation_tradeoff(t: pd.DataFrame, acc: pd.DataFrame, model: str = "llama-2-7b") -> pd.DataFrame:
+    """Each way of serving the rotation, speed beside accuracy: the newest :func:`rotation_decode` row of each mode
+    and scheme at ``model`` (random weights: tok/s kept against the same run's unrotated row, launches a token) and
+    :func:`served_rotation_accuracy`'s runs of that mode (SmolLM2-135M, real weights: perplexity, % over the reference).
+    The two halves are different models: what one row says is how a mode trades one for the other."""
+    cols = ["Rotation", "run-time rotations a 7B token", "7B 2-bit additive: tok/s kept", "7B 4-bit K=16: tok/s kept",
+            "SmolLM2 2-bit additive, served: PPL", "vs reference"]
+    if acc.empty and t.empty:
+        return pd.DataFrame(columns=cols)
+    newest = t[t["Model (random weights)"] == model].groupby(["Scheme", "Rotation"], sort=False).tail(1)
+    rows = []
+    for mode, label in [("none", "none")] + list(ROTATION_MODES.items())[::-1]:
+        d = newest[newest["Rotation"] == label]
+        kept = {k: d[d["Scheme"].str.startswith(k)]["rotated / plain"] for k in ("2-bit additive", "4-bit K=16")}
+        a = acc[acc["mode"] == mode]
+        launches = d["rotation launches a token"].dropna()
+        rows.append({"Rotation": label,
+                     "run-time rotations a 7B token": 0.0 if mode == "none" else (float(launches.iloc[-1]) if len(launches) else np.nan),
+                     "7B 2-bit additive: tok/s kept": 1.0 if mode == "none" else (float(kept["2-bit additive"].iloc[-1]) if len(kept["2-bit additive"]) else np.nan),
+                     "7B 4-bit K=16: tok/s kept": 1.0 if mode == "none" else (float(kept["4-bit K=16"].iloc[-1]) if len(kept["4-bit K=16"]) else np.nan),
+                     "SmolLM2 2-bit additive, served: PPL": ", ".join(f"{v:.2f}" for v in a["ppl"]) or "–",
+                     "vs reference": ", ".join(f"{v:+.0f} %" for v in a["vs reference (%)"]) or "–"})
+    return pd.DataFrame(rows, columns=cols)
 
 
 def rotation_summary(t: pd.DataFrame) -> str:
@@ -2607,11 +2673,11 @@ def rotation_summary(t: pd.DataFrame) -> str:
     rotated token its launches take (from its profile). Empty without a rotated row."""
     if t.empty:
         return ""
-    newest = t.groupby(["GPU", "Model (random weights)", "Scheme"], sort=False).tail(1)
+    newest = t.groupby(["GPU", "Model (random weights)", "Scheme", "Rotation"], sort=False).tail(1)
     parts = []
     for _, r in newest.iterrows():
         us = r["rotation launches (us a token)"]
-        share = "" if pd.isna(us) else f", its rotation launches {us / (1e6 / r['tok/s, inputs rotated']):.0%} of the rotated token"
-        parts.append(f"{r['Model (random weights)']} {r['Scheme']} on the {r['GPU']} ({r['run (commit)']}) keeps "
+        share = "" if pd.isna(us) else f", its rotation launches {us / (1e6 / r['tok/s, rotated']):.0%} of the rotated token"
+        parts.append(f"{r['Model (random weights)']} {r['Scheme']} on the {r['GPU']} ({r['run (commit)']}), {r['Rotation']}, keeps "
                      f"{r['rotated / plain']:.0%} of its tok/s{share}")
     return "As served now: " + "; ".join(parts) + "."
