@@ -313,7 +313,8 @@ if not ft_runs:
 # GEMV, which `quantize_model(..., rotate=True)` builds and the decode chapter times ("Serving a rotated
 # model"). The rows here are fake-quantized like every row in this chapter, with the pipelines' dense
 # rotation; the served one factors U differently where the number of inputs is not a power of two (both
-# of this model's input sizes), so a served model's perplexity may differ slightly. Run k rotates both
+# of this model's input sizes). The served model was scored too (the last line under the tables), beside
+# QuaRot's offline rotation of the residual stream, which the decode chapter weighs against its speed. Run k rotates both
 # sides. The line under the tables sets each beside run d's unrotated row (run d ran on the H100, runs j and
 # k on the H200, from the same seeds). The CPU screen of the fine-tuning
 # section (run c) found the rotation worth more than it is here: with many more calibration samples and
@@ -330,7 +331,7 @@ for gpu_path, g_prov, g_run, g_ref in gpu_runs:
     display(styled_finetune_table(g_run))
 if not gpu_runs:
     display(Markdown("*No GPU accuracy run is recorded for this model.*"))
-for line in (pipelines.residual_note(gpu_runs), pipelines.rotation_note(gpu_runs)):
+for line in (pipelines.residual_note(gpu_runs), pipelines.rotation_note(gpu_runs), pipelines.served_rotation_note(folder, model)):
     if line:
         display(Markdown(f"*{line}*"))
 

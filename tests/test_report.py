@@ -828,6 +828,11 @@ def test_the_rotation_tradeoff_sets_each_modes_speed_beside_its_served_accuracy(
         (acc / f"smollm2-135m-served-a2-{name}.json").write_text(json.dumps({"provenance": prov, "records": recs}))
     a = report.served_rotation_accuracy(tmp_path)
     assert sorted(a["mode"]) == ["inputs", "none", "stream", "stream"] and a["vs reference (%)"].max() == pytest.approx(300.0)
+    from trapetum import pipelines
+
+    note = pipelines.served_rotation_note(acc, "smollm2-135m")
+    assert "unrotated 80.00 (+300%, smollm2-135m-served-a2-none.json)" in note and note.count("rotate='stream'") == 2
+    assert pipelines.served_rotation_note(tmp_path, "smollm2-135m") is None
     prof = json.dumps({"rows": [["trapetum::hadamard::rotate_kernel", 32.0, 400.0]]})
     df = pd.DataFrame([{**base, "scheme": "4-bit K=16", "rotate": False, "tok_s": 540.0},
                        {**base, "scheme": "4-bit K=16, stream rotated", "rotate": "stream", "tok_s": 432.0, "profile": prof}]

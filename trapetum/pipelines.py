@@ -1679,6 +1679,44 @@ def rotation_note(runs: list[tuple]) -> str | None:
     return "; ".join(parts) + "."
 
 
+SERVED_MODES = {"none": "unrotated", "inputs": "rotate=True (every layer's inputs, at run time)",
+                "stream": "rotate='stream' (the residual stream offline, down_proj at run time)",
+                "stream+o": "the stream offline with o_proj's inputs also at run time (a probe)"}
+
+
+def served_rotation_runs(folder: Path | str, model_name: str) -> "pd.DataFrame":
+    """The served 2-bit additive model (``quantize_model(K="A2", calib, finetune=6, rotate=...)`` on the GPU, the files
+    ``<folder>/<model>-served-a2-*.json``) scored on the full text, one row a run, oldest first: rotation mode (a
+    :data:`SERVED_MODES` key), perplexity, its own run's reference, % over it, bits a weight, the calibration samples'
+    hash (runs with one hash are paired), file, date."""
+    import pandas as pd
+
+    from . import results
+
+    rows = []
+    for path in Path(folder).glob(f"{results.slug(model_name)}-served-a2-*.json"):
+        prov, run = results.read(path)
+        ref = run[run.scheme == "reference"].iloc[-1]
+        for _, r in run[(run.scheme != "reference") & run.ppl.notna()].iterrows():
+            rows.append({"mode": {"stream-o": "stream+o"}.get(r.rotate_mode, r.rotate_mode), "ppl": float(r.ppl),
+                         "reference_ppl": float(ref.ppl), "vs reference (%)": 100 * (float(r.ppl) / float(ref.ppl) - 1),
+                         "bits_per_weight": float(r.bits_per_weight), "calibration": r.get("calibration_sha256_16"),
+                         "file": path.name, "date": prov.get("date")})
+    cols = ["mode", "ppl", "reference_ppl", "vs reference (%)", "bits_per_weight", "calibration", "file", "date"]
+    return pd.DataFrame(rows, columns=cols).sort_values(["date", "file"], kind="stable").reset_index(drop=True)
+
+
+def served_rotation_note(folder: Path | str, model_name: str) -> str | None:
+    """:func:`served_rotation_runs` as one line (each run's perplexity and % over its reference); None without a run."""
+    runs = served_rotation_runs(folder, model_name)
+    if runs.empty:
+        return None
+    parts = [f"{SERVED_MODES.get(r['mode'], r['mode'])} {r['ppl']:.2f} ({r['vs reference (%)']:+.0f}%, {r['file']})"
+             for _, r in runs.iterrows()]
+    return ("The served layers, quantize_model(K='A2', calib, finetune=6) on the GPU with run d's recipe, scored on the full "
+            "text: " + "; ".join(parts) + ".")
+
+
 def residual_note(runs: list[tuple]) -> str | None:
     """What the GPU runs' residual-codebook rows (:func:`recorded_runs`) stored and scored: index bits
     against bits a weight as stored, the per-layer codebooks and padding that make the difference, and

@@ -2623,24 +2623,12 @@ def rotation_decode(df: pd.DataFrame, folder=None) -> pd.DataFrame:
     return t[cols].reset_index(drop=True)
 
 
-SERVED_ACCURACY = "accuracy/{model}-served-a2-*.json"  # the served 2-bit model's perplexity under each rotation mode
-
-
 def served_rotation_accuracy(folder=None, model: str = "smollm2-135m") -> pd.DataFrame:
-    """The served 2-bit additive model (``quantize_model(K="A2", calib, finetune=6, rotate=...)``) scored on the full
-    text, one row a run: rotation mode (the decode runs' keys, "none" unrotated), perplexity, its own run's
-    reference, % over it, and the calibration samples' hash (runs with one hash are paired)."""
-    rows = []
-    for path in sorted(_root(folder).glob(SERVED_ACCURACY.format(model=model))):
-        prov, d = results.read(path)
-        ref = d[d["scheme"] == "reference"].iloc[-1]
-        for _, r in d[(d["scheme"] != "reference") & d["ppl"].notna()].iterrows():
-            mode = {"inputs": "inputs", "stream-o": "stream+o"}.get(r["rotate_mode"], r["rotate_mode"])
-            rows.append({"mode": mode, "ppl": float(r["ppl"]), "reference_ppl": float(ref["ppl"]),
-                         "vs reference (%)": 100 * (float(r["ppl"]) / float(ref["ppl"]) - 1), "bits_per_weight": float(r["bits_per_weight"]),
-                         "calibration": r.get("calibration_sha256_16"), "file": path.name, "date": prov.get("date")})
-    cols = ["mode", "ppl", "reference_ppl", "vs reference (%)", "bits_per_weight", "calibration", "file", "date"]
-    return pd.DataFrame(rows, columns=cols).sort_values(["date", "file"], kind="stable").reset_index(drop=True)  # oldest run first
+    """:func:`trapetum.pipelines.served_rotation_runs` of ``<folder>/accuracy``: the served 2-bit additive model's
+    perplexity under each rotation mode (the decode runs' keys; "none" unrotated), one row a run."""
+    from .pipelines import served_rotation_runs  # torch: only where this table is drawn
+
+    return served_rotation_runs(_root(folder) / "accuracy", model)
 
 
 def rotation_tradeoff(t: pd.DataFrame, acc: pd.DataFrame, model: str = "llama-2-7b") -> pd.DataFrame:
