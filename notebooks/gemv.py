@@ -42,6 +42,8 @@ run_cuda_cpp = True  # also build and time the CUDA C++ kernels of kernels/
 # %%
 from pathlib import Path
 
+from IPython.display import Markdown, display
+
 from trapetum import report, results
 
 folder = Path(out) if out is not None else results.DATA_DIR
@@ -212,6 +214,7 @@ report.fig_floor(df)
 # take a kernel that reads the codes faster than the floor, which does nothing else, reads them.
 
 # %%
+display(Markdown(f"*{report.fp16_share_note(df)}*"))
 report.styled(report.gemv_targets(df))
 
 # %% [markdown]

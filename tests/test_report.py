@@ -325,6 +325,11 @@ def test_gemv_targets(df2, tmp_path):
     slow = tmp_path / "slow"
     write_run(slow, "NVIDIA Slow GPU", synthetic_records(copy=800.0, speed=2.5), 800.0)
     assert report.gemv_targets(report.load_gemv(slow)).empty
+    # for scale: cuBLAS's own share of the copy bandwidth at 4096 x 4096 (synthetic: 80 % of it plus 4 us of launch)
+    note = report.fp16_share_note(report.load_gemv(slow))
+    share = 2 * 4096 * 4096 / (2 * 4096 * 4096 / (0.8 * 800e9) + 4e-6) / 800e9
+    assert f"reaches {share:.0%} on the Slow GPU of the measured copy bandwidth" in note and "are 29.4 MB" in note
+    assert report.fp16_share_note(report.load_gemv(slow), shape=(123, 456)) == ""
 
 
 def test_fig_batch(df2):

@@ -736,6 +736,22 @@ def gemv_targets(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def fp16_share_note(df: pd.DataFrame, shape=(4096, 4096), large=(4096, 14336)) -> str:
+    """One line for scale beside the bandwidth-share target: how much of the copy bandwidth torch fp16 (cuBLAS) itself
+    reaches at batch 1 reading ``shape``'s weight, the recorded shape whose fp16 bytes are nearest the 4-bit codes of
+    ``large`` (the smallest shape the target covers), per GPU. Empty without such records."""
+    t = _timed(df)
+    t = t[(t["kernel"] == "torch fp16") & (t["batch"] == 1) & (t["in_features"] == shape[0]) & (t["out_features"] == shape[1])
+          & t["copy_gbps"].notna()]
+    if t.empty:
+        return ""
+    parts = [f"{g['gbps'].median() / g['copy_gbps'].median():.0%} on the {gpu_label(gpu)}" for gpu, g in t.groupby("gpu")]
+    mb_fp16, mb_4bit = 2 * shape[0] * shape[1] / 1e6, large[0] * large[1] / 2 / 1e6
+    return (f"For scale: reading the {mb_fp16:.1f} MB of a {shape_label(shape)} weight at batch 1, torch fp16 (cuBLAS) reaches "
+            f"{' and '.join(parts)} of the measured copy bandwidth (median of the recorded runs); the 4-bit codes of "
+            f"{shape_label(large)}, the smallest shape the bandwidth-share target covers, are {mb_4bit:.1f} MB.")
+
+
 def slower_intervals(g: pd.DataFrame) -> list[tuple[float, float | None]]:
     """Batch ranges where our time exceeds fp16's; ends log-interpolated, None = to the last batch."""
     g = g.sort_values("batch")
