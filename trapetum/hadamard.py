@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from numba import cuda, float32, int32
 
-from .gemv import (SIM, _as_kernel_array, float2_to_half2, half2_to_float2, launch_hooks, programmatic, require_gpu,
-                   with_shared_limit)
+from .gemv import (SIM, _as_kernel_array, float2_to_half2, half2_to_float2, launch_hooks, programmatic, require_gpu, u32,
+                   warp_sum_f32, with_shared_limit)
 
 
 def _is_pow2(n: int) -> bool:
@@ -127,6 +128,7 @@ def fwht(v: torch.Tensor) -> torch.Tensor:
 
 
 NT = 32 if SIM else 1024  # threads of a block (one block a row of x; the simulator runs each as a Python thread)
+NW = NT // 32  # its warps (a module constant: numba sizes shared arrays from literals and globals only)
 PRES = ("", "rms", "silu")  # what the kernel computes before the rotation (the decode step's pre-operations)
 MAX_SPLIT = 16  # blocks a row's B product is split over (each redoes the row's transform by H_p, which is cheap)
 
@@ -160,88 +162,103 @@ def rotate_kernel(n: int, p: int, m: int, pre: str = ""):
     WL = -(-half // NT)  # words of the row a thread loads (a literal size for numba's local arrays)
     wait, _ = launch_hooks()  # it reads its predecessor's output from the first load (its exit releases)
 
+    MM = m * m if m > 1 else 0  # B's words in shared memory, after the row
+
     @cuda.jit(**({} if SIM else {"launch_bounds": (NT,)}))
     def kernel(x, y, signs, B, scale, w, eps):
         # Grid (rows, out_split(m)): block (r, g) transforms row r whole and writes its g-th share of y's row.
         # x (rows, n / 2 or n for silu), y (rows, n / 2) int32: fp16 pairs; signs (n,), B (m, m) fp32;
-        # w (n / 2,) int32: the norm's fp16 weight pairs (rms); dynamic shared memory: n fp32.
+        # w (n / 2,) int32: the norm's fp16 weight pairs (rms); scale, eps float32; dynamic shared memory:
+        # n + m^2 fp32 (the row, then B).
+        # Every index is 32-bit (u32): with numba's default 64-bit integers the version before ran 1,225
+        # instructions a warp for a 4096-point row, its integer pipe 78 % busy on the block's one SM (ncu,
+        # NOTES session 62).
         wait()
         s = cuda.shared.array(0, float32)
-        red = cuda.shared.array(NT, float32)
-        r, t = cuda.blockIdx.x, cuda.threadIdx.x
-        # Every global load of the row first, then their use. Meant to save a memory round trip a loop
-        # iteration; on the H200 it did not shorten the launch (6.0 -> 6.8 us at 4096 points; NOTES, session 61).
+        red = cuda.shared.array(NW, float32)
+        r, t = u32(cuda.blockIdx.x), u32(cuda.threadIdx.x)
+        # Every global load of the row first, then their use (the load loop does not wait on each word).
         xa = cuda.local.array(WL, int32)
         xb = cuda.local.array(WL, int32)
         wa = cuda.local.array(WL, int32)
         sa = cuda.local.array(WL, float32)
         sb = cuda.local.array(WL, float32)
         for k in range(WL):
-            u = t + k * NT
-            if u < half:
+            u = t + u32(k * NT)
+            if u < u32(half):
                 xa[k] = x[r, u]
                 if silu:
-                    xb[k] = x[r, u + half]
+                    xb[k] = x[r, u + u32(half)]
                 if rms:
                     wa[k] = w[u]
-                sa[k], sb[k] = signs[2 * u], signs[2 * u + 1]
+                sa[k], sb[k] = signs[u32(2) * u], signs[u32(2) * u + u32(1)]
+        if MM:  # B beside the row: the product reads each entry p / 2 times
+            i = t
+            while i < u32(MM):
+                s[u32(n) + i] = B[i // u32(m), i % u32(m)]
+                i += u32(NT)
         ss = float32(0)
         for k in range(WL):
-            u = t + k * NT
-            if u < half:
+            u = t + u32(k * NT)
+            if u < u32(half):
                 a, b = half2_to_float2(xa[k])
                 if silu:
                     c, d = half2_to_float2(xb[k])
                     a, b = a / (float32(1) + math.exp(-a)) * c, b / (float32(1) + math.exp(-b)) * d
                 ss += a * a + b * b
-                s[2 * u], s[2 * u + 1] = a * sa[k], b * sb[k]
-        if rms:  # the mean square of the row, reduced across the block, then the norm applied in place
-            red[t] = ss
+                s[u32(2) * u], s[u32(2) * u + u32(1)] = a * sa[k], b * sb[k]
+        if rms:  # the mean square of the row: a warp's sum by shuffles, then the warps' sums
+            ss = warp_sum_f32(ss)
+            if t % u32(32) == u32(0):
+                red[t // u32(32)] = ss
             cuda.syncthreads()
-            k = NT // 2
-            while k > 0:
-                if t < k:
-                    red[t] += red[t + k]
-                cuda.syncthreads()
-                k //= 2
-            inv = float32(1) / math.sqrt(red[0] / float32(n) + eps)
+            tot = float32(0)
+            for k in range(NW):
+                tot += red[k]
+            inv = float32(1) / math.sqrt(tot / float32(n) + eps)
             for k in range(WL):
-                u = t + k * NT
-                if u < half:
+                u = t + u32(k * NT)
+                if u < u32(half):
                     a, b = half2_to_float2(wa[k])
-                    s[2 * u], s[2 * u + 1] = s[2 * u] * inv * a, s[2 * u + 1] * inv * b
+                    s[u32(2) * u], s[u32(2) * u + u32(1)] = s[u32(2) * u] * inv * a, s[u32(2) * u + u32(1)] * inv * b
         cuda.syncthreads()
         # H_p on each of the m runs of p values, two stages a pass (radix 4: four values a thread, a barrier a
         # pass), indices by shifts and masks: the first version's // and % by the stage's stride were 64-bit
         # divisions, which made a 4096-point transform take 23 us on one SM (NOTES, session 61).
         for st in range(0, LP - 1, 2):
-            h = 1 << st
-            for q in range(t, quarter, NT):
-                ql = q & ((1 << QL) - 1)
-                i = ((q >> QL) << LP) + ((ql >> st) << (st + 2)) + (ql & (h - 1))
-                e0, e1, e2, e3 = s[i], s[i + h], s[i + 2 * h], s[i + 3 * h]
+            h = u32(1 << st)
+            q = t
+            while q < u32(quarter):
+                ql = q & u32((1 << QL) - 1)
+                i = ((q >> u32(QL)) << u32(LP)) + ((ql >> u32(st)) << u32(st + 2)) + (ql & (h - u32(1)))
+                e0, e1, e2, e3 = s[i], s[i + h], s[i + u32(2) * h], s[i + u32(3) * h]
                 a0, a1, a2, a3 = e0 + e1, e0 - e1, e2 + e3, e2 - e3
-                s[i], s[i + h], s[i + 2 * h], s[i + 3 * h] = a0 + a2, a1 + a3, a0 - a2, a1 - a3
+                s[i], s[i + h], s[i + u32(2) * h], s[i + u32(3) * h] = a0 + a2, a1 + a3, a0 - a2, a1 - a3
+                q += u32(NT)
             cuda.syncthreads()
         if LP % 2:  # an odd number of stages: the last, stride p / 2, radix 2
-            for u in range(t, half, NT):
-                i = ((u >> (LP - 1)) << LP) + (u & ((1 << (LP - 1)) - 1))
-                a, b = s[i], s[i + (p >> 1)]
-                s[i], s[i + (p >> 1)] = a + b, a - b
+            u = t
+            while u < u32(half):
+                i = ((u >> u32(LP - 1)) << u32(LP)) + (u & u32((1 << (LP - 1)) - 1))
+                a, b = s[i], s[i + u32(p >> 1)]
+                s[i], s[i + u32(p >> 1)] = a + b, a - b
+                u += u32(NT)
             cuda.syncthreads()
-        u0 = cuda.blockIdx.y * per
-        for u in range(u0 + t, min(half, u0 + per), NT):  # then B across the runs: a pair of outputs a thread (p is even)
-            i = 2 * u
+        u0 = u32(cuda.blockIdx.y) * u32(per)
+        u = u0 + t
+        while u < min(u32(half), u0 + u32(per)):  # then B across the runs: a pair of outputs a thread (p is even)
+            i = u32(2) * u
             if m == 1:
-                a, b = s[i], s[i + 1]
+                a, b = s[i], s[i + u32(1)]
             else:
-                blk, j = i >> LP, i & (p - 1)
+                blk, j = i >> u32(LP), i & u32(p - 1)
                 a = b = float32(0)
                 for k in range(m):
-                    c = B[blk, k]
-                    a += c * s[k * p + j]
-                    b += c * s[k * p + j + 1]
+                    c = s[u32(n) + blk * u32(m) + u32(k)]
+                    a += c * s[u32(k * p) + j]
+                    b += c * s[u32(k * p) + j + u32(1)]
             y[r, u] = float2_to_half2(a * scale, b * scale)
+            u += u32(NT)
 
     _kernels[key] = kernel
     return kernel
@@ -308,16 +325,16 @@ class Rotation:
                              or not norm_weight.is_contiguous()):
             raise ValueError(f"pre='rms' needs the norm's contiguous float16 ({self.n},) weight")
         dev = x2.device
-        nbytes = 4 * self.n
+        nbytes = 4 * (self.n + (self.m * self.m if self.m > 1 else 0))  # the row, then B
         if dev not in self._dev:
             self._dev[dev] = [self.signs.to(dev).contiguous(), self.B.to(dev).contiguous(), {}]
         signs, B, kernels = self._dev[dev]
         # w is read for "rms" only; else any read-only tensor (the simulator copies every argument back after a launch)
         wt = (norm_weight if pre == "rms" else signs).view(torch.int32)
         args = ([_as_kernel_array(t) for t in (x2.view(torch.int32), y.view(torch.int32), signs, B)]
-                + [float(1 / math.sqrt(self.n)), _as_kernel_array(wt), float(eps)])
+                + [np.float32(1 / math.sqrt(self.n)), _as_kernel_array(wt), np.float32(eps)])  # fp32 scalars: no fp64 in the kernel
         if pre not in kernels:  # once a device: the driver calls that raise the shared memory limit stay out of later calls
-            kernels[pre] = with_shared_limit(rotate_kernel(self.n, self.p, self.m, pre), args, nbytes + 4 * NT)
+            kernels[pre] = with_shared_limit(rotate_kernel(self.n, self.p, self.m, pre), args, nbytes + 4 * NW)
         kernel, grid = kernels[pre], (x2.shape[0], out_split(self.m))
 
         def launch():
