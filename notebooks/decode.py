@@ -319,7 +319,10 @@ report.styled(report.rotation_tradeoff(rotation, served))
 # bytes. The first version computed each butterfly's index by dividing by the stage's stride, a runtime
 # value, so every butterfly paid 64-bit divisions; the second uses shifts and masks and two stages a pass.
 # The third issued every load of the row before the first use, with twice the threads, and gained nothing,
-# so the loads' latency was not what was left; what is has not been profiled yet.
+# so the loads' latency was not what was left. Nsight Compute then showed what was: the launch's one block
+# issuing integer instructions, its index arithmetic in numba's default 64-bit integers (and its two scalars
+# in fp64). The fourth computes every index in 32 bits, keeps B in shared memory and sums the RMSNorm's squares
+# by warp shuffles; the first table's last probe times it against the third in one process.
 #
 # Rotating the stream offline keeps most of the speed but, on this model, only part of the accuracy: the
 # table above says how much of each. Both offline forms differ from the per-layer rotation in two ways

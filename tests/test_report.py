@@ -800,8 +800,16 @@ def _rotation_files(tmp_path):
 def test_the_rotation_tables_read_the_probes_and_pair_each_rotated_run_with_its_own_plain_row(tmp_path):
     prov, base = _rotation_files(tmp_path)
     p = report.rotation_probe(tmp_path)
-    assert p.to_dict("records") == [{"GPU": "H200", "commit": "abcdef0", "inputs": 4096, "m x p": "1 x 4096", "batch": 1,
-                                     "launch (us)": pytest.approx(6.0), "max rel. error": 3e-4, "all written": True}]
+    assert p.to_dict("records") == [{"GPU": "H200", "commit": "abcdef0", "kernel": "v1", "inputs": 4096, "pre-operation": "-",
+                                     "m x p": "1 x 4096", "batch": 1, "launch (us)": pytest.approx(6.0), "max rel. error": 3e-4,
+                                     "all written": True}]
+    # an A/B probe names each row's kernel and pre-operation; it times no layer, so the layer table keeps the older probe
+    ab = [{"kind": "rotation", "version": v, "pre": "rms", "n_in": 4096, "m": 1, "p": 4096, "batch": 1, "time_ms": t,
+           "max_rel_err": 3e-4, "finite": True} for v, t in (("v3", 0.008), ("v4", 0.004))]
+    (tmp_path / "_runs" / "rotation-probe-v4-h200.json").write_text(json.dumps(
+        {"provenance": {**prov, "date": "2026-12-01T00:00:00+00:00"}, "records": ab}))
+    p = report.rotation_probe(tmp_path)
+    assert p[["kernel", "pre-operation"]].values.tolist() == [["v1", "-"], ["v3", "rms"], ["v4", "rms"]]
     lay = report.rotation_layers(tmp_path).iloc[0]
     assert lay["4-bit K=16: rotated / plain"] == pytest.approx(1.5) and lay["2-bit additive, rotated (us)"] == pytest.approx(30.0)
     assert lay["max rel. error (rotated)"] == 4e-4
@@ -848,6 +856,7 @@ def test_the_rotation_tradeoff_sets_each_modes_speed_beside_its_served_accuracy(
     none, stream, o, inputs = (t.iloc[i] for i in range(4))
     assert none["7B 4-bit K=16: tok/s kept"] == 1.0 and none["SmolLM2 2-bit additive, served: PPL"] == "80.00"
     assert stream["7B 4-bit K=16: tok/s kept"] == pytest.approx(0.8) and stream["run-time rotations a 7B token"] == 32.0
+    assert stream["speed runs (commit)"] == "1234567" and none["speed runs (commit)"] == "–"
     assert stream["SmolLM2 2-bit additive, served: PPL"] == "71.00, 70.00" and stream["vs reference"] == "+255 %, +250 %"  # by date, then file
     assert pd.isna(o["7B 4-bit K=16: tok/s kept"]) and o["SmolLM2 2-bit additive, served: PPL"] == "–"  # neither measured
     assert inputs["7B 4-bit K=16: tok/s kept"] == pytest.approx(0.2)  # the older probe file's v1 row: the only inputs row

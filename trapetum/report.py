@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -2542,12 +2543,15 @@ def rotation_probe(folder=None) -> pd.DataFrame:
     and the max relative error against the same transform in fp64, checked first on loud inputs with the
     output poisoned."""
     rows = []
-    for _, prov, recs in _probe_files(folder, ROTATION_PROBES):
+    for name, prov, recs in _probe_files(folder, ROTATION_PROBES):
+        m = re.search(r"-(v\d+)-", name)
         for r in recs:
             if r.get("kind") == "rotation":
-                rows.append({"GPU": gpu_label(prov.get("gpu", "")), "commit": str(prov.get("git_commit"))[:7], "inputs": int(r["n_in"]),
-                             "m x p": f"{r['m']} x {r['p']}", "batch": int(r["batch"]), "launch (us)": 1e3 * float(r["time_ms"]),
-                             "max rel. error": float(r["max_rel_err"]), "all written": bool(r["finite"])})
+                rows.append({"GPU": gpu_label(prov.get("gpu", "")), "commit": str(prov.get("git_commit"))[:7],
+                             "kernel": r.get("version") or (m.group(1) if m else "?"), "inputs": int(r["n_in"]),
+                             "pre-operation": r.get("pre") or "-", "m x p": f"{r['m']} x {r['p']}", "batch": int(r["batch"]),
+                             "launch (us)": 1e3 * float(r["time_ms"]), "max rel. error": float(r["max_rel_err"]),
+                             "all written": bool(r["finite"])})
     return pd.DataFrame(rows)
 
 
@@ -2558,7 +2562,8 @@ def rotation_layers(folder=None) -> pd.DataFrame:
     the rotated layer's max relative error against fp64 (the codes applied to the rotated input)."""
     newest = {}
     for _, prov, recs in _probe_files(folder, ROTATION_PROBES):
-        newest[gpu_label(prov.get("gpu", ""))] = (prov, recs)
+        if any(r.get("kind") == "layer" for r in recs):  # the launch-only probes time no layer
+            newest[gpu_label(prov.get("gpu", ""))] = (prov, recs)
     rows = []
     for gpu, (prov, recs) in newest.items():
         for r in recs:
@@ -2653,7 +2658,7 @@ def rotation_tradeoff(t: pd.DataFrame, acc: pd.DataFrame, model: str = "llama-2-
     :func:`served_rotation_accuracy`'s runs of that mode (SmolLM2-135M, real weights: perplexity, % over the reference).
     The two halves are different models: what one row says is how a mode trades one for the other."""
     cols = ["Rotation", "run-time rotations a 7B token", "7B 2-bit additive: tok/s kept", "7B 4-bit K=16: tok/s kept",
-            "SmolLM2 2-bit additive, served: PPL", "vs reference"]
+            "speed runs (commit)", "SmolLM2 2-bit additive, served: PPL", "vs reference"]
     if acc.empty and t.empty:
         return pd.DataFrame(columns=cols)
     newest = t[t["Model (random weights)"] == model].groupby(["Scheme", "Rotation"], sort=False).tail(1)
@@ -2667,6 +2672,7 @@ def rotation_tradeoff(t: pd.DataFrame, acc: pd.DataFrame, model: str = "llama-2-
                      "run-time rotations a 7B token": 0.0 if mode == "none" else (float(launches.iloc[-1]) if len(launches) else np.nan),
                      "7B 2-bit additive: tok/s kept": 1.0 if mode == "none" else (float(kept["2-bit additive"].iloc[-1]) if len(kept["2-bit additive"]) else np.nan),
                      "7B 4-bit K=16: tok/s kept": 1.0 if mode == "none" else (float(kept["4-bit K=16"].iloc[-1]) if len(kept["4-bit K=16"]) else np.nan),
+                     "speed runs (commit)": ", ".join(dict.fromkeys(d["run (commit)"])) or "–",
                      "SmolLM2 2-bit additive, served: PPL": ", ".join(f"{v:.2f}" for v in a["ppl"]) or "–",
                      "vs reference": ", ".join(f"{v:+.0f} %" for v in a["vs reference (%)"]) or "–"})
     return pd.DataFrame(rows, columns=cols)
