@@ -428,7 +428,7 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
     as ``quantize_model(..., rotate="stream")`` leaves a model (its residual stream rotated: random weights
     rotated are random weights, so only where the launches are matters for speed).
     """
-    from .qlinear import _online
+    from .hadamard import rotates_at_run_time
     from .fuse import GROUPS, fuse_projections
 
     from tqdm.auto import tqdm
@@ -470,7 +470,7 @@ def random_llama(arch: str, K: int | None, device="cuda", seed: int = 0, progres
                             new.weight.normal_(0, 0.02, generator=gen)
                         else:
                             new = random_qlinear(lin.in_features, lin.out_features, K, device, gen)
-                            new.rotation = 0 if rotate is True or (rotate == "stream" and _online(name)) else None
+                            new.rotation = 0 if rotates_at_run_time(name, rotate) else None
                         parent, _, child = name.rpartition(".")
                         setattr(layer.get_submodule(parent), child, new)
                 if fuse:

@@ -351,6 +351,12 @@ STREAM_WRITERS = ("o_proj", "down_proj")  # add into h: take Q on their outputs
 ONLINE = ("down_proj",)  # inputs neither in the stream nor foldable (silu(gate) * up): a served rotation before the kernel
 
 
+def rotates_at_run_time(name: str, rotate) -> bool:
+    """Whether decoder projection ``name`` rotates its inputs before its kernel under ``quantize_model``'s ``rotate``:
+    every one for True; for "stream" the :data:`ONLINE` ones, whose inputs are not the (offline-rotated) stream."""
+    return rotate is True or (rotate == "stream" and name.rpartition(".")[2] in ONLINE)
+
+
 @torch.no_grad()
 def rotate_residual(model, seed: int = 0) -> dict:
     """Rewrite a Llama-architecture model in place into the same function with its residual stream rotated

@@ -1691,14 +1691,10 @@ def served_rotation_runs(folder: Path | str, model_name: str) -> "pd.DataFrame":
     hash (runs with one hash are paired), file, date."""
     import pandas as pd
 
-    from . import results
-
     rows = []
-    for path in Path(folder).glob(f"{results.slug(model_name)}-served-a2-*.json"):
-        prov, run = results.read(path)
-        ref = run[run.scheme == "reference"].iloc[-1]
+    for path, prov, run, ref in recorded_runs(folder, model_name, "-served-a2-"):
         for _, r in run[(run.scheme != "reference") & run.ppl.notna()].iterrows():
-            rows.append({"mode": {"stream-o": "stream+o"}.get(r.rotate_mode, r.rotate_mode), "ppl": float(r.ppl),
+            rows.append({"mode": r.rotate_mode, "ppl": float(r.ppl),
                          "reference_ppl": float(ref.ppl), "vs reference (%)": 100 * (float(r.ppl) / float(ref.ppl) - 1),
                          "bits_per_weight": float(r.bits_per_weight), "calibration": r.get("calibration_sha256_16"),
                          "file": path.name, "date": prov.get("date")})

@@ -689,11 +689,9 @@ def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, 
     if isinstance(exclude, str):
         exclude = (exclude,)
     ft = _finetune_options(finetune, kind, K, calib)
-    stream = None
-    if rotate == "stream":
-        from .hadamard import rotate_residual
+    from .hadamard import rotate_residual, rotates_at_run_time
 
-        stream = rotate_residual(model, seed)
+    stream = rotate_residual(model, seed) if rotate == "stream" else None
     teacher = copy.deepcopy(model).eval() if ft else None
     linears = decoder_linears(model)
     layers, excluded, rel_mse = {}, {}, {}
@@ -712,7 +710,7 @@ def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, 
 
     def run(names, H=None):
         lins = [linears[n] for n in names]
-        rot = rotate is True or (rotate == "stream" and _online(names[0]))
+        rot = rotates_at_run_time(names[0], rotate)
         if rot:
             lins, H = _rotated(lins, H, seed)
         done = (_quantize_group(lins, K, iters, seed, device, H) if len(names) > 1
@@ -747,13 +745,6 @@ def quantize_model(model, K: int | str = 16, exclude=(), min_features: int = 0, 
         del teacher
     model.trapetum_quant = summary
     return {**summary, "rel_mse": rel_mse}
-
-
-def _online(name: str) -> bool:
-    """Whether layer ``name`` of a stream-rotated model rotates its inputs at run time (its input is not the stream)."""
-    from .hadamard import ONLINE
-
-    return name.rpartition(".")[2] in ONLINE
 
 
 def _rotated(lins: list[nn.Linear], H: torch.Tensor | None, seed: int) -> tuple[list[nn.Linear], torch.Tensor | None]:
