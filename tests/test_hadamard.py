@@ -56,10 +56,11 @@ def test_rotation_bad_inputs():
 
 
 @pytest.mark.skipif(not gemv.SIM, reason="the kernel on CPU tensors needs the CUDA simulator")
-@pytest.mark.parametrize("n", [64, 96, 128, 344])
+@pytest.mark.parametrize("n", [64, 96, 128, 344, 384])
 def test_rotation_kernel_matches_the_float64_transform(n):
-    # 344 = 43 x 8: a dense 43 x 43 factor after three butterfly stages (one radix-4 pass, one radix-2);
-    # 64: butterflies only, three radix-4 passes; 128: and a last radix-2 stage
+    # m = 1 (one block a row): 64, butterflies only, three radix-4 passes; 128, and a last radix-2 stage.
+    # m > 1 (a block a run; the simulator's blocks have 32 threads): 344 = 43 x 8, eight threads share a pair's
+    # 43 terms; 96 = 3 x 32, two threads a pair; 384 = 3 x 128, two pairs a thread
     r = Rotation(n, seed=1)
     x = (torch.randn(3, n) * torch.linspace(0.1, 30, n)).half()  # loud channels, as a layer's inputs have
     y = torch.full_like(x, float("nan"))  # poisoned: every output must be written
@@ -180,7 +181,7 @@ def test_the_fused_step_rotates_before_its_gemvs_and_matches_the_eager_path(K, r
 
 
 @pytest.mark.skipif(not gemv.SIM, reason="the kernel on CPU tensors needs the CUDA simulator")
-@pytest.mark.parametrize("n", [64, 344])
+@pytest.mark.parametrize("n", [64, 344, 384])
 def test_the_rotation_launch_takes_the_steps_pre_operations(n):
     import torch.nn.functional as F
 

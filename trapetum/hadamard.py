@@ -127,104 +127,46 @@ def fwht(v: torch.Tensor) -> torch.Tensor:
     return v
 
 
-NT = 32 if SIM else 1024  # threads of a block (one block a row of x; the simulator runs each as a Python thread)
+NT = 32 if SIM else 1024  # threads of a block (the simulator runs each as a Python thread)
 NW = NT // 32  # its warps (a module constant: numba sizes shared arrays from literals and globals only)
 PRES = ("", "rms", "silu")  # what the kernel computes before the rotation (the decode step's pre-operations)
-MAX_SPLIT = 16  # blocks a row's B product is split over (each redoes the row's transform by H_p, which is cheap)
 
 
-def out_split(m: int) -> int:
-    """Blocks a row: the dense B product costs m^2 p multiply-adds a row, the transform by H_p p log2 p adds
-    (m x fewer for m > log2 p). One block a row where m = 1; else up to MAX_SPLIT, each writing 1/G of the row."""
-    return 1 if m == 1 else min(MAX_SPLIT, m)
+def grid_blocks(m: int) -> int:
+    """Blocks a row of x: one where m = 1 (the row is one run of p, transformed whole), else one a run:
+    block j forms run j of (B x I_p) diag(s) x, then transforms it by H_p (the two factors of U commute)."""
+    return m
+
+
+def shared_bytes(n: int, p: int, m: int) -> int:
+    """Dynamic shared memory of a launch: the row (m = 1), or a run's partial sums (m > 1; :func:`_runs_layout`)."""
+    return 4 * (n if m == 1 else _runs_layout(p, m)[0] * p)
+
+
+def _runs_layout(p: int, m: int) -> tuple[int, int, int]:
+    """(S, CP, TI) of the runs kernel: S threads share a pair of outputs (each takes every S-th of its m terms, their
+    partial sums meet in shared memory) where a run has fewer pairs than the block has threads; a thread's pairs
+    (CP) where it has more; a thread's terms a pair (TI)."""
+    P2 = p // 2
+    S = max(1, NT // P2)
+    return S, -(-P2 // NT), -(-m // S)
 
 
 _kernels: dict = {}
 
 
-def rotate_kernel(n: int, p: int, m: int, pre: str = ""):
-    """The kernel of the served rotation of order n = m p: block r rotates row r of x into row r of y.
-
-    ``pre`` (the fused decode step's operations on the GEMV's input, :mod:`trapetum.step`): "rms" rotates
-    RMSNorm(x) = x / sqrt(mean(x^2) + eps) * w; "silu" takes x as the (rows, 2n) gate/up output and rotates
-    silu(gate) * up. The whole row is in shared memory anyway, so either costs one more pass over it.
-    """
-    if pre not in PRES:
-        raise ValueError(f"pre must be one of {PRES}, got {pre!r}")
-    key = (n, p, m, pre)
-    if key in _kernels:
-        return _kernels[key]
-    half, quarter = n // 2, n // 4
-    LP = p.bit_length() - 1  # log2 p
+def _device_parts(LP: int, count: int):
+    """Device functions both kernels share: the fast Walsh-Hadamard transform of ``count`` shared-memory values
+    (runs of p = 2^LP, in place), SiLU(gate) * up of a word pair, and a block's sum."""
+    p = 1 << LP
     QL = LP - 2  # log2 of the quads a run of p holds
-    rms, silu = pre == "rms", pre == "silu"
-    per = -(-half // out_split(m))  # output pairs a block writes
-    WL = -(-half // NT)  # words of the row a thread loads (a literal size for numba's local arrays)
-    wait, _ = launch_hooks()  # it reads its predecessor's output from the first load (its exit releases)
+    quarter, half = count // 4, count // 2
 
-    MM = m * m if m > 1 else 0  # B's words in shared memory, after the row
-
-    @cuda.jit(**({} if SIM else {"launch_bounds": (NT,)}))
-    def kernel(x, y, signs, B, scale, w, eps):
-        # Grid (rows, out_split(m)): block (r, g) transforms row r whole and writes its g-th share of y's row.
-        # x (rows, n / 2 or n for silu), y (rows, n / 2) int32: fp16 pairs; signs (n,), B (m, m) fp32;
-        # w (n / 2,) int32: the norm's fp16 weight pairs (rms); scale, eps float32; dynamic shared memory:
-        # n + m^2 fp32 (the row, then B).
-        # Every index is 32-bit (u32): with numba's default 64-bit integers the version before ran 1,225
-        # instructions a warp for a 4096-point row, its integer pipe 78 % busy on the block's one SM (ncu,
-        # NOTES session 62).
-        wait()
-        s = cuda.shared.array(0, float32)
-        red = cuda.shared.array(NW, float32)
-        r, t = u32(cuda.blockIdx.x), u32(cuda.threadIdx.x)
-        # Every global load of the row first, then their use (the load loop does not wait on each word).
-        xa = cuda.local.array(WL, int32)
-        xb = cuda.local.array(WL, int32)
-        wa = cuda.local.array(WL, int32)
-        sa = cuda.local.array(WL, float32)
-        sb = cuda.local.array(WL, float32)
-        for k in range(WL):
-            u = t + u32(k * NT)
-            if u < u32(half):
-                xa[k] = x[r, u]
-                if silu:
-                    xb[k] = x[r, u + u32(half)]
-                if rms:
-                    wa[k] = w[u]
-                sa[k], sb[k] = signs[u32(2) * u], signs[u32(2) * u + u32(1)]
-        if MM:  # B beside the row: the product reads each entry p / 2 times
-            i = t
-            while i < u32(MM):
-                s[u32(n) + i] = B[i // u32(m), i % u32(m)]
-                i += u32(NT)
-        ss = float32(0)
-        for k in range(WL):
-            u = t + u32(k * NT)
-            if u < u32(half):
-                a, b = half2_to_float2(xa[k])
-                if silu:
-                    c, d = half2_to_float2(xb[k])
-                    a, b = a / (float32(1) + math.exp(-a)) * c, b / (float32(1) + math.exp(-b)) * d
-                ss += a * a + b * b
-                s[u32(2) * u], s[u32(2) * u + u32(1)] = a * sa[k], b * sb[k]
-        if rms:  # the mean square of the row: a warp's sum by shuffles, then the warps' sums
-            ss = warp_sum_f32(ss)
-            if t % u32(32) == u32(0):
-                red[t // u32(32)] = ss
-            cuda.syncthreads()
-            tot = float32(0)
-            for k in range(NW):
-                tot += red[k]
-            inv = float32(1) / math.sqrt(tot / float32(n) + eps)
-            for k in range(WL):
-                u = t + u32(k * NT)
-                if u < u32(half):
-                    a, b = half2_to_float2(wa[k])
-                    s[u32(2) * u], s[u32(2) * u + u32(1)] = s[u32(2) * u] * inv * a, s[u32(2) * u + u32(1)] * inv * b
-        cuda.syncthreads()
-        # H_p on each of the m runs of p values, two stages a pass (radix 4: four values a thread, a barrier a
-        # pass), indices by shifts and masks: the first version's // and % by the stage's stride were 64-bit
-        # divisions, which made a 4096-point transform take 23 us on one SM (NOTES, session 61).
+    @cuda.jit(device=True)
+    def fwht_runs(s, t):
+        # Two stages a pass (radix 4: four values a thread, a barrier a pass), indices by shifts and masks: the
+        # first version's // and % by the stage's stride were 64-bit divisions, which made a 4096-point
+        # transform take 23 us on one SM (NOTES, session 61).
         for st in range(0, LP - 1, 2):
             h = u32(1 << st)
             q = t
@@ -244,21 +186,173 @@ def rotate_kernel(n: int, p: int, m: int, pre: str = ""):
                 s[i], s[i + u32(p >> 1)] = a + b, a - b
                 u += u32(NT)
             cuda.syncthreads()
-        u0 = u32(cuda.blockIdx.y) * u32(per)
-        u = u0 + t
-        while u < min(u32(half), u0 + u32(per)):  # then B across the runs: a pair of outputs a thread (p is even)
-            i = u32(2) * u
-            if m == 1:
-                a, b = s[i], s[i + u32(1)]
-            else:
-                blk, j = i >> u32(LP), i & u32(p - 1)
-                a = b = float32(0)
-                for k in range(m):
-                    c = s[u32(n) + blk * u32(m) + u32(k)]
-                    a += c * s[u32(k * p) + j]
-                    b += c * s[u32(k * p) + j + u32(1)]
-            y[r, u] = float2_to_half2(a * scale, b * scale)
-            u += u32(NT)
+
+    @cuda.jit(device=True)
+    def silu_pair(gw, uw):
+        a, b = half2_to_float2(gw)
+        c, d = half2_to_float2(uw)
+        return a / (float32(1) + math.exp(-a)) * c, b / (float32(1) + math.exp(-b)) * d
+
+    @cuda.jit(device=True)
+    def block_sum(v, red, t):
+        # a warp's sum by shuffles, then the warps' sums (every thread gets the total)
+        v = warp_sum_f32(v)
+        if t % u32(32) == u32(0):
+            red[t // u32(32)] = v
+        cuda.syncthreads()
+        tot = float32(0)
+        for k in range(NW):
+            tot += red[k]
+        return tot
+
+    return fwht_runs, silu_pair, block_sum
+
+
+def rotate_kernel(n: int, p: int, m: int, pre: str = ""):
+    """The kernel of the served rotation of order n = m p: grid (rows, :func:`grid_blocks`), y = pre(x) U^T.
+
+    ``pre`` (the fused decode step's operations on the GEMV's input, :mod:`trapetum.step`): "rms" rotates
+    RMSNorm(x) = x / sqrt(mean(x^2) + eps) * w; "silu" takes x as the (rows, 2n) gate/up output and rotates
+    silu(gate) * up. Either costs one more pass over values the block loads anyway.
+
+    m = 1 (4096 and 8192 inputs): one block a row, the row in shared memory, H_n in place. m > 1 (11008 =
+    43 x 256, 28672 = 7 x 4096): block (r, j) reads the whole row but forms only run j of (B x I_p) diag(s) x,
+    m terms an output, then transforms that run by H_p. Version 4 transformed the whole row in every block
+    (16 of them at 11008) before its share of the B product, on 344 of its 1,024 threads (NOTES, session 63).
+    """
+    if pre not in PRES:
+        raise ValueError(f"pre must be one of {PRES}, got {pre!r}")
+    key = (n, p, m, pre)
+    if key in _kernels:
+        return _kernels[key]
+    LP = p.bit_length() - 1  # log2 p
+    rms, silu = pre == "rms", pre == "silu"
+    half = n // 2
+    fwht_runs, silu_pair, block_sum = _device_parts(LP, n if m == 1 else p)
+    wait, _ = launch_hooks()  # it reads its predecessor's output from the first load (its exit releases)
+    bounds = {} if SIM else {"launch_bounds": (NT,)}
+
+    if m == 1:
+        WL = -(-half // NT)  # words of the row a thread loads (a literal size for numba's local arrays)
+
+        @cuda.jit(**bounds)
+        def kernel(x, y, signs, B, scale, w, eps):
+            # x (rows, n / 2 or n for silu), y (rows, n / 2) int32: fp16 pairs; signs (n,) fp32; B unused;
+            # w (n / 2,) int32: the norm's fp16 weight pairs (rms); scale, eps float32; dynamic shared memory: n fp32.
+            # Every index is 32-bit (u32): with numba's default 64-bit integers version 3 ran 1,225 instructions a
+            # warp for a 4096-point row, its integer pipe 78 % busy on the block's one SM (ncu, NOTES session 62).
+            wait()
+            s = cuda.shared.array(0, float32)
+            red = cuda.shared.array(NW, float32)
+            r, t = u32(cuda.blockIdx.x), u32(cuda.threadIdx.x)
+            # Every global load of the row first, then their use (the load loop does not wait on each word).
+            xa = cuda.local.array(WL, int32)
+            xb = cuda.local.array(WL, int32)
+            wa = cuda.local.array(WL, int32)
+            sa = cuda.local.array(WL, float32)
+            sb = cuda.local.array(WL, float32)
+            for k in range(WL):
+                u = t + u32(k * NT)
+                if u < u32(half):
+                    xa[k] = x[r, u]
+                    if silu:
+                        xb[k] = x[r, u + u32(half)]
+                    if rms:
+                        wa[k] = w[u]
+                    sa[k], sb[k] = signs[u32(2) * u], signs[u32(2) * u + u32(1)]
+            ss = float32(0)
+            for k in range(WL):
+                u = t + u32(k * NT)
+                if u < u32(half):
+                    if silu:
+                        a, b = silu_pair(xa[k], xb[k])
+                    else:
+                        a, b = half2_to_float2(xa[k])
+                    if rms:
+                        ss += a * a + b * b
+                        c, d = half2_to_float2(wa[k])
+                        a, b = a * c, b * d
+                    s[u32(2) * u], s[u32(2) * u + u32(1)] = a * sa[k], b * sb[k]
+            sc = scale
+            if rms:  # 1 / rms of the row scales every output: applied with the transform's own scale
+                sc = scale / math.sqrt(block_sum(ss, red, t) / float32(n) + eps)
+            cuda.syncthreads()
+            fwht_runs(s, t)
+            u = t
+            while u < u32(half):
+                y[r, u] = float2_to_half2(s[u32(2) * u] * sc, s[u32(2) * u + u32(1)] * sc)
+                u += u32(NT)
+    else:
+        P2 = p // 2  # output pairs a run
+        S, CP, TI = _runs_layout(p, m)
+
+        @cuda.jit(**bounds)
+        def kernel(x, y, signs, B, scale, w, eps):
+            # As above, B (m, m) fp32; dynamic shared memory: S x p fp32 (the S partial sums of the run's values).
+            wait()
+            s = cuda.shared.array(0, float32)
+            red = cuda.shared.array(NW, float32)
+            r, j, t = u32(cuda.blockIdx.x), u32(cuda.blockIdx.y), u32(cuda.threadIdx.x)
+            part = t // u32(P2) if S > 1 else u32(0)  # which of the S threads of its pair (every S-th term)
+            c0 = t % u32(P2) if S > 1 else t
+            # Thread (c, part) loads words i P2 + c of the row for i = part, part + S, ... < m: the S threads of a pair
+            # together read its m words once, and the block reads the whole row once (so it can also sum its squares).
+            # A pair's loads all go out before their use; pairs one after another (two pairs' loads at 28672 inputs
+            # spilled at the 64 registers of a 1,024-thread block).
+            xa = cuda.local.array(TI, int32)
+            xb = cuda.local.array(TI, int32)
+            wa = cuda.local.array(TI, int32)
+            sa = cuda.local.array(TI, float32)
+            sb = cuda.local.array(TI, float32)
+            ba = cuda.local.array(TI, float32)
+            ss = float32(0)
+            for cc in range(CP):
+                c = c0 + u32(cc * NT)
+                for k in range(TI):
+                    i = part + u32(k * S)
+                    if c < u32(P2) and i < u32(m):
+                        u = i * u32(P2) + c
+                        xa[k] = x[r, u]
+                        if silu:
+                            xb[k] = x[r, u + u32(half)]
+                        if rms:
+                            wa[k] = w[u]
+                        sa[k], sb[k] = signs[u32(2) * u], signs[u32(2) * u + u32(1)]
+                        ba[k] = B[j, i]
+                va = vb = float32(0)
+                for k in range(TI):
+                    i = part + u32(k * S)
+                    if c < u32(P2) and i < u32(m):
+                        if silu:
+                            a, b = silu_pair(xa[k], xb[k])
+                        else:
+                            a, b = half2_to_float2(xa[k])
+                        if rms:
+                            ss += a * a + b * b
+                            e, f = half2_to_float2(wa[k])
+                            a, b = a * e, b * f
+                        va += ba[k] * sa[k] * a
+                        vb += ba[k] * sb[k] * b
+                if c < u32(P2):
+                    s[part * u32(p) + u32(2) * c], s[part * u32(p) + u32(2) * c + u32(1)] = va, vb
+            sc = scale
+            if rms:  # the block read the whole row: its sum of squares is the row's
+                sc = scale / math.sqrt(block_sum(ss, red, t) / float32(n) + eps)
+            cuda.syncthreads()
+            if S > 1:  # the S partial sums of each value into the first (only its own thread reads a column)
+                q = t
+                while q < u32(p):
+                    v = s[q]
+                    for k in range(1, S):
+                        v += s[u32(k * p) + q]
+                    s[q] = v
+                    q += u32(NT)
+                cuda.syncthreads()
+            fwht_runs(s, t)
+            c = t
+            while c < u32(P2):
+                y[r, j * u32(P2) + c] = float2_to_half2(s[u32(2) * c] * sc, s[u32(2) * c + u32(1)] * sc)
+                c += u32(NT)
 
     _kernels[key] = kernel
     return kernel
@@ -325,7 +419,7 @@ class Rotation:
                              or not norm_weight.is_contiguous()):
             raise ValueError(f"pre='rms' needs the norm's contiguous float16 ({self.n},) weight")
         dev = x2.device
-        nbytes = 4 * (self.n + (self.m * self.m if self.m > 1 else 0))  # the row, then B
+        nbytes = shared_bytes(self.n, self.p, self.m)
         if dev not in self._dev:
             self._dev[dev] = [self.signs.to(dev).contiguous(), self.B.to(dev).contiguous(), {}]
         signs, B, kernels = self._dev[dev]
@@ -335,7 +429,7 @@ class Rotation:
                 + [np.float32(1 / math.sqrt(self.n)), _as_kernel_array(wt), np.float32(eps)])  # fp32 scalars: no fp64 in the kernel
         if pre not in kernels:  # once a device: the driver calls that raise the shared memory limit stay out of later calls
             kernels[pre] = with_shared_limit(rotate_kernel(self.n, self.p, self.m, pre), args, nbytes + 4 * NW)
-        kernel, grid = kernels[pre], (x2.shape[0], out_split(self.m))
+        kernel, grid = kernels[pre], (x2.shape[0], grid_blocks(self.m))
 
         def launch():
             stream = 0 if SIM else cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
