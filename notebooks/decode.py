@@ -315,22 +315,28 @@ served = report.served_rotation_accuracy(folder)
 report.styled(report.rotation_tradeoff(rotation, served))
 
 # %% [markdown]
-# The launch is one block a row, on one SM: its time is the latency of its passes over shared memory, not
-# bytes. The first version computed each butterfly's index by dividing by the stage's stride, a runtime
+# Where n is a power of two (m = 1) the launch is one block a row, on one SM: its time is the latency of its
+# passes over shared memory, not bytes. The first version computed each butterfly's index by dividing by the stage's stride, a runtime
 # value, so every butterfly paid 64-bit divisions; the second uses shifts and masks and two stages a pass.
 # The third issued every load of the row before the first use, with twice the threads, and gained nothing,
 # so the loads' latency was not what was left. Nsight Compute then showed what was: the launch's one block
 # issuing integer instructions, its index arithmetic in numba's default 64-bit integers (and its two scalars
 # in fp64). The fourth computes every index in 32 bits, keeps B in shared memory and sums the RMSNorm's squares
-# by warp shuffles; the first table's last probe times it against the third in one process.
+# by warp shuffles; the first table times it against the third in one process. Up to the fourth, where m > 1
+# (11008 inputs and above), each of up to 16 blocks a row transformed the whole row by H_p before its share of
+# the dense B product. The fifth uses that the two factors commute, kron(B, H_p) = (B x I_p)(I_m x H_p) =
+# (I_m x H_p)(B x I_p): block j forms only run j of (B x I_p) diag(s) x, m terms an output, and transforms only
+# that run, so a row spreads over m blocks with no work repeated but the reading of the row (the table's last
+# probe, against the fourth in one process).
 #
 # Rotating the stream offline keeps most of the speed but, on this model, only part of the accuracy: the
 # table above says how much of each. Both offline forms differ from the per-layer rotation in two ways
 # that the runs do not separate: o_proj and down_proj are rotated on their output side too (the accuracy
 # chapter's run k, both sides, scored a little worse than run j, inputs only), and the fine-tuning trains the
 # norms' weights in the rotated basis, where a per-channel scale no longer singles out a channel. Rotating
-# o_proj's inputs at run time as well did not recover it. The next versions are the transform inside the
-# GEMV's own staging of x (no launch), or the last block of down's producer doing it.
+# o_proj's inputs at run time as well did not recover it. What is left of the launch's cost is mostly the launch
+# itself and, at m = 1, one SM's passes; the next version would be the transform inside the GEMV's own staging
+# of x (no launch).
 
 # %% [markdown]
 # ## A real model: each graphed path against eager
