@@ -161,7 +161,17 @@ report.fig_decode_pareto(df)
 # from commit fb9ad0c; the vector-codebook chapter measures both ways.
 
 # %%
-report.styled(report.decode_targets(df))
+repeats = report.decode_repeats(folder)
+report.styled(report.decode_targets(df, repeats))
+
+# %% [markdown]
+# A row is the newest run of its configuration. Where the same sources were run more than once, *repeats*
+# gives the ratio's spread over those runs (each against its own fp16): repeat runs land on other GPUs, or
+# on the other GPU of a two-GPU host, and where they tuned their plans in the run the tuner's picks can
+# differ too. A target inside a row's spread is marked as not met in every repeat. The repeated rows in full:
+
+# %%
+report.styled(repeats)
 
 # %% [markdown]
 # Where the rest of a fused-step token goes. Runs with `--profile` also record, in the same process

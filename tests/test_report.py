@@ -545,6 +545,29 @@ def test_decode_targets_take_each_targets_best_graphed_row(tmp_path):
     assert (k70["ours"], k70["met"]) == ("–", "–") and "fused-step" in k70["row"]
 
 
+def test_decode_repeats_spread_runs_of_the_same_sources_and_mark_a_target_inside_the_spread(tmp_path):
+    # three runs of one source tree (two commits: data alone changed between them) and one of another tree
+    runs = [("aaa1111", "src-a", "2026-01-01T00:00:00+00:00", 218.0, 510.0), ("aaa1111", "src-a", "2026-01-01T01:00:00+00:00", 233.0, 509.0),
+            ("bbb2222", "src-a", "2026-01-01T02:00:00+00:00", 219.0, 523.0), ("ccc3333", "src-b", "2025-12-31T00:00:00+00:00", 217.0, 541.0)]
+    for commit, sid, date, fp16, k16 in runs:
+        prov = results.provenance(command="bench")
+        prov.update(gpu="NVIDIA H200", date=date, git_commit=commit, source_id=sid)
+        recs = [{"model": "llama-2-7b", "scheme": s, "path": "compiled" if s == "fp16" else "fused-step", "fused": True, "tok_s": v,
+                 "vram_gb": 3.0, "fp16_tok_s": None, "j_per_token": 1.0, "oom": False} for s, v in (("fp16", fp16), ("4-bit K=16", k16))]
+        results.save("decode", recs, prov, folder=tmp_path)
+    rep = report.decode_repeats(tmp_path)
+    k = rep[rep["Scheme"] == "4-bit K=16"].iloc[0]  # src-b ran once: no row of its own
+    assert len(rep[rep["Scheme"] == "4-bit K=16"]) == 1 and k["runs"] == 3 and k["runs (commit)"] == "aaa1111, bbb2222"
+    assert (k["tok/s: lowest"], k["tok/s: highest"]) == (509.0, 523.0)
+    assert k["vs fastest fp16: lowest"] == pytest.approx(509 / 233) and k["vs fastest fp16: highest"] == pytest.approx(523 / 219)
+    df = report.load_decode(tmp_path)
+    row = report.decode_targets(df, rep).set_index("target (issue 4)").loc[report.DECODE_TARGETS[0][0]]
+    # the newest run (523 / 219 = 2.39x) meets 2.3x, one repeat (509 / 233 = 2.18x) did not
+    assert (row["ours"], row["met"], row["repeats"]) == ("2.39x", "yes, not in every repeat", "2.18-2.39x (3 runs)")
+    assert "repeats" not in report.decode_targets(df).columns
+    assert report.decode_repeats(tmp_path / "none").empty
+
+
 def test_decode_step_profile_splits_a_token_into_its_parts():
     prof = {"wall_us": 1000.0, "kernel_us": 950.0, "gaps_us": 50.0,
             "rows": [["trapetum::additive::stream_kernel::_3clocals_3e::kernel[abi:v1]", 80.0, 500.0],

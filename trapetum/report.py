@@ -1140,7 +1140,7 @@ DECODE_TARGETS = (
 )
 
 
-def decode_targets(df: pd.DataFrame) -> pd.DataFrame:
+def decode_targets(df: pd.DataFrame, repeats: pd.DataFrame | None = None) -> pd.DataFrame:
     """Issue 4's targets per GPU: the best graphed row of each (any LM head, embedding and path; "row"
     names it) and, beside it, what the same row's kernels allow: the kernel bound (its projection and
     LM-head kernels timed alone, nothing else of the token) over the fastest fp16, or for the bandwidth
@@ -1149,7 +1149,8 @@ def decode_targets(df: pd.DataFrame) -> pd.DataFrame:
     rows do, not the one closest to its bound) and give its tok/s over the bound of the kernels it
     launches (issue 4: "its own per-layer kernel times"): for a fused-step row its fused projection
     kernels at their own plans, whose fastest-plan bound is the decode table's "share of kernel bound";
-    "–" where that row's bound was not measured."""
+    "–" where that row's bound was not measured. With ``repeats`` (:func:`decode_repeats`), a speed row whose
+    run was repeated with the same sources also gives the spread of its ratio over those runs ("repeats")."""
     t = decode_table(df)
     t = t[~t["Path"].str.contains("out of memory") & ~t["Path"].str.startswith(("naive", "eager")) & t["tok/s"].notna()]
     rows = []
@@ -1168,10 +1169,55 @@ def decode_targets(df: pd.DataFrame) -> pd.DataFrame:
                        else float(best[col]) / float(best["share of kernel bound"]))
             unit = "x" if kind == "speed" else "%"
             met = _target_met(ours, goal, at_most=kind == "vram")
-            rows.append({"GPU": gpu, "target (issue 4)": what, "goal": ("at most " if kind == "vram" else "") + _target_value(goal, unit),
-                         "ours": _target_value(ours, unit), "kernel bound": _target_value(ceiling, unit), "met": met,
-                         "row": "–" if best is None else f"{best['Scheme']}; {best['Path']} ({best['run (commit)']})"})
+            row = {"GPU": gpu, "target (issue 4)": what, "goal": ("at most " if kind == "vram" else "") + _target_value(goal, unit),
+                   "ours": _target_value(ours, unit), "kernel bound": _target_value(ceiling, unit), "met": met,
+                   "row": "–" if best is None else f"{best['Scheme']}; {best['Path']} ({best['run (commit)']})"}
+            if repeats is not None:
+                low, row["repeats"] = _repeat_spread(repeats, best) if kind == "speed" else (np.nan, "–")
+                if met == "yes" and low < goal:  # the newest run meets it, a repeat of the same sources did not
+                    row["met"] = "yes, not in every repeat"
+            rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _repeat_spread(repeats: pd.DataFrame, best) -> tuple[float, str]:
+    """(lowest ratio, "lowest-highest (n runs)") of the ``repeats`` row that holds ``best``'s run; (NaN, "–") where
+    its run was not repeated."""
+    if best is None or repeats.empty:
+        return np.nan, "–"
+    r = repeats[(repeats["GPU"] == best["GPU"]) & (repeats["Model (random weights)"] == best["Model (random weights)"])
+                & (repeats["Scheme"] == best["Scheme"]) & (repeats["Path"] == best["Path"])
+                & repeats["runs (commit)"].str.contains(str(best["run (commit)"]), regex=False)]
+    if r.empty:
+        return np.nan, "–"
+    r = r.iloc[0]
+    return float(r["vs fastest fp16: lowest"]), f"{r['vs fastest fp16: lowest']:.2f}-{r['vs fastest fp16: highest']:.2f}x ({r['runs']} runs)"
+
+
+def decode_repeats(folder=None) -> pd.DataFrame:
+    """Graphed decode rows measured in more than one run of the same package sources (the provenance's
+    ``source_id``: commits that differ in data or text alone count as one), each with its spread over those
+    runs: tok/s and "vs fastest fp16" (each run against its own fp16), lowest, median and highest. Repeat
+    runs differ in the GPU they got (another card, or the other GPU of a two-GPU host) and, where plans
+    were tuned in the run, in the tuner's picks; a target that falls inside a row's spread is not settled by
+    one run. Random weights, real architectures. Empty where nothing was repeated."""
+    cols = ["GPU", "Model (random weights)", "Scheme", "Path", "runs", "tok/s: lowest", "tok/s: median", "tok/s: highest",
+            "vs fastest fp16: lowest", "vs fastest fp16: median", "vs fastest fp16: highest", "runs (commit)"]
+    d = results.load(DECODE, _root(folder), every_run=True)
+    if d.empty or "source_id" not in d:
+        return pd.DataFrame(columns=cols)
+    d["fused"] = d["fused"].fillna(False).astype(bool) if "fused" in d else False
+    d = _baselines(d)
+    d = d[d["path"].isin(GRAPHED_PATHS) & d["tok_s"].notna() & d["source_id"].notna()]
+    rows = []
+    for (gpu, model, scheme, path, fused, _), g in d.groupby(["gpu", "model", "scheme", "path", "fused", "source_id"], sort=False):
+        if g["file"].nunique() < 2:
+            continue
+        ratio = g["tok_s"] / g["best_fp16_tok_s"]
+        rows.append(dict(zip(cols, (gpu_label(gpu), model, scheme, path + (FUSED_SUFFIX if fused else ""), g["file"].nunique(),
+                                    g["tok_s"].min(), g["tok_s"].median(), g["tok_s"].max(), ratio.min(), ratio.median(), ratio.max(),
+                                    ", ".join(dict.fromkeys(g.sort_values("date")["git_commit"].astype(str).str[:7]))))))
+    return pd.DataFrame(rows, columns=cols)
 
 
 _PROJECTION_MODULES = ("trapetum::gemv::", "trapetum::additive::", "trapetum::residual::")

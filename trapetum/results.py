@@ -313,7 +313,7 @@ def load(name: str, folder: Path | str | None = None, every_run: bool = False) -
         prov, df = read(path)
         if df.empty:
             continue
-        for key in ("gpu", "driver", "cuda", "torch", "numba_cuda", "git_commit", "date", "command"):
+        for key in ("gpu", "driver", "cuda", "torch", "numba_cuda", "git_commit", "source_id", "date", "command"):
             df[key] = prov.get(key)
         df["gpu_slug"] = path.parent.name
         df["file"] = f"{path.parent.name}/{path.name}"
