@@ -851,6 +851,17 @@ def test_the_rotation_tables_read_the_probes_and_pair_each_rotated_run_with_its_
     t.loc[1, "rotation launches (us a token)"] = 740.0  # of a 3704 us token
     assert report.rotation_summary(t).endswith("keeps 50% of its tok/s, its rotation launches 20% of the rotated token.")
     assert report.rotation_decode(df[df["rotate"] == False], tmp_path / "none").empty and report.rotation_summary(pd.DataFrame()) == ""  # noqa: E712
+    # a run that a newer one replaced (kept aside as decode.<date>.json) keeps its row: each kernel version's run stays,
+    # its rotated row paired with its own plain row even where the newer run replaced that plain row
+    kept = results.provenance(command="bench")
+    kept.update(gpu="NVIDIA H200", git_commit="5555555", date="2026-11-29T12:00:00+00:00")
+    base = {**base, "vram_gb": 4.0}
+    results.save("decode", [{**base, "scheme": "4-bit K=16", "rotate": False, "tok_s": 520.0},
+                            {**base, "scheme": "4-bit K=16, inputs rotated", "rotate": True, "tok_s": 312.0}], kept, folder=tmp_path)
+    newer = dict(kept, git_commit="6666666", date="2026-11-30T12:00:00+00:00")
+    results.save("decode", [{**base, "scheme": "4-bit K=16", "rotate": False, "tok_s": 530.0}], newer, folder=tmp_path)
+    t = report.rotation_decode(report.load_decode(tmp_path), tmp_path)
+    assert t["run (commit)"].tolist() == ["0000000", "5555555"] and t["rotated / plain"].iloc[1] == pytest.approx(0.6)
 
 
 def test_the_rotation_tradeoff_sets_each_modes_speed_beside_its_served_accuracy(tmp_path):

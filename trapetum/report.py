@@ -2655,10 +2655,15 @@ def _rotation_launches(profile) -> tuple[float, float]:
 
 def rotation_decode(df: pd.DataFrame, folder=None) -> pd.DataFrame:
     """Each rotated decode row beside the same run's unrotated row of that scheme and path (decode_bench
-    ``--rotate both``; the recorded runs in ``df`` (:func:`load_decode`) and the earlier kernel versions'
-    runs, :data:`ROTATION_DECODE_RUNS`): tok/s both ways, their ratio, and the rotated token's time in its
-    rotation launches (its profile). Random weights, real architectures."""
-    frames = [df]
+    ``--rotate both``; every recorded run, the ones a newer run replaced in ``df`` (:func:`load_decode`) too, so
+    each kernel version's run keeps its row, and the earlier versions' runs in :data:`ROTATION_DECODE_RUNS`):
+    tok/s both ways, their ratio, and the rotated token's time in its rotation launches (its profile). Random
+    weights, real architectures."""
+    every = results.load(DECODE, _root(folder), every_run=True)  # whole files: a newer plain row must not unpair a rotated one
+    frames = [df[~df["file"].isin(set(every.get("file", ())))] if "file" in df else df]
+    if not every.empty:
+        frames.append(every.assign(fused=every["fused"].fillna(False).astype(bool) if "fused" in every else False,
+                                   gpu_label=every["gpu"].map(gpu_label)))
     for path in sorted(_root(folder).glob(ROTATION_DECODE_RUNS)):
         prov, d = results.read(path)
         frames.append(d.assign(file=path.name, gpu_label=gpu_label(prov.get("gpu", "")), git_commit=prov.get("git_commit"),
