@@ -39,6 +39,16 @@ def test_fwht_is_sylvesters_matrix_and_powers_of_two_match_the_accuracy_pipeline
     torch.testing.assert_close(Rotation(256, 3).matrix(torch.float32), hadamard.random_rotation(256, 3), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("n", [64, 96, 344, 1536, 2048])
+def test_the_kernels_factors_are_the_rotations(n):
+    # kron(B, H_p) = kron(B', H_p') with runs of at most RUN: Sylvester's H_p is kron(H_f, H_p')
+    B, p, _ = factors(n, seed=5)
+    Bk, pk = hadamard.launch_factors(B, p)
+    assert pk <= hadamard.RUN and pk & (pk - 1) == 0 and Bk.shape == (n // pk, n // pk) and Bk.dtype == torch.float32
+    torch.testing.assert_close(torch.kron(Bk.double(), hadamard.hadamard(pk).double()),
+                               torch.kron(B.double(), hadamard.hadamard(p).double()), atol=1e-5, rtol=0)
+
+
 def test_rotation_bad_inputs():
     for n in (7, 0, 1):
         with pytest.raises(ValueError, match="even number of inputs"):
@@ -56,11 +66,11 @@ def test_rotation_bad_inputs():
 
 
 @pytest.mark.skipif(not gemv.SIM, reason="the kernel on CPU tensors needs the CUDA simulator")
-@pytest.mark.parametrize("n", [64, 96, 128, 344, 384])
+@pytest.mark.parametrize("n", [64, 96, 128, 344, 384, 536])
 def test_rotation_kernel_matches_the_float64_transform(n):
-    # m = 1 (one block a row): 64, butterflies only, three radix-4 passes; 128, and a last radix-2 stage.
-    # m > 1 (a block a run; the simulator's blocks have 32 threads): 344 = 43 x 8, eight threads share a pair's
-    # 43 terms; 96 = 3 x 32, two threads a pair; 384 = 3 x 128, two pairs a thread
+    # A block a run of at most hadamard.RUN (16 in the simulator, whose blocks have 32 threads): 64 = 4 runs of 16
+    # (H_4 as B', two radix-4 passes), 128 = 8 x 16, 96 = (3 x 2) x 16, 384 = (3 x 8) x 16; 344 = 43 x 8, eight threads
+    # share a pair's 43 terms (one radix-4 pass, one radix-2); 536 = 67 x 8, each thread's 9 terms in two groups of loads
     r = Rotation(n, seed=1)
     x = (torch.randn(3, n) * torch.linspace(0.1, 30, n)).half()  # loud channels, as a layer's inputs have
     y = torch.full_like(x, float("nan"))  # poisoned: every output must be written

@@ -13,10 +13,11 @@ Two constructions of U share this module:
   Sylvester with the smallest Paley order), else a random orthogonal odd factor times Sylvester.
 * :class:`Rotation` (served, :func:`factors`): U = kron(B, H_p) diag(s) / sqrt(n) with p the largest power
   of two dividing n and B of order m = n / p, which is odd: 1, else a random orthogonal matrix times
-  sqrt(m) (QuIP's Kronecker construction; no Hadamard matrix has an odd order above 1). H_p is applied by the fast
-  Walsh-Hadamard transform (p log2 p adds a row), B densely (m^2 multiplies a column: m is 1 at 4096 and
-  8192 inputs, 43 at 11008, 7 at 14336 and 28672). The two agree wherever they pick the same B (every power
-  of two); at SmolLM2's 576 = 72 x 8 the dense one takes Paley's 72, the served one 9 x 64.
+  sqrt(m) (QuIP's Kronecker construction; no Hadamard matrix has an odd order above 1; m is 1 at 4096 and 8192
+  inputs, 43 at 11008, 7 at 14336 and 28672). The kernel applies it as kron(B', H_p') with runs of p' at most
+  256 (:func:`launch_factors`, B' = kron(B, H_f)): a block a run forms its m' = n / p' terms an output densely,
+  then the run's fast Walsh-Hadamard transform. The two constructions agree wherever they pick the same B
+  (every power of two); at SmolLM2's 576 = 72 x 8 the dense one takes Paley's 72, the served one 9 x 64.
 
 Nothing is stored: B and the signs s come back from (n, seed), so a rotated layer costs no bits.
 """
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 from numba import cuda, float32, int32
 
-from .gemv import (SIM, _as_kernel_array, float2_to_half2, half2_to_float2, launch_hooks, programmatic, require_gpu, u32,
+from .gemv import (INLINE, SIM, _as_kernel_array, float2_to_half2, half2_to_float2, launch_hooks, programmatic, require_gpu, u32,
                    warp_sum_f32, with_shared_limit)
 
 
@@ -130,95 +131,46 @@ def fwht(v: torch.Tensor) -> torch.Tensor:
 NT = 32 if SIM else 1024  # threads of a block (the simulator runs each as a Python thread)
 NW = NT // 32  # its warps (a module constant: numba sizes shared arrays from literals and globals only)
 PRES = ("", "rms", "silu")  # what the kernel computes before the rotation (the decode step's pre-operations)
+RUN = 16 if SIM else 256  # the longest run of the transform a block takes (at most 2 NT: a pair of outputs a thread)
 
 
-def grid_blocks(m: int) -> int:
-    """Blocks a row of x: one where m = 1 (the row is one run of p, transformed whole), else one a run:
-    block j forms run j of (B x I_p) diag(s) x, then transforms it by H_p (the two factors of U commute)."""
-    return m
+def launch_factors(B: torch.Tensor, p: int) -> tuple[torch.Tensor, int]:
+    """(B', p') with kron(B, H_p) = kron(B', H_p'), p' = min(p, RUN): Sylvester's H_p is kron(H_f, H_p'), so
+    B' = kron(B, H_f), a matrix of order m f with entries B's times +-1. The kernel takes a block a run of p': more
+    blocks and a shorter transform each, for B' products of m f terms an output (NOTES, session 63)."""
+    f = max(1, p // RUN)
+    return (torch.kron(B, hadamard(f)) if f > 1 else B).float().contiguous(), p // f
 
 
-def shared_bytes(n: int, p: int, m: int) -> int:
-    """Dynamic shared memory of a launch: the row (m = 1), or a run's partial sums (m > 1; :func:`_runs_layout`)."""
-    return 4 * (n if m == 1 else _runs_layout(p, m)[0] * p)
+def shared_bytes(p: int) -> int:
+    """Dynamic shared memory of a launch with runs of ``p``: the S partial sums of a run (:func:`_runs_layout`)."""
+    return 4 * _runs_layout(p, 1)[0] * p
 
 
-def _runs_layout(p: int, m: int) -> tuple[int, int, int]:
-    """(S, CP, TI) of the runs kernel: S threads share a pair of outputs (each takes every S-th of its m terms, their
-    partial sums meet in shared memory) where a run has fewer pairs than the block has threads; a thread's pairs
-    (CP) where it has more; a thread's terms a pair (TI)."""
-    P2 = p // 2
-    S = max(1, NT // P2)
-    return S, -(-P2 // NT), -(-m // S)
+def _runs_layout(p: int, m: int) -> tuple[int, int]:
+    """(S, TI) of the kernel: S threads share a pair of a run's outputs (each takes every S-th of its m terms; their
+    partial sums meet in shared memory) and each has TI terms."""
+    if p > 2 * NT:
+        raise ValueError(f"a run of {p} has more output pairs than a block has threads ({NT})")
+    S = NT // (p // 2)
+    return S, -(-m // S)
 
 
 _kernels: dict = {}
 
 
-def _device_parts(LP: int, count: int):
-    """Device functions both kernels share: the fast Walsh-Hadamard transform of ``count`` shared-memory values
-    (runs of p = 2^LP, in place), SiLU(gate) * up of a word pair, and a block's sum."""
-    p = 1 << LP
-    QL = LP - 2  # log2 of the quads a run of p holds
-    quarter, half = count // 4, count // 2
-
-    @cuda.jit(device=True)
-    def fwht_runs(s, t):
-        # Two stages a pass (radix 4: four values a thread, a barrier a pass), indices by shifts and masks: the
-        # first version's // and % by the stage's stride were 64-bit divisions, which made a 4096-point
-        # transform take 23 us on one SM (NOTES, session 61).
-        for st in range(0, LP - 1, 2):
-            h = u32(1 << st)
-            q = t
-            while q < u32(quarter):
-                ql = q & u32((1 << QL) - 1)
-                i = ((q >> u32(QL)) << u32(LP)) + ((ql >> u32(st)) << u32(st + 2)) + (ql & (h - u32(1)))
-                e0, e1, e2, e3 = s[i], s[i + h], s[i + u32(2) * h], s[i + u32(3) * h]
-                a0, a1, a2, a3 = e0 + e1, e0 - e1, e2 + e3, e2 - e3
-                s[i], s[i + h], s[i + u32(2) * h], s[i + u32(3) * h] = a0 + a2, a1 + a3, a0 - a2, a1 - a3
-                q += u32(NT)
-            cuda.syncthreads()
-        if LP % 2:  # an odd number of stages: the last, stride p / 2, radix 2
-            u = t
-            while u < u32(half):
-                i = ((u >> u32(LP - 1)) << u32(LP)) + (u & u32((1 << (LP - 1)) - 1))
-                a, b = s[i], s[i + u32(p >> 1)]
-                s[i], s[i + u32(p >> 1)] = a + b, a - b
-                u += u32(NT)
-            cuda.syncthreads()
-
-    @cuda.jit(device=True)
-    def silu_pair(gw, uw):
-        a, b = half2_to_float2(gw)
-        c, d = half2_to_float2(uw)
-        return a / (float32(1) + math.exp(-a)) * c, b / (float32(1) + math.exp(-b)) * d
-
-    @cuda.jit(device=True)
-    def block_sum(v, red, t):
-        # a warp's sum by shuffles, then the warps' sums (every thread gets the total)
-        v = warp_sum_f32(v)
-        if t % u32(32) == u32(0):
-            red[t // u32(32)] = v
-        cuda.syncthreads()
-        tot = float32(0)
-        for k in range(NW):
-            tot += red[k]
-        return tot
-
-    return fwht_runs, silu_pair, block_sum
-
-
 def rotate_kernel(n: int, p: int, m: int, pre: str = ""):
-    """The kernel of the served rotation of order n = m p: grid (rows, :func:`grid_blocks`), y = pre(x) U^T.
+    """The kernel of the served rotation y = pre(x) U^T of order n = m p, U = kron(B, H_p) diag(s) / sqrt(n)
+    (p at most :data:`RUN`: :func:`launch_factors`); grid (rows, m), block (r, j) writes run j of row r.
 
     ``pre`` (the fused decode step's operations on the GEMV's input, :mod:`trapetum.step`): "rms" rotates
     RMSNorm(x) = x / sqrt(mean(x^2) + eps) * w; "silu" takes x as the (rows, 2n) gate/up output and rotates
     silu(gate) * up. Either costs one more pass over values the block loads anyway.
 
-    m = 1 (4096 and 8192 inputs): one block a row, the row in shared memory, H_n in place. m > 1 (11008 =
-    43 x 256, 28672 = 7 x 4096): block (r, j) reads the whole row but forms only run j of (B x I_p) diag(s) x,
-    m terms an output, then transforms that run by H_p. Version 4 transformed the whole row in every block
-    (16 of them at 11008) before its share of the B product, on 344 of its 1,024 threads (NOTES, session 63).
+    The two factors of U commute, kron(B, H_p) = (B x I_p)(I_m x H_p) = (I_m x H_p)(B x I_p), so block j reads the
+    whole row but forms only run j of (B x I_p) diag(s) pre(x), m terms an output, then transforms that run by H_p
+    in shared memory. Version 4 transformed the whole row in every block (one block a row at 4096 inputs, 16 at
+    11008, each with a share of the B product); version 5 split rows of m > 1 this way (NOTES, session 63).
     """
     if pre not in PRES:
         raise ValueError(f"pre must be one of {PRES}, got {pre!r}")
@@ -227,132 +179,112 @@ def rotate_kernel(n: int, p: int, m: int, pre: str = ""):
         return _kernels[key]
     LP = p.bit_length() - 1  # log2 p
     rms, silu = pre == "rms", pre == "silu"
-    half = n // 2
-    fwht_runs, silu_pair, block_sum = _device_parts(LP, n if m == 1 else p)
+    half, P2 = n // 2, p // 2  # word pairs a row, output pairs a run
+    S, TI = _runs_layout(p, m)
+    TG = min(TI, 8)  # terms whose loads are in flight together
     wait, _ = launch_hooks()  # it reads its predecessor's output from the first load (its exit releases)
-    bounds = {} if SIM else {"launch_bounds": (NT,)}
 
-    if m == 1:
-        WL = -(-half // NT)  # words of the row a thread loads (a literal size for numba's local arrays)
+    # forceinline: a local array passed to a device function that is not inlined lives in local memory
+    @cuda.jit(device=True, **INLINE)
+    def load_pair(x, w, signs, B, r, j, i, u, xa, xb, wa, sa, sb, ba, k):
+        xa[k] = x[r, u]
+        if silu:
+            xb[k] = x[r, u + u32(half)]
+        if rms:
+            wa[k] = w[u]
+        sa[k], sb[k] = signs[u32(2) * u], signs[u32(2) * u + u32(1)]
+        ba[k] = B[j, i]
 
-        @cuda.jit(**bounds)
-        def kernel(x, y, signs, B, scale, w, eps):
-            # x (rows, n / 2 or n for silu), y (rows, n / 2) int32: fp16 pairs; signs (n,) fp32; B unused;
-            # w (n / 2,) int32: the norm's fp16 weight pairs (rms); scale, eps float32; dynamic shared memory: n fp32.
-            # Every index is 32-bit (u32): with numba's default 64-bit integers version 3 ran 1,225 instructions a
-            # warp for a 4096-point row, its integer pipe 78 % busy on the block's one SM (ncu, NOTES session 62).
-            wait()
-            s = cuda.shared.array(0, float32)
-            red = cuda.shared.array(NW, float32)
-            r, t = u32(cuda.blockIdx.x), u32(cuda.threadIdx.x)
-            # Every global load of the row first, then their use (the load loop does not wait on each word).
-            xa = cuda.local.array(WL, int32)
-            xb = cuda.local.array(WL, int32)
-            wa = cuda.local.array(WL, int32)
-            sa = cuda.local.array(WL, float32)
-            sb = cuda.local.array(WL, float32)
-            for k in range(WL):
-                u = t + u32(k * NT)
-                if u < u32(half):
-                    xa[k] = x[r, u]
-                    if silu:
-                        xb[k] = x[r, u + u32(half)]
-                    if rms:
-                        wa[k] = w[u]
-                    sa[k], sb[k] = signs[u32(2) * u], signs[u32(2) * u + u32(1)]
-            ss = float32(0)
-            for k in range(WL):
-                u = t + u32(k * NT)
-                if u < u32(half):
-                    if silu:
-                        a, b = silu_pair(xa[k], xb[k])
-                    else:
-                        a, b = half2_to_float2(xa[k])
-                    if rms:
-                        ss += a * a + b * b
-                        c, d = half2_to_float2(wa[k])
-                        a, b = a * c, b * d
-                    s[u32(2) * u], s[u32(2) * u + u32(1)] = a * sa[k], b * sb[k]
-            sc = scale
-            if rms:  # 1 / rms of the row scales every output: applied with the transform's own scale
-                sc = scale / math.sqrt(block_sum(ss, red, t) / float32(n) + eps)
+    @cuda.jit(device=True, **INLINE)
+    def pre_pair(xa, xb, wa, k):
+        # (a, b, their squares before the norm's weight: the RMS sums those)
+        a, b = half2_to_float2(xa[k])
+        if silu:
+            c, d = half2_to_float2(xb[k])
+            a, b = a / (float32(1) + math.exp(-a)) * c, b / (float32(1) + math.exp(-b)) * d
+        sq = float32(0)
+        if rms:
+            sq = a * a + b * b
+            c, d = half2_to_float2(wa[k])
+            a, b = a * c, b * d
+        return a, b, sq
+
+    @cuda.jit(**({} if SIM else {"launch_bounds": (NT,)}))
+    def kernel(x, y, signs, B, scale, w, eps):
+        # x (rows, n / 2, or n for silu), y (rows, n / 2) int32: fp16 pairs; signs (n,), B (m, m) fp32; w (n / 2,)
+        # int32: the norm's fp16 weight pairs (rms); scale, eps float32; dynamic shared memory: S x p fp32.
+        # Every index is 32-bit (u32): with numba's default 64-bit integers version 3 ran 1,225 instructions a warp
+        # for a 4096-point row, its integer pipe 78 % busy on the block's one SM (ncu, NOTES session 62).
+        wait()
+        s = cuda.shared.array(0, float32)
+        red = cuda.shared.array(NW, float32)
+        r, j, t = u32(cuda.blockIdx.x), u32(cuda.blockIdx.y), u32(cuda.threadIdx.x)
+        part, c = t // u32(P2), t % u32(P2)  # thread (c, part) takes terms i = part, part + S, ... of output pair c
+        # Its words i P2 + c of the row: the S threads of a pair read its m words once and the block reads the whole
+        # row once (so it also sums the row's squares). The loads of TG terms first, then their use (all 14 terms' at
+        # 28672 inputs spilled at the 64 registers of a 1,024-thread block).
+        xa = cuda.local.array(TG, int32)
+        xb = cuda.local.array(TG, int32)
+        wa = cuda.local.array(TG, int32)
+        sa = cuda.local.array(TG, float32)
+        sb = cuda.local.array(TG, float32)
+        ba = cuda.local.array(TG, float32)
+        ss = va = vb = float32(0)
+        for k0 in range(0, TI, TG):
+            for k in range(TG):
+                i = part + u32((k0 + k) * S)
+                if i < u32(m):
+                    load_pair(x, w, signs, B, r, j, i, i * u32(P2) + c, xa, xb, wa, sa, sb, ba, k)
+            for k in range(TG):
+                if part + u32((k0 + k) * S) < u32(m):
+                    a, b, q = pre_pair(xa, xb, wa, k)
+                    ss += q
+                    va += ba[k] * sa[k] * a
+                    vb += ba[k] * sb[k] * b
+        s[part * u32(p) + u32(2) * c], s[part * u32(p) + u32(2) * c + u32(1)] = va, vb
+        sc = scale
+        if rms:  # the block read the whole row: its sum of squares is the row's; a warp's sum, then the warps'
+            ss = warp_sum_f32(ss)
+            if t % u32(32) == u32(0):
+                red[t // u32(32)] = ss
             cuda.syncthreads()
-            fwht_runs(s, t)
-            u = t
-            while u < u32(half):
-                y[r, u] = float2_to_half2(s[u32(2) * u] * sc, s[u32(2) * u + u32(1)] * sc)
-                u += u32(NT)
-    else:
-        P2 = p // 2  # output pairs a run
-        S, CP, TI = _runs_layout(p, m)
-
-        @cuda.jit(**bounds)
-        def kernel(x, y, signs, B, scale, w, eps):
-            # As above, B (m, m) fp32; dynamic shared memory: S x p fp32 (the S partial sums of the run's values).
-            wait()
-            s = cuda.shared.array(0, float32)
-            red = cuda.shared.array(NW, float32)
-            r, j, t = u32(cuda.blockIdx.x), u32(cuda.blockIdx.y), u32(cuda.threadIdx.x)
-            part = t // u32(P2) if S > 1 else u32(0)  # which of the S threads of its pair (every S-th term)
-            c0 = t % u32(P2) if S > 1 else t
-            # Thread (c, part) loads words i P2 + c of the row for i = part, part + S, ... < m: the S threads of a pair
-            # together read its m words once, and the block reads the whole row once (so it can also sum its squares).
-            # A pair's loads all go out before their use; pairs one after another (two pairs' loads at 28672 inputs
-            # spilled at the 64 registers of a 1,024-thread block).
-            xa = cuda.local.array(TI, int32)
-            xb = cuda.local.array(TI, int32)
-            wa = cuda.local.array(TI, int32)
-            sa = cuda.local.array(TI, float32)
-            sb = cuda.local.array(TI, float32)
-            ba = cuda.local.array(TI, float32)
-            ss = float32(0)
-            for cc in range(CP):
-                c = c0 + u32(cc * NT)
-                for k in range(TI):
-                    i = part + u32(k * S)
-                    if c < u32(P2) and i < u32(m):
-                        u = i * u32(P2) + c
-                        xa[k] = x[r, u]
-                        if silu:
-                            xb[k] = x[r, u + u32(half)]
-                        if rms:
-                            wa[k] = w[u]
-                        sa[k], sb[k] = signs[u32(2) * u], signs[u32(2) * u + u32(1)]
-                        ba[k] = B[j, i]
-                va = vb = float32(0)
-                for k in range(TI):
-                    i = part + u32(k * S)
-                    if c < u32(P2) and i < u32(m):
-                        if silu:
-                            a, b = silu_pair(xa[k], xb[k])
-                        else:
-                            a, b = half2_to_float2(xa[k])
-                        if rms:
-                            ss += a * a + b * b
-                            e, f = half2_to_float2(wa[k])
-                            a, b = a * e, b * f
-                        va += ba[k] * sa[k] * a
-                        vb += ba[k] * sb[k] * b
-                if c < u32(P2):
-                    s[part * u32(p) + u32(2) * c], s[part * u32(p) + u32(2) * c + u32(1)] = va, vb
-            sc = scale
-            if rms:  # the block read the whole row: its sum of squares is the row's
-                sc = scale / math.sqrt(block_sum(ss, red, t) / float32(n) + eps)
+            tot = float32(0)
+            for k in range(NW):
+                tot += red[k]
+            sc = scale / math.sqrt(tot / float32(n) + eps)
+        cuda.syncthreads()
+        if S > 1:  # the S partial sums of each value into the first (only its own thread reads a column)
+            q = t
+            while q < u32(p):
+                v = s[q]
+                for k in range(1, S):
+                    v += s[u32(k * p) + q]
+                s[q] = v
+                q += u32(NT)
             cuda.syncthreads()
-            if S > 1:  # the S partial sums of each value into the first (only its own thread reads a column)
-                q = t
-                while q < u32(p):
-                    v = s[q]
-                    for k in range(1, S):
-                        v += s[u32(k * p) + q]
-                    s[q] = v
-                    q += u32(NT)
-                cuda.syncthreads()
-            fwht_runs(s, t)
-            c = t
-            while c < u32(P2):
-                y[r, j * u32(P2) + c] = float2_to_half2(s[u32(2) * c] * sc, s[u32(2) * c + u32(1)] * sc)
-                c += u32(NT)
+        # H_p on the run, two stages a pass (radix 4: four values a thread, a barrier a pass), indices by shifts and
+        # masks: the first version's // and % by the stage's stride were 64-bit divisions (NOTES, session 61).
+        for st in range(0, LP - 1, 2):
+            h = u32(1 << st)
+            q = t
+            while q < u32(p // 4):
+                i = ((q >> u32(st)) << u32(st + 2)) + (q & (h - u32(1)))
+                e0, e1, e2, e3 = s[i], s[i + h], s[i + u32(2) * h], s[i + u32(3) * h]
+                a0, a1, a2, a3 = e0 + e1, e0 - e1, e2 + e3, e2 - e3
+                s[i], s[i + h], s[i + u32(2) * h], s[i + u32(3) * h] = a0 + a2, a1 + a3, a0 - a2, a1 - a3
+                q += u32(NT)
+            cuda.syncthreads()
+        if LP % 2:  # an odd number of stages: the last, stride p / 2, radix 2
+            q = t
+            while q < u32(P2):
+                a, b = s[q], s[q + u32(P2)]
+                s[q], s[q + u32(P2)] = a + b, a - b
+                q += u32(NT)
+            cuda.syncthreads()
+        q = t
+        while q < u32(P2):
+            y[r, j * u32(P2) + q] = float2_to_half2(s[u32(2) * q] * sc, s[u32(2) * q + u32(1)] * sc)
+            q += u32(NT)
 
     _kernels[key] = kernel
     return kernel
@@ -367,7 +299,7 @@ class Rotation:
         self.n, self.seed = n, seed
         self.B, self.p, self.signs = factors(n, seed)
         self.m = n // self.p
-        self._dev: dict = {}  # device -> [signs, B, {pre: the kernel with its shared memory limit raised}] there
+        self._dev: dict = {}  # device -> [signs, launch_factors B' and p', {pre: the kernel with its shared memory limit raised}] there
 
     def matrix(self, dtype=torch.float64) -> torch.Tensor:
         """U, dense (n, n): for checks and for fitting the weight, W U^T."""
@@ -419,17 +351,19 @@ class Rotation:
                              or not norm_weight.is_contiguous()):
             raise ValueError(f"pre='rms' needs the norm's contiguous float16 ({self.n},) weight")
         dev = x2.device
-        nbytes = shared_bytes(self.n, self.p, self.m)
         if dev not in self._dev:
-            self._dev[dev] = [self.signs.to(dev).contiguous(), self.B.to(dev).contiguous(), {}]
-        signs, B, kernels = self._dev[dev]
+            Bk, pk = launch_factors(self.B, self.p)
+            self._dev[dev] = [self.signs.to(dev).contiguous(), Bk.to(dev), pk, {}]
+        signs, B, pk, kernels = self._dev[dev]
+        mk = self.n // pk
         # w is read for "rms" only; else any read-only tensor (the simulator copies every argument back after a launch)
         wt = (norm_weight if pre == "rms" else signs).view(torch.int32)
         args = ([_as_kernel_array(t) for t in (x2.view(torch.int32), y.view(torch.int32), signs, B)]
                 + [np.float32(1 / math.sqrt(self.n)), _as_kernel_array(wt), np.float32(eps)])  # fp32 scalars: no fp64 in the kernel
+        nbytes = shared_bytes(pk)
         if pre not in kernels:  # once a device: the driver calls that raise the shared memory limit stay out of later calls
-            kernels[pre] = with_shared_limit(rotate_kernel(self.n, self.p, self.m, pre), args, nbytes + 4 * NW)
-        kernel, grid = kernels[pre], (x2.shape[0], grid_blocks(self.m))
+            kernels[pre] = with_shared_limit(rotate_kernel(self.n, pk, mk, pre), args, nbytes + 4 * NW)
+        kernel, grid = kernels[pre], (x2.shape[0], mk)
 
         def launch():
             stream = 0 if SIM else cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
