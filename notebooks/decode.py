@@ -336,8 +336,10 @@ report.styled(report.rotation_tradeoff(rotation, served))
 # (11008 inputs and above), each of up to 16 blocks a row transformed the whole row by H_p before its share of
 # the dense B product. The fifth uses that the two factors commute, kron(B, H_p) = (B x I_p)(I_m x H_p) =
 # (I_m x H_p)(B x I_p): block j forms only run j of (B x I_p) diag(s) x, m terms an output, and transforms only
-# that run, so a row spreads over m blocks with no work repeated but the reading of the row (the table's last
-# probe, against the fourth in one process).
+# that run, so a row spreads over m blocks with no work repeated but the reading of the row (against the fourth
+# in one process). The sixth applies the same to every size: Sylvester's H_p is kron(H_f, H_p'), so runs longer
+# than 256 split further, B' = kron(B, H_f), and a 4096-point row takes 16 blocks where one took it whole (the
+# table's last probe, against the fifth). Each block still reads, and for SiLU x up computes, the whole row.
 #
 # Rotating the stream offline keeps most of the speed but, on this model, only part of the accuracy: the
 # table above says how much of each. Both offline forms differ from the per-layer rotation in two ways
@@ -345,8 +347,7 @@ report.styled(report.rotation_tradeoff(rotation, served))
 # chapter's run k, both sides, scored a little worse than run j, inputs only), and the fine-tuning trains the
 # norms' weights in the rotated basis, where a per-channel scale no longer singles out a channel. Rotating
 # o_proj's inputs at run time as well did not recover it. What is left of the launch's cost is mostly the launch
-# itself and, at m = 1, one SM's passes; the next version would be the transform inside the GEMV's own staging
-# of x (no launch).
+# itself; the next version would be the transform inside the GEMV's own staging of x (no launch).
 
 # %% [markdown]
 # ## A real model: each graphed path against eager
