@@ -68,9 +68,10 @@ def test_rotation_bad_inputs():
 @pytest.mark.skipif(not gemv.SIM, reason="the kernel on CPU tensors needs the CUDA simulator")
 @pytest.mark.parametrize("n", [64, 96, 128, 344, 384, 536])
 def test_rotation_kernel_matches_the_float64_transform(n):
-    # A block a run of at most hadamard.RUN (16 in the simulator, whose blocks have 32 threads): 64 = 4 runs of 16
-    # (H_4 as B', two radix-4 passes), 128 = 8 x 16, 96 = (3 x 2) x 16, 384 = (3 x 8) x 16; 344 = 43 x 8, eight threads
-    # share a pair's 43 terms (one radix-4 pass, one radix-2); 536 = 67 x 8, each thread's 9 terms in two groups of loads
+    # A block a run of at most hadamard.RUN (64 in the simulator, whose blocks have 32 threads, a pair a thread):
+    # 64, one run, three radix-4 passes; 128 = 2 runs of 64 (H_2 as B'); 384 = (3 x 2) x 64; 96 = 3 x 32, two threads a
+    # pair; 344 = 43 x 8, eight threads share a pair's 43 terms (one radix-4 pass, one radix-2); 536 = 67 x 8, each
+    # thread's 9 terms in two groups of loads
     r = Rotation(n, seed=1)
     x = (torch.randn(3, n) * torch.linspace(0.1, 30, n)).half()  # loud channels, as a layer's inputs have
     y = torch.full_like(x, float("nan"))  # poisoned: every output must be written

@@ -131,7 +131,7 @@ def fwht(v: torch.Tensor) -> torch.Tensor:
 NT = 32 if SIM else 1024  # threads of a block (the simulator runs each as a Python thread)
 NW = NT // 32  # its warps (a module constant: numba sizes shared arrays from literals and globals only)
 PRES = ("", "rms", "silu")  # what the kernel computes before the rotation (the decode step's pre-operations)
-RUN = 16 if SIM else 256  # the longest run of the transform a block takes (at most 2 NT: a pair of outputs a thread)
+RUN = 64 if SIM else 256  # the longest run of the transform a block takes (at most 2 NT: a pair of outputs a thread)
 
 
 def launch_factors(B: torch.Tensor, p: int) -> tuple[torch.Tensor, int]:
