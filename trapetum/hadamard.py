@@ -132,6 +132,7 @@ NT = 32 if SIM else 1024  # threads of a block (the simulator runs each as a Pyt
 NW = NT // 32  # its warps (a module constant: numba sizes shared arrays from literals and globals only)
 PRES = ("", "rms", "silu")  # what the kernel computes before the rotation (the decode step's pre-operations)
 RUN = 64 if SIM else 256  # the longest run of the transform a block takes (at most 2 NT: a pair of outputs a thread)
+SHARED_BYTES = 4 * 2 * NT  # a launch's dynamic shared memory: a run's S partial sums, S p = 2 NT fp32 (:func:`_runs_layout`)
 
 
 def launch_factors(B: torch.Tensor, p: int) -> tuple[torch.Tensor, int]:
@@ -140,11 +141,6 @@ def launch_factors(B: torch.Tensor, p: int) -> tuple[torch.Tensor, int]:
     blocks and a shorter transform each, for B' products of m f terms an output (NOTES, session 63)."""
     f = max(1, p // RUN)
     return (torch.kron(B, hadamard(f)) if f > 1 else B).float().contiguous(), p // f
-
-
-def shared_bytes(p: int) -> int:
-    """Dynamic shared memory of a launch with runs of ``p``: the S partial sums of a run (:func:`_runs_layout`)."""
-    return 4 * _runs_layout(p, 1)[0] * p
 
 
 def _runs_layout(p: int, m: int) -> tuple[int, int]:
@@ -360,7 +356,7 @@ class Rotation:
         wt = (norm_weight if pre == "rms" else signs).view(torch.int32)
         args = ([_as_kernel_array(t) for t in (x2.view(torch.int32), y.view(torch.int32), signs, B)]
                 + [np.float32(1 / math.sqrt(self.n)), _as_kernel_array(wt), np.float32(eps)])  # fp32 scalars: no fp64 in the kernel
-        nbytes = shared_bytes(pk)
+        nbytes = SHARED_BYTES
         if pre not in kernels:  # once a device: the driver calls that raise the shared memory limit stay out of later calls
             kernels[pre] = with_shared_limit(rotate_kernel(self.n, pk, mk, pre), args, nbytes + 4 * NW)
         kernel, grid = kernels[pre], (x2.shape[0], mk)

@@ -1000,22 +1000,33 @@ def load_decode(folder=None) -> pd.DataFrame:
     keeps its own run's fp16 baseline and provenance (``file``).
     """
     root = _root(folder)
-    df = results.load(DECODE, root, every_run=True)
+    df = _decode_runs(root)
     if not df.empty:
-        # runs before trapetum.fuse existed have no "fused" field: their projections were separate
-        df["fused"] = df["fused"].fillna(False).astype(bool) if "fused" in df else False
-        df = _label_serial_steps(_baselines(df))
         newest = df.groupby(["gpu", "model", "scheme", "path", "fused"], dropna=False)["date"].transform("max")
         df = df[df["date"] == newest].reset_index(drop=True)
     if df.empty:
         raise NoRecordedDataError(
             f"no GPU has recorded the decode measurements: found no {root}/<gpu>/{DECODE}.json. "
             "Measure on a CUDA GPU with `trapetum bench --arch llama-2-7b`, then rebuild the book.")
-    df["gpu_label"] = df["gpu"].map(gpu_label)
     # The bandwidth bound needs the GPU's copy bandwidth, which the GEMV run of the same GPU measured.
     copy = results.load(NAME, root)
     if not copy.empty and "copy_gbps" in copy:
         df["copy_gbps"] = df["gpu"].map(copy.groupby("gpu")["copy_gbps"].max())
+    return df
+
+
+def _decode_runs(folder=None) -> pd.DataFrame:
+    """Every recorded decode run, the ones kept aside too, each row with its own run's fp16 baselines
+    (:func:`_baselines`), serial fused steps labelled (:func:`_label_serial_steps`) and its GPU's label; empty
+    where none was recorded. :func:`load_decode` keeps the newest run of each row, the repeat and rotation
+    tables read them all."""
+    df = results.load(DECODE, _root(folder), every_run=True)
+    if df.empty:
+        return df
+    # runs before trapetum.fuse existed have no "fused" field: their projections were separate
+    df["fused"] = df["fused"].fillna(False).astype(bool) if "fused" in df else False
+    df = _label_serial_steps(_baselines(df))
+    df["gpu_label"] = df["gpu"].map(gpu_label)
     return df
 
 
@@ -1203,11 +1214,9 @@ def decode_repeats(folder=None) -> pd.DataFrame:
     one run. Random weights, real architectures. Empty where nothing was repeated."""
     cols = ["GPU", "Model (random weights)", "Scheme", "Path", "runs", "tok/s: lowest", "tok/s: median", "tok/s: highest",
             "vs fastest fp16: lowest", "vs fastest fp16: median", "vs fastest fp16: highest", "runs (commit)"]
-    d = results.load(DECODE, _root(folder), every_run=True)
+    d = _decode_runs(folder)
     if d.empty or "source_id" not in d:
         return pd.DataFrame(columns=cols)
-    d["fused"] = d["fused"].fillna(False).astype(bool) if "fused" in d else False
-    d = _baselines(d)
     d = d[d["path"].isin(GRAPHED_PATHS) & d["tok_s"].notna() & d["source_id"].notna()]
     rows = []
     for (gpu, model, scheme, path, fused, _), g in d.groupby(["gpu", "model", "scheme", "path", "fused", "source_id"], sort=False):
@@ -2659,11 +2668,8 @@ def rotation_decode(df: pd.DataFrame, folder=None) -> pd.DataFrame:
     each kernel version's run keeps its row, and the earlier versions' runs in :data:`ROTATION_DECODE_RUNS`):
     tok/s both ways, their ratio, and the rotated token's time in its rotation launches (its profile). Random
     weights, real architectures."""
-    every = results.load(DECODE, _root(folder), every_run=True)  # whole files: a newer plain row must not unpair a rotated one
-    frames = [df[~df["file"].isin(set(every.get("file", ())))] if "file" in df else df]
-    if not every.empty:
-        frames.append(every.assign(fused=every["fused"].fillna(False).astype(bool) if "fused" in every else False,
-                                   gpu_label=every["gpu"].map(gpu_label)))
+    every = _decode_runs(folder)  # whole files: a newer plain row must not unpair a rotated one
+    frames = [df[~df["file"].isin(set(every.get("file", ())))] if "file" in df else df, every]
     for path in sorted(_root(folder).glob(ROTATION_DECODE_RUNS)):
         prov, d = results.read(path)
         frames.append(d.assign(file=path.name, gpu_label=gpu_label(prov.get("gpu", "")), git_commit=prov.get("git_commit"),
