@@ -80,10 +80,6 @@ def test_table_kernel_matches_float64_reference(Nm, Nr, norm, n_out, n_in, plan)
         # batch rows share the mma's columns (2 x 4), under a norm, K-split in two; 9-bit residual
         # indices; codebooks read from global memory
         (4096, 512, True, 2, 32, 256, dict(kind="table", warps=2, RB=1, G=4, build="mma", ksplit=2, main="global")),
-        # v4, two table buffers: 16 steps of one K-slice alternate buffers, across the chunk boundary too
-        (4096, 256, False, 1, 40, 512, dict(kind="table", warps=1, RB=2, G=4, build="mma", ksplit=1, buffers=2)),
-        # ... and K-slices of 11 steps, two of them starting on an odd step (the other buffer first), batch 2, a norm
-        (4096, 512, True, 2, 32, 512, dict(kind="table", warps=2, RB=1, G=2, build="mma", ksplit=3, main="global", buffers=2)),
     ],
 )
 def test_tensor_core_table_matches_float64_reference(Nm, Nr, norm, batch, n_out, n_in, plan):
@@ -92,18 +88,8 @@ def test_tensor_core_table_matches_float64_reference(Nm, Nr, norm, batch, n_out,
     p = g.plan(batch)
     assert (p.kind, p.build, p.G, p.ksplit) == ("table", "mma", plan["G"], plan["ksplit"])
     codebooks = 0 if plan.get("main") == "global" else 16 * (Nm + Nr)
-    buffers = plan.get("buffers", 1)
-    assert p.buffers == buffers
-    assert p.shared_bytes == codebooks + 4 * buffers * batch * plan["G"] * (Nm + Nr + 4) + 4 * batch * p.cps * 8 * plan["G"]
+    assert p.shared_bytes == codebooks + 4 * batch * plan["G"] * (Nm + Nr + 4) + 4 * batch * p.cps * 8 * plan["G"]
     check(g, t, x_for(n_in, batch, seed=batch))
-
-
-def test_double_buffered_scalar_table_matches_float64_reference():
-    # the scalar (fma) build writes the buffer it is given too; 4 K-slices of 4 steps (G = 4, 2 chunks)
-    t = random_residual_tensor(24, 512, 4096, 256, seed=5)
-    g = ResidualGemv(t, plan=dict(kind="table", warps=1, RB=1, G=4, main="shared", ksplit=4, buffers=2))
-    assert (g.plan(1).buffers, g.plan(1).ksplit) == (2, 4)
-    check(g, t, x_for(512, 1, seed=5))
 
 
 @pytest.mark.parametrize(
@@ -229,14 +215,6 @@ def test_the_planner_picks_the_table_kernel_where_its_table_fits():
     m = plan_residual(28672, 16, 4096, 256, 1, build="mma", **kw)  # the tensor-core build takes 8 groups a step here...
     assert (m.kind, m.G, m.RB) == ("table", 8, 8)
     assert plan_residual(28672, 64, 8192, 512, 1, build="mma", **kw).G == 2  # ...but only 2 beside 136 KiB of codebooks
-    d = plan_residual(28672, 16, 4096, 256, 1, build="mma", buffers=2, **kw)  # v4: two tables fit at 4 groups a step
-    assert (d.G, d.buffers, d.shared_bytes) == (4, 2, 16 * 4352 + 2 * 4 * 4 * 4356 + 4 * d.cps * 32)
-    assert d.overrides()["buffers"] == 2 and "buffers" not in m.overrides()
-    assert plan_residual(28672, 64, 8192, 512, 1, build="mma", buffers=2, **kw).G == 1
-    assert any(c.buffers == 2 and c.build == "mma" for c in candidate_plans(28672, 16, 4096, 256, 1, 132, False, 227 * 1024))
-    for bad, match in ((dict(kind="table", buffers=3), "buffers"), (dict(kind="split", buffers=2), "table-kernel options")):
-        with pytest.raises(ValueError, match=match):
-            plan_residual(4096, 16, 4096, 256, 1, **bad, **kw)
     two = plan_residual(28672, 16, 4096, 256, 1, build="mma", main="global", warps=8, G=4, **kw)  # codebooks through L1
     assert two.shared_bytes == 4 * 4 * (4352 + 4) + 4 * two.cps * 32 < 113 * 1024  # two blocks an SM
     from trapetum.residual import _fits

@@ -881,30 +881,24 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     return kernel
 
 
-def _table_source(b: int, G: int, buffers: int = 1) -> str:
+def _table_source(b: int, G: int) -> str:
     """chunk_steps: the table steps of one chunk, every word index and bit offset a constant (as int32(...):
-    see :func:`_chunk_source`). With one table buffer a step is: load its words, barrier (every warp
-    done with the last step's lookups), build, barrier, look up. With two, step s builds into buffer
-    s % 2 (a chunk has an even number of steps, so that is the parity of the global step q) and the
-    first barrier goes: the buffer step s overwrites was last read by step s - 2's lookups, which
-    every thread finished before it passed step s - 1's barrier."""
+    see :func:`_chunk_source`)."""
     lines = ["def chunk_steps(j, q0, q1, ncols, wreg, tiled, rb0, rbs, nchunks, tab, tabi, cbm, cbr, xv, acc, tid, mainq, resq):"]
     for s, (w_lo, nw, fields) in enumerate(_step_layout(b, G)):
-        tb = f"int32(CBW + {s % buffers} * BUF)"
         lines += [f"    q = j * {VECS_PER_CHUNK // G} + {s}",
                   "    if q >= q0 and q < q1:",
-                  f"        load_words(wreg, 0, WS, tiled, rb0, rbs, nchunks, j, int32({w_lo}), int32({nw}), True)"]
-        if buffers == 1:
-            lines += ["        cuda.syncthreads()"]
-        lines += [f"        build(tab, tabi, cbm, cbr, xv, (q - q0) * G8, ncols, tid, mainq, resq, {tb})",
+                  f"        load_words(wreg, 0, WS, tiled, rb0, rbs, nchunks, j, int32({w_lo}), int32({nw}), True)",
+                  "        cuda.syncthreads()",
+                  "        build(tab, tabi, cbm, cbr, xv, (q - q0) * G8, ncols, tid, mainq, resq)",
                   "        cuda.syncthreads()"]
-        lines += [f"        look(wreg, int32({rel}), int32({sh}), int32({int(st)}), int32({gi}), tab, acc, {tb})"
+        lines += [f"        look(wreg, int32({rel}), int32({sh}), int32({int(st)}), int32({gi}), tab, acc)"
                   for gi, (rel, sh, st) in enumerate(fields)]
     return "\n".join(lines) + "\n"
 
 
 def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int, norm: bool, cb_shared: bool = False,
-                          mma: bool = False, buffers: int = 1):
+                          mma: bool = False):
     """The "table" residual-VQ GEMV (v2): lookups of dot products instead of codebook vectors.
 
     The K-slice of a block is walked in steps of G vectors (8G input columns). Each step, every
@@ -930,22 +924,16 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     ``cb_shared`` the A fragments are read from global memory (L1-resident: the same 70-139 KiB
     every step), which leaves shared memory to the table alone: two 8-warp blocks an SM at G <= 4.
 
-    ``buffers`` = 2 (v4) keeps two tables: step s + 1 is built while slower warps still look up
-    step s, one barrier a step instead of two (v3's two barriers a step made build and lookups take
-    turns on an SM that holds one block). Twice the table memory.
-
     Grid (row-groups, K-slices); K-slices are ``sps`` steps long (not whole chunks: small layers
     spread over more SMs). The index words a step needs (at most ceil(8 G b / 32) + 1 a row)
     load before the step's table is built, so their latency hides behind the build.
     Arguments as :func:`residual_kernel`, with ``sps`` (steps a K-slice) in place of ``cps``.
     """
-    key = ("residual-table", Nm, Nr, B, warps, RB, G, norm, cb_shared, mma, buffers)
+    key = ("residual-table", Nm, Nr, B, warps, RB, G, norm, cb_shared, mma)
     if key in _kernel_cache:
         return _kernel_cache[key]
     if G not in TABLE_STEPS:
         raise ValueError(f"G (groups a table step) must be one of {TABLE_STEPS}, got {G}")
-    if buffers not in TABLE_BUFFERS:
-        raise ValueError(f"buffers (tables a block) must be one of {TABLE_BUFFERS}, got {buffers}")
     bm, br = index_bits(Nm, Nr)
     WPC = bm + br
     layout = _step_layout(WPC, G)
@@ -956,8 +944,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     TS = table_stride(Nm, Nr, mma)  # a (batch row, group)'s table
     CBW = (4 * (Nm + Nr) if mma else 4 * Nm) if cb_shared else 0  # [codebooks (fp16 pairs as int32) in shared][tables][x slice], 4-byte units
     CBG = mma and not cb_shared  # mma A fragments straight from global memory
-    BUF = B * G * TS  # one table buffer
-    XOFF = CBW + buffers * BUF
+    XOFF = CBW + B * G * TS
     MMASK4 = uint32((Nm - 1) << 2)
     RMASK4 = uint32((Nr - 1) << 2)
     RSHIFT = uint32(bm - 2)
@@ -993,7 +980,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         return cuda.fma(xv[o + 7], c7, v)
 
     @cuda.jit(device=True, **INLINE)
-    def build(tab, tabi, cbm, cbr, xv, xo, ncols, tid, mainq, resq, tb):
+    def build(tab, tabi, cbm, cbr, xv, xo, ncols, tid, mainq, resq):
         # This step's G groups of x (already scaled under a norm) into registers, once a batch row;
         # then thread tid writes entries tid, tid + nt, ...: consecutive lanes, consecutive banks.
         for bb in range(B):
@@ -1009,15 +996,15 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
                     else:
                         w0, w1, w2, w3 = cbm[4 * k], cbm[4 * k + 1], cbm[4 * k + 2], cbm[4 * k + 3]
                     for g in range(G):
-                        tab[uint32(tb + (bb * G + g) * TS) + c] = dot8(w0, w1, w2, w3, xv, g)
+                        tab[uint32(CBW + (bb * G + g) * TS) + c] = dot8(w0, w1, w2, w3, xv, g)
             for k in range(rper):
                 c = tid + k * nt
                 if c < Nr:
                     for g in range(G):
-                        tab[uint32(tb + (bb * G + g) * TS + Nm + c)] = dot8(cbr[4 * k], cbr[4 * k + 1], cbr[4 * k + 2], cbr[4 * k + 3], xv, g)
+                        tab[uint32(CBW + (bb * G + g) * TS + Nm + c)] = dot8(cbr[4 * k], cbr[4 * k + 1], cbr[4 * k + 2], cbr[4 * k + 3], xv, g)
 
     @cuda.jit(device=True, **INLINE)
-    def build_mma(tab, tabi, cbm, cbr, xv, xo, ncols, tid, mainq, resq, tb):
+    def build_mma(tab, tabi, cbm, cbr, xv, xo, ncols, tid, mainq, resq):
         # Lane (g, t) = (lane / 4, lane % 4). B fragment of N-tile n: column c = 8n + g, i.e. batch
         # row c / G, group c % G of the step, dimensions 2t and 2t + 1 (zero past the last column).
         # 32-bit unsigned arithmetic throughout: with int64 (numba's default) ptxas kept 64-bit
@@ -1045,11 +1032,11 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
                 else:
                     a0 = resq[uint32(4) * (e - uint32(Nm)) + t]
                     a1 = resq[uint32(4) * (e - uint32(Nm)) + uint32(32) + t]
-                mma_tile(tab, uint32(tb), e, t, a0, a1, bx, float32(1.0))
+                mma_tile(tab, uint32(CBW), e, t, a0, a1, bx, float32(1.0))
             e += uint32(16 * warps)
 
     @cuda.jit(device=True, **INLINE)
-    def look(wreg, q, sh, straddle, gi, tab, acc, tb):
+    def look(wreg, q, sh, straddle, gi, tab, acc):
         # Vector gi of the step: its field starts at bit sh of the step's word q.
         for r in range(RB):
             lo = uint32(wreg[r * WS + q])
@@ -1060,12 +1047,12 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
             om = (f << uint32(2)) & MMASK4  # byte offsets of the two table entries
             orr = (f >> RSHIFT) & RMASK4
             for bb in range(B):
-                base = uint32((tb + (bb * G + gi) * TS) * 4)
+                base = uint32((CBW + (bb * G + gi) * TS) * 4)
                 acc[r * B + bb] += load_byte_offset(tab, base + om) + load_byte_offset(tab, base + NMB + orr)
 
     ns = {"cuda": cuda, "load_words": load_words, "build": build_mma if mma else build, "look": look, "G8": 8 * G, "WS": WS,
-          "int32": int32, "CBW": CBW, "BUF": BUF}
-    exec(compile(_table_source(WPC, G, buffers), f"<residual chunk_steps b={WPC} G={G} buffers={buffers}>", "exec"), ns)
+          "int32": int32}
+    exec(compile(_table_source(WPC, G), f"<residual chunk_steps b={WPC} G={G}>", "exec"), ns)
     chunk_steps = cuda.jit(device=True, **INLINE)(ns["chunk_steps"])
     spc = VECS_PER_CHUNK // G
 
@@ -1110,8 +1097,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         pb = cuda.local.array(B, float32)
         ncols = (q1 - q0) * 8 * G
         stage_x(x32, sc32, bi32, tab, XOFF, q0 * 8 * G, ncols, pb, tid)
-        if buffers > 1:  # one buffer: the first step's first barrier orders these stores before any read
-            cuda.syncthreads()
+        # (the first step's barrier orders these stores before any read)
 
         acc = cuda.local.array(acc_size, float32)
         for i in range(acc_size):
@@ -1150,13 +1136,11 @@ class ResidualPlan:
     blocks: int = 0  # split: blocks along the rows, each walking row-groups (0: one a row-group)
     rc: int = 1  # split: copies of the residual codebook in shared memory (see residual_kernel)
     lanes: int = 1  # split: lane groups a warp (row-groups of 32 / lanes rows; see residual_kernel)
-    buffers: int = 1  # table: table buffers a block (2: v4, one barrier a step; see residual_table_kernel)
 
     def overrides(self) -> dict:
         """The keyword arguments of :func:`plan_residual` that rebuild this plan (for ``ResidualGemv(plan=...)``)."""
         d = dict(kind=self.kind, warps=self.warps, RB=self.RB, ksplit=self.ksplit, main=self.main)
-        return d | ({"G": self.G, "build": self.build} | ({"buffers": self.buffers} if self.buffers > 1 else {})
-                    if self.kind == "table" else {}) | (
+        return d | ({"G": self.G, "build": self.build} if self.kind == "table" else {}) | (
             {"blocks": self.blocks, "rc": self.rc} | ({"lanes": self.lanes} if self.lanes > 1 else {}) if self.kind == "split" else {})
 
     def groups(self, rbs: int) -> int:
@@ -1194,15 +1178,14 @@ def _grow_ksplit(plan, ksplit: int, nchunks: int) -> "ResidualPlan":
 def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool = False, budget: int = OPTIN_SIM,
                   warps: int | None = None, RB: int | None = None, ksplit: int | None = None, main: str | None = None,
                   kind: str | None = None, G: int | None = None, build: str | None = None,
-                  blocks: int | None = None, rc: int | None = None, lanes: int | None = None,
-                  buffers: int | None = None) -> ResidualPlan:
+                  blocks: int | None = None, rc: int | None = None, lanes: int | None = None) -> ResidualPlan:
     """Grid shape for one layer. ``kind`` picks the kernel: "table" (:func:`residual_table_kernel`,
     the default up to batch :data:`TABLE_MAX_BATCH`) or "gather" (:func:`residual_kernel`).
 
     Gather, without overrides: 4 warps, RB = 2 for batches up to 4, a K-split giving about two
     blocks an SM, and the main codebook staged in shared memory only where a block streams enough
     vectors to repay the staging. :meth:`ResidualGemv.tune` times candidates instead."""
-    if kind is None and (G is not None or main == "registers" or build is not None or buffers is not None):
+    if kind is None and (G is not None or main == "registers" or build is not None):
         kind = "table"
     if kind is None and main is None and B <= TABLE_MAX_BATCH:  # the table kernel where its table fits
         try:
@@ -1216,9 +1199,9 @@ def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, 
         raise ValueError("blocks, rc and lanes are split-kernel options")
     if kind == "table":
         return plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ksplit, G=G, main=main,
-                          build=build, buffers=buffers)
-    if G is not None or build is not None or buffers is not None:
-        raise ValueError("G (groups a table step), build and buffers are table-kernel options")
+                          build=build)
+    if G is not None or build is not None:
+        raise ValueError("G (groups a table step) and build are table-kernel options")
     if kind == "split":
         return plan_split(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ksplit, blocks=blocks, rc=rc, lanes=lanes,
                           main=main)
@@ -1335,7 +1318,6 @@ TABLE_PLACEMENTS = ("registers", "shared")  # where the table kernel keeps the m
 
 
 TABLE_BUILDS = ("fma", "mma")
-TABLE_BUFFERS = (1, 2)  # tables a table-kernel block holds (2: build the next step's while looking up this one's)
 
 
 def table_stride(Nm: int, Nr: int, mma: bool) -> int:
@@ -1344,18 +1326,17 @@ def table_stride(Nm: int, Nr: int, mma: bool) -> int:
     return Nm + Nr + (4 if mma else 0)
 
 
-def table_bytes(Nm: int, Nr: int, B: int, G: int, steps: int, main: str = "registers", build: str = "fma",
-                buffers: int = 1) -> int:
+def table_bytes(Nm: int, Nr: int, B: int, G: int, steps: int, main: str = "registers", build: str = "fma") -> int:
     """Dynamic shared memory of a table-kernel block: the codebooks held in shared memory (the main
-    one if ``main`` is "shared"; both under the mma build), ``buffers`` tables, then the K-slice of x (fp32)."""
+    one if ``main`` is "shared"; both under the mma build), the tables, then the K-slice of x (fp32)."""
     mma = build == "mma"
     cb = (16 * (Nm + Nr) if mma else 16 * Nm) if main == "shared" else 0
-    return cb + 4 * buffers * B * G * table_stride(Nm, Nr, mma) + 4 * B * steps * 8 * G
+    return cb + 4 * B * G * table_stride(Nm, Nr, mma) + 4 * B * steps * 8 * G
 
 
 def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool = False, budget: int = OPTIN_SIM,
                warps: int | None = None, RB: int | None = None, ksplit: int | None = None, G: int | None = None,
-               main: str | None = None, build: str | None = None, buffers: int | None = None) -> ResidualPlan:
+               main: str | None = None, build: str | None = None) -> ResidualPlan:
     """Table-kernel plan. Without overrides: 16 warps, the main codebook in shared memory, RB up to
     8 row-blocks a warp (4096 rows a block share each table: building a table costs (Nm + Nr) x 8
     multiply-adds a step, so a vector-row pays (Nm + Nr) x 8 / rows of them; at RB = 2 that was 34,
@@ -1365,11 +1346,8 @@ def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
 
     ``build="mma"`` (v3) builds the table on the tensor cores: both codebooks in shared memory, and
     by default the largest G up to 8 whose tables fit (an mma makes 8 table columns, B x G of them
-    a step, so small G wastes most of it). ``buffers=2`` (v4) holds two tables (G chosen to fit both)."""
+    a step, so small G wastes most of it)."""
     warps = warps or 16
-    buffers = buffers or 1
-    if buffers not in TABLE_BUFFERS:
-        raise ValueError(f"buffers (tables a block) must be one of {TABLE_BUFFERS}, got {buffers}")
     if warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"warps must be a power of two from 1 to 32, got {warps}")
     main = main or "shared"
@@ -1383,7 +1361,7 @@ def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
         raise ValueError(f"the table kernel's main codebook goes in one of {TABLE_PLACEMENTS}, got {main!r}")
     if G is None:
         gmax = 8 if build == "mma" else 2
-        fits = [g for g in TABLE_STEPS if g <= gmax and table_bytes(Nm, Nr, B, g, 1, main, build, buffers) <= budget - 8192]
+        fits = [g for g in TABLE_STEPS if g <= gmax and table_bytes(Nm, Nr, B, g, 1, main, build) <= budget - 8192]
         G = max(fits) if fits else 1
     if G not in TABLE_STEPS:
         raise ValueError(f"G (groups a table step) must be one of {TABLE_STEPS}, got {G}")
@@ -1406,11 +1384,11 @@ def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
         raise ValueError(f"ksplit must be positive, got {ksplit}")
     sps = math.ceil(nsteps / min(ksplit, nsteps))
     ksplit = math.ceil(nsteps / sps)
-    dyn = table_bytes(Nm, Nr, B, G, sps, main, build, buffers)
+    dyn = table_bytes(Nm, Nr, B, G, sps, main, build)
     if static + dyn > budget:
-        raise ValueError(f"plan needs {static + dyn} bytes of shared memory ({buffers} x {B} x {G} x {Nm + Nr} fp32 "
-                         f"tables and {sps * 8 * G} columns of x, batch {B}); the block may use {budget}: lower G or raise ksplit")
-    return ResidualPlan(warps, ksplit, sps, RB, main, dyn, static, kind="table", G=G, build=build, buffers=buffers)
+        raise ValueError(f"plan needs {static + dyn} bytes of shared memory (a {B} x {G} x {Nm + Nr} fp32 table and "
+                         f"{sps * 8 * G} columns of x, batch {B}); the block may use {budget}: lower G or raise ksplit")
+    return ResidualPlan(warps, ksplit, sps, RB, main, dyn, static, kind="table", G=G, build=build)
 
 
 def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool, budget: int) -> list[ResidualPlan]:
@@ -1436,7 +1414,7 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
             return
         gx, gy = p.grid(rbs)
         blocks = gx * gy
-        k = (p.kind, p.warps, p.RB, p.main, p.ksplit, p.G, p.build, p.blocks, p.rc, p.lanes, p.buffers)
+        k = (p.kind, p.warps, p.RB, p.main, p.ksplit, p.G, p.build, p.blocks, p.rc, p.lanes)
         if k not in seen and blocks <= 16 * sms:
             seen.add(k)
             out.append(p)
@@ -1462,10 +1440,6 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
                 add(kind="table", RB=m.RB, G=m.G, main="shared", warps=m.warps, ksplit=ks, build="mma")
             # (Not timed: two 8-warp blocks an SM with the codebooks read through L1, main="global".
             # Measured at 64be687 it ran 1.6-2.6x slower than this plan at every shape probed.)
-        d = plan_or_none(kind="table", build="mma", buffers=2)  # v4: two tables, one barrier a step
-        if d is not None:
-            for ks in (d.ksplit, 2 * d.ksplit):
-                add(kind="table", RB=d.RB, G=d.G, main="shared", warps=d.warps, ksplit=ks, build="mma", buffers=2)
         add(kind="gather")
         g = plan_or_none(kind="gather")
         if g is not None and -(-rbs // (g.warps * g.RB)) * g.ksplit < sms:
@@ -1576,7 +1550,7 @@ class ResidualGemv:
     def _launch_parts(self, B: int, plan: ResidualPlan) -> list:
         if plan.kind == "table":
             kern = residual_table_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.G, self.norm, plan.main == "shared",
-                                         plan.build == "mma", plan.buffers)
+                                         plan.build == "mma")
         else:
             kern = residual_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.main == "shared", self.norm,
                                    split=plan.kind == "split", rc=plan.rc, lanes=plan.lanes)
