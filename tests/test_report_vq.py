@@ -216,6 +216,11 @@ def test_each_part_comes_from_its_newest_run(tmp_path):
     assert set(choices["GPU"]) == {report.gpu_label("NVIDIA H100 Test")}  # picks are per GPU: each tunes on its own
     notes = report.vq_run_notes(tmp_path).set_index("what")["note"]  # both runs the chapter shows speak
     assert "INVALID_VALUE" in notes["additive_correctness_failures"] and "stopped" in notes["partial"]
+    # a second process of the same commit (the grid split over GPUs) finishes more configurations: one entry
+    more = [dict(r, time_ms=r["time_ms"] / 2, speedup=r["speedup"] * 2)
+            for r in synthetic_vq(3000.0) if r["grid"] == "residual" and r["in_features"] == 8192]
+    results.save(report.VQ, more, dict(new_prov, date="2026-01-03T00:00:00+00:00"), folder=tmp_path)
+    assert report.residual_summary(report.load_vq(tmp_path)).loc[0, "runs (commit: configs)"] == "new: 96, old: 24"
 
 
 def test_additive_queue_trial_puts_each_probe_beside_the_static_plan(tmp_path):

@@ -1466,8 +1466,9 @@ def residual_summary(df: pd.DataFrame) -> pd.DataFrame:
     for gpu, g in d.groupby("gpu"):
         r = row(f"ours, {gpu_label(gpu)} ({MEASURED})", g)
         # Newest run first: a run that stopped part way is completed from older runs (load_vq).
-        runs = g.groupby(["date", "git_commit"]).size().sort_index(ascending=False)
-        r["runs (commit: configs)"] = ", ".join(f"{str(c)[:7]}: {n}" for (_, c), n in runs.items())
+        # Processes of one commit (a grid split over GPUs or calls) count as one entry.
+        runs = g.groupby("git_commit").agg(n=("date", "size"), newest=("date", "max")).sort_values("newest", ascending=False)
+        r["runs (commit: configs)"] = ", ".join(f"{str(c)[:7]}: {n}" for c, n in runs["n"].items())
         r["max rel err (worst)"] = g["max_rel_err"].max()
         r["median % of copy bandwidth"] = float((100 * g["gbps"] / g["copy_gbps"]).median())
         rows.append(r)
