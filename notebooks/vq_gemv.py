@@ -172,6 +172,24 @@ report.styled(report.residual_versions(folder))
 report.styled(report.residual_choices(df))
 
 # %% [markdown]
+# ### Tried and dropped: two table buffers
+#
+# The tensor-core table kernel holds one block an SM and takes two barriers a step: one before a step's
+# table is rebuilt (no warp may still be reading the last one) and one after. Its profile on the H100 read as
+# latency, build and lookups taking turns. With two tables a block can build the next step's while slower
+# warps still look up this one's, one barrier a step. Two fp32 tables fit beside the codebooks only at 4
+# groups a step (4096 main centroids; 1 with 8192), where one table takes 8. The plans with two buffers were
+# checked against float64 first, with their outputs poisoned, and then timed with the plans the tuner already
+# had, in one process; a second process of the same commit timed one and two buffers at the same number of
+# groups. Two buffers lost at every shape, and also at the same number of groups: the second buffer itself
+# costs, not only the smaller steps. What the table kernel pays is a fixed cost a step (its time falls as the
+# groups a step rise), and overlapping it inside one block did not shrink it. The code was reverted; it is in
+# the repository's history:
+
+# %%
+report.styled(report.residual_buffers_trial(folder))
+
+# %% [markdown]
 # The full grid in the seed's table format. *VPTQ speedup* columns are the seeds' torch time
 # over VPTQ time (the inverse of their *ratio*): seed 000 on an H100, seed 001 on another, slower
 # GPU whose table gives shapes but not codebook sizes, so its number is repeated across them.

@@ -618,3 +618,27 @@ def test_chunk_rms_probe_pairs_plain_and_rms_launches_of_one_plan(tmp_path):
     assert len(t) == 1 and t["plan"][0] == "8 warps, 512 rows a block, tiles of 16"
     assert np.isclose(t["global: rms penalty (us)"][0], 1.4) and np.isclose(t["cluster: rms penalty (us)"][0], 0.6)
     assert report.chunk_rms_probe(tmp_path / "nothing").empty
+
+
+def test_residual_buffers_trial_compares_one_and_two_table_buffers(tmp_path):
+    import json
+
+    def t(variant, buffers, G, us, n_in=4096):
+        return {"kind": "time", "Nm": 4096, "Nr": 256, "n_in": n_in, "n_out": 28672, "variant": variant, "buffers": buffers,
+                "G": G, "us": us, "fp16_us": 60.0}
+
+    (tmp_path / "_runs").mkdir()
+    prov = {"gpu": "NVIDIA H200", "git_commit": "cfba674abc", "date": "2026-11-30"}
+    probe = [{"kind": "check", "passed": True}, t("table", 1, 8, 42.0), t("table", 1, 8, 44.0), t("table", 2, 4, 50.0),
+             t("split", 1, 0, 43.0), t("split", 1, 0, 45.0), t("split", 1, 0, 9.0, n_in=1024)]  # a shape without tables: no row
+    same = [t("table", 1, 4, 47.0), t("table", 2, 4, 50.0), t("table", 1, 8, 42.5), t("table", 1, 2, 60.0)]
+    for name, recs in (("residual-db-probe-x-h200.json", probe), ("residual-db-sameg-x-h200.json", same)):
+        (tmp_path / "_runs" / name).write_text(json.dumps({"provenance": prov, "records": recs}))
+    d = report.residual_buffers_trial(tmp_path)
+    assert len(d) == 2 and d["probe"].tolist() == ["cfba674 (1/1 checks)", "cfba674 (0/0 checks)"]
+    a, b = d.iloc[0], d.iloc[1]
+    assert (a["one buffer, fastest (us)"], a["its G"], a["two buffers, fastest (us)"], a["G"]) == (42.0, 8, 50.0, 4)
+    assert np.isnan(a["one buffer, two-buffer G (us)"]) and a["split, fastest (us)"] == 43.0 and a["two / one, fastest"] == 50.0 / 42.0
+    assert (b["one buffer, fastest (us)"], b["one buffer, two-buffer G (us)"], b["two / one, same G"]) == (42.5, 47.0, 50.0 / 47.0)
+    assert np.isnan(b["split, fastest (us)"]) and b["in x out"] == "4096 x 28672" and b["codebooks"] == "4096+256"
+    assert report.residual_buffers_trial(tmp_path / "nothing").empty

@@ -2455,6 +2455,40 @@ def residual_lanes_trial(folder=None) -> pd.DataFrame:
                         lambda p: f"{p['lanes']} groups of {32 // p['lanes']} rows, {p['warps']} warps, rc {p['rc']}")
 
 
+RESIDUAL_BUFFER_PROBES = {"_runs/residual-db-probe-*.json": "every table and split plan the tuner times",
+                          "_runs/residual-db-sameg-*.json": "the table at G = 2, 4, 8; two buffers at G = 4"}
+
+
+def residual_buffers_trial(folder=None) -> pd.DataFrame:
+    """The tensor-core table kernel with two table buffers (one barrier a step; tried and reverted, session 64),
+    one row a probe, configuration and shape, all timed in the probe's process: the fastest plan with one table
+    buffer (v3) and its G, one buffer at the two-buffer plans' G where the probe timed it, the fastest two-buffer
+    plan and its G, and the split kernel's fastest plan where the probe timed it. "two / one" above 1 is slower."""
+    rows = []
+    for pattern, what in RESIDUAL_BUFFER_PROBES.items():
+        for prov, probe, t in _probe_runs(folder, pattern, short=True):
+            if t.empty:
+                continue
+            for (Nm, Nr, n_in, n_out), g in t.groupby(["Nm", "Nr", "n_in", "n_out"], sort=False):
+                tab = g[g["variant"] == "table"]
+                one, two = tab[tab["buffers"] == 1], tab[tab["buffers"] == 2]
+                if one.empty or two.empty:
+                    continue
+                b1, b2 = one.loc[one["us"].idxmin()], two.loc[two["us"].idxmin()]
+                same = one[one["G"] == b2["G"]]
+                split = g[g["variant"] == "split"]["us"]
+                rows.append({"probe": probe, "timed": what, "GPU": gpu_label(prov.get("gpu", "")),
+                             "codebooks": f"{int(Nm)}+{int(Nr)}", "in x out": shape_label((int(n_in), int(n_out))),
+                             "torch fp16 (us)": float(g["fp16_us"].iloc[0]),
+                             "one buffer, fastest (us)": float(b1["us"]), "its G": int(b1["G"]),
+                             "one buffer, two-buffer G (us)": float(same["us"].min()) if len(same) else np.nan,
+                             "two buffers, fastest (us)": float(b2["us"]), "G": int(b2["G"]),
+                             "two / one, same G": float(b2["us"]) / float(same["us"].min()) if len(same) else np.nan,
+                             "two / one, fastest": float(b2["us"]) / float(b1["us"]),
+                             "split, fastest (us)": float(split.min()) if len(split) else np.nan})
+    return pd.DataFrame(rows)
+
+
 VQ_TARGETS = {"faster than fp16": 114, "geometric mean": 3.0, "min at in x out >= 4096 x 28672": 4.0, "2-bit additive at >= 4096 x 14336": 5.0,
               "4-bit additive at >= 4096 x 14336": 3.0}
 
