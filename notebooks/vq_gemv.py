@@ -183,8 +183,11 @@ report.styled(report.residual_choices(df))
 # had, in one process; a second process of the same commit timed one and two buffers at the same number of
 # groups. Two buffers lost at every shape, and also at the same number of groups: the second buffer itself
 # costs, not only the smaller steps. What the table kernel pays is a fixed cost a step (its time falls as the
-# groups a step rise), and overlapping it inside one block did not shrink it. The code was reverted; it is in
-# the repository's history:
+# groups a step rise), and overlapping it inside one block did not shrink it. Nsight Compute on the H200 at
+# 4096 x 28672 (`data/_runs/ncu/residual-*-8a371e0-h200.txt`) says where the table kernel stands: its grid
+# leaves some SMs without a block, and those that hold one sit idle for part of the launch, while the split
+# kernel beside it keeps every SM busy and its shared-memory pipe nearly saturated. The table kernel's lever
+# is filling the GPU, not issuing less. The code was reverted; it is in the repository's history:
 
 # %%
 report.styled(report.residual_buffers_trial(folder))
