@@ -92,6 +92,20 @@ def test_tensor_core_table_matches_float64_reference(Nm, Nr, norm, batch, n_out,
     check(g, t, x_for(n_in, batch, seed=batch))
 
 
+def test_table_kernel_timeline_stamps_every_block_in_order():
+    # 40 rows in row-groups of 32: two row-groups, each split over 2 K-slices (4 blocks)
+    t = random_residual_tensor(40, 256, 4096, 256, seed=5)
+    g = ResidualGemv(t, plan=dict(kind="table", warps=1, RB=1, G=8, build="mma", ksplit=2))
+    x = x_for(256, 1)
+    df = g.timeline(x, launches=1)
+    assert sorted(zip(df.block_x, df.block_y)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert df.start.min() == 0
+    assert ((df.start < df.prologue) & (df.prologue < df.steps) & (df.steps < df.finish)).all(), df
+    assert df.groupby("block_x").summed.sum().tolist() == [1, 1]  # one block a row-group sums its K-slices
+    with pytest.raises(ValueError, match="table kernel"):
+        g.timeline(x, plan=dict(kind="split", warps=1, RB=1, ksplit=1))
+
+
 @pytest.mark.parametrize(
     "Nm, Nr, norm, batch, n_out, n_in, plan",
     [

@@ -238,6 +238,16 @@ if SIM:
     def await_predecessor():
         pass  # the simulator runs launches one after another
 
+    _sim_clock = itertools.count(1)
+
+    @cuda.jit(device=True)
+    def global_timer_lo():
+        return np.uint32(next(_sim_clock) & 0x7FFFFFFF)  # a logical clock: the simulator's blocks take seconds
+
+    @cuda.jit(device=True)
+    def sm_id():
+        return np.uint32(0)
+
     @cuda.jit(device=True)
     def release_dependents():
         pass
@@ -652,6 +662,24 @@ else:
             return builder.call(asm, [builder.ptrtoint(ptr, i64)])
 
         return sig, codegen
+
+    def _special_register(name, doc):
+        @intrinsic
+        def fn(typingctx):
+            sig = types.uint32()
+
+            def codegen(context, builder, sig, args):
+                # volatile: two reads of %globaltimer must not be merged or moved across the work they time
+                asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), []), f"mov.u32 $0, {name};", "=r,~{memory}", side_effect=True)
+                return builder.call(asm, [])
+
+            return sig, codegen
+        fn.__doc__ = doc
+        return fn
+
+    global_timer_lo = _special_register("%globaltimer_lo", """The low 32 bits of the GPU's nanosecond clock, the same on every SM
+        (unlike clock64): block timelines across SMs. Wraps every ~4.3 s; take differences as uint32.""")
+    sm_id = _special_register("%smid", "The SM this thread runs on.")
 
     def _griddep(doc, instr):
         @intrinsic

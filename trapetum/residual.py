@@ -44,8 +44,8 @@ import torch
 
 from .codebook import ROW_BLOCK, CodebookFormatError, check_rows, read_layer_file
 from .gemv import (INLINE, SIM, _as_kernel_array, async_wait_all, check_activation, check_output, copy16_async, float2_to_half2,
-                   hadd2_to_float2, half2_to_float2, kernel_device, load16, load_byte_offset, max_shared_bytes, mma_table_tile,
-                   sload4, sm_count, tuning_enabled, tuning_inputs, with_shared_limit)
+                   hadd2_to_float2, half2_to_float2, global_timer_lo, kernel_device, load16, load_byte_offset, max_shared_bytes, mma_table_tile,
+                   sload4, sm_count, sm_id, tuning_enabled, tuning_inputs, with_shared_limit)
 from .kmeans import check_finite
 from .tuning import PlanCache
 
@@ -61,6 +61,7 @@ SUPPORTED_RES = (256, 512)
 OPTIN_SIM = 227 * 1024  # the simulator plans as if it had an H100's opt-in shared memory
 STATIC_LIMIT = 48 * 1024
 TOLERANCE = 2e-3  # as bench.TOLERANCE (bench imports this module, so the value is repeated)
+STAMPS = 6  # a block's timeline words (see residual_table_kernel)
 TABLE_STEPS = (1, 2, 4, 8)  # groups (vectors) a table step of the table kernel: it must divide a chunk's 32
 
 
@@ -554,7 +555,7 @@ def _word_loader(RB: int, WPC: int, lanes: int = 1):
     return load_words
 
 
-def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0):
+def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0, wide: bool = False):
     """What both residual kernels share: staging a K-slice of x, and writing the rows out.
 
     ``stage_x`` puts x[:, col0:col0+ncols] in shared memory as fp32 (times scale under a norm), ``pad``
@@ -562,8 +563,48 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0)
     keeps each thread's part of dot(bias, x) in ``pb``; ``finish`` adds the block's dot(bias, x),
     then writes y (one K-slice) or the slice's partial, and the last block of a row-group to finish
     sums the partials (an atomic counter it resets, so the launch replays in a CUDA graph).
+
+    ``wide`` (the table kernel, whose blocks own whole row-groups of nt x RB rows): the last block
+    sums the partials in 16-byte loads, 4 consecutive rows a thread, SR K-slices a round (up to
+    eight 16-byte loads in flight a thread) instead of RB 4-byte loads a round for each K-slice.
     """
-    from .gemv import last_to_finish, load_cg
+    from .gemv import last_to_finish, load_cg, load_cg4
+
+    NV = -(-RB // 4)  # 16-byte row quads a thread
+    SR = max(1, 8 // (NV * B))  # K-slices a round
+    TOT = NV * B * 4  # (local array sizes must be literals)
+
+    @cuda.jit(device=True, **INLINE)
+    def sum_slices(ws, y, grp, rbs, n_out, tid):
+        # Every K-slice's partial is in ws (this block's too), summed in slice order: deterministic.
+        nsplit = cuda.gridDim.y
+        r0 = grp * (nt * RB)
+        lim = min(r0 + nt * RB, rbs * 32)  # ws rows (a multiple of 4)
+        tot = cuda.local.array(TOT, float32)
+        for i in range(TOT):
+            tot[i] = 0.0
+        sp0 = 0
+        while sp0 < nsplit:
+            for k in range(SR):  # literal bounds: the loads of a round are in flight together
+                sp = sp0 + k
+                for v in range(NV):
+                    row = r0 + 4 * (tid + v * nt)
+                    if sp < nsplit and row < lim:
+                        for bb in range(B):
+                            a0, a1, a2, a3 = load_cg4(ws, sp, bb, row)
+                            o = (v * B + bb) * 4
+                            tot[o] += a0
+                            tot[o + 1] += a1
+                            tot[o + 2] += a2
+                            tot[o + 3] += a3
+            sp0 += SR
+        for v in range(NV):
+            row = r0 + 4 * (tid + v * nt)
+            if row < lim:
+                for bb in range(B):
+                    for i in range(4):
+                        if row + i < n_out:
+                            y[bb, row + i] = tot[(v * B + bb) * 4 + i]
 
     @cuda.jit(device=True, **INLINE)
     def stage_x(x32, sc32, bi32, xs, xoff, col0, ncols, pb, tid):
@@ -636,7 +677,10 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0)
                         y[bb, row] = acc[r * B + bb]
                 elif own and rb < rbs:
                     ws[split, bb, row] = acc[r * B + bb]
-        if nsplit > 1 and last_to_finish(counters, grp, nsplit, last, tid) and own:
+        if wide:
+            if nsplit > 1 and last_to_finish(counters, grp, nsplit, last, tid):
+                sum_slices(ws, y, grp, rbs, n_out, tid)
+        elif nsplit > 1 and last_to_finish(counters, grp, nsplit, last, tid) and own:
             # K-slices outer, rows inner: the RB x B loads of a slice are independent, so they are in
             # flight together. (Rows outer made a chain of nsplit dependent L2 round trips a row, RB
             # rows one after another: ~16 x 8 round trips at RB = 8, nsplit = 16, while the other SMs
@@ -898,7 +942,7 @@ def _table_source(b: int, G: int) -> str:
 
 
 def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int, norm: bool, cb_shared: bool = False,
-                          mma: bool = False):
+                          mma: bool = False, wide: bool = True, stamps: bool = False):
     """The "table" residual-VQ GEMV (v2): lookups of dot products instead of codebook vectors.
 
     The K-slice of a block is walked in steps of G vectors (8G input columns). Each step, every
@@ -928,8 +972,13 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     spread over more SMs). The index words a step needs (at most ceil(8 G b / 32) + 1 a row)
     load before the step's table is built, so their latency hides behind the build.
     Arguments as :func:`residual_kernel`, with ``sps`` (steps a K-slice) in place of ``cps``.
+
+    ``wide``: the K-split finish of :func:`_common_device_functions`. ``stamps`` (a timeline, see
+    :meth:`ResidualGemv.timeline`): thread 0 of each block writes its SM, the GPU clock at its start,
+    after its prologue (codebooks and x staged), after its last step and after its finish, and
+    whether it summed the K-slices, into ``counters`` after the row-groups' counters.
     """
-    key = ("residual-table", Nm, Nr, B, warps, RB, G, norm, cb_shared, mma)
+    key = ("residual-table", Nm, Nr, B, warps, RB, G, norm, cb_shared, mma, wide, stamps)
     if key in _kernel_cache:
         return _kernel_cache[key]
     if G not in TABLE_STEPS:
@@ -959,9 +1008,14 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     NTILES = (Nm + Nr) // 16  # mma M-tiles (16 entries each)
     TPW = -(-NTILES // warps)  # M-tiles a warp
     mma_tile = mma_table_tile(NT, BG, TS)
-    stage_x, finish, _ = _common_device_functions(B, nt, RB, norm)
+    stage_x, finish, _ = _common_device_functions(B, nt, RB, norm, wide=wide)
 
     load_words = _word_loader(RB, WPC)
+
+    @cuda.jit(device=True, **INLINE)
+    def stamp(counters, k, v):
+        if cuda.threadIdx.x == 0:
+            counters[cuda.gridDim.x + STAMPS * (cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x) + k] = int32(v)
 
     @cuda.jit(device=True, **INLINE)
     def dot8(w0, w1, w2, w3, xv, g):
@@ -1065,6 +1119,8 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         tab = cuda.shared.array(0, float32)  # [main codebook if shared][B][G][Nm + Nr] table, then the B x K-slice of x
         tabi = cuda.shared.array(0, int32)  # the same memory
         tid = cuda.threadIdx.x
+        if stamps:  # (a constant: no clock reads in the kernel otherwise)
+            stamp(counters, 1, global_timer_lo())
         warp = tid // 32
         rb0 = (cuda.blockIdx.x * warps + warp) * RB
         nsteps = nchunks * spc
@@ -1098,6 +1154,8 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         ncols = (q1 - q0) * 8 * G
         stage_x(x32, sc32, bi32, tab, XOFF, q0 * 8 * G, ncols, pb, tid)
         # (the first step's barrier orders these stores before any read)
+        if stamps:
+            stamp(counters, 2, global_timer_lo())
 
         acc = cuda.local.array(acc_size, float32)
         for i in range(acc_size):
@@ -1108,7 +1166,14 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         while j * spc < q1:
             chunk_steps(j, q0, q1, ncols, wreg, tiled, rb0, rbs, nchunks, tab, tabi, cbm, cbr, xv, acc, tid, mainq, resq)
             j += 1
+        if stamps:
+            stamp(counters, 3, global_timer_lo())
         finish(acc, pb, bpart, bred, last, y, ws, counters, cuda.blockIdx.x, True, rb0, rbs, n_out, tid)
+        if stamps:
+            stamp(counters, 4, global_timer_lo())
+        if stamps:
+            stamp(counters, 0, sm_id())
+            stamp(counters, 5, last[0] if cuda.gridDim.y > 1 else 1)
 
     _kernel_cache[key] = kernel
     return kernel
@@ -1633,6 +1698,43 @@ class ResidualGemv:
         y = out if out is not None else torch.empty(x2.shape[0], self.n_out, dtype=torch.float16, device=x2.device)
         self.bind(x2, y)()
         return y.reshape(self.n_out) if x.dim() == 1 else y
+
+    def timeline(self, x: torch.Tensor, plan: dict | None = None, wide: bool = True, launches: int = 3):
+        """Where a table-kernel launch's time goes: the last of ``launches`` launches on x with every
+        block's clock read at its start, after its prologue (codebooks and x staged), after its last
+        table step and after its finish (see ``stamps`` of :func:`residual_table_kernel`).
+
+        A DataFrame, a row a block: block_x (row-group), block_y (K-slice), sm, start, prologue,
+        steps, finish (ns after the first block's start; in the simulator, a count of clock reads)
+        and summed (whether the block summed its row-group's K-slices). ``plan``: overrides, as for
+        the constructor (by default this layer's plan, which must be a table plan). A diagnostic:
+        the clock reads and their stores make the launch a little slower than an uninstrumented one."""
+        import numpy as np
+        import pandas as pd
+
+        x2 = self.check_input(x)
+        B = x2.shape[0]
+        p = self._plan_for(B, **plan) if plan is not None else self.plan(B)
+        if p.kind != "table":
+            raise ValueError(f"timeline times the table kernel; this layer's plan is a {p.kind} plan: pass plan=dict(kind='table', ...)")
+        kern = residual_table_kernel(self.Nm, self.Nr, B, p.warps, p.RB, p.G, self.norm, p.main == "shared", p.build == "mma",
+                                     wide=wide, stamps=True)
+        gx, gy = p.grid(self.rbs)
+        ngroups = p.groups(self.rbs)
+        ws = torch.empty(p.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
+        counters = torch.zeros(ngroups + STAMPS * gx * gy, dtype=torch.int32, device=self.device)
+        y = torch.empty(B, self.n_out, dtype=torch.float16, device=self.device)
+        entry = [kern, p, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters)), (gx, gy), None]
+        launch = self._launcher(entry, _as_kernel_array(x2.view(torch.int32)), _as_kernel_array(y), self._tiled, y)
+        for _ in range(launches):
+            launch()
+        st = counters[ngroups:].cpu().numpy().astype(np.int64).reshape(gy, gx, STAMPS) & 0xFFFFFFFF
+        t0 = st[..., 1].min()
+        rel = (st[..., 1:5] - t0) % 2**32  # the clock's low word may wrap within the launch
+        by, bx = np.meshgrid(np.arange(gy), np.arange(gx), indexing="ij")
+        return pd.DataFrame(dict(block_x=bx.ravel(), block_y=by.ravel(), sm=st[..., 0].ravel(), start=rel[..., 0].ravel(),
+                                 prologue=rel[..., 1].ravel(), steps=rel[..., 2].ravel(), finish=rel[..., 3].ravel(),
+                                 summed=st[..., 5].ravel() == 1))
 
     def dequantize(self, dtype=torch.float16, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The (out, in) weight, built on the device with torch ops (from a transient natural copy);
