@@ -61,6 +61,8 @@ def test_kernel_matches_float64_reference(Nm, Nr, norm, batch, n_out, n_in, plan
         (4096, 256, True, 250, 256, dict(kind="table", warps=1, RB=8, G=2, main="shared", ksplit=3)),
         # codebook in registers, one group a step, K-slices that start inside a chunk (64 steps by 5s)
         (4096, 512, False, 32, 512, dict(kind="table", warps=1, RB=1, G=1, main="registers", ksplit=13)),
+        # RB = 7: a row-group of 224 rows (200 used) whose finish leaves a quarter of its 16-byte quads idle
+        (4096, 256, False, 200, 512, dict(kind="table", warps=1, RB=7, G=2, main="shared", ksplit=3)),
     ],
 )
 def test_table_kernel_matches_float64_reference(Nm, Nr, norm, n_out, n_in, plan):

@@ -62,6 +62,7 @@ OPTIN_SIM = 227 * 1024  # the simulator plans as if it had an H100's opt-in shar
 STATIC_LIMIT = 48 * 1024
 TOLERANCE = 2e-3  # as bench.TOLERANCE (bench imports this module, so the value is repeated)
 STAMPS = 6  # a block's timeline words (see residual_table_kernel)
+FINISH_LOADS = 16  # 16-byte loads in flight a thread in the table kernel's K-split finish (see _common_device_functions)
 TABLE_STEPS = (1, 2, 4, 8)  # groups (vectors) a table step of the table kernel: it must divide a chunk's 32
 
 
@@ -566,12 +567,13 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0,
 
     ``wide`` (the table kernel, whose blocks own whole row-groups of nt x RB rows): the last block
     sums the partials in 16-byte loads, 4 consecutive rows a thread, SR K-slices a round (up to
-    eight 16-byte loads in flight a thread) instead of RB 4-byte loads a round for each K-slice.
+    :data:`FINISH_LOADS` 16-byte loads in flight a thread) instead of RB 4-byte loads a round for
+    each K-slice.
     """
     from .gemv import last_to_finish, load_cg, load_cg4
 
     NV = -(-RB // 4)  # 16-byte row quads a thread
-    SR = max(1, 8 // (NV * B))  # K-slices a round
+    SR = max(1, FINISH_LOADS // (NV * B))  # K-slices a round
     TOT = NV * B * 4  # (local array sizes must be literals)
 
     @cuda.jit(device=True, **INLINE)
@@ -942,7 +944,7 @@ def _table_source(b: int, G: int) -> str:
 
 
 def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int, norm: bool, cb_shared: bool = False,
-                          mma: bool = False, wide: bool = True, stamps: bool = False):
+                          mma: bool = False, stamps: bool = False):
     """The "table" residual-VQ GEMV (v2): lookups of dot products instead of codebook vectors.
 
     The K-slice of a block is walked in steps of G vectors (8G input columns). Each step, every
@@ -973,12 +975,12 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     load before the step's table is built, so their latency hides behind the build.
     Arguments as :func:`residual_kernel`, with ``sps`` (steps a K-slice) in place of ``cps``.
 
-    ``wide``: the K-split finish of :func:`_common_device_functions`. ``stamps`` (a timeline, see
+    The K-split finish is the wide one of :func:`_common_device_functions`. ``stamps`` (a timeline, see
     :meth:`ResidualGemv.timeline`): thread 0 of each block writes its SM, the GPU clock at its start,
     after its prologue (codebooks and x staged), after its last step and after its finish, and
     whether it summed the K-slices, into ``counters`` after the row-groups' counters.
     """
-    key = ("residual-table", Nm, Nr, B, warps, RB, G, norm, cb_shared, mma, wide, stamps)
+    key = ("residual-table", Nm, Nr, B, warps, RB, G, norm, cb_shared, mma, stamps)
     if key in _kernel_cache:
         return _kernel_cache[key]
     if G not in TABLE_STEPS:
@@ -1008,7 +1010,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     NTILES = (Nm + Nr) // 16  # mma M-tiles (16 entries each)
     TPW = -(-NTILES // warps)  # M-tiles a warp
     mma_tile = mma_table_tile(NT, BG, TS)
-    stage_x, finish, _ = _common_device_functions(B, nt, RB, norm, wide=wide)
+    stage_x, finish, _ = _common_device_functions(B, nt, RB, norm, wide=True)
 
     load_words = _word_loader(RB, WPC)
 
@@ -1375,7 +1377,10 @@ def plan_split(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
     return ResidualPlan(warps, ksplit, cps, RB, "shared", dyn, static, kind="split", blocks=blocks, rc=rc, lanes=lanes)
 
 
-TABLE_RB = (1, 2, 4, 8)  # row-blocks a warp in the table kernel (RB = 8 at 16 warps: 128 registers, no spills)
+# Row-blocks a warp in the table kernel (RB = 8 at 16 warps: 128 registers, no spills). 7: row-groups of 3584
+# rows at 16 warps, which divide 14336 and 28672 (4 and 8 groups: 128 blocks with a K-split of 32 and 16
+# where RB = 8 makes 4 groups, the last half empty, or 7, 112 blocks on 132 SMs).
+TABLE_RB = (1, 2, 4, 7, 8)
 TABLE_MAX_BATCH = 4  # the table is B x G x (Nm + Nr) fp32: past this the gather kernel is the default
 
 
@@ -1503,6 +1508,8 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
         if m is not None:
             for ks in (m.ksplit, 2 * m.ksplit):
                 add(kind="table", RB=m.RB, G=m.G, main="shared", warps=m.warps, ksplit=ks, build="mma")
+            if m.RB == 8:
+                add(kind="table", RB=7, G=m.G, main="shared", warps=m.warps, build="mma")
             # (Not timed: two 8-warp blocks an SM with the codebooks read through L1, main="global".
             # Measured at 64be687 it ran 1.6-2.6x slower than this plan at every shape probed.)
         add(kind="gather")
@@ -1699,7 +1706,7 @@ class ResidualGemv:
         self.bind(x2, y)()
         return y.reshape(self.n_out) if x.dim() == 1 else y
 
-    def timeline(self, x: torch.Tensor, plan: dict | None = None, wide: bool = True, launches: int = 3):
+    def timeline(self, x: torch.Tensor, plan: dict | None = None, launches: int = 3):
         """Where a table-kernel launch's time goes: the last of ``launches`` launches on x with every
         block's clock read at its start, after its prologue (codebooks and x staged), after its last
         table step and after its finish (see ``stamps`` of :func:`residual_table_kernel`).
@@ -1718,7 +1725,7 @@ class ResidualGemv:
         if p.kind != "table":
             raise ValueError(f"timeline times the table kernel; this layer's plan is a {p.kind} plan: pass plan=dict(kind='table', ...)")
         kern = residual_table_kernel(self.Nm, self.Nr, B, p.warps, p.RB, p.G, self.norm, p.main == "shared", p.build == "mma",
-                                     wide=wide, stamps=True)
+                                     stamps=True)
         gx, gy = p.grid(self.rbs)
         ngroups = p.groups(self.rbs)
         ws = torch.empty(p.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
