@@ -95,15 +95,21 @@ def test_tensor_core_table_matches_float64_reference(Nm, Nr, norm, batch, n_out,
 
 
 def test_table_kernel_timeline_stamps_every_block_in_order():
-    # 40 rows in row-groups of 32: two row-groups, each split over 2 K-slices (4 blocks)
+    # 40 rows in row-groups of 32: two row-groups, each split over 6 K-slices (12 blocks), summed in two
+    # levels (runs of 4 and 2 K-slices, then the two runs' sums)
     t = random_residual_tensor(40, 256, 4096, 256, seed=5)
-    g = ResidualGemv(t, plan=dict(kind="table", warps=1, RB=1, G=8, build="mma", ksplit=2))
+    g = ResidualGemv(t, plan=dict(kind="table", warps=1, RB=1, G=2, main="shared", ksplit=6))
     x = x_for(256, 1)
-    df = g.timeline(x, launches=1)
-    assert sorted(zip(df.block_x, df.block_y)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    df = g.timeline(x, launches=2)  # the second launch: the counters reset themselves
+    assert sorted(zip(df.block_x, df.block_y)) == [(bx, by) for bx in range(2) for by in range(6)]
     assert df.start.min() == 0
     assert ((df.start < df.prologue) & (df.prologue < df.steps) & (df.steps < df.finish)).all(), df
-    assert df.groupby("block_x").summed.sum().tolist() == [1, 1]  # one block a row-group sums its K-slices
+    for _, grp in df.groupby("block_x"):
+        assert sorted(grp.sums) == [0, 0, 0, 0, 1, 2], grp  # a level-one sum a run; one of them also wrote y
+        assert set(grp.block_y[grp.sums > 0] // 4) == {0, 1}
+    y = torch.full((1, 40), float("nan"), dtype=torch.float16)
+    g(x, out=y)
+    assert max_rel_err(y.float(), reference(x, t).float()) < TOLERANCE
     with pytest.raises(ValueError, match="table kernel"):
         g.timeline(x, plan=dict(kind="split", warps=1, RB=1, ksplit=1))
 

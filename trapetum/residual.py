@@ -44,8 +44,8 @@ import torch
 
 from .codebook import ROW_BLOCK, CodebookFormatError, check_rows, read_layer_file
 from .gemv import (INLINE, SIM, _as_kernel_array, async_wait_all, check_activation, check_output, copy16_async, float2_to_half2,
-                   hadd2_to_float2, half2_to_float2, global_timer_lo, kernel_device, load16, load_byte_offset, max_shared_bytes, mma_table_tile,
-                   sload4, sm_count, sm_id, tuning_enabled, tuning_inputs, with_shared_limit)
+                   global_timer_lo, hadd2_to_float2, half2_to_float2, kernel_device, load16, load_byte_offset, max_shared_bytes,
+                   mma_table_tile, sload4, sm_count, sm_id, tuning_enabled, tuning_inputs, with_shared_limit)
 from .kmeans import check_finite
 from .tuning import PlanCache
 
@@ -62,8 +62,27 @@ OPTIN_SIM = 227 * 1024  # the simulator plans as if it had an H100's opt-in shar
 STATIC_LIMIT = 48 * 1024
 TOLERANCE = 2e-3  # as bench.TOLERANCE (bench imports this module, so the value is repeated)
 STAMPS = 6  # a block's timeline words (see residual_table_kernel)
-FINISH_LOADS = 16  # 16-byte loads in flight a thread in the table kernel's K-split finish (see _common_device_functions)
 TABLE_STEPS = (1, 2, 4, 8)  # groups (vectors) a table step of the table kernel: it must divide a chunk's 32
+# 16-byte loads in flight a thread in the table kernel's K-split finish (see _common_device_functions). 16 ran
+# 0.3-1 us slower than 8 on the H200 (data/_runs/residual-rb-probe-3b759ff-h200.json): the summing block is
+# bound by one SM's L2 reads (~60-70 GB/s), not by round trips.
+FINISH_LOADS = 8
+FINISH_FANIN = 4  # K-slices a level-one sum of the table kernel's two-level finish (see _common_device_functions)
+
+
+def _finish_runs(nsplit, fanin):
+    """Level-one sums of the table kernel's finish for ``nsplit`` K-slices in runs of ``fanin`` (0: one level)."""
+    return (nsplit + fanin - 1) // fanin if nsplit > fanin else 0
+
+
+def finish_sizes(ksplit: int, groups: int, fanin: int = FINISH_FANIN) -> tuple[int, int]:
+    """(slices of ws, counters) a table-kernel launch needs: the K-slices' partials and the level-one
+    sums' slots; a counter a row-group and a counter a row-group's run of ``fanin`` K-slices."""
+    runs = _finish_runs(ksplit, fanin)
+    return ksplit + runs, groups * (1 + runs)
+
+
+finish_runs = cuda.jit(device=True, **INLINE)(_finish_runs)
 
 
 def index_bits(Nm: int, Nr: int) -> tuple[int, int]:
@@ -556,7 +575,8 @@ def _word_loader(RB: int, WPC: int, lanes: int = 1):
     return load_words
 
 
-def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0, wide: bool = False):
+def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0, wide: bool = False,
+                             fanin: int = FINISH_FANIN):
     """What both residual kernels share: staging a K-slice of x, and writing the rows out.
 
     ``stage_x`` puts x[:, col0:col0+ncols] in shared memory as fp32 (times scale under a norm), ``pad``
@@ -565,33 +585,41 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0,
     then writes y (one K-slice) or the slice's partial, and the last block of a row-group to finish
     sums the partials (an atomic counter it resets, so the launch replays in a CUDA graph).
 
-    ``wide`` (the table kernel, whose blocks own whole row-groups of nt x RB rows): the last block
-    sums the partials in 16-byte loads, 4 consecutive rows a thread, SR K-slices a round (up to
-    :data:`FINISH_LOADS` 16-byte loads in flight a thread) instead of RB 4-byte loads a round for
-    each K-slice.
+    ``wide`` (the table kernel, whose blocks own whole row-groups of nt x RB rows): the partials are
+    summed in 16-byte loads, 4 consecutive rows a thread, SR K-slices a round (up to
+    :data:`FINISH_LOADS` 16-byte loads in flight a thread), and in two levels where there are more
+    than ``fanin`` K-slices: the last block of each run of ``fanin`` slices sums them
+    into a slot of ws after the K-slices' (``ws`` then has nsplit + ceil(nsplit / fanin) slices;
+    counters a row-group's run after the row-groups' counters; see :func:`finish_sizes`), and the
+    last of those sums the slots into y. One SM's L2 reads bound a summing block (~60-70 GB/s on
+    the H200), so the other level-one sums run while other blocks still work, and the last block
+    reads fanin + nsplit / fanin slices instead of nsplit. Every sum runs in slice order:
+    deterministic. ``finish`` returns 2 for the block that wrote y from the partials, 1 for a
+    level-one summer, 0 otherwise (the timeline's ``sums``).
     """
     from .gemv import last_to_finish, load_cg, load_cg4
+
+    FANIN = fanin
 
     NV = -(-RB // 4)  # 16-byte row quads a thread
     SR = max(1, FINISH_LOADS // (NV * B))  # K-slices a round
     TOT = NV * B * 4  # (local array sizes must be literals)
 
     @cuda.jit(device=True, **INLINE)
-    def sum_slices(ws, y, grp, rbs, n_out, tid):
-        # Every K-slice's partial is in ws (this block's too), summed in slice order: deterministic.
-        nsplit = cuda.gridDim.y
+    def sum_slices(ws, lo, hi, dst, y, grp, rbs, n_out, tid):
+        # ws[lo:hi] (this block's partial too) in slice order, into ws[dst] or, with dst < 0, into y.
         r0 = grp * (nt * RB)
         lim = min(r0 + nt * RB, rbs * 32)  # ws rows (a multiple of 4)
         tot = cuda.local.array(TOT, float32)
         for i in range(TOT):
             tot[i] = 0.0
-        sp0 = 0
-        while sp0 < nsplit:
+        sp0 = lo
+        while sp0 < hi:
             for k in range(SR):  # literal bounds: the loads of a round are in flight together
                 sp = sp0 + k
                 for v in range(NV):
                     row = r0 + 4 * (tid + v * nt)
-                    if sp < nsplit and row < lim:
+                    if sp < hi and row < lim:
                         for bb in range(B):
                             a0, a1, a2, a3 = load_cg4(ws, sp, bb, row)
                             o = (v * B + bb) * 4
@@ -604,9 +632,14 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0,
             row = r0 + 4 * (tid + v * nt)
             if row < lim:
                 for bb in range(B):
-                    for i in range(4):
-                        if row + i < n_out:
-                            y[bb, row + i] = tot[(v * B + bb) * 4 + i]
+                    o = (v * B + bb) * 4
+                    if dst >= 0:
+                        ws[dst, bb, row], ws[dst, bb, row + 1] = tot[o], tot[o + 1]
+                        ws[dst, bb, row + 2], ws[dst, bb, row + 3] = tot[o + 2], tot[o + 3]
+                    else:
+                        for i in range(4):
+                            if row + i < n_out:
+                                y[bb, row + i] = tot[o + i]
 
     @cuda.jit(device=True, **INLINE)
     def stage_x(x32, sc32, bi32, xs, xoff, col0, ncols, pb, tid):
@@ -679,9 +712,23 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0,
                         y[bb, row] = acc[r * B + bb]
                 elif own and rb < rbs:
                     ws[split, bb, row] = acc[r * B + bb]
-        if wide:
-            if nsplit > 1 and last_to_finish(counters, grp, nsplit, last, tid):
-                sum_slices(ws, y, grp, rbs, n_out, tid)
+        level = 0
+        if wide and nsplit > 1:
+            nsub = finish_runs(nsplit, FANIN)
+            if nsub == 0:
+                if last_to_finish(counters, grp, nsplit, last, tid):
+                    sum_slices(ws, 0, nsplit, -1, y, grp, rbs, n_out, tid)
+                    level = 2
+            else:
+                sub = split // FANIN
+                lo = sub * FANIN
+                hi = min(lo + FANIN, nsplit)
+                if last_to_finish(counters, cuda.gridDim.x + grp * nsub + sub, hi - lo, last, tid):
+                    sum_slices(ws, lo, hi, nsplit + sub, y, grp, rbs, n_out, tid)
+                    level = 1
+                    if last_to_finish(counters, grp, nsub, last, tid):
+                        sum_slices(ws, nsplit, nsplit + nsub, -1, y, grp, rbs, n_out, tid)
+                        level = 2
         elif nsplit > 1 and last_to_finish(counters, grp, nsplit, last, tid) and own:
             # K-slices outer, rows inner: the RB x B loads of a slice are independent, so they are in
             # flight together. (Rows outer made a chain of nsplit dependent L2 round trips a row, RB
@@ -698,6 +745,7 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0,
                 if row < n_out:
                     for bb in range(B):
                         y[bb, row] = acc[r * B + bb]
+        return level
 
     return stage_x, finish, add_bias_dot
 
@@ -944,7 +992,7 @@ def _table_source(b: int, G: int) -> str:
 
 
 def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int, norm: bool, cb_shared: bool = False,
-                          mma: bool = False, stamps: bool = False):
+                          mma: bool = False, stamps: bool = False, fanin: int = FINISH_FANIN):
     """The "table" residual-VQ GEMV (v2): lookups of dot products instead of codebook vectors.
 
     The K-slice of a block is walked in steps of G vectors (8G input columns). Each step, every
@@ -975,12 +1023,12 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     load before the step's table is built, so their latency hides behind the build.
     Arguments as :func:`residual_kernel`, with ``sps`` (steps a K-slice) in place of ``cps``.
 
-    The K-split finish is the wide one of :func:`_common_device_functions`. ``stamps`` (a timeline, see
-    :meth:`ResidualGemv.timeline`): thread 0 of each block writes its SM, the GPU clock at its start,
-    after its prologue (codebooks and x staged), after its last step and after its finish, and
-    whether it summed the K-slices, into ``counters`` after the row-groups' counters.
+    The K-split finish is the wide one of :func:`_common_device_functions`, in runs of ``fanin``.
+    ``stamps`` (a timeline, see :meth:`ResidualGemv.timeline`): thread 0 of each block writes its
+    SM, the GPU clock at its start, after its prologue (codebooks and x staged), after its last
+    step and after its finish, and what it summed, into ``counters`` after the finish's counters.
     """
-    key = ("residual-table", Nm, Nr, B, warps, RB, G, norm, cb_shared, mma, stamps)
+    key = ("residual-table", Nm, Nr, B, warps, RB, G, norm, cb_shared, mma, stamps, fanin)
     if key in _kernel_cache:
         return _kernel_cache[key]
     if G not in TABLE_STEPS:
@@ -1010,14 +1058,15 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     NTILES = (Nm + Nr) // 16  # mma M-tiles (16 entries each)
     TPW = -(-NTILES // warps)  # M-tiles a warp
     mma_tile = mma_table_tile(NT, BG, TS)
-    stage_x, finish, _ = _common_device_functions(B, nt, RB, norm, wide=True)
+    stage_x, finish, _ = _common_device_functions(B, nt, RB, norm, wide=True, fanin=fanin)
 
     load_words = _word_loader(RB, WPC)
 
     @cuda.jit(device=True, **INLINE)
     def stamp(counters, k, v):
-        if cuda.threadIdx.x == 0:
-            counters[cuda.gridDim.x + STAMPS * (cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x) + k] = int32(v)
+        if cuda.threadIdx.x == 0:  # after the finish's counters (see finish_sizes)
+            base = cuda.gridDim.x * (1 + finish_runs(cuda.gridDim.y, fanin))
+            counters[base + STAMPS * (cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x) + k] = int32(v)
 
     @cuda.jit(device=True, **INLINE)
     def dot8(w0, w1, w2, w3, xv, g):
@@ -1170,12 +1219,12 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
             j += 1
         if stamps:
             stamp(counters, 3, global_timer_lo())
-        finish(acc, pb, bpart, bred, last, y, ws, counters, cuda.blockIdx.x, True, rb0, rbs, n_out, tid)
+        level = finish(acc, pb, bpart, bred, last, y, ws, counters, cuda.blockIdx.x, True, rb0, rbs, n_out, tid)
         if stamps:
             stamp(counters, 4, global_timer_lo())
         if stamps:
             stamp(counters, 0, sm_id())
-            stamp(counters, 5, last[0] if cuda.gridDim.y > 1 else 1)
+            stamp(counters, 5, level if cuda.gridDim.y > 1 else 2)
 
     _kernel_cache[key] = kernel
     return kernel
@@ -1626,8 +1675,10 @@ class ResidualGemv:
         else:
             kern = residual_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.main == "shared", self.norm,
                                    split=plan.kind == "split", rc=plan.rc, lanes=plan.lanes)
-        ws = torch.empty(plan.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
-        counters = torch.zeros(plan.groups(self.rbs), dtype=torch.int32, device=self.device)
+        ngroups = plan.groups(self.rbs)
+        slices, ncount = finish_sizes(plan.ksplit, ngroups) if plan.kind == "table" else (plan.ksplit, ngroups)
+        ws = torch.empty(slices, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
+        counters = torch.zeros(ncount, dtype=torch.int32, device=self.device)
         # [kernel, plan, torch owners, views, grid, specialized kernel (made at first bind)]
         return [kern, plan, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters)), plan.grid(self.rbs), None]
 
@@ -1713,7 +1764,8 @@ class ResidualGemv:
 
         A DataFrame, a row a block: block_x (row-group), block_y (K-slice), sm, start, prologue,
         steps, finish (ns after the first block's start; in the simulator, a count of clock reads)
-        and summed (whether the block summed its row-group's K-slices). ``plan``: overrides, as for
+        and sums (2: the block summed its row-group's partials into y; 1: it summed a run of
+        K-slices, the first level of the finish; 0: neither). ``plan``: overrides, as for
         the constructor (by default this layer's plan, which must be a table plan). A diagnostic:
         the clock reads and their stores make the launch a little slower than an uninstrumented one."""
         import numpy as np
@@ -1727,21 +1779,21 @@ class ResidualGemv:
         kern = residual_table_kernel(self.Nm, self.Nr, B, p.warps, p.RB, p.G, self.norm, p.main == "shared", p.build == "mma",
                                      stamps=True)
         gx, gy = p.grid(self.rbs)
-        ngroups = p.groups(self.rbs)
-        ws = torch.empty(p.ksplit, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
-        counters = torch.zeros(ngroups + STAMPS * gx * gy, dtype=torch.int32, device=self.device)
+        slices, ncount = finish_sizes(p.ksplit, p.groups(self.rbs))
+        ws = torch.empty(slices, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
+        counters = torch.zeros(ncount + STAMPS * gx * gy, dtype=torch.int32, device=self.device)
         y = torch.empty(B, self.n_out, dtype=torch.float16, device=self.device)
         entry = [kern, p, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters)), (gx, gy), None]
         launch = self._launcher(entry, _as_kernel_array(x2.view(torch.int32)), _as_kernel_array(y), self._tiled, y)
         for _ in range(launches):
             launch()
-        st = counters[ngroups:].cpu().numpy().astype(np.int64).reshape(gy, gx, STAMPS) & 0xFFFFFFFF
+        st = counters[ncount:].cpu().numpy().astype(np.int64).reshape(gy, gx, STAMPS) & 0xFFFFFFFF
         t0 = st[..., 1].min()
         rel = (st[..., 1:5] - t0) % 2**32  # the clock's low word may wrap within the launch
         by, bx = np.meshgrid(np.arange(gy), np.arange(gx), indexing="ij")
         return pd.DataFrame(dict(block_x=bx.ravel(), block_y=by.ravel(), sm=st[..., 0].ravel(), start=rel[..., 0].ravel(),
                                  prologue=rel[..., 1].ravel(), steps=rel[..., 2].ravel(), finish=rel[..., 3].ravel(),
-                                 summed=st[..., 5].ravel() == 1))
+                                 sums=st[..., 5].ravel()))
 
     def dequantize(self, dtype=torch.float16, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The (out, in) weight, built on the device with torch ops (from a transient natural copy);
