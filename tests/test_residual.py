@@ -59,8 +59,9 @@ def test_kernel_matches_float64_reference(Nm, Nr, norm, batch, n_out, n_in, plan
         # the tuner's large-layer plan: codebook in shared memory, 8 row-blocks a warp (the 8th partly
         # padded), G = 2, an uneven K-split in steps (16 steps in slices of 6, 6, 4)
         (4096, 256, True, 250, 256, dict(kind="table", warps=1, RB=8, G=2, main="shared", ksplit=3)),
-        # codebook in registers, one group a step, K-slices that start inside a chunk (64 steps by 5s)
-        (4096, 512, False, 32, 512, dict(kind="table", warps=1, RB=1, G=1, main="registers", ksplit=13)),
+        # codebook in registers, one group a step, K-slices that start inside a chunk (64 steps by 5s),
+        # summed in two levels (runs of 4, 4, 4 and 1 K-slices)
+        (4096, 512, False, 32, 512, dict(kind="table", warps=1, RB=1, G=1, main="registers", ksplit=13, fanin=4)),
         # RB = 7: a row-group of 224 rows (200 used) whose finish leaves a quarter of its 16-byte quads idle
         (4096, 256, False, 200, 512, dict(kind="table", warps=1, RB=7, G=2, main="shared", ksplit=3)),
     ],
@@ -98,7 +99,7 @@ def test_table_kernel_timeline_stamps_every_block_in_order():
     # 40 rows in row-groups of 32: two row-groups, each split over 6 K-slices (12 blocks), summed in two
     # levels (runs of 4 and 2 K-slices, then the two runs' sums)
     t = random_residual_tensor(40, 256, 4096, 256, seed=5)
-    g = ResidualGemv(t, plan=dict(kind="table", warps=1, RB=1, G=2, main="shared", ksplit=6))
+    g = ResidualGemv(t, plan=dict(kind="table", warps=1, RB=1, G=2, main="shared", ksplit=6, fanin=4))
     x = x_for(256, 1)
     df = g.timeline(x, launches=2)  # the second launch: the counters reset themselves
     assert sorted(zip(df.block_x, df.block_y)) == [(bx, by) for bx in range(2) for by in range(6)]
@@ -228,14 +229,19 @@ def test_the_planner_picks_the_table_kernel_where_its_table_fits():
     assert plan_residual(4096, 16, 4096, 256, 8, **kw).kind == "gather"  # past TABLE_MAX_BATCH
     assert plan_residual(4096, 16, 4096, 256, 1, main="shared", **kw).kind == "gather"  # as before the table kernel
     for bad, match in ((dict(G=3), "G"), (dict(kind="table", RB=3), "RB"), (dict(kind="table", main="global"), "main codebook"),
-                       (dict(kind="bogus"), "kind"), (dict(kind="gather", G=2), "table-kernel options")):
+                       (dict(kind="bogus"), "kind"), (dict(kind="gather", G=2), "table-kernel options"),
+                       (dict(kind="split", fanin=4), "table-kernel options"), (dict(kind="table", fanin=1), "fanin")):
         with pytest.raises(ValueError, match=match):
             plan_residual(4096, 16, 4096, 256, 1, **bad, **kw)
     kinds = {(c.kind, c.main, c.build) for c in candidate_plans(4096, 16, 4096, 256, 1, 132, False, 227 * 1024)}
     assert kinds == {("table", "shared", "fma"), ("table", "registers", "fma"), ("table", "shared", "mma"), ("gather", "global", ""),
                      ("split", "shared", "")}
     m = plan_residual(28672, 16, 4096, 256, 1, build="mma", **kw)  # the tensor-core build takes 8 groups a step here...
-    assert (m.kind, m.G, m.RB) == ("table", 8, 8)
+    assert (m.kind, m.G, m.RB, m.fanin) == ("table", 8, 8, 0)
+    # the tuner also times row-groups of 3584 rows (8 of them divide 28672) and the finish in two levels
+    mma = {(c.RB, c.ksplit, c.fanin) for c in candidate_plans(28672, 16, 4096, 256, 1, 132, False, 227 * 1024) if c.build == "mma"}
+    assert mma == {(8, 16, 0), (8, 32, 0), (7, 16, 0), (8, 16, 4), (7, 16, 4)}, mma
+    assert plan_residual(28672, 16, 4096, 256, 1, build="mma", fanin=4, **kw).overrides()["fanin"] == 4
     assert plan_residual(28672, 64, 8192, 512, 1, build="mma", **kw).G == 2  # ...but only 2 beside 136 KiB of codebooks
     two = plan_residual(28672, 16, 4096, 256, 1, build="mma", main="global", warps=8, G=4, **kw)  # codebooks through L1
     assert two.shared_bytes == 4 * 4 * (4352 + 4) + 4 * two.cps * 32 < 113 * 1024  # two blocks an SM

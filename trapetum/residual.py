@@ -67,15 +67,17 @@ TABLE_STEPS = (1, 2, 4, 8)  # groups (vectors) a table step of the table kernel:
 # 0.3-1 us slower than 8 on the H200 (data/_runs/residual-rb-probe-3b759ff-h200.json): the summing block is
 # bound by one SM's L2 reads (~60-70 GB/s), not by round trips.
 FINISH_LOADS = 8
-FINISH_FANIN = 4  # K-slices a level-one sum of the table kernel's two-level finish (see _common_device_functions)
+# K-slices a level-one sum of the table kernel's two-level finish (see _common_device_functions); 0: one level.
+# A plan's ``fanin``; the tuner also times FINISH_FANIN where a plan has more than 8 K-slices.
+FINISH_FANIN = 4
 
 
 def _finish_runs(nsplit, fanin):
     """Level-one sums of the table kernel's finish for ``nsplit`` K-slices in runs of ``fanin`` (0: one level)."""
-    return (nsplit + fanin - 1) // fanin if nsplit > fanin else 0
+    return (nsplit + fanin - 1) // fanin if 0 < fanin < nsplit else 0
 
 
-def finish_sizes(ksplit: int, groups: int, fanin: int = FINISH_FANIN) -> tuple[int, int]:
+def finish_sizes(ksplit: int, groups: int, fanin: int = 0) -> tuple[int, int]:
     """(slices of ws, counters) a table-kernel launch needs: the K-slices' partials and the level-one
     sums' slots; a counter a row-group and a counter a row-group's run of ``fanin`` K-slices."""
     runs = _finish_runs(ksplit, fanin)
@@ -576,7 +578,7 @@ def _word_loader(RB: int, WPC: int, lanes: int = 1):
 
 
 def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0, wide: bool = False,
-                             fanin: int = FINISH_FANIN):
+                             fanin: int = 0):
     """What both residual kernels share: staging a K-slice of x, and writing the rows out.
 
     ``stage_x`` puts x[:, col0:col0+ncols] in shared memory as fp32 (times scale under a norm), ``pad``
@@ -587,8 +589,8 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0,
 
     ``wide`` (the table kernel, whose blocks own whole row-groups of nt x RB rows): the partials are
     summed in 16-byte loads, 4 consecutive rows a thread, SR K-slices a round (up to
-    :data:`FINISH_LOADS` 16-byte loads in flight a thread), and in two levels where there are more
-    than ``fanin`` K-slices: the last block of each run of ``fanin`` slices sums them
+    :data:`FINISH_LOADS` 16-byte loads in flight a thread), and, with ``fanin`` > 0, in two levels
+    where there are more than ``fanin`` K-slices: the last block of each run of ``fanin`` slices sums them
     into a slot of ws after the K-slices' (``ws`` then has nsplit + ceil(nsplit / fanin) slices;
     counters a row-group's run after the row-groups' counters; see :func:`finish_sizes`), and the
     last of those sums the slots into y. One SM's L2 reads bound a summing block (~60-70 GB/s on
@@ -604,29 +606,33 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0,
     NV = -(-RB // 4)  # 16-byte row quads a thread
     SR = max(1, FINISH_LOADS // (NV * B))  # K-slices a round
     TOT = NV * B * 4  # (local array sizes must be literals)
+    BUF = SR * TOT
 
     @cuda.jit(device=True, **INLINE)
     def sum_slices(ws, lo, hi, dst, y, grp, rbs, n_out, tid):
         # ws[lo:hi] (this block's partial too) in slice order, into ws[dst] or, with dst < 0, into y.
         r0 = grp * (nt * RB)
-        lim = min(r0 + nt * RB, rbs * 32)  # ws rows (a multiple of 4)
+        lim = min(r0 + nt * RB, rbs * 32)  # ws rows (a multiple of 4, past r0)
         tot = cuda.local.array(TOT, float32)
+        buf = cuda.local.array(BUF, float32)
         for i in range(TOT):
             tot[i] = 0.0
         sp0 = lo
         while sp0 < hi:
-            for k in range(SR):  # literal bounds: the loads of a round are in flight together
-                sp = sp0 + k
+            # A round's loads first, unconditional (indices clamped into ws), then its adds: issue is
+            # in order, so a load behind an add waits for the add's operand. (With each load and its
+            # adds under their own branch, the loads went out one after another: ~0.1 us each.)
+            for k in range(SR):
+                sp = min(sp0 + k, hi - 1)
                 for v in range(NV):
-                    row = r0 + 4 * (tid + v * nt)
-                    if sp < hi and row < lim:
-                        for bb in range(B):
-                            a0, a1, a2, a3 = load_cg4(ws, sp, bb, row)
-                            o = (v * B + bb) * 4
-                            tot[o] += a0
-                            tot[o + 1] += a1
-                            tot[o + 2] += a2
-                            tot[o + 3] += a3
+                    row = min(r0 + 4 * (tid + v * nt), lim - 4)
+                    for bb in range(B):
+                        o = ((k * NV + v) * B + bb) * 4
+                        buf[o], buf[o + 1], buf[o + 2], buf[o + 3] = load_cg4(ws, sp, bb, row)
+            for k in range(SR):
+                if sp0 + k < hi:  # the same for the whole block (rows past lim are summed, never written)
+                    for i in range(TOT):
+                        tot[i] += buf[k * TOT + i]
             sp0 += SR
         for v in range(NV):
             row = r0 + 4 * (tid + v * nt)
@@ -992,7 +998,7 @@ def _table_source(b: int, G: int) -> str:
 
 
 def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int, norm: bool, cb_shared: bool = False,
-                          mma: bool = False, stamps: bool = False, fanin: int = FINISH_FANIN):
+                          mma: bool = False, stamps: bool = False, fanin: int = 0):
     """The "table" residual-VQ GEMV (v2): lookups of dot products instead of codebook vectors.
 
     The K-slice of a block is walked in steps of G vectors (8G input columns). Each step, every
@@ -1250,13 +1256,14 @@ class ResidualPlan:
     G: int = 0  # table: groups a step
     build: str = ""  # table: "fma" (scalar multiply-adds) or "mma" (tensor cores, v3)
     blocks: int = 0  # split: blocks along the rows, each walking row-groups (0: one a row-group)
+    fanin: int = 0  # table: K-slices a level-one sum of the finish (0: one level; see _common_device_functions)
     rc: int = 1  # split: copies of the residual codebook in shared memory (see residual_kernel)
     lanes: int = 1  # split: lane groups a warp (row-groups of 32 / lanes rows; see residual_kernel)
 
     def overrides(self) -> dict:
         """The keyword arguments of :func:`plan_residual` that rebuild this plan (for ``ResidualGemv(plan=...)``)."""
         d = dict(kind=self.kind, warps=self.warps, RB=self.RB, ksplit=self.ksplit, main=self.main)
-        return d | ({"G": self.G, "build": self.build} if self.kind == "table" else {}) | (
+        return d | ({"G": self.G, "build": self.build} | ({"fanin": self.fanin} if self.fanin else {}) if self.kind == "table" else {}) | (
             {"blocks": self.blocks, "rc": self.rc} | ({"lanes": self.lanes} if self.lanes > 1 else {}) if self.kind == "split" else {})
 
     def groups(self, rbs: int) -> int:
@@ -1294,7 +1301,8 @@ def _grow_ksplit(plan, ksplit: int, nchunks: int) -> "ResidualPlan":
 def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool = False, budget: int = OPTIN_SIM,
                   warps: int | None = None, RB: int | None = None, ksplit: int | None = None, main: str | None = None,
                   kind: str | None = None, G: int | None = None, build: str | None = None,
-                  blocks: int | None = None, rc: int | None = None, lanes: int | None = None) -> ResidualPlan:
+                  blocks: int | None = None, rc: int | None = None, lanes: int | None = None,
+                  fanin: int | None = None) -> ResidualPlan:
     """Grid shape for one layer. ``kind`` picks the kernel: "table" (:func:`residual_table_kernel`,
     the default up to batch :data:`TABLE_MAX_BATCH`) or "gather" (:func:`residual_kernel`).
 
@@ -1315,9 +1323,9 @@ def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, 
         raise ValueError("blocks, rc and lanes are split-kernel options")
     if kind == "table":
         return plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ksplit, G=G, main=main,
-                          build=build)
-    if G is not None or build is not None:
-        raise ValueError("G (groups a table step) and build are table-kernel options")
+                          build=build, fanin=fanin)
+    if G is not None or build is not None or fanin is not None:
+        raise ValueError("G (groups a table step), build and fanin are table-kernel options")
     if kind == "split":
         return plan_split(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ksplit, blocks=blocks, rc=rc, lanes=lanes,
                           main=main)
@@ -1455,7 +1463,7 @@ def table_bytes(Nm: int, Nr: int, B: int, G: int, steps: int, main: str = "regis
 
 def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool = False, budget: int = OPTIN_SIM,
                warps: int | None = None, RB: int | None = None, ksplit: int | None = None, G: int | None = None,
-               main: str | None = None, build: str | None = None) -> ResidualPlan:
+               main: str | None = None, build: str | None = None, fanin: int | None = None) -> ResidualPlan:
     """Table-kernel plan. Without overrides: 16 warps, the main codebook in shared memory, RB up to
     8 row-blocks a warp (4096 rows a block share each table: building a table costs (Nm + Nr) x 8
     multiply-adds a step, so a vector-row pays (Nm + Nr) x 8 / rows of them; at RB = 2 that was 34,
@@ -1465,7 +1473,8 @@ def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
 
     ``build="mma"`` (v3) builds the table on the tensor cores: both codebooks in shared memory, and
     by default the largest G up to 8 whose tables fit (an mma makes 8 table columns, B x G of them
-    a step, so small G wastes most of it)."""
+    a step, so small G wastes most of it). ``fanin``: the K-split finish in two levels (see
+    :func:`_common_device_functions`); by default one."""
     warps = warps or 16
     if warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"warps must be a power of two from 1 to 32, got {warps}")
@@ -1507,13 +1516,17 @@ def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
     if static + dyn > budget:
         raise ValueError(f"plan needs {static + dyn} bytes of shared memory (a {B} x {G} x {Nm + Nr} fp32 table and "
                          f"{sps * 8 * G} columns of x, batch {B}); the block may use {budget}: lower G or raise ksplit")
-    return ResidualPlan(warps, ksplit, sps, RB, main, dyn, static, kind="table", G=G, build=build)
+    fanin = fanin or 0
+    if fanin < 0 or fanin == 1:
+        raise ValueError(f"fanin (K-slices a level-one sum of the finish) must be 0 (one level) or at least 2, got {fanin}")
+    return ResidualPlan(warps, ksplit, sps, RB, main, dyn, static, kind="table", G=G, build=build, fanin=fanin)
 
 
 def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool, budget: int) -> list[ResidualPlan]:
     """What the tuner times. Batches up to :data:`TABLE_MAX_BATCH`: the table kernel's heuristic plan
     with one, two and four waves of K-slices, its register-codebook variant at RB <= 2, its
-    tensor-core build (v3) with one and two waves, and the
+    tensor-core build (v3) with one and two waves (and at RB = 7, and with the finish in two levels
+    where a plan has more than 8 K-slices), and the
     gather kernel's heuristic plan (three kernels: each takes seconds to compile), and where that
     plan leaves SMs idle, gather blocks of 2 and 1 warps over every chunk, and the split kernel's
     heuristic plan. Gather kernel (larger
@@ -1533,7 +1546,7 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
             return
         gx, gy = p.grid(rbs)
         blocks = gx * gy
-        k = (p.kind, p.warps, p.RB, p.main, p.ksplit, p.G, p.build, p.blocks, p.rc, p.lanes)
+        k = (p.kind, p.warps, p.RB, p.main, p.ksplit, p.G, p.build, p.blocks, p.rc, p.lanes, p.fanin)
         if k not in seen and blocks <= 16 * sms:
             seen.add(k)
             out.append(p)
@@ -1557,8 +1570,12 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
         if m is not None:
             for ks in (m.ksplit, 2 * m.ksplit):
                 add(kind="table", RB=m.RB, G=m.G, main="shared", warps=m.warps, ksplit=ks, build="mma")
-            if m.RB == 8:
-                add(kind="table", RB=7, G=m.G, main="shared", warps=m.warps, build="mma")
+            for RB in (m.RB, 7) if m.RB == 8 else (m.RB,):
+                p = plan_or_none(kind="table", RB=RB, G=m.G, main="shared", warps=m.warps, build="mma")
+                if p is not None and RB != m.RB:
+                    add(**p.overrides())
+                if p is not None and p.ksplit > 8:  # the finish in two levels
+                    add(**p.overrides(), fanin=FINISH_FANIN)
             # (Not timed: two 8-warp blocks an SM with the codebooks read through L1, main="global".
             # Measured at 64be687 it ran 1.6-2.6x slower than this plan at every shape probed.)
         add(kind="gather")
@@ -1671,12 +1688,12 @@ class ResidualGemv:
     def _launch_parts(self, B: int, plan: ResidualPlan) -> list:
         if plan.kind == "table":
             kern = residual_table_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.G, self.norm, plan.main == "shared",
-                                         plan.build == "mma")
+                                         plan.build == "mma", fanin=plan.fanin)
         else:
             kern = residual_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.main == "shared", self.norm,
                                    split=plan.kind == "split", rc=plan.rc, lanes=plan.lanes)
         ngroups = plan.groups(self.rbs)
-        slices, ncount = finish_sizes(plan.ksplit, ngroups) if plan.kind == "table" else (plan.ksplit, ngroups)
+        slices, ncount = finish_sizes(plan.ksplit, ngroups, plan.fanin) if plan.kind == "table" else (plan.ksplit, ngroups)
         ws = torch.empty(slices, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
         counters = torch.zeros(ncount, dtype=torch.int32, device=self.device)
         # [kernel, plan, torch owners, views, grid, specialized kernel (made at first bind)]
@@ -1777,9 +1794,9 @@ class ResidualGemv:
         if p.kind != "table":
             raise ValueError(f"timeline times the table kernel; this layer's plan is a {p.kind} plan: pass plan=dict(kind='table', ...)")
         kern = residual_table_kernel(self.Nm, self.Nr, B, p.warps, p.RB, p.G, self.norm, p.main == "shared", p.build == "mma",
-                                     stamps=True)
+                                     stamps=True, fanin=p.fanin)
         gx, gy = p.grid(self.rbs)
-        slices, ncount = finish_sizes(p.ksplit, p.groups(self.rbs))
+        slices, ncount = finish_sizes(p.ksplit, p.groups(self.rbs), p.fanin)
         ws = torch.empty(slices, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
         counters = torch.zeros(ncount + STAMPS * gx * gy, dtype=torch.int32, device=self.device)
         y = torch.empty(B, self.n_out, dtype=torch.float16, device=self.device)
