@@ -148,6 +148,8 @@ report.styled(report.fp16_baseline_inversions(df))
 # stopped at its time limit after the first codebook pair, the next measured only the layers of 1024
 # outputs of the second pair, the newest only the 8192-main layers of 1024 outputs and 1024 or 2048 inputs,
 # the last slower than fp16 before it; the third and fourth also stopped at their time limit before the grid's end;
+# the H200's newest runs each measured one or two codebook pairs, some only the layers of 14336 outputs and more,
+# as the table kernel's K-split finish changed (described below);
 # the book takes each configuration from the newest run that measured it):
 #
 
@@ -191,6 +193,42 @@ report.styled(report.residual_choices(df))
 
 # %%
 report.styled(report.residual_buffers_trial(folder))
+
+# %% [markdown]
+# ### The table kernel's K-split finish
+#
+# Where does the idle time go? A block timeline answers: an instrumented copy of the kernel
+# (`ResidualGemv.timeline`) has thread 0 of every block read the GPU's nanosecond clock at the block's
+# start, after its prologue (codebooks and x staged), after its last table step and after its finish,
+# and write them beside its SM. Below, one launch at 4096 x 28672 (4096+256) for each version of the
+# finish the probes timed. Every block of a row-group writes its K-slice's partial sums to global
+# memory, and the last to finish sums them into y. In v3 that block read one K-slice a round, 4 bytes a
+# row, while every other SM of the GPU waited: the red bars reach far past the end of everyone's steps.
+# The finish now reads 16 bytes (4 rows) a thread and several K-slices a round. Two more changes came
+# from the same pictures. Row-groups of 3584 rows (RB = 7), which 28672 and 14336 outputs divide
+# evenly, fill 128 SMs where RB = 8 gave 112 blocks, or gave 14336 outputs a last row-group half empty.
+# And a two-level finish has the last block of each run of 4 K-slices sum its run while others still
+# work, then the last of those sum the runs; it won where a layer has 32 K-slices (14336 outputs) and
+# lost where it has 16 or fewer.
+#
+# The timelines still showed each sum taking far longer than its bytes need, and the kernel's PTX showed
+# why: each 16-byte load sat under its own branch together with the adds that use it, and a warp issues
+# in order, so every load waited for the one before it to arrive. Reading more K-slices a round could
+# not help while that was so. The current kernel issues a round's loads together, before its adds, and
+# its tuner times one level against two and RB = 7 against 8. It was checked against float64 on the GPU,
+# outputs poisoned, but not probed on its own: this session's GPU time went to the grid runs above. Those
+# runs do not record which finish the tuner chose for a layer; records made after them do.
+
+# %% mystnb={"figure": {"caption": "One launch of the tensor-core table kernel at 4096 x 28672 (4096+256, H200), a bar a block, for each finish the probes timed (the probe's commit in brackets). Grey: prologue; blue: table steps; then the finish: light grey where the block only wrote its partial, orange where it summed a run of K-slices, red where it summed the partials into y. Instrumented launches with the words partly L2-resident, so shorter than the CUDA-graph timings. Random weights.", "name": "fig-residual-timeline"}}
+report.fig_residual_timeline(folder)
+
+# %% [markdown]
+# Each probe's variants at the large layers, timed in the probe's process (CUDA-graph replays over copies of
+# the words that exceed the L2, median of three interleaved rounds; each variant at its fastest K-split;
+# the probe's correctness checks against float64 in brackets). Random weights, real shapes:
+
+# %%
+report.styled(report.residual_finish_trial(folder))
 
 # %% [markdown]
 # The full grid in the seed's table format. *VPTQ speedup* columns are the seeds' torch time

@@ -642,3 +642,63 @@ def test_residual_buffers_trial_compares_one_and_two_table_buffers(tmp_path):
     assert (b["one buffer, fastest (us)"], b["one buffer, two-buffer G (us)"], b["two / one, same G"]) == (42.5, 47.0, 50.0 / 47.0)
     assert np.isnan(b["split, fastest (us)"]) and b["in x out"] == "4096 x 28672" and b["codebooks"] == "4096+256"
     assert report.residual_buffers_trial(tmp_path / "nothing").empty
+
+
+def _finish_probes(tmp_path):
+    import json
+
+    def t(us, **kw):
+        return {"kind": "time", "Nm": 4096, "Nr": 256, "n_in": 4096, "n_out": 28672, "fp16_us": 56.0, "us": us,
+                "variant": "table", "plan": "{'RB': 8}"} | kw
+
+    def tl(**kw):  # two blocks of one row-group; the second summed the K-slices
+        blocks = {"block_x": [0, 0], "block_y": [0, 1], "sm": [3, 4], "start": [0, 100], "prologue": [2000, 2100],
+                  "steps": [20000, 21000], "finish": [21000, 30000]}
+        return {"kind": "timeline", "Nm": 4096, "Nr": 256, "n_in": 4096, "n_out": 28672, "plan": "{'RB': 8}"} | kw | {"blocks": blocks}
+
+    (tmp_path / "_runs").mkdir()
+    summed = {"summed": [False, True]}
+    probes = {"residual-fin-probe-a-h200.json": ("aaaaaaa1", [{"kind": "check", "passed": True}, t(42.0, finish="rows", ksplit=16),
+                                                              t(44.0, finish="rows", ksplit=32), t(36.0, finish="wide", ksplit=16),
+                                                              t(44.5, finish="split", variant="split"),
+                                                              tl(wide=False) | {"blocks": tl()["blocks"] | summed},
+                                                              tl(wide=True) | {"blocks": tl()["blocks"] | summed}]),
+              "residual-rb-probe-b-h200.json": ("bbbbbbb2", [t(36.5, finish_loads=8, RB=8), t(37.0, finish_loads=16, RB=8),
+                                                             t(35.0, finish_loads=16, RB=7, plan="{'RB': 7}"),
+                                                             t(14.0, finish_loads=16, RB=7, Nr=512)]),
+              "residual-fan-probe-c-h200.json": ("ccccccc3", [t(37.0, fanin=64, RB=8), t(37.4, fanin=4, RB=8), t(34.6, fanin=64, RB=7),
+                                                              t(34.9, fanin=4, RB=7), t(44.3, fanin=None, variant="split", RB=1),
+                                                              tl(fanin=4, plan="{'RB': 7}") | {"blocks": tl()["blocks"] | {"sums": [1, 2]}},
+                                                              tl(fanin=4, n_out=14336)])}
+    for i, (name, (commit, recs)) in enumerate(probes.items()):
+        prov = {"gpu": "NVIDIA H200", "git_commit": commit, "date": f"2026-11-30T0{i}"}
+        (tmp_path / "_runs" / name).write_text(json.dumps({"provenance": prov, "records": recs}))
+
+
+def test_residual_finish_trial_names_each_probes_variants(tmp_path):
+    _finish_probes(tmp_path)
+    d = report.residual_finish_trial(tmp_path)
+    assert d["probe"].tolist() == ["aaaaaaa (1/1 checks)", "bbbbbbb (0/0 checks)", "bbbbbbb (0/0 checks)", "ccccccc (0/0 checks)"]
+    a = d.iloc[0]  # v3's fastest K-split; the wide finish; the split plan
+    assert (a[report.TABLE_FINISH_V3], a[report.TABLE_FINISH_WIDE], a["split"]) == (42.0, 36.0, 44.5)
+    assert a["fastest table variant x fp16"] == 56.0 / 36.0
+    b = d.iloc[1]
+    assert (b[report.TABLE_FINISH_WIDE], b[report.TABLE_FINISH_WIDE8], b[report.TABLE_FINISH_WIDE8 + ", RB 7"]) == (36.5, 37.0, 35.0)
+    assert np.isnan(b[report.TABLE_FINISH_V3]) and d.iloc[2]["codebooks"] == "4096+512"
+    c = d.iloc[3]  # fanin 64 is one level at every K-split the probe timed
+    assert (c[report.TABLE_FINISH_WIDE], c[report.TABLE_FINISH_TWO], c[report.TABLE_FINISH_WIDE + ", RB 7"], c[report.TABLE_FINISH_TWO + ", RB 7"]) == (37.0, 37.4, 34.6, 34.9)
+    assert list(d.columns[-2:]) == ["split", "fastest table variant x fp16"]
+    assert report.residual_finish_trial(tmp_path / "nothing").empty
+
+
+def test_residual_timelines_and_their_figure(tmp_path):
+    _finish_probes(tmp_path)
+    tl = report.residual_timelines(tmp_path)
+    assert [label for label, _ in tl] == [f"{report.TABLE_FINISH_V3} (aaaaaaa)", f"{report.TABLE_FINISH_WIDE} (aaaaaaa)",
+                                         f"{report.TABLE_FINISH_TWO}, RB 7 (ccccccc)"]  # the 14336-output timeline is another shape's
+    b = tl[0][1]
+    assert b["sums"].tolist() == [0, 2] and b["finish"].tolist() == [21.0, 30.0]  # "summed" read as sums; us
+    assert tl[2][1]["sums"].tolist() == [1, 2]
+    fig = report.fig_residual_timeline(tmp_path)
+    assert len(fig.axes) == 3 and fig.axes[0].get_title(loc="left").startswith(report.TABLE_FINISH_V3)
+    assert report.residual_timelines(tmp_path, shape=(1024, 1024)) == []

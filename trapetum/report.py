@@ -2489,6 +2489,126 @@ def residual_buffers_trial(folder=None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+# The residual table kernel's K-split finish (session 65): three probes, each timing its variants in one process.
+RESIDUAL_FINISH_PROBES = ("_runs/residual-fin-probe-*.json", "_runs/residual-rb-probe-*.json", "_runs/residual-fan-probe-*.json")
+TABLE_FINISH_V3 = "v3: 4-byte loads, 1 slice a round"
+TABLE_FINISH_WIDE = "16-byte loads, 4 slices a round"
+TABLE_FINISH_WIDE8 = "16-byte loads, 8 slices a round"
+TABLE_FINISH_TWO = "two levels (runs of 4)"
+TABLE_FINISHES = (TABLE_FINISH_V3, TABLE_FINISH_WIDE, TABLE_FINISH_WIDE8, TABLE_FINISH_TWO)
+
+
+def _finish_variant(r: dict) -> str | None:
+    """A finish probe record's variant (with ", RB 7" for row-groups of 3584 rows); "split" for the split
+    kernel's plan; None for what no variant names."""
+    if r.get("variant") == "split":
+        return "split"
+    rb = r.get("RB")
+    if rb is None or (isinstance(rb, float) and np.isnan(rb)):
+        m = re.search(r"'RB': (\d+)", str(r.get("plan", "")))
+        rb = int(m.group(1)) if m else 8
+    if r.get("finish") == "rows":
+        v = TABLE_FINISH_V3
+    elif r.get("finish") == "wide" or r.get("finish_loads") == 8 or r.get("fanin") == 64:
+        v = TABLE_FINISH_WIDE  # (fanin 64: one level for every K-split the probe timed)
+    elif r.get("finish_loads") == 16:
+        v = TABLE_FINISH_WIDE8
+    elif r.get("fanin") == 4:
+        v = TABLE_FINISH_TWO
+    else:
+        return None
+    return v + (", RB 7" if int(rb) == 7 else "")
+
+
+def _finish_probe_records(folder, kind: str):
+    """(probe label, provenance, records of ``kind``) of each finish probe, oldest first."""
+    for pattern in RESIDUAL_FINISH_PROBES:
+        for _, prov, recs in _probe_files(folder, pattern):
+            checks = [r for r in recs if r.get("kind") == "check"]
+            label = f"{str(prov.get('git_commit'))[:7]} ({sum(bool(c['passed']) for c in checks)}/{len(checks)} checks)"
+            yield label, prov, [r for r in recs if r.get("kind") == kind]
+
+
+def residual_finish_trial(folder=None) -> pd.DataFrame:
+    """The table kernel's K-split finish variants, one row a probe, codebook pair and shape, all timed in
+    the probe's process (CUDA-graph replays over L2-rotated words, median of three interleaved rounds):
+    each variant's fastest K-split in us, the split kernel's plan beside them, torch fp16, and the fastest
+    variant's speedup over fp16. Blank where a probe did not time a variant."""
+    rows = []
+    for label, prov, recs in _finish_probe_records(folder, "time"):
+        t = pd.DataFrame(recs)
+        if t.empty:
+            continue
+        t["what"] = [_finish_variant(r) for r in recs]
+        t = t[t["what"].notna()]
+        for (Nm, Nr, n_in, n_out), g in t.groupby(["Nm", "Nr", "n_in", "n_out"], sort=False):
+            row = {"probe": label, "GPU": gpu_label(prov.get("gpu", "")), "codebooks": f"{int(Nm)}+{int(Nr)}",
+                   "in x out": shape_label((int(n_in), int(n_out))), "torch fp16 (us)": float(g["fp16_us"].iloc[0])}
+            best = g.groupby("what")["us"].min()
+            row |= {w: float(best[w]) for w in best.index}
+            table = best.drop("split", errors="ignore")
+            row["fastest table variant x fp16"] = row["torch fp16 (us)"] / float(table.min()) if len(table) else np.nan
+            rows.append(row)
+    out = pd.DataFrame(rows)
+    if out.empty:
+        return out
+    order = [v + rb for v in TABLE_FINISHES for rb in ("", ", RB 7")] + ["split"]
+    lead = ["probe", "GPU", "codebooks", "in x out", "torch fp16 (us)"]
+    return out[lead + [c for c in order if c in out] + ["fastest table variant x fp16"]]
+
+
+def residual_timelines(folder=None, shape=(4096, 28672), codebooks=(4096, 256)) -> list[tuple[str, pd.DataFrame]]:
+    """The finish probes' block timelines (:meth:`trapetum.residual.ResidualGemv.timeline`) of one shape and
+    codebook pair, oldest first: (a label of the probe and variant, a DataFrame a row a block, times in us)."""
+    out = []
+    for label, _, recs in _finish_probe_records(folder, "timeline"):
+        for r in recs:
+            if (r["n_in"], r["n_out"]) != tuple(shape) or (r["Nm"], r["Nr"]) != tuple(codebooks):
+                continue
+            if "wide" in r:
+                what = TABLE_FINISH_WIDE if r["wide"] else TABLE_FINISH_V3
+            elif "finish_loads" in r:
+                what = TABLE_FINISH_WIDE8 if r["finish_loads"] == 16 else TABLE_FINISH_WIDE
+            else:
+                what = TABLE_FINISH_TWO if r.get("fanin") == 4 else TABLE_FINISH_WIDE
+            rb = re.search(r"'RB': (\d+)", r["plan"])
+            what += ", RB 7" if rb and rb.group(1) == "7" else ""
+            b = pd.DataFrame(r["blocks"])
+            if "summed" in b:  # the first probe's: a block summed its row-group's K-slices or not
+                b["sums"] = np.where(b.pop("summed"), 2, 0)
+            for c in ("start", "prologue", "steps", "finish"):
+                b[c] = b[c] / 1e3
+            out.append((f"{what} ({label.split()[0]})", b))
+    return out
+
+
+def fig_residual_timeline(folder=None, shape=(4096, 28672), codebooks=(4096, 256)) -> Figure:
+    """One launch of the tensor-core table kernel, a bar a block (sorted by start): the prologue (codebooks
+    and x staged), the table steps, and the finish, coloured by what the block summed. One panel a probe's
+    timeline (:func:`residual_timelines`), all on one time axis."""
+    tl = residual_timelines(folder, shape, codebooks)
+    colours = {0: "#bbbbbb", 1: "#f0a030", 2: "#d62728"}
+    with _style():
+        fig = Figure(figsize=(9, 1.5 + 1.45 * max(1, len(tl))), layout="constrained")
+        axes = np.atleast_1d(fig.subplots(max(1, len(tl)), 1, sharex=True))
+        for ax, (label, b) in zip(axes, tl):
+            b = b.sort_values(["start", "block_x", "block_y"]).reset_index(drop=True)
+            y = np.arange(len(b))
+            ax.barh(y, b["prologue"] - b["start"], left=b["start"], height=1.0, color="#8c8c8c", linewidth=0)
+            ax.barh(y, b["steps"] - b["prologue"], left=b["prologue"], height=1.0, color="#4c72b0", linewidth=0)
+            ax.barh(y, b["finish"] - b["steps"], left=b["steps"], height=1.0, color=[colours[int(v)] for v in b["sums"]], linewidth=0)
+            ax.set_ylim(-0.5, len(b) - 0.5)
+            ax.set_yticks([])
+            ax.set_ylabel(f"{len(b)} blocks", fontsize=8)
+            ax.set_title(label, fontsize=9, loc="left")
+        axes[-1].set_xlabel("us after the first block's start (one launch, instrumented)")
+        handles = [mpl.patches.Patch(color=c, label=t) for c, t in
+                   (("#8c8c8c", "prologue"), ("#4c72b0", "table steps"), (colours[0], "finish: partial written"),
+                    (colours[1], "finish: summed a run of K-slices"), (colours[2], "finish: summed the partials into y"))]
+        fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
+    return fig
+
+
 VQ_TARGETS = {"faster than fp16": 114, "geometric mean": 3.0, "min at in x out >= 4096 x 28672": 4.0, "2-bit additive at >= 4096 x 14336": 5.0,
               "4-bit additive at >= 4096 x 14336": 3.0}
 

@@ -63,9 +63,9 @@ STATIC_LIMIT = 48 * 1024
 TOLERANCE = 2e-3  # as bench.TOLERANCE (bench imports this module, so the value is repeated)
 STAMPS = 6  # a block's timeline words (see residual_table_kernel)
 TABLE_STEPS = (1, 2, 4, 8)  # groups (vectors) a table step of the table kernel: it must divide a chunk's 32
-# 16-byte loads in flight a thread in the table kernel's K-split finish (see _common_device_functions). 16 ran
-# 0.3-1 us slower than 8 on the H200 (data/_runs/residual-rb-probe-3b759ff-h200.json): the summing block is
-# bound by one SM's L2 reads (~60-70 GB/s), not by round trips.
+# 16-byte loads a thread a round of the table kernel's K-split finish (see _common_device_functions). 16 ran
+# 0.3-1 us slower than 8 on the H200 (data/_runs/residual-rb-probe-3b759ff-h200.json), but there a round's
+# loads still went out one after another (fixed in a1128cf); 16 with the loads issued together is untimed.
 FINISH_LOADS = 8
 # K-slices a level-one sum of the table kernel's two-level finish (see _common_device_functions); 0: one level.
 # A plan's ``fanin``; the tuner also times FINISH_FANIN where a plan has more than 8 K-slices.
@@ -1924,4 +1924,4 @@ def time_residual(n_in: int, n_out: int, Nm: int, Nr: int, batch: int, fp16_ms: 
                        bits_per_weight=(nbytes - 2 * batch * (n_in + n_out)) * 8 / (n_in * n_out), norm=with_norm,
                        ksplit=p.ksplit, warps=p.warps, rb=p.RB, main_placement=p.main, variant=p.kind, G=p.G,
                        build=p.build or None, rc=p.rc if p.kind == "split" else None,
-                       lanes=p.lanes if p.kind == "split" else None)
+                       lanes=p.lanes if p.kind == "split" else None, fanin=p.fanin if p.kind == "table" else None)
