@@ -211,13 +211,17 @@ report.styled(report.residual_buffers_trial(folder))
 # work, then the last of those sum the runs; it won where a layer has 32 K-slices (14336 outputs) and
 # lost where it has 16 or fewer.
 #
-# The timelines still showed each sum taking far longer than its bytes need, and the kernel's PTX showed
-# why: each 16-byte load sat under its own branch together with the adds that use it, and a warp issues
-# in order, so every load waited for the one before it to arrive. Reading more K-slices a round could
-# not help while that was so. The current kernel issues a round's loads together, before its adds, and
-# its tuner times one level against two and RB = 7 against 8. It was checked against float64 on the GPU,
-# outputs poisoned, but not probed on its own: this session's GPU time went to the grid runs above. Those
-# runs do not record which finish the tuner chose for a layer; records made after them do.
+# The timelines still showed each sum taking longer than its bytes seem to need, and the kernel's PTX
+# had each 16-byte load under its own branch together with the adds that use it: a warp issues in
+# order, so each load of a round went out only after the one before it had arrived. The current kernel
+# issues a round's loads together, before its adds, and its tuner times one level against two and
+# RB = 7 against 8. It was checked against float64 on the GPU, outputs poisoned, but not probed on its
+# own: the session's GPU time went to the grid runs above. Those runs do not record which finish the
+# tuner chose for a layer (records made after them do), and at these layers they are within a few per
+# cent of the run before, whose loads still went out one by one, faster at some and slower at others
+# (the last table below). So the serial loads were
+# not what holds the summing block back; what does is still open. The next measurement is the same
+# timeline of the current kernel.
 
 # %% mystnb={"figure": {"caption": "One launch of the tensor-core table kernel at 4096 x 28672 (4096+256, H200), a bar a block, for each finish the probes timed (the probe's commit in brackets). Grey: prologue; blue: table steps; then the finish: light grey where the block only wrote its partial, orange where it summed a run of K-slices, red where it summed the partials into y. Instrumented launches with the words partly L2-resident, so shorter than the CUDA-graph timings. Random weights.", "name": "fig-residual-timeline"}}
 report.fig_residual_timeline(folder)
@@ -229,6 +233,13 @@ report.fig_residual_timeline(folder)
 
 # %%
 report.styled(report.residual_finish_trial(folder))
+
+# %% [markdown]
+# The same layers in the H200's grid runs of those commits, each run with its own tuned plans (our
+# kernel's time; fp16 of the newest run beside it). Random weights, real shapes:
+
+# %%
+report.styled(report.residual_finish_runs(folder))
 
 # %% [markdown]
 # The full grid in the seed's table format. *VPTQ speedup* columns are the seeds' torch time

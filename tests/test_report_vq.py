@@ -702,3 +702,18 @@ def test_residual_timelines_and_their_figure(tmp_path):
     fig = report.fig_residual_timeline(tmp_path)
     assert len(fig.axes) == 3 and fig.axes[0].get_title(loc="left").startswith(report.TABLE_FINISH_V3)
     assert report.residual_timelines(tmp_path, shape=(1024, 1024)) == []
+
+
+def test_residual_finish_runs_put_the_runs_side_by_side(tmp_path):
+    base = {"gpu": "NVIDIA H200", "command": "trapetum vq", "copy_gbps": 4000.0}
+    grid = [r for r in synthetic_vq(4000.0) if r["grid"] == "residual" and r["main_centroids"] == 4096 and r["residual_centroids"] == 256]
+    for commit, date, f in (("57969e4aaa", "2026-11-30T09:54:00+00:00", 1.0), ("a1128cfbbb", "2026-11-30T10:25:00+00:00", 0.5),
+                            ("0ther00ccc", "2026-11-30T11:00:00+00:00", 0.25)):  # the last: a commit the table does not show
+        recs = [dict(r, time_ms=r["time_ms"] * f) for r in grid if r["out_features"] >= 14336 and (f < 1 or r["in_features"] != 1024)]
+        results.save(report.VQ, recs, dict(base, git_commit=commit, date=date), folder=tmp_path)
+    t = report.residual_finish_runs(tmp_path).set_index("in x out")
+    assert t.columns.tolist() == ["torch fp16, a1128cf 10:25 (us)", "ours, 57969e4 09:54 (us)", "ours, a1128cf 10:25 (us)"]
+    assert t.index[:2].tolist() == ["1024 x 14336", "2048 x 14336"] and len(t) == 15  # by outputs, then inputs
+    assert np.isnan(t.loc["1024 x 14336", "ours, 57969e4 09:54 (us)"])  # not measured by that run
+    assert np.isclose(t.loc["4096 x 28672", "ours, a1128cf 10:25 (us)"] * 2, t.loc["4096 x 28672", "ours, 57969e4 09:54 (us)"])
+    assert report.residual_finish_runs(tmp_path, gpu="NVIDIA H100").empty

@@ -2582,6 +2582,31 @@ def residual_timelines(folder=None, shape=(4096, 28672), codebooks=(4096, 256)) 
     return out
 
 
+def residual_finish_runs(folder=None, gpu: str = "NVIDIA H200", commits=("57969e4", "3ef86cc", "a1128cf"), Nm: int = 4096,
+                         Nr: int = 256, min_out: int = 14336) -> pd.DataFrame:
+    """Our kernel's time (us) at the grid's layers of at least ``min_out`` outputs, one column a recorded run
+    of one of ``commits`` on ``gpu`` (the table kernel's finishes of session 65: 16-byte loads; RB = 7 and
+    two levels with a round's loads one after another; those loads issued together and one level or two
+    tuned), and torch fp16 of the newest of those runs. Each run tuned its own plans."""
+    d = load_vq_runs(folder, "residual")
+    if d.empty:
+        return pd.DataFrame()
+    d = d[d["time_ms"].notna() & (d["gpu"] == gpu) & (d["main_centroids"].astype(int) == Nm)
+          & (d["residual_centroids"].astype(int) == Nr) & (d["out_features"].astype(int) >= min_out)]
+    d = d[d["git_commit"].astype(str).str[:7].isin(commits)]
+    if d.empty:
+        return pd.DataFrame()
+    d = d.assign(shape=[shape_label((int(a), int(b))) for a, b in zip(d["in_features"], d["out_features"])],
+                 run=d["git_commit"].astype(str).str[:7] + " " + d["date"].astype(str).str[11:16], us=d["time_ms"] * 1e3)
+    order = d.groupby("run")["date"].min().sort_values().index.tolist()
+    shapes = d.sort_values(["out_features", "in_features"])["shape"].unique()
+    out = d.pivot_table(index="shape", columns="run", values="us").reindex(index=shapes, columns=order)
+    newest = d[d["run"] == order[-1]].set_index("shape")["fp16_ms"] * 1e3
+    out.insert(0, f"torch fp16, {order[-1]} (us)", newest.reindex(shapes))
+    out.columns = [c if c.startswith("torch") else f"ours, {c} (us)" for c in out.columns]
+    return out.reset_index().rename(columns={"shape": "in x out"})
+
+
 def fig_residual_timeline(folder=None, shape=(4096, 28672), codebooks=(4096, 256)) -> Figure:
     """One launch of the tensor-core table kernel, a bar a block (sorted by start): the prologue (codebooks
     and x staged), the table steps, and the finish, coloured by what the block summed. One panel a probe's
