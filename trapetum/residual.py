@@ -593,10 +593,10 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0,
     where there are more than ``fanin`` K-slices: the last block of each run of ``fanin`` slices sums them
     into a slot of ws after the K-slices' (``ws`` then has nsplit + ceil(nsplit / fanin) slices;
     counters a row-group's run after the row-groups' counters; see :func:`finish_sizes`), and the
-    last of those sums the slots into y. One SM's L2 reads bound a summing block (~60-70 GB/s on
-    the H200), so the other level-one sums run while other blocks still work, and the last block
-    reads fanin + nsplit / fanin slices instead of nsplit. Every sum runs in slice order:
-    deterministic. ``finish`` returns 2 for the block that wrote y from the partials, 1 for a
+    last of those sums the slots into y: the level-one sums run while other blocks still work, and
+    the last block reads fanin + nsplit / fanin slices instead of nsplit, for one more counter
+    handshake (on the H200 it won at 32 K-slices and lost at 16 or fewer, so the tuner times both;
+    NOTES.md, session 65). Every sum runs in slice order: deterministic. ``finish`` returns 2 for the block that wrote y from the partials, 1 for a
     level-one summer, 0 otherwise (the timeline's ``sums``).
     """
     from .gemv import last_to_finish, load_cg, load_cg4
@@ -1228,7 +1228,6 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         level = finish(acc, pb, bpart, bred, last, y, ws, counters, cuda.blockIdx.x, True, rb0, rbs, n_out, tid)
         if stamps:
             stamp(counters, 4, global_timer_lo())
-        if stamps:
             stamp(counters, 0, sm_id())
             stamp(counters, 5, level if cuda.gridDim.y > 1 else 2)
 
@@ -1255,8 +1254,8 @@ class ResidualPlan:
     kind: str = "gather"
     G: int = 0  # table: groups a step
     build: str = ""  # table: "fma" (scalar multiply-adds) or "mma" (tensor cores, v3)
-    blocks: int = 0  # split: blocks along the rows, each walking row-groups (0: one a row-group)
     fanin: int = 0  # table: K-slices a level-one sum of the finish (0: one level; see _common_device_functions)
+    blocks: int = 0  # split: blocks along the rows, each walking row-groups (0: one a row-group)
     rc: int = 1  # split: copies of the residual codebook in shared memory (see residual_kernel)
     lanes: int = 1  # split: lane groups a warp (row-groups of 32 / lanes rows; see residual_kernel)
 
@@ -1685,19 +1684,21 @@ class ResidualGemv:
         return plan_residual(self.n_out, self.nchunks, self.Nm, self.Nr, B, sm_count(self.device), self.norm,
                              shared_budget(self.device), **over)
 
-    def _launch_parts(self, B: int, plan: ResidualPlan) -> list:
+    def _launch_parts(self, B: int, plan: ResidualPlan, stamps: bool = False) -> list:
+        # stamps (table plans: see timeline): the instrumented kernel, and room for its stamps after the counters
         if plan.kind == "table":
             kern = residual_table_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.G, self.norm, plan.main == "shared",
-                                         plan.build == "mma", fanin=plan.fanin)
+                                         plan.build == "mma", stamps=stamps, fanin=plan.fanin)
         else:
             kern = residual_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.main == "shared", self.norm,
                                    split=plan.kind == "split", rc=plan.rc, lanes=plan.lanes)
         ngroups = plan.groups(self.rbs)
         slices, ncount = finish_sizes(plan.ksplit, ngroups, plan.fanin) if plan.kind == "table" else (plan.ksplit, ngroups)
         ws = torch.empty(slices, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
-        counters = torch.zeros(ncount, dtype=torch.int32, device=self.device)
+        gx, gy = plan.grid(self.rbs)
+        counters = torch.zeros(ncount + (STAMPS * gx * gy if stamps else 0), dtype=torch.int32, device=self.device)
         # [kernel, plan, torch owners, views, grid, specialized kernel (made at first bind)]
-        return [kern, plan, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters)), plan.grid(self.rbs), None]
+        return [kern, plan, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters)), (gx, gy), None]
 
     def _prepare(self, B: int) -> list:
         if B not in self._plans:
@@ -1793,14 +1794,11 @@ class ResidualGemv:
         p = self._plan_for(B, **plan) if plan is not None else self.plan(B)
         if p.kind != "table":
             raise ValueError(f"timeline times the table kernel; this layer's plan is a {p.kind} plan: pass plan=dict(kind='table', ...)")
-        kern = residual_table_kernel(self.Nm, self.Nr, B, p.warps, p.RB, p.G, self.norm, p.main == "shared", p.build == "mma",
-                                     stamps=True, fanin=p.fanin)
-        gx, gy = p.grid(self.rbs)
-        slices, ncount = finish_sizes(p.ksplit, p.groups(self.rbs), p.fanin)
-        ws = torch.empty(slices, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
-        counters = torch.zeros(ncount + STAMPS * gx * gy, dtype=torch.int32, device=self.device)
+        entry = self._launch_parts(B, p, stamps=True)
+        gx, gy = entry[4]
+        counters = entry[2][1]
+        ncount = counters.numel() - STAMPS * gx * gy
         y = torch.empty(B, self.n_out, dtype=torch.float16, device=self.device)
-        entry = [kern, p, (ws, counters), (_as_kernel_array(ws), _as_kernel_array(counters)), (gx, gy), None]
         launch = self._launcher(entry, _as_kernel_array(x2.view(torch.int32)), _as_kernel_array(y), self._tiled, y)
         for _ in range(launches):
             launch()
