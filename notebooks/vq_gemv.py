@@ -166,7 +166,8 @@ report.styled(report.residual_versions(folder))
 # reads of shared memory, a few passes a warp. Runs that had the split kernel pick it at most small
 # and mid layers, and at nearly every size with 8192 main centroids; with its residual-codebook copies
 # (the newest runs) it also takes most of the large layers, leaving the tensor-core table a few of
-# the largest with 4096 main centroids.
+# the largest with 4096 main centroids. On the H200, since the table kernel's finish was reworked (below),
+# the table takes most layers of 14336 outputs and more with 4096 main centroids, and split the rest.
 # NOTES.md has each version's prediction and why it missed.
 #
 
