@@ -1645,14 +1645,15 @@ def _probe_files(folder, pattern: str):
         yield name, data["provenance"], data["records"]
 
 
-def _probe_runs(folder, pattern: str, short: bool = False):
+def _probe_runs(folder, pattern: str, short: bool = False, kind: str = "time"):
     """Each probe file under ``folder`` matching ``pattern``, oldest first: (provenance, a label of its
-    commit and how many correctness checks passed before it timed anything, its timing records)."""
+    commit and how many correctness checks passed before it timed anything, its records of ``kind``:
+    timings by default)."""
     for _, prov, recs in _probe_files(folder, pattern):
         checks = [r for r in recs if r.get("kind") == "check"]
         commit = str(prov.get("git_commit"))
         label = f"{commit[:7] if short else commit} ({sum(bool(c['passed']) for c in checks)}/{len(checks)} checks)"
-        yield prov, label, pd.DataFrame([r for r in recs if r.get("kind") == "time"])
+        yield prov, label, pd.DataFrame([r for r in recs if r.get("kind") == kind])
 
 
 def additive_queue_trial(folder=None) -> pd.DataFrame:
@@ -2499,17 +2500,18 @@ TABLE_FINISHES = (TABLE_FINISH_V3, TABLE_FINISH_WIDE, TABLE_FINISH_WIDE8, TABLE_
 
 
 def _finish_variant(r: dict) -> str | None:
-    """A finish probe record's variant (with ", RB 7" for row-groups of 3584 rows); "split" for the split
-    kernel's plan; None for what no variant names."""
+    """A finish probe record's variant (with ", RB 7" for row-groups of 3584 rows), timing or timeline;
+    "split" for the split kernel's plan; None for what no variant names."""
     if r.get("variant") == "split":
         return "split"
     rb = r.get("RB")
     if rb is None or (isinstance(rb, float) and np.isnan(rb)):
         m = re.search(r"'RB': (\d+)", str(r.get("plan", "")))
         rb = int(m.group(1)) if m else 8
-    if r.get("finish") == "rows":
+    finish = r.get("finish", {True: "wide", False: "rows"}.get(r.get("wide")))  # (the first probe's timelines say "wide")
+    if finish == "rows":
         v = TABLE_FINISH_V3
-    elif r.get("finish") == "wide" or r.get("finish_loads") == 8 or r.get("fanin") == 64:
+    elif finish == "wide" or r.get("finish_loads") == 8 or r.get("fanin") == 64:
         v = TABLE_FINISH_WIDE  # (fanin 64: one level for every K-split the probe timed)
     elif r.get("finish_loads") == 16:
         v = TABLE_FINISH_WIDE8
@@ -2520,13 +2522,10 @@ def _finish_variant(r: dict) -> str | None:
     return v + (", RB 7" if int(rb) == 7 else "")
 
 
-def _finish_probe_records(folder, kind: str):
-    """(probe label, provenance, records of ``kind``) of each finish probe, oldest first."""
+def _finish_probe_runs(folder, kind: str = "time"):
+    """:func:`_probe_runs` over the finish probes (:data:`RESIDUAL_FINISH_PROBES`), oldest first within each."""
     for pattern in RESIDUAL_FINISH_PROBES:
-        for _, prov, recs in _probe_files(folder, pattern):
-            checks = [r for r in recs if r.get("kind") == "check"]
-            label = f"{str(prov.get('git_commit'))[:7]} ({sum(bool(c['passed']) for c in checks)}/{len(checks)} checks)"
-            yield label, prov, [r for r in recs if r.get("kind") == kind]
+        yield from _probe_runs(folder, pattern, short=True, kind=kind)
 
 
 def residual_finish_trial(folder=None) -> pd.DataFrame:
@@ -2535,11 +2534,10 @@ def residual_finish_trial(folder=None) -> pd.DataFrame:
     each variant's fastest K-split in us, the split kernel's plan beside them, torch fp16, and the fastest
     variant's speedup over fp16. Blank where a probe did not time a variant."""
     rows = []
-    for label, prov, recs in _finish_probe_records(folder, "time"):
-        t = pd.DataFrame(recs)
+    for prov, label, t in _finish_probe_runs(folder):
         if t.empty:
             continue
-        t["what"] = [_finish_variant(r) for r in recs]
+        t["what"] = [_finish_variant(r) for r in t.to_dict("records")]
         t = t[t["what"].notna()]
         for (Nm, Nr, n_in, n_out), g in t.groupby(["Nm", "Nr", "n_in", "n_out"], sort=False):
             row = {"probe": label, "GPU": gpu_label(prov.get("gpu", "")), "codebooks": f"{int(Nm)}+{int(Nr)}",
@@ -2561,18 +2559,11 @@ def residual_timelines(folder=None, shape=(4096, 28672), codebooks=(4096, 256)) 
     """The finish probes' block timelines (:meth:`trapetum.residual.ResidualGemv.timeline`) of one shape and
     codebook pair, oldest first: (a label of the probe and variant, a DataFrame a row a block, times in us)."""
     out = []
-    for label, _, recs in _finish_probe_records(folder, "timeline"):
-        for r in recs:
-            if (r["n_in"], r["n_out"]) != tuple(shape) or (r["Nm"], r["Nr"]) != tuple(codebooks):
+    for _, label, t in _finish_probe_runs(folder, "timeline"):
+        for r in t.to_dict("records"):
+            what = _finish_variant(r)
+            if (r["n_in"], r["n_out"]) != tuple(shape) or (r["Nm"], r["Nr"]) != tuple(codebooks) or what is None:
                 continue
-            if "wide" in r:
-                what = TABLE_FINISH_WIDE if r["wide"] else TABLE_FINISH_V3
-            elif "finish_loads" in r:
-                what = TABLE_FINISH_WIDE8 if r["finish_loads"] == 16 else TABLE_FINISH_WIDE
-            else:
-                what = TABLE_FINISH_TWO if r.get("fanin") == 4 else TABLE_FINISH_WIDE
-            rb = re.search(r"'RB': (\d+)", r["plan"])
-            what += ", RB 7" if rb and rb.group(1) == "7" else ""
             b = pd.DataFrame(r["blocks"])
             if "summed" in b:  # the first probe's: a block summed its row-group's K-slices or not
                 b["sums"] = np.where(b.pop("summed"), 2, 0)

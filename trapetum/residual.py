@@ -601,8 +601,6 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0,
     """
     from .gemv import last_to_finish, load_cg, load_cg4
 
-    FANIN = fanin
-
     NV = -(-RB // 4)  # 16-byte row quads a thread
     SR = max(1, FINISH_LOADS // (NV * B))  # K-slices a round
     TOT = NV * B * 4  # (local array sizes must be literals)
@@ -720,15 +718,15 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0,
                     ws[split, bb, row] = acc[r * B + bb]
         level = 0
         if wide and nsplit > 1:
-            nsub = finish_runs(nsplit, FANIN)
+            nsub = finish_runs(nsplit, fanin)
             if nsub == 0:
                 if last_to_finish(counters, grp, nsplit, last, tid):
                     sum_slices(ws, 0, nsplit, -1, y, grp, rbs, n_out, tid)
                     level = 2
             else:
-                sub = split // FANIN
-                lo = sub * FANIN
-                hi = min(lo + FANIN, nsplit)
+                sub = split // fanin
+                lo = sub * fanin
+                hi = min(lo + fanin, nsplit)
                 if last_to_finish(counters, cuda.gridDim.x + grp * nsub + sub, hi - lo, last, tid):
                     sum_slices(ws, lo, hi, nsplit + sub, y, grp, rbs, n_out, tid)
                     level = 1
