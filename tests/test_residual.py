@@ -14,7 +14,7 @@ from trapetum.bench import TOLERANCE
 from trapetum.codebook import CodebookFormatError
 from trapetum.gemv import max_rel_err
 from trapetum.residual import (ResidualGemv, ResidualTensor, candidate_plans, pack_indices, plan_residual, quantize_residual,
-                               random_residual_tensor, reference, unpack_indices)
+                               random_residual_tensor, reference, skew_indices, unpack_indices)
 
 pytestmark = pytest.mark.skipif(
     not gemv.SIM and os.environ.get("NUMBA_ENABLE_CUDASIM") == "0", reason="NUMBA_ENABLE_CUDASIM=0: written for the CUDA simulator"
@@ -93,6 +93,63 @@ def test_tensor_core_table_matches_float64_reference(Nm, Nr, norm, batch, n_out,
     codebooks = 0 if plan.get("main") == "global" else 16 * (Nm + Nr)
     assert p.shared_bytes == codebooks + 4 * batch * plan["G"] * (Nm + Nr + 4) + 4 * batch * p.cps * 8 * plan["G"]
     check(g, t, x_for(n_in, batch, seed=batch))
+
+
+@pytest.mark.parametrize(
+    "Nm, Nr, norm, n_out, n_in, plan, xscale",
+    [
+        # v6, the banked fp16 table: 2 row-blocks (the second 8 rows), 2 chunks = 4 steps of 16 groups in
+        # K-slices of 2 (the second half of each step's words loaded row by row after the first half)
+        (4096, 256, False, 40, 512, dict(kind="table", warps=1, RB=2, build="banked", ksplit=2), 1.0),
+        # 9-bit residual indices (fields of 21 bits straddle words), a norm, codebooks read from global
+        # memory, and x and codebooks large enough that the entries are scaled down by 2**s to stay in fp16
+        (4096, 512, True, 32, 256, dict(kind="table", warps=2, RB=1, build="banked", ksplit=1, main="global"), 300.0),
+    ],
+)
+def test_banked_table_matches_float64_reference(Nm, Nr, norm, n_out, n_in, plan, xscale):
+    t = random_residual_tensor(n_out, n_in, Nm, Nr, seed=n_out, with_norm=norm)
+    if xscale > 1:
+        t = ResidualTensor(t.indices, t.main * 64, t.res * 64, n_in, n_out, t.scale, t.bias)
+    g = ResidualGemv(t, plan=plan)
+    p = g.plan(1)
+    assert (p.kind, p.build, p.G, p.ksplit) == ("table", "banked", 16, plan["ksplit"])
+    codebooks = 0 if plan.get("main") == "global" else 16 * (Nm + Nr)
+    assert p.shared_bytes == codebooks + 32 * (Nm + Nr) + 4 * p.cps * 8 * 16
+    x = (x_for(n_in, 1, seed=n_out).float() * xscale).half()
+    # past the headroom (gemv.FP16_HEADROOM): the kernel scales this layer's entries by 2**-1
+    assert xscale < 10 or float(x.abs().max()) * float(torch.cat([t.main, t.res]).float().abs().sum(-1).max()) > 2**14
+    check(g, t, x)
+    assert torch.equal(g.t.indices, t.indices)  # the natural words, not the skewed ones
+
+
+def test_skewed_words_rotate_each_lanes_fields_and_come_back():
+    t = random_residual_tensor(64, 512, 4096, 512, seed=3)
+    s = skew_indices(t.indices, 4096, 512, rows=24)  # slabs that do not align with the 32-row blocks
+    im, ir = unpack_indices(t.indices, 4096, 512)
+    sm, sr = unpack_indices(s, 4096, 512)
+    for r in (0, 1, 2, 33, 63):
+        k = (r % 32) // 2
+        for i in (0, 5, 15, 16, 31, 63):
+            j = i - i % 16 + (i % 16 + k) % 16
+            assert (sm[r, i], sr[r, i]) == (im[r, j], ir[r, j])
+    assert torch.equal(skew_indices(s, 4096, 512, inverse=True), t.indices)
+    with pytest.raises(ValueError, match="divide"):
+        skew_indices(t.indices, 4096, 512, G=3)
+
+
+def test_banked_plans_are_batch_1_with_16_groups():
+    kw = dict(sms=132, budget=227 * 1024)
+    p = plan_residual(28672, 16, 4096, 256, 1, build="banked", **kw)
+    assert (p.G, p.RB, p.ksplit, p.cps) == (16, 8, 16, 2)
+    for bad, match in ((dict(B=2), "batch-1"), (dict(G=8), "G = 16"), (dict(main="registers"), "shared memory")):
+        args = dict(B=1) | bad
+        with pytest.raises(ValueError, match=match):
+            plan_residual(28672, 16, 4096, 256, args.pop("B"), build="banked", **args, **kw)
+    with pytest.raises(ValueError, match="fp16 table"):  # 8192 + 512: 272 KiB of tables
+        plan_residual(28672, 16, 8192, 512, 1, build="banked", main="global", **kw)
+    banked = {(c.RB, c.ksplit, c.fanin) for c in candidate_plans(28672, 16, 4096, 256, 1, 132, False, 227 * 1024) if c.build == "banked"}
+    assert banked == {(8, 16, 0), (8, 32, 0), (7, 16, 0), (8, 16, 4), (7, 16, 4)}, banked
+    assert not [c for c in candidate_plans(28672, 16, 4096, 256, 2, 132, False, 227 * 1024) if c.build == "banked"]
 
 
 def test_table_kernel_timeline_stamps_every_block_in_order():

@@ -38,6 +38,7 @@ from numba import cuda, float32, int32, int64, uint16, uint32
 
 from .codebook import CHUNK_BYTES, ROW_BLOCK, CodebookFormatError, _sha, check_rows, read_layer_file, untile
 from .gemv import (
+    FP16_HEADROOM,
     INLINE,
     ClusterBounds,
     MAX_FUSED_BATCH,
@@ -51,6 +52,7 @@ from .gemv import (
     bits_float,
     cluster_sync,
     clusters_available,
+    codebook_exponent,
     check_activation,
     check_fused,
     check_ops,
@@ -725,9 +727,6 @@ def lut_stride(M: int, mma: bool) -> int:
 
 
 TABLES = {"fp32": 4, "fp16": 2}  # table entry types and their bytes
-# An fp16 entry is kept below 2**15 by a power-of-two factor (see additive_kernel): 2**(14 - FP16_HEADROOM)
-# bounds |x| times a codebook entry's L1 norm before any scaling is needed.
-FP16_HEADROOM = 29
 # The streaming and chunk kernels' tables: entries below 2**13 (two powers of two more headroom), so the four
 # lookups of a code word sum in fp16 (gemv.half_sum4) below 2**15.
 STREAM_FP16_HEADROOM = FP16_HEADROOM - 2
@@ -744,13 +743,6 @@ def check_table(table: str, mma: bool) -> None:
 def lut_bytes(M: int, bt: int, cps: int, mma: bool, table: str = "fp32") -> int:
     """Dynamic shared memory of a block: the table of bt batch rows x cps chunk columns."""
     return TABLES[table] * bt * cps * groups_per_chunk(M) * lut_stride(M, mma)
-
-
-def codebook_exponent(codebooks: torch.Tensor) -> int:
-    """The least e with every codebook entry's L1 norm below 2**e: with max |x| below 2**(x_e - 14),
-    every table entry is below 2**(e + x_e - 14), which the fp16 table scales under 2**15."""
-    l1 = float(codebooks.float().abs().sum(-1).max())
-    return math.frexp(l1)[1] if l1 > 0 else 0
 
 
 def residual_add(post: str):

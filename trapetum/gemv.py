@@ -841,6 +841,18 @@ else:
 INLINE = {} if SIM else {"forceinline": True}  # cuda.jit options of device functions that must inline
 
 
+# An fp16 table entry is kept below 2**15 by a power-of-two factor (additive and residual table kernels):
+# 2**(14 - FP16_HEADROOM) bounds |x| times a codebook entry's L1 norm before any scaling is needed.
+FP16_HEADROOM = 29
+
+
+def codebook_exponent(codebooks: torch.Tensor) -> int:
+    """The least e with every codebook entry's L1 norm below 2**e: with max |x| below 2**(x_e - 14),
+    every table entry is below 2**(e + x_e - 14), which an fp16 table scales under 2**15."""
+    l1 = float(codebooks.float().abs().sum(-1).max())
+    return math.frexp(l1)[1] if l1 > 0 else 0
+
+
 def mma_table_tile(NT: int, BG: int, PS: int, half: bool = False):
     """The tensor-core table builds' shared step (residual and additive kernels): one M-tile of 16
     table entries (A fragments ``a0``, ``a1``) times the ``NT`` N-tiles of x (B fragments ``bx``),

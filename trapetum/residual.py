@@ -43,13 +43,14 @@ import warnings
 import torch
 
 from .codebook import ROW_BLOCK, CodebookFormatError, check_rows, read_layer_file
-from .gemv import (INLINE, SIM, _as_kernel_array, async_wait_all, check_activation, check_output, copy16_async, float2_to_half2,
-                   global_timer_lo, hadd2_to_float2, half2_to_float2, kernel_device, load16, load_byte_offset, max_shared_bytes,
-                   mma_table_tile, sload4, sm_count, sm_id, tuning_enabled, tuning_inputs, with_shared_limit)
+from .gemv import (FP16_HEADROOM, INLINE, SIM, _as_kernel_array, async_wait_all, check_activation, check_output, codebook_exponent,
+                   copy16_async, float2_to_half2, global_timer_lo, hadd2_to_float2, half2_to_float2, kernel_device, load16,
+                   load_byte_offset, load_half_byte_offset, max_shared_bytes, mma_m16n8k8, mma_table_tile, sload4, sm_count, sm_id,
+                   tuning_enabled, tuning_inputs, warp_max_u32, with_shared_limit)
 from .kmeans import check_finite
 from .tuning import PlanCache
 
-from numba import cuda, float32, int32, uint32  # noqa: E402  (gemv set numba's environment first)
+from numba import cuda, float32, int32, int64, uint32  # noqa: E402  (gemv set numba's environment first)
 
 FORMAT_VERSION = 1
 KIND = "residual-vector-codebook"
@@ -521,6 +522,24 @@ def tile_indices(words: torch.Tensor, out_features: int, b: int) -> torch.Tensor
     return words.reshape(rbs, ROW_BLOCK, nchunks, b).permute(0, 2, 3, 1).contiguous().reshape(-1)
 
 
+def skew_indices(words: torch.Tensor, Nm: int, Nr: int, G: int = 16, inverse: bool = False, rows: int = 4096) -> torch.Tensor:
+    """The banked table kernel's order of a row's fields (natural (out, n_words) words in and out): in
+    each run of G vectors of row r, position i holds vector (i + k) % G, k = (r % 32) // (32 // G), the
+    group offset of the lane that owns the row (see ``banked`` in :func:`residual_table_kernel`);
+    ``inverse`` undoes it. Works through ``rows`` rows at a time."""
+    if G < 1 or 32 % G or VECS_PER_CHUNK % G:
+        raise ValueError(f"G must divide 32, got {G}")
+    out = torch.empty_like(words)
+    for r0 in range(0, words.shape[0], rows):
+        w = words[r0:r0 + rows]
+        im, ir = unpack_indices(w, Nm, Nr)
+        k = (torch.arange(r0, r0 + w.shape[0], device=w.device) % 32) // (32 // G)
+        i = torch.arange(im.shape[1], device=w.device)
+        src = (i - i % G)[None, :] + (i % G + (-k if inverse else k)[:, None]) % G
+        out[r0:r0 + rows] = pack_indices(im.gather(1, src), ir.gather(1, src), Nm, Nr)
+    return out
+
+
 def untile_indices(tiled: torch.Tensor, out_features: int, n_words: int, b: int, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """The natural (out, n_words) int32 words back from :func:`tile_indices` (a copy); ``rows=(r0, r1)``
     (r0 a multiple of 32): only those rows, untiling only their row-blocks."""
@@ -547,6 +566,20 @@ def _step_layout(b: int, G: int) -> list[tuple[int, int, list]]:
     return out
 
 
+def _row_loader(WPC: int):
+    """``load_row(dst, off, tiled, rb, lane, ok, nchunks, j, w_lo, nw)``: words w_lo .. w_lo + nw - 1 of
+    chunk j of row ``lane`` of row-block rb into dst[off ...] (zeros where ``ok`` is false)."""
+    zero = int32(0)
+
+    @cuda.jit(device=True, **INLINE)
+    def load_row(dst, off, tiled, rb, lane, ok, nchunks, j, w_lo, nw):
+        base = uint32((rb * nchunks + j) * (WPC * 32) + w_lo * 32) + lane
+        for q in range(nw):
+            dst[off + q] = tiled[base + uint32(q * 32)] if ok else zero
+
+    return load_row
+
+
 def _word_loader(RB: int, WPC: int, lanes: int = 1):
     """Both residual kernels' index-word load: ``load_words(dst, off, stride, tiled, rb0, rbs,
     nchunks, j, w_lo, nw, valid)`` puts words w_lo .. w_lo + nw - 1 of chunk j of this lane's row in
@@ -558,8 +591,8 @@ def _word_loader(RB: int, WPC: int, lanes: int = 1):
     ``lanes`` S > 1 (the split kernel's lane split, RB = 1): rb0 names a group of 32 / S rows, the
     (rb0 % S)-th of row-block rb0 // S, and lane l reads row l % (32 / S) of it (its caller passes
     each lane its own chunk j)."""
-    zero = int32(0)
     S, R = uint32(lanes), uint32(32 // lanes)
+    load_row = _row_loader(WPC)
 
     @cuda.jit(device=True, **INLINE)
     def load_words(dst, off, stride, tiled, rb0, rbs, nchunks, j, w_lo, nw, valid):
@@ -569,10 +602,7 @@ def _word_loader(RB: int, WPC: int, lanes: int = 1):
             rb0 = g // S
             lane = (g - rb0 * S) * R + (lane & (R - uint32(1)))
         for r in range(RB):
-            ok = valid and rb0 + r < rbs
-            base = uint32(((rb0 + r) * nchunks + j) * (WPC * 32) + w_lo * 32) + lane
-            for q in range(nw):
-                dst[off + r * stride + q] = tiled[base + uint32(q * 32)] if ok else zero
+            load_row(dst, off + r * stride, tiled, rb0 + r, lane, valid and rb0 + r < rbs, nchunks, j, w_lo, nw)
 
     return load_words
 
@@ -879,7 +909,7 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     # A split block is one an SM by design (it stages both codebooks): launch bounds let ptxas size its
     # registers for the whole block (unbounded, 32 warps at RB = 1 took 100 registers and could not launch).
     @cuda.jit(**({"launch_bounds": (nt, 1)} if split and not SIM else {}))
-    def kernel(x32, tiled, mainq, resq_g, sc32, bi32, y, ws, counters, n_out, rbs, nchunks, cps):
+    def kernel(x32, tiled, mainq, resq_g, sc32, bi32, y, ws, counters, n_out, rbs, nchunks, cps, cbexp):  # (cbexp: the table kernel's)
         bpart = cuda.shared.array(bpart_size, float32)
         bred = cuda.shared.array(bred_size, float32)
         last = cuda.shared.array(1, int32)
@@ -982,21 +1012,49 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
 def _table_source(b: int, G: int) -> str:
     """chunk_steps: the table steps of one chunk, every word index and bit offset a constant (as int32(...):
     see :func:`_chunk_source`)."""
-    lines = ["def chunk_steps(j, q0, q1, ncols, wreg, tiled, rb0, rbs, nchunks, tab, tabi, cbm, cbr, xv, acc, tid, mainq, resq):"]
+    lines = [CHUNK_STEPS_DEF]
     for s, (w_lo, nw, fields) in enumerate(_step_layout(b, G)):
         lines += [f"    q = j * {VECS_PER_CHUNK // G} + {s}",
                   "    if q >= q0 and q < q1:",
                   f"        load_words(wreg, 0, WS, tiled, rb0, rbs, nchunks, j, int32({w_lo}), int32({nw}), True)",
                   "        cuda.syncthreads()",
-                  "        build(tab, tabi, cbm, cbr, xv, (q - q0) * G8, ncols, tid, mainq, resq)",
+                  "        build(tab, tabi, cbm, cbr, xv, (q - q0) * G8, ncols, tid, mainq, resq, cbexp)",
                   "        cuda.syncthreads()"]
         lines += [f"        look(wreg, int32({rel}), int32({sh}), int32({int(st)}), int32({gi}), tab, acc)"
                   for gi, (rel, sh, st) in enumerate(fields)]
     return "\n".join(lines) + "\n"
 
 
+CHUNK_STEPS_DEF = "def chunk_steps(j, q0, q1, ncols, wreg, tiled, rb0, rbs, nchunks, tab, tabi, cbm, cbr, xv, acc, tid, mainq, resq, cbexp):"
+
+
+def _banked_source(b: int, RB: int) -> str:
+    """chunk_steps of the banked table (v6): steps of BANKED_G vectors whose fields are looked up in two
+    halves (the words of G = 8 steps), so a row holds no more words than at G = 8: each row's
+    second-half words load, into the first half's registers, as soon as that row's first half is
+    looked up, behind the other rows' lookups."""
+    halves = _step_layout(b, BANKED_G // 2)
+    lines = [CHUNK_STEPS_DEF, "    lane = uint32(cuda.laneid)"]
+    for s in range(VECS_PER_CHUNK // BANKED_G):
+        (wa, na, fa), (wb, nb, fb) = halves[2 * s], halves[2 * s + 1]
+        lines += [f"    q = j * {VECS_PER_CHUNK // BANKED_G} + {s}",
+                  "    if q >= q0 and q < q1:",
+                  f"        load_words(wreg, 0, WS, tiled, rb0, rbs, nchunks, j, int32({wa}), int32({na}), True)",
+                  "        cuda.syncthreads()",
+                  "        up = build(tab, tabi, cbm, cbr, xv, (q - q0) * G8, ncols, tid, mainq, resq, cbexp)",
+                  "        cuda.syncthreads()"]
+        for r in range(RB):  # unrolled here: acc and wreg stay in registers
+            lines += [f"        look_row(wreg, {r}, int32({rel}), int32({sh}), int32({int(st)}), uint32({i}), tabi, acc, up)"
+                      for i, (rel, sh, st) in enumerate(fa)]
+            lines += [f"        load_row(wreg, {r} * WS, tiled, rb0 + {r}, lane, rb0 + {r} < rbs, nchunks, j, int32({wb}), int32({nb}))"]
+        for r in range(RB):
+            lines += [f"        look_row(wreg, {r}, int32({rel}), int32({sh}), int32({int(st)}), uint32({len(fa) + i}), tabi, acc, up)"
+                      for i, (rel, sh, st) in enumerate(fb)]
+    return "\n".join(lines) + "\n"
+
+
 def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int, norm: bool, cb_shared: bool = False,
-                          mma: bool = False, stamps: bool = False, fanin: int = 0):
+                          mma: bool = False, stamps: bool = False, fanin: int = 0, banked: bool = False):
     """The "table" residual-VQ GEMV (v2): lookups of dot products instead of codebook vectors.
 
     The K-slice of a block is walked in steps of G vectors (8G input columns). Each step, every
@@ -1027,36 +1085,59 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     load before the step's table is built, so their latency hides behind the build.
     Arguments as :func:`residual_kernel`, with ``sps`` (steps a K-slice) in place of ``cps``.
 
+    With ``banked`` (v6; batch 1, G = :data:`BANKED_G` = 16), the table is fp16 and laid out so that a
+    warp's lookups conflict less: every 32 random 4-byte lookups of one group's table (v3) hit ~3.5
+    distinct words in the busiest bank, so a warp's lookup took ~3.5 shared-memory wavefronts. Here
+    group g's entries live in banks 2g and 2g + 1 only (entry e at byte (e / 4) * 128 + 8 g + (e % 4) * 2:
+    four fp16 entries in two words a 128-byte row), and at slot i of a step lane l looks up group
+    (i + l / 2) % 16, so each bank pair serves only 2 lanes: ~2.0 wavefronts a lookup. For that the
+    words are stored skewed (:func:`skew_indices`: a row's vectors rotated by lane / 2 within each
+    run of 16). The table is built with x as the mma's A operand (16 groups x 8 dimensions) and the
+    codebooks as B (8 entries a tile), so a lane's D fragment holds two adjacent entries of one group:
+    one 4-byte store each. Entries are scaled by 2**-s where |x| times a codebook entry's L1 norm could
+    leave fp16 (s from the step's max |x| and ``cbexp``, as in the additive kernel; 0 for ordinary
+    activations), and the sums by 2**s.
+
     The K-split finish is the wide one of :func:`_common_device_functions`, in runs of ``fanin``.
     ``stamps`` (a timeline, see :meth:`ResidualGemv.timeline`): thread 0 of each block writes its
     SM, the GPU clock at its start, after its prologue (codebooks and x staged), after its last
     step and after its finish, and what it summed, into ``counters`` after the finish's counters.
     """
-    key = ("residual-table", Nm, Nr, B, warps, RB, G, norm, cb_shared, mma, stamps, fanin)
+    key = ("residual-table", Nm, Nr, B, warps, RB, G, norm, cb_shared, mma, stamps, fanin, banked)
     if key in _kernel_cache:
         return _kernel_cache[key]
-    if G not in TABLE_STEPS:
+    if banked and (B != 1 or G != BANKED_G or mma):
+        raise ValueError(f"the banked table takes batch 1 and G = {BANKED_G}, got batch {B}, G = {G}")
+    if G not in TABLE_STEPS and not banked:
         raise ValueError(f"G (groups a table step) must be one of {TABLE_STEPS}, got {G}")
     bm, br = index_bits(Nm, Nr)
     WPC = bm + br
-    layout = _step_layout(WPC, G)
-    WS = max(nw for _, nw, _ in layout)  # words a row a step, at most
+    layout = _step_layout(WPC, G // 2 if banked else G)  # (banked: looked up in halves, see _banked_source)
+    WS = max(nw for _, nw, _ in layout)  # words a row a step (a half-step), at most
     nt = warps * 32
     nper = -(-Nm // nt)  # main entries a thread (registers: 4 words each)
     rper = -(-Nr // nt)
     TS = table_stride(Nm, Nr, mma)  # a (batch row, group)'s table
-    CBW = (4 * (Nm + Nr) if mma else 4 * Nm) if cb_shared else 0  # [codebooks (fp16 pairs as int32) in shared][tables][x slice], 4-byte units
-    CBG = mma and not cb_shared  # mma A fragments straight from global memory
-    XOFF = CBW + B * G * TS
+    both = mma or banked  # both codebooks in shared memory (or global: CBG), none in registers
+    CBW = (4 * (Nm + Nr) if both else 4 * Nm) if cb_shared else 0  # [codebooks (fp16 pairs as int32) in shared][tables][x slice], 4-byte units
+    CBG = both and not cb_shared  # mma codebook fragments straight from global memory
+    XOFF = CBW + ((Nm + Nr) * 8 if banked else B * G * TS)
     MMASK4 = uint32((Nm - 1) << 2)
     RMASK4 = uint32((Nr - 1) << 2)
     RSHIFT = uint32(bm - 2)
     NMB = uint32(Nm * 4)
     bpart_size = B * nt if norm else 1
     bred_size = B * 32 if norm else 1
-    cbm_size = 1 if cb_shared or mma else 4 * nper  # local array sizes must be literals
-    cbr_size = 1 if mma else 4 * rper
-    acc_size, wreg_size, xv_size = RB * B, RB * WS, 1 if mma else 8 * G
+    cbm_size = 1 if cb_shared or both else 4 * nper  # local array sizes must be literals
+    cbr_size = 1 if both else 4 * rper
+    acc_size, wreg_size, xv_size = RB * B, RB * WS, 1 if both else 8 * G
+    # banked: byte offsets of an entry's 16-bit slot (see above), from a field f = im | ir << bm
+    BHI_M = uint32(((Nm - 1) << 5) & ~0x7F)  # (im / 4) * 128 = (f << 5) & BHI_M
+    BHI_R = uint32(((Nr - 1) << 5) & ~0x7F)
+    TB, TBR = CBW * 4, CBW * 4 + 32 * Nm  # the main and residual entries' first bytes
+    NTB = (Nm + Nr) // 8  # banked: mma N-tiles of 8 entries
+    TPWB = -(-NTB // warps)
+    load_row = _row_loader(WPC)
     BG = B * G  # table columns
     NT = -(-BG // 8)  # mma N-tiles (8 columns each)
     NTILES = (Nm + Nr) // 16  # mma M-tiles (16 entries each)
@@ -1089,7 +1170,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         return cuda.fma(xv[o + 7], c7, v)
 
     @cuda.jit(device=True, **INLINE)
-    def build(tab, tabi, cbm, cbr, xv, xo, ncols, tid, mainq, resq):
+    def build(tab, tabi, cbm, cbr, xv, xo, ncols, tid, mainq, resq, cbexp):
         # This step's G groups of x (already scaled under a norm) into registers, once a batch row;
         # then thread tid writes entries tid, tid + nt, ...: consecutive lanes, consecutive banks.
         for bb in range(B):
@@ -1113,7 +1194,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
                         tab[uint32(CBW + (bb * G + g) * TS + Nm + c)] = dot8(cbr[4 * k], cbr[4 * k + 1], cbr[4 * k + 2], cbr[4 * k + 3], xv, g)
 
     @cuda.jit(device=True, **INLINE)
-    def build_mma(tab, tabi, cbm, cbr, xv, xo, ncols, tid, mainq, resq):
+    def build_mma(tab, tabi, cbm, cbr, xv, xo, ncols, tid, mainq, resq, cbexp):
         # Lane (g, t) = (lane / 4, lane % 4). B fragment of N-tile n: column c = 8n + g, i.e. batch
         # row c / G, group c % G of the step, dimensions 2t and 2t + 1 (zero past the last column).
         # 32-bit unsigned arithmetic throughout: with int64 (numba's default) ptxas kept 64-bit
@@ -1145,6 +1226,60 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
             e += uint32(16 * warps)
 
     @cuda.jit(device=True, **INLINE)
+    def build_banked(tab, tabi, cbm, cbr, xv, xo, ncols, tid, mainq, resq, cbexp):
+        # Lane (g, t): A fragments = dimensions 2t, 2t + 1 of groups g and g + 8 of the step; B fragment
+        # of N-tile n = word t of entry 8n + g; D = groups g, g + 8 x entries 8n + 2t, 8n + 2t + 1, the
+        # adjacent halves of word (n / 2 + ...) in the group's two banks. Returns the sums' factor 2**s.
+        lane = uint32(tid) & uint32(31)
+        gl = lane >> uint32(2)
+        t = lane & uint32(3)
+        warp = uint32(tid) >> uint32(5)
+        o = uint32(XOFF) + uint32(xo) + uint32(8) * gl + uint32(2) * t
+        a0 = float2_to_half2(tab[o], tab[o + uint32(1)])
+        a1 = float2_to_half2(tab[o + uint32(64)], tab[o + uint32(65)])
+        # Every warp holds the step's whole x, so each finds the same s alone.
+        h0, h1 = uint32(a0), uint32(a1)
+        hx = max(max(h0 & uint32(0x7FFF), (h0 >> uint32(16)) & uint32(0x7FFF)),
+                 max(h1 & uint32(0x7FFF), (h1 >> uint32(16)) & uint32(0x7FFF)))
+        s = int32(warp_max_u32(hx) >> uint32(10)) + int32(cbexp) - int32(FP16_HEADROOM)
+        up = float32(1.0)
+        down = float32(1.0)
+        if s > 0:
+            up = float32(int64(1) << int64(s))
+            down = float32(1.0) / up
+        n = warp
+        for k in range(TPWB):
+            if n < uint32(NTB):  # warp-uniform: mma needs all 32 lanes
+                e = uint32(8) * n + gl
+                if not CBG:
+                    bw = tabi[uint32(4) * e + t]
+                elif n < uint32(Nm // 8):  # also warp-uniform
+                    bw = mainq[uint32(4) * e + t]
+                else:
+                    bw = resq[uint32(4) * (e - uint32(Nm)) + t]
+                d0, d1, d2, d3 = mma_m16n8k8(a0, a1, bw)
+                w = uint32(CBW) + (uint32(2) * n + (t >> uint32(1))) * uint32(32) + uint32(2) * gl + (t & uint32(1))
+                tabi[w] = float2_to_half2(d0 * down, d1 * down)
+                tabi[w + uint32(16)] = float2_to_half2(d2 * down, d3 * down)
+            n += uint32(warps)
+        return up
+
+    @cuda.jit(device=True, **INLINE)
+    def look_row(wreg, r, q, sh, straddle, i, tabi, acc, up):
+        # Slot i of the step: this lane's field there is group (i + lane / 2) % 16's (skewed words).
+        gb = uint32(uint32(uint32(i + (uint32(cuda.laneid) >> uint32(1))) & uint32(BANKED_G - 1)) << uint32(3))
+        lo = uint32(wreg[r * WS + q])
+        if straddle:
+            f = uint32(uint32(lo >> uint32(sh)) | uint32(uint32(wreg[r * WS + q + 1]) << uint32(32 - sh)))
+        else:
+            f = uint32(lo >> uint32(sh))
+        # (uint32 after each shift: numba widens uint32 arithmetic to 64 bits, and ptxas kept it)
+        om = (uint32(f << uint32(5)) & BHI_M) | (uint32(f << uint32(1)) & uint32(6)) | gb
+        orr = (uint32(f >> uint32(bm - 5)) & BHI_R) | (uint32(f >> uint32(bm - 1)) & uint32(6)) | gb
+        v = load_half_byte_offset(tabi, uint32(TB) + om) + load_half_byte_offset(tabi, uint32(TBR) + orr)
+        acc[r] = cuda.fma(v, up, acc[r])
+
+    @cuda.jit(device=True, **INLINE)
     def look(wreg, q, sh, straddle, gi, tab, acc):
         # Vector gi of the step: its field starts at bit sh of the step's word q.
         for r in range(RB):
@@ -1159,15 +1294,17 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
                 base = uint32((CBW + (bb * G + gi) * TS) * 4)
                 acc[r * B + bb] += load_byte_offset(tab, base + om) + load_byte_offset(tab, base + NMB + orr)
 
-    ns = {"cuda": cuda, "load_words": load_words, "build": build_mma if mma else build, "look": look, "G8": 8 * G, "WS": WS,
-          "int32": int32}
-    exec(compile(_table_source(WPC, G), f"<residual chunk_steps b={WPC} G={G}>", "exec"), ns)
+    ns = {"cuda": cuda, "load_words": load_words, "load_row": load_row, "look": look, "look_row": look_row,
+          "build": build_banked if banked else build_mma if mma else build, "G8": 8 * G, "WS": WS, "RB": RB,
+          "int32": int32, "uint32": uint32}
+    src = _banked_source(WPC, RB) if banked else _table_source(WPC, G)
+    exec(compile(src, f"<residual chunk_steps b={WPC} G={G} banked={banked}>", "exec"), ns)
     chunk_steps = cuda.jit(device=True, **INLINE)(ns["chunk_steps"])
     spc = VECS_PER_CHUNK // G
 
     # 128 registers a thread whatever the block size: one 16-warp block, or two 8-warp blocks, an SM
     @cuda.jit(**({} if SIM else {"launch_bounds": (nt, max(1, 512 // nt))}))
-    def kernel(x32, tiled, mainq, resq, sc32, bi32, y, ws, counters, n_out, rbs, nchunks, sps):
+    def kernel(x32, tiled, mainq, resq, sc32, bi32, y, ws, counters, n_out, rbs, nchunks, sps, cbexp):
         bpart = cuda.shared.array(bpart_size, float32)
         bred = cuda.shared.array(bred_size, float32)
         last = cuda.shared.array(1, int32)
@@ -1199,7 +1336,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
             c = tid + k * nt
             if c < Nr:
                 w0, w1, w2, w3 = load16(resq, 4 * c)
-                if mma:
+                if both:
                     e = 4 * (Nm + c)
                     tabi[e], tabi[e + 1], tabi[e + 2], tabi[e + 3] = w0, w1, w2, w3
                 else:
@@ -1219,7 +1356,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         xv = cuda.local.array(xv_size, float32)
         j = q0 // spc
         while j * spc < q1:
-            chunk_steps(j, q0, q1, ncols, wreg, tiled, rb0, rbs, nchunks, tab, tabi, cbm, cbr, xv, acc, tid, mainq, resq)
+            chunk_steps(j, q0, q1, ncols, wreg, tiled, rb0, rbs, nchunks, tab, tabi, cbm, cbr, xv, acc, tid, mainq, resq, cbexp)
             j += 1
         if stamps:
             stamp(counters, 3, global_timer_lo())
@@ -1441,7 +1578,10 @@ TABLE_MAX_BATCH = 4  # the table is B x G x (Nm + Nr) fp32: past this the gather
 TABLE_PLACEMENTS = ("registers", "shared")  # where the table kernel keeps the main codebook
 
 
-TABLE_BUILDS = ("fma", "mma")
+# "banked" (v6): fp16 tables of BANKED_G groups, each group's entries in its own two banks (see
+# residual_table_kernel), batch 1 only.
+TABLE_BUILDS = ("fma", "mma", "banked")
+BANKED_G = 16
 
 
 def table_stride(Nm: int, Nr: int, mma: bool) -> int:
@@ -1454,8 +1594,10 @@ def table_bytes(Nm: int, Nr: int, B: int, G: int, steps: int, main: str = "regis
     """Dynamic shared memory of a table-kernel block: the codebooks held in shared memory (the main
     one if ``main`` is "shared"; both under the mma build), the tables, then the K-slice of x (fp32)."""
     mma = build == "mma"
-    cb = (16 * (Nm + Nr) if mma else 16 * Nm) if main == "shared" else 0
-    return cb + 4 * B * G * table_stride(Nm, Nr, mma) + 4 * B * steps * 8 * G
+    both = build in ("mma", "banked")
+    cb = (16 * (Nm + Nr) if both else 16 * Nm) if main == "shared" else 0
+    tables = 2 * G * (Nm + Nr) if build == "banked" else 4 * B * G * table_stride(Nm, Nr, mma)
+    return cb + tables + 4 * B * steps * 8 * G
 
 
 def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool = False, budget: int = OPTIN_SIM,
@@ -1471,7 +1613,8 @@ def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
     ``build="mma"`` (v3) builds the table on the tensor cores: both codebooks in shared memory, and
     by default the largest G up to 8 whose tables fit (an mma makes 8 table columns, B x G of them
     a step, so small G wastes most of it). ``fanin``: the K-split finish in two levels (see
-    :func:`_common_device_functions`); by default one."""
+    :func:`_common_device_functions`); by default one. ``build="banked"`` (v6, batch 1): fp16 tables of
+    16 groups a step, bank-partitioned, on the tensor cores (see :func:`residual_table_kernel`)."""
     warps = warps or 16
     if warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"warps must be a power of two from 1 to 32, got {warps}")
@@ -1479,16 +1622,22 @@ def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
     build = build or "fma"
     if build not in TABLE_BUILDS:
         raise ValueError(f"build must be one of {TABLE_BUILDS}, got {build!r}")
-    if build == "mma" and main not in ("shared", "global"):
-        raise ValueError("the mma build reads both codebooks from shared memory or from global memory (through L1): "
+    if build in ("mma", "banked") and main not in ("shared", "global"):
+        raise ValueError(f"the {build} build reads both codebooks from shared memory or from global memory (through L1): "
                          "main must be 'shared' or 'global'")
+    if build == "banked":
+        if B != 1:
+            raise ValueError(f"the banked table (fp16, {BANKED_G} groups a step) is a batch-1 kernel, got batch {B}")
+        G = G or BANKED_G
+        if G != BANKED_G:
+            raise ValueError(f"the banked table takes G = {BANKED_G} groups a step, got {G}")
     if build == "fma" and main not in TABLE_PLACEMENTS:
         raise ValueError(f"the table kernel's main codebook goes in one of {TABLE_PLACEMENTS}, got {main!r}")
     if G is None:
         gmax = 8 if build == "mma" else 2
         fits = [g for g in TABLE_STEPS if g <= gmax and table_bytes(Nm, Nr, B, g, 1, main, build) <= budget - 8192]
         G = max(fits) if fits else 1
-    if G not in TABLE_STEPS:
+    if G not in TABLE_STEPS and build != "banked":
         raise ValueError(f"G (groups a table step) must be one of {TABLE_STEPS}, got {G}")
     rbs = -(-n_out // ROW_BLOCK)
     if RB is None:
@@ -1511,7 +1660,7 @@ def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
     ksplit = math.ceil(nsteps / sps)
     dyn = table_bytes(Nm, Nr, B, G, sps, main, build)
     if static + dyn > budget:
-        raise ValueError(f"plan needs {static + dyn} bytes of shared memory (a {B} x {G} x {Nm + Nr} fp32 table and "
+        raise ValueError(f"plan needs {static + dyn} bytes of shared memory (a {B} x {G} x {Nm + Nr} {'fp16' if build == 'banked' else 'fp32'} table and "
                          f"{sps * 8 * G} columns of x, batch {B}); the block may use {budget}: lower G or raise ksplit")
     fanin = fanin or 0
     if fanin < 0 or fanin == 1:
@@ -1575,6 +1724,16 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
                     add(**p.overrides(), fanin=FINISH_FANIN)
             # (Not timed: two 8-warp blocks an SM with the codebooks read through L1, main="global".
             # Measured at 64be687 it ran 1.6-2.6x slower than this plan at every shape probed.)
+        k = plan_or_none(kind="table", build="banked", main="shared") if B == 1 else None
+        if k is not None:  # v6: the same variants as v3's
+            for ks in (k.ksplit, 2 * k.ksplit):
+                add(kind="table", RB=k.RB, main="shared", warps=k.warps, ksplit=ks, build="banked")
+            for RB in (k.RB, 7) if k.RB == 8 else (k.RB,):
+                p = plan_or_none(kind="table", RB=RB, main="shared", warps=k.warps, build="banked")
+                if p is not None and RB != k.RB:
+                    add(**p.overrides())
+                if p is not None and p.ksplit > 8:
+                    add(**p.overrides(), fanin=FINISH_FANIN)
         add(kind="gather")
         g = plan_or_none(kind="gather")
         if g is not None and -(-rbs // (g.warps * g.RB)) * g.ksplit < sms:
@@ -1661,6 +1820,8 @@ class ResidualGemv:
         else:
             self._sc_t = self._bi_t = torch.zeros(4, dtype=torch.int32, device=self.device)
         self._tiled = _as_kernel_array(self._tiled_t)
+        self._banked_t = self._banked = None  # the banked table's skewed words, made on first use (see words)
+        self._cbexp = codebook_exponent(torch.cat([self._main_t, self._res_t]))
         self._fixed_args = tuple(_as_kernel_array(a) for a in (self._mainq_t, self._resq_t, self._sc_t, self._bi_t))
         self._plans: dict[int, list] = {}
 
@@ -1669,6 +1830,21 @@ class ResidualGemv:
         """The weight in the natural layout (rebuilt from the tiled words: a copy)."""
         words = untile_indices(self._tiled_t, self.n_out, self._n_words, self.b)
         return ResidualTensor(words, self._main_t, self._res_t, self.n_in, self.n_out, self._scale_t, self._bias_t)
+
+    def words(self, plan: ResidualPlan) -> torch.Tensor:
+        """The tiled words ``plan``'s kernel reads: the banked table's are skewed (:func:`skew_indices`),
+        made from the others on first use and kept beside them (the layer then holds its words twice)."""
+        if plan.build != "banked":
+            return self._tiled_t
+        if self._banked_t is None:
+            natural = untile_indices(self._tiled_t, self.n_out, self._n_words, self.b)
+            self._banked_t = tile_indices(skew_indices(natural, self.Nm, self.Nr, BANKED_G), self.n_out, self.b)
+            self._banked = _as_kernel_array(self._banked_t)
+        return self._banked_t
+
+    def _words_view(self, plan: ResidualPlan):
+        self.words(plan)
+        return self._banked if plan.build == "banked" else self._tiled
 
     @property
     def bytes_read(self) -> int:
@@ -1686,7 +1862,7 @@ class ResidualGemv:
         # stamps (table plans: see timeline): the instrumented kernel, and room for its stamps after the counters
         if plan.kind == "table":
             kern = residual_table_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.G, self.norm, plan.main == "shared",
-                                         plan.build == "mma", stamps=stamps, fanin=plan.fanin)
+                                         plan.build == "mma", stamps=stamps, fanin=plan.fanin, banked=plan.build == "banked")
         else:
             kern = residual_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.main == "shared", self.norm,
                                    split=plan.kind == "split", rc=plan.rc, lanes=plan.lanes)
@@ -1714,7 +1890,7 @@ class ResidualGemv:
 
     def _launcher(self, entry: list, xa, ya, tiled, out=None):
         kern, plan, _owners, (wsa, cnta), grid, _ = entry
-        args = (xa, tiled, *self._fixed_args, ya, wsa, cnta, self.n_out, self.rbs, self.nchunks, plan.cps)
+        args = (xa, tiled, *self._fixed_args, ya, wsa, cnta, self.n_out, self.rbs, self.nchunks, plan.cps, self._cbexp)
         if entry[5] is None:
             entry[5] = with_shared_limit(kern, args, plan.shared_bytes)
         spec, block, smem, dev = entry[5], plan.warps * 32, plan.shared_bytes, self.device
@@ -1740,9 +1916,13 @@ class ResidualGemv:
         if len(cands) == 1:
             _TUNED[key] = cands[0]
             return cands[0]
-        copies, views, xa, ya = tuning_inputs(self._tiled_t, self.weight_bytes, self.n_in, self.n_out, B, self.device)
+        inputs = {}  # a word layout's copies past the L2 (the banked table's are skewed)
 
         def launchers(plan):
+            lay = plan.build == "banked"
+            if lay not in inputs:
+                inputs[lay] = tuning_inputs(self.words(plan), self.weight_bytes, self.n_in, self.n_out, B, self.device)
+            _, views, xa, ya = inputs[lay]
             entry = self._launch_parts(B, plan)
             return [self._launcher(entry, xa, ya, v) for v in views]
 
@@ -1750,9 +1930,11 @@ class ResidualGemv:
             warnings.warn(f"residual plan {plan} skipped: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
 
         best = pick_fastest(cands, launchers, self.device, on_error=skip)
-        del copies, views
+        del inputs
         if best is None:
             raise RuntimeError(f"no residual plan launches for {self.n_in}x{self.n_out}, batch {B}")
+        if best.build != "banked" and not any(e[1].build == "banked" for e in self._plans.values()):
+            self._banked_t = self._banked = None  # made for the timing only
         _TUNED[key] = best
         return best
 
@@ -1765,7 +1947,7 @@ class ResidualGemv:
         check_output(out, B, self.n_out, x2.device)
         entry = self._prepare(B)
         return self._launcher(entry, _as_kernel_array(x2.view(torch.int32)), _as_kernel_array(out),
-                              self._tiled if tiled is None else tiled, out)
+                              self._words_view(entry[1]) if tiled is None else tiled, out)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         x2 = self.check_input(x)
@@ -1797,7 +1979,7 @@ class ResidualGemv:
         counters = entry[2][1]
         ncount = counters.numel() - STAMPS * gx * gy
         y = torch.empty(B, self.n_out, dtype=torch.float16, device=self.device)
-        launch = self._launcher(entry, _as_kernel_array(x2.view(torch.int32)), _as_kernel_array(y), self._tiled, y)
+        launch = self._launcher(entry, _as_kernel_array(x2.view(torch.int32)), _as_kernel_array(y), self._words_view(p), y)
         for _ in range(launches):
             launch()
         st = counters[ncount:].cpu().numpy().astype(np.int64).reshape(gy, gx, STAMPS) & 0xFFFFFFFF
@@ -1850,6 +2032,10 @@ FORCED_PLANS = (dict(main="shared", ksplit=1, RB=2, warps=4), dict(main="global"
                 # warps than M-tiles need (several tiles a warp, uneven)
                 dict(kind="table", build="mma", G=8, RB=8, warps=16, ksplit=3, main="shared"),
                 dict(kind="table", build="mma", G=1, RB=2, warps=4, ksplit=5, main="global"),
+                # v6, the banked fp16 table (4096 centroids only): RB = 7, uneven K-slices; codebooks from global
+                # memory, a finish in two levels
+                dict(kind="table", build="banked", RB=7, warps=16, ksplit=3, main="shared"),
+                dict(kind="table", build="banked", RB=2, warps=8, ksplit=6, main="global", fanin=4),
                 # the split kernel's lane splits: groups of 16 rows over two warps; of 8 rows, one warp, walking blocks
                 dict(kind="split", lanes=2, warps=2, rc=2), dict(kind="split", lanes=4, warps=1, blocks=5))
 
@@ -1907,10 +2093,11 @@ def time_residual(n_in: int, n_out: int, Nm: int, Nr: int, batch: int, fp16_ms: 
     del t
     x = torch.randn(batch, n_in, device="cuda", dtype=torch.float16)
     y = torch.empty(batch, n_out, device="cuda", dtype=torch.float16)
-    copies = [g._tiled_t] + [g._tiled_t.clone() for _ in range(copies_for(g.weight_bytes) - 1)]
+    p = g.plan(batch)
+    w = g.words(p)
+    copies = [w] + [w.clone() for _ in range(copies_for(g.weight_bytes) - 1)]
     launchers = [g.bind(x, y, tiled=_as_kernel_array(c)) for c in copies]
     ms = time_graph(launchers)
-    p = g.plan(batch)
     del launchers, copies, g
     torch.cuda.empty_cache()
     err = check_residual(n_in, n_out, Nm, Nr, batch, seed=seed + 7, with_norm=with_norm, plan=p.overrides())
