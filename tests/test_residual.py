@@ -104,6 +104,9 @@ def test_tensor_core_table_matches_float64_reference(Nm, Nr, norm, batch, n_out,
         # 9-bit residual indices (fields of 21 bits straddle words), a norm, codebooks read from global
         # memory, and x and codebooks large enough that the entries are scaled down by 2**s to stay in fp16
         (4096, 512, True, 32, 256, dict(kind="table", warps=2, RB=1, build="banked", ksplit=1, main="global"), 300.0),
+        # G = 8 (8192 centroids: 16 groups' fp16 tables do not fit), 4 lanes a group's four banks; 22-bit fields
+        (8192, 512, False, 40, 512, dict(kind="table", warps=1, RB=2, build="banked", G=8, ksplit=3, main="global"), 1.0),
+        (4096, 256, True, 32, 256, dict(kind="table", warps=2, RB=1, build="banked", G=8, ksplit=2, main="shared"), 1.0),
     ],
 )
 def test_banked_table_matches_float64_reference(Nm, Nr, norm, n_out, n_in, plan, xscale):
@@ -112,9 +115,10 @@ def test_banked_table_matches_float64_reference(Nm, Nr, norm, n_out, n_in, plan,
         t = ResidualTensor(t.indices, t.main * 64, t.res * 64, n_in, n_out, t.scale, t.bias)
     g = ResidualGemv(t, plan=plan)
     p = g.plan(1)
-    assert (p.kind, p.build, p.G, p.ksplit) == ("table", "banked", 16, plan["ksplit"])
+    G = plan.get("G", 16)
+    assert (p.kind, p.build, p.G, p.ksplit) == ("table", "banked", G, plan["ksplit"])
     codebooks = 0 if plan.get("main") == "global" else 16 * (Nm + Nr)
-    assert p.shared_bytes == codebooks + 32 * (Nm + Nr) + 4 * p.cps * 8 * 16
+    assert p.shared_bytes == codebooks + 2 * G * (Nm + Nr) + 4 * p.cps * 8 * G
     x = (x_for(n_in, 1, seed=n_out).float() * xscale).half()
     # past the headroom (gemv.FP16_HEADROOM): the kernel scales this layer's entries by 2**-1
     assert xscale < 10 or float(x.abs().max()) * float(torch.cat([t.main, t.res]).float().abs().sum(-1).max()) > 2**14
@@ -137,18 +141,24 @@ def test_skewed_words_rotate_each_lanes_fields_and_come_back():
         skew_indices(t.indices, 4096, 512, G=3)
 
 
-def test_banked_plans_are_batch_1_with_16_groups():
+def test_banked_plans_are_batch_1_with_16_or_8_groups():
     kw = dict(sms=132, budget=227 * 1024)
     p = plan_residual(28672, 16, 4096, 256, 1, build="banked", **kw)
     assert (p.G, p.RB, p.ksplit, p.cps) == (16, 8, 16, 2)
-    for bad, match in ((dict(B=2), "batch-1"), (dict(G=8), "G = 16"), (dict(main="registers"), "shared memory")):
+    for bad, match in ((dict(B=2), "batch-1"), (dict(G=4), "G in"), (dict(main="registers"), "shared memory")):
         args = dict(B=1) | bad
         with pytest.raises(ValueError, match=match):
             plan_residual(28672, 16, 4096, 256, args.pop("B"), build="banked", **args, **kw)
-    with pytest.raises(ValueError, match="fp16 table"):  # 8192 + 512: 272 KiB of tables
-        plan_residual(28672, 16, 8192, 512, 1, build="banked", main="global", **kw)
+    # 8192 + 512: 16 groups' fp16 tables (272 KiB) never fit; 8 fit with the codebooks in global memory only
+    with pytest.raises(ValueError, match="fp16 table"):
+        plan_residual(28672, 16, 8192, 512, 1, build="banked", **kw)
+    with pytest.raises(ValueError, match="fp16 table"):
+        plan_residual(28672, 16, 8192, 512, 1, build="banked", main="global", G=16, **kw)
+    assert plan_residual(28672, 16, 8192, 512, 1, build="banked", main="global", **kw).G == 8
     banked = {(c.RB, c.ksplit, c.fanin) for c in candidate_plans(28672, 16, 4096, 256, 1, 132, False, 227 * 1024) if c.build == "banked"}
     assert banked == {(8, 16, 0), (8, 32, 0), (7, 16, 0), (8, 16, 4), (7, 16, 4)}, banked
+    big = {(c.G, c.main) for c in candidate_plans(28672, 16, 8192, 512, 1, 132, False, 227 * 1024) if c.build == "banked"}
+    assert big == {(8, "global")}, big
     assert not [c for c in candidate_plans(28672, 16, 4096, 256, 2, 132, False, 227 * 1024) if c.build == "banked"]
 
 
@@ -291,8 +301,8 @@ def test_the_planner_picks_the_table_kernel_where_its_table_fits():
         with pytest.raises(ValueError, match=match):
             plan_residual(4096, 16, 4096, 256, 1, **bad, **kw)
     kinds = {(c.kind, c.main, c.build) for c in candidate_plans(4096, 16, 4096, 256, 1, 132, False, 227 * 1024)}
-    assert kinds == {("table", "shared", "fma"), ("table", "registers", "fma"), ("table", "shared", "mma"), ("gather", "global", ""),
-                     ("split", "shared", "")}
+    assert kinds == {("table", "shared", "fma"), ("table", "registers", "fma"), ("table", "shared", "mma"), ("table", "shared", "banked"),
+                     ("gather", "global", ""), ("split", "shared", "")}
     m = plan_residual(28672, 16, 4096, 256, 1, build="mma", **kw)  # the tensor-core build takes 8 groups a step here...
     assert (m.kind, m.G, m.RB, m.fanin) == ("table", 8, 8, 0)
     # the tuner also times row-groups of 3584 rows (8 of them divide 28672) and the finish in two levels

@@ -1028,16 +1028,29 @@ def _table_source(b: int, G: int) -> str:
 CHUNK_STEPS_DEF = "def chunk_steps(j, q0, q1, ncols, wreg, tiled, rb0, rbs, nchunks, tab, tabi, cbm, cbr, xv, acc, tid, mainq, resq, cbexp):"
 
 
-def _banked_source(b: int, RB: int) -> str:
-    """chunk_steps of the banked table (v6): steps of BANKED_G vectors whose fields are looked up in two
-    halves (the words of G = 8 steps), so a row holds no more words than at G = 8: each row's
+def _banked_source(b: int, RB: int, G: int) -> str:
+    """chunk_steps of the banked table (v6): steps of G vectors; at G = 16 their fields are looked up
+    in two halves (the words of G = 8 steps), so a row holds no more words than at G = 8: each row's
     second-half words load, into the first half's registers, as soon as that row's first half is
     looked up, behind the other rows' lookups."""
-    halves = _step_layout(b, BANKED_G // 2)
+    if G == 8:
+        lines = [CHUNK_STEPS_DEF]
+        for s, (w_lo, nw, fields) in enumerate(_step_layout(b, 8)):
+            lines += [f"    q = j * {VECS_PER_CHUNK // 8} + {s}",
+                      "    if q >= q0 and q < q1:",
+                      f"        load_words(wreg, 0, WS, tiled, rb0, rbs, nchunks, j, int32({w_lo}), int32({nw}), True)",
+                      "        cuda.syncthreads()",
+                      "        up = build(tab, tabi, cbm, cbr, xv, (q - q0) * G8, ncols, tid, mainq, resq, cbexp)",
+                      "        cuda.syncthreads()"]
+            for r in range(RB):
+                lines += [f"        look_row(wreg, {r}, int32({rel}), int32({sh}), int32({int(st)}), uint32({i}), tabi, acc, up)"
+                          for i, (rel, sh, st) in enumerate(fields)]
+        return "\n".join(lines) + "\n"
+    halves = _step_layout(b, G // 2)
     lines = [CHUNK_STEPS_DEF, "    lane = uint32(cuda.laneid)"]
-    for s in range(VECS_PER_CHUNK // BANKED_G):
+    for s in range(VECS_PER_CHUNK // G):
         (wa, na, fa), (wb, nb, fb) = halves[2 * s], halves[2 * s + 1]
-        lines += [f"    q = j * {VECS_PER_CHUNK // BANKED_G} + {s}",
+        lines += [f"    q = j * {VECS_PER_CHUNK // G} + {s}",
                   "    if q >= q0 and q < q1:",
                   f"        load_words(wreg, 0, WS, tiled, rb0, rbs, nchunks, j, int32({wa}), int32({na}), True)",
                   "        cuda.syncthreads()",
@@ -1085,16 +1098,17 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     load before the step's table is built, so their latency hides behind the build.
     Arguments as :func:`residual_kernel`, with ``sps`` (steps a K-slice) in place of ``cps``.
 
-    With ``banked`` (v6; batch 1, G = :data:`BANKED_G` = 16), the table is fp16 and laid out so that a
+    With ``banked`` (v6; batch 1, G in :data:`BANKED_GS`), the table is fp16 and laid out so that a
     warp's lookups conflict less: every 32 random 4-byte lookups of one group's table (v3) hit ~3.5
     distinct words in the busiest bank, so a warp's lookup took ~3.5 shared-memory wavefronts. Here
-    group g's entries live in banks 2g and 2g + 1 only (entry e at byte (e / 4) * 128 + 8 g + (e % 4) * 2:
-    four fp16 entries in two words a 128-byte row), and at slot i of a step lane l looks up group
-    (i + l / 2) % 16, so each bank pair serves only 2 lanes: ~2.0 wavefronts a lookup. For that the
-    words are stored skewed (:func:`skew_indices`: a row's vectors rotated by lane / 2 within each
-    run of 16). The table is built with x as the mma's A operand (16 groups x 8 dimensions) and the
-    codebooks as B (8 entries a tile), so a lane's D fragment holds two adjacent entries of one group:
-    one 4-byte store each. Entries are scaled by 2**-s where |x| times a codebook entry's L1 norm could
+    group g's entries live in 32 / G banks of their own (at G = 16, entry e at byte (e / 4) * 128 + 8 g
+    + (e % 4) * 2: four fp16 entries in two words a 128-byte row; at G = 8, eight entries in four
+    words), and at slot i of a step lane l looks up group (i + l / (32 / G)) % G, so each group's banks
+    serve only 32 / G lanes: ~2.0 wavefronts a lookup at G = 16, ~3.0 at G = 8. For that the
+    words are stored skewed (:func:`skew_indices`: a row's vectors rotated by lane / (32 / G) within
+    each run of G). The table is built with x as the mma's A operand (16 groups x 8 dimensions; at
+    G = 8 the second 8 rows are zero) and the codebooks as B (8 entries a tile), so a lane's D fragment
+    holds two adjacent entries of one group: one 4-byte store each. Entries are scaled by 2**-s where |x| times a codebook entry's L1 norm could
     leave fp16 (s from the step's max |x| and ``cbexp``, as in the additive kernel; 0 for ordinary
     activations), and the sums by 2**s.
 
@@ -1106,13 +1120,13 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     key = ("residual-table", Nm, Nr, B, warps, RB, G, norm, cb_shared, mma, stamps, fanin, banked)
     if key in _kernel_cache:
         return _kernel_cache[key]
-    if banked and (B != 1 or G != BANKED_G or mma):
-        raise ValueError(f"the banked table takes batch 1 and G = {BANKED_G}, got batch {B}, G = {G}")
+    if banked and (B != 1 or G not in BANKED_GS or mma):
+        raise ValueError(f"the banked table takes batch 1 and G in {BANKED_GS}, got batch {B}, G = {G}")
     if G not in TABLE_STEPS and not banked:
         raise ValueError(f"G (groups a table step) must be one of {TABLE_STEPS}, got {G}")
     bm, br = index_bits(Nm, Nr)
     WPC = bm + br
-    layout = _step_layout(WPC, G // 2 if banked else G)  # (banked: looked up in halves, see _banked_source)
+    layout = _step_layout(WPC, 8 if banked else G)  # (banked G = 16: looked up in halves, see _banked_source)
     WS = max(nw for _, nw, _ in layout)  # words a row a step (a half-step), at most
     nt = warps * 32
     nper = -(-Nm // nt)  # main entries a thread (registers: 4 words each)
@@ -1121,7 +1135,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     both = mma or banked  # both codebooks in shared memory (or global: CBG), none in registers
     CBW = (4 * (Nm + Nr) if both else 4 * Nm) if cb_shared else 0  # [codebooks (fp16 pairs as int32) in shared][tables][x slice], 4-byte units
     CBG = both and not cb_shared  # mma codebook fragments straight from global memory
-    XOFF = CBW + ((Nm + Nr) * 8 if banked else B * G * TS)
+    XOFF = CBW + ((Nm + Nr) * G // 2 if banked else B * G * TS)
     MMASK4 = uint32((Nm - 1) << 2)
     RMASK4 = uint32((Nr - 1) << 2)
     RSHIFT = uint32(bm - 2)
@@ -1131,10 +1145,15 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     cbm_size = 1 if cb_shared or both else 4 * nper  # local array sizes must be literals
     cbr_size = 1 if both else 4 * rper
     acc_size, wreg_size, xv_size = RB * B, RB * WS, 1 if both else 8 * G
-    # banked: byte offsets of an entry's 16-bit slot (see above), from a field f = im | ir << bm
-    BHI_M = uint32(((Nm - 1) << 5) & ~0x7F)  # (im / 4) * 128 = (f << 5) & BHI_M
-    BHI_R = uint32(((Nr - 1) << 5) & ~0x7F)
-    TB, TBR = CBW * 4, CBW * 4 + 32 * Nm  # the main and residual entries' first bytes
+    # banked: byte offsets of an entry's 16-bit slot (see above), from a field f = im | ir << bm: a group's
+    # ES = 64 / G entries a 128-byte row, (im / ES) * 128 = (f << LS) & BHI_M, (im % ES) * 2 = (f << 1) & ELO
+    ES = 64 // G if banked else 4
+    LS = 7 - (ES.bit_length() - 1)
+    BHI_M = uint32(((Nm - 1) << LS) & ~0x7F)
+    BHI_R = uint32(((Nr - 1) << LS) & ~0x7F)
+    ELO = uint32(2 * ES - 2)
+    GSH = uint32(5 - (G.bit_length() - 1)) if banked else uint32(1)  # lane >> GSH: the lane's group offset
+    TB, TBR = CBW * 4, CBW * 4 + 2 * G * Nm  # the main and residual entries' first bytes
     NTB = (Nm + Nr) // 8  # banked: mma N-tiles of 8 entries
     TPWB = -(-NTB // warps)
     load_row = _row_loader(WPC)
@@ -1236,7 +1255,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         warp = uint32(tid) >> uint32(5)
         o = uint32(XOFF) + uint32(xo) + uint32(8) * gl + uint32(2) * t
         a0 = float2_to_half2(tab[o], tab[o + uint32(1)])
-        a1 = float2_to_half2(tab[o + uint32(64)], tab[o + uint32(65)])
+        a1 = float2_to_half2(tab[o + uint32(64)], tab[o + uint32(65)]) if G == 16 else int32(0)
         # Every warp holds the step's whole x, so each finds the same s alone.
         h0, h1 = uint32(a0), uint32(a1)
         hx = max(max(h0 & uint32(0x7FFF), (h0 >> uint32(16)) & uint32(0x7FFF)),
@@ -1258,24 +1277,27 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
                 else:
                     bw = resq[uint32(4) * (e - uint32(Nm)) + t]
                 d0, d1, d2, d3 = mma_m16n8k8(a0, a1, bw)
-                w = uint32(CBW) + (uint32(2) * n + (t >> uint32(1))) * uint32(32) + uint32(2) * gl + (t & uint32(1))
-                tabi[w] = float2_to_half2(d0 * down, d1 * down)
-                tabi[w + uint32(16)] = float2_to_half2(d2 * down, d3 * down)
+                if G == 16:  # word (e / 4) * 32 + 2 g + (e / 2) % 2 of entry e = 8n + 2t, group g = gl and gl + 8
+                    w = uint32(CBW) + (uint32(2) * n + (t >> uint32(1))) * uint32(32) + uint32(2) * gl + (t & uint32(1))
+                    tabi[w] = float2_to_half2(d0 * down, d1 * down)
+                    tabi[w + uint32(16)] = float2_to_half2(d2 * down, d3 * down)
+                else:  # word (e / 8) * 32 + 4 g + (e / 2) % 4: a warp's 32 stores, 32 consecutive words
+                    tabi[uint32(CBW) + n * uint32(32) + uint32(4) * gl + t] = float2_to_half2(d0 * down, d1 * down)
             n += uint32(warps)
         return up
 
     @cuda.jit(device=True, **INLINE)
     def look_row(wreg, r, q, sh, straddle, i, tabi, acc, up):
         # Slot i of the step: this lane's field there is group (i + lane / 2) % 16's (skewed words).
-        gb = uint32(uint32(uint32(i + (uint32(cuda.laneid) >> uint32(1))) & uint32(BANKED_G - 1)) << uint32(3))
+        gb = uint32(uint32(uint32(i + (uint32(cuda.laneid) >> GSH)) & uint32(G - 1)) * uint32(2 * ES))
         lo = uint32(wreg[r * WS + q])
         if straddle:
             f = uint32(uint32(lo >> uint32(sh)) | uint32(uint32(wreg[r * WS + q + 1]) << uint32(32 - sh)))
         else:
             f = uint32(lo >> uint32(sh))
         # (uint32 after each shift: numba widens uint32 arithmetic to 64 bits, and ptxas kept it)
-        om = (uint32(f << uint32(5)) & BHI_M) | (uint32(f << uint32(1)) & uint32(6)) | gb
-        orr = (uint32(f >> uint32(bm - 5)) & BHI_R) | (uint32(f >> uint32(bm - 1)) & uint32(6)) | gb
+        om = (uint32(f << uint32(LS)) & BHI_M) | (uint32(f << uint32(1)) & ELO) | gb
+        orr = (uint32(f >> uint32(bm - LS)) & BHI_R) | (uint32(f >> uint32(bm - 1)) & ELO) | gb
         v = load_half_byte_offset(tabi, uint32(TB) + om) + load_half_byte_offset(tabi, uint32(TBR) + orr)
         acc[r] = cuda.fma(v, up, acc[r])
 
@@ -1297,7 +1319,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     ns = {"cuda": cuda, "load_words": load_words, "load_row": load_row, "look": look, "look_row": look_row,
           "build": build_banked if banked else build_mma if mma else build, "G8": 8 * G, "WS": WS, "RB": RB,
           "int32": int32, "uint32": uint32}
-    src = _banked_source(WPC, RB) if banked else _table_source(WPC, G)
+    src = _banked_source(WPC, RB, G) if banked else _table_source(WPC, G)
     exec(compile(src, f"<residual chunk_steps b={WPC} G={G} banked={banked}>", "exec"), ns)
     chunk_steps = cuda.jit(device=True, **INLINE)(ns["chunk_steps"])
     spc = VECS_PER_CHUNK // G
@@ -1578,10 +1600,10 @@ TABLE_MAX_BATCH = 4  # the table is B x G x (Nm + Nr) fp32: past this the gather
 TABLE_PLACEMENTS = ("registers", "shared")  # where the table kernel keeps the main codebook
 
 
-# "banked" (v6): fp16 tables of BANKED_G groups, each group's entries in its own two banks (see
-# residual_table_kernel), batch 1 only.
+# "banked" (v6): fp16 tables of G in BANKED_GS groups, each group's entries in banks of its own (see
+# residual_table_kernel), batch 1 only. G = 8 where 16 groups' tables do not fit (8192 centroids).
 TABLE_BUILDS = ("fma", "mma", "banked")
-BANKED_G = 16
+BANKED_GS = (16, 8)
 
 
 def table_stride(Nm: int, Nr: int, mma: bool) -> int:
@@ -1627,10 +1649,11 @@ def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
                          "main must be 'shared' or 'global'")
     if build == "banked":
         if B != 1:
-            raise ValueError(f"the banked table (fp16, {BANKED_G} groups a step) is a batch-1 kernel, got batch {B}")
-        G = G or BANKED_G
-        if G != BANKED_G:
-            raise ValueError(f"the banked table takes G = {BANKED_G} groups a step, got {G}")
+            raise ValueError(f"the banked table (fp16, {BANKED_GS} groups a step) is a batch-1 kernel, got batch {B}")
+        if G is None:  # 16 groups where they fit beside the codebooks, else 8 (and 8 with them in global memory)
+            G = next((g for g in BANKED_GS if table_bytes(Nm, Nr, 1, g, 1, main, build) <= budget - 8192), BANKED_GS[-1])
+        if G not in BANKED_GS:
+            raise ValueError(f"the banked table takes G in {BANKED_GS} groups a step, got {G}")
     if build == "fma" and main not in TABLE_PLACEMENTS:
         raise ValueError(f"the table kernel's main codebook goes in one of {TABLE_PLACEMENTS}, got {main!r}")
     if G is None:
@@ -1724,12 +1747,14 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
                     add(**p.overrides(), fanin=FINISH_FANIN)
             # (Not timed: two 8-warp blocks an SM with the codebooks read through L1, main="global".
             # Measured at 64be687 it ran 1.6-2.6x slower than this plan at every shape probed.)
-        k = plan_or_none(kind="table", build="banked", main="shared") if B == 1 else None
-        if k is not None:  # v6: the same variants as v3's
+        # v6, the banked table: the same variants as v3's (codebooks in global memory where shared cannot
+        # hold them beside 8 groups' tables: 8192 centroids)
+        k = (plan_or_none(kind="table", build="banked") or plan_or_none(kind="table", build="banked", main="global")) if B == 1 else None
+        if k is not None:
             for ks in (k.ksplit, 2 * k.ksplit):
-                add(kind="table", RB=k.RB, main="shared", warps=k.warps, ksplit=ks, build="banked")
+                add(kind="table", RB=k.RB, G=k.G, main=k.main, warps=k.warps, ksplit=ks, build="banked")
             for RB in (k.RB, 7) if k.RB == 8 else (k.RB,):
-                p = plan_or_none(kind="table", RB=RB, main="shared", warps=k.warps, build="banked")
+                p = plan_or_none(kind="table", RB=RB, G=k.G, main=k.main, warps=k.warps, build="banked")
                 if p is not None and RB != k.RB:
                     add(**p.overrides())
                 if p is not None and p.ksplit > 8:
@@ -1820,7 +1845,7 @@ class ResidualGemv:
         else:
             self._sc_t = self._bi_t = torch.zeros(4, dtype=torch.int32, device=self.device)
         self._tiled = _as_kernel_array(self._tiled_t)
-        self._banked_t = self._banked = None  # the banked table's skewed words, made on first use (see words)
+        self._skewed: dict = {}  # G -> the banked table's skewed words and their kernel view, made on first use (see words)
         self._cbexp = codebook_exponent(torch.cat([self._main_t, self._res_t]))
         self._fixed_args = tuple(_as_kernel_array(a) for a in (self._mainq_t, self._resq_t, self._sc_t, self._bi_t))
         self._plans: dict[int, list] = {}
@@ -1836,15 +1861,14 @@ class ResidualGemv:
         made from the others on first use and kept beside them (the layer then holds its words twice)."""
         if plan.build != "banked":
             return self._tiled_t
-        if self._banked_t is None:
+        if plan.G not in self._skewed:
             natural = untile_indices(self._tiled_t, self.n_out, self._n_words, self.b)
-            self._banked_t = tile_indices(skew_indices(natural, self.Nm, self.Nr, BANKED_G), self.n_out, self.b)
-            self._banked = _as_kernel_array(self._banked_t)
-        return self._banked_t
+            w = tile_indices(skew_indices(natural, self.Nm, self.Nr, plan.G), self.n_out, self.b)
+            self._skewed[plan.G] = (w, _as_kernel_array(w))
+        return self._skewed[plan.G][0]
 
     def _words_view(self, plan: ResidualPlan):
-        self.words(plan)
-        return self._banked if plan.build == "banked" else self._tiled
+        return self._skewed[plan.G][1] if self.words(plan) is not self._tiled_t else self._tiled
 
     @property
     def bytes_read(self) -> int:
@@ -1919,7 +1943,7 @@ class ResidualGemv:
         inputs = {}  # a word layout's copies past the L2 (the banked table's are skewed)
 
         def launchers(plan):
-            lay = plan.build == "banked"
+            lay = plan.G if plan.build == "banked" else 0
             if lay not in inputs:
                 inputs[lay] = tuning_inputs(self.words(plan), self.weight_bytes, self.n_in, self.n_out, B, self.device)
             _, views, xa, ya = inputs[lay]
@@ -1933,8 +1957,8 @@ class ResidualGemv:
         del inputs
         if best is None:
             raise RuntimeError(f"no residual plan launches for {self.n_in}x{self.n_out}, batch {B}")
-        if best.build != "banked" and not any(e[1].build == "banked" for e in self._plans.values()):
-            self._banked_t = self._banked = None  # made for the timing only
+        used = {p.G for p in [best] + [e[1] for e in self._plans.values()] if p.build == "banked"}
+        self._skewed = {G: w for G, w in self._skewed.items() if G in used}  # the others were made for the timing only
         _TUNED[key] = best
         return best
 
@@ -2036,6 +2060,7 @@ FORCED_PLANS = (dict(main="shared", ksplit=1, RB=2, warps=4), dict(main="global"
                 # memory, a finish in two levels
                 dict(kind="table", build="banked", RB=7, warps=16, ksplit=3, main="shared"),
                 dict(kind="table", build="banked", RB=2, warps=8, ksplit=6, main="global", fanin=4),
+                dict(kind="table", build="banked", G=8, RB=4, warps=16, ksplit=3, main="global"),  # (8192 centroids too)
                 # the split kernel's lane splits: groups of 16 rows over two warps; of 8 rows, one warp, walking blocks
                 dict(kind="split", lanes=2, warps=2, rc=2), dict(kind="split", lanes=4, warps=1, blocks=5))
 
