@@ -149,7 +149,9 @@ report.styled(report.fp16_baseline_inversions(df))
 # outputs of the second pair, the newest only the 8192-main layers of 1024 outputs and 1024 or 2048 inputs,
 # the last slower than fp16 before it; the third and fourth also stopped at their time limit before the grid's end;
 # the H200's newest runs each measured one or two codebook pairs, some only the layers of 14336 outputs and more,
-# as the table kernel's K-split finish changed (described below);
+# as the table kernel's K-split finish changed (described below); the newest four (H200) came with the banked
+# table (v6, below): both 4096-main pairs in full, then the 8192-main pairs' smallest layers only, since those
+# two runs stopped at their time limit (their tuning took several times as long as before, not yet explained);
 # the book takes each configuration from the newest run that measured it):
 #
 
@@ -167,7 +169,8 @@ report.styled(report.residual_versions(folder))
 # and mid layers, and at nearly every size with 8192 main centroids; with its residual-codebook copies
 # (the newest runs) it also takes most of the large layers, leaving the tensor-core table a few of
 # the largest with 4096 main centroids. On the H200, since the table kernel's finish was reworked (below),
-# the table takes most layers of 14336 outputs and more with 4096 main centroids, and split the rest.
+# the table takes most layers of 14336 outputs and more with 4096 main centroids, and split the rest; since
+# the banked table (v6, below) it is that table at nearly all of them, and at some of 4096 and 8192 outputs.
 # NOTES.md has each version's prediction and why it missed.
 #
 
@@ -221,8 +224,8 @@ report.styled(report.residual_buffers_trial(folder))
 # tuner chose for a layer (records made after them do), and at these layers they are within a few per
 # cent of the run before, whose loads still went out one by one, faster at some and slower at others
 # (the last table below). So the serial loads were
-# not what holds the summing block back; what does is still open. The next measurement is the same
-# timeline of the current kernel.
+# not what holds the summing block back; what does is still open. The first panel of the next section's
+# figure is the current kernel's timeline: its summing blocks still finish well after everyone's steps.
 
 # %% mystnb={"figure": {"caption": "One launch of the tensor-core table kernel at 4096 x 28672 (4096+256, H200), a bar a block, for each finish the probes timed (the probe's commit in brackets). Grey: prologue; blue: table steps; then the finish: light grey where the block only wrote its partial, orange where it summed a run of K-slices, red where it summed the partials into y. Instrumented launches with the words partly L2-resident, so shorter than the CUDA-graph timings. Random weights.", "name": "fig-residual-timeline"}}
 report.fig_residual_timeline(folder)
@@ -241,6 +244,52 @@ report.styled(report.residual_finish_trial(folder))
 
 # %%
 report.styled(report.residual_finish_runs(folder))
+
+# %% [markdown]
+# ### Banked fp16 tables (v6)
+#
+# The table steps are most of a block's time, and most of a step is lookups: each lane reads one 4-byte
+# entry of a group's table at a random index. Shared memory serves a warp's 32 reads in one pass only if
+# they fall in 32 different banks (or the same word); 32 random entries of one table put about three and a
+# half distinct words in the busiest bank, so every lookup takes that many passes. v6 gives each group
+# banks of its own and spreads a warp's lanes over the groups:
+#
+# - The tables are fp16 (entries scaled by a power of two where |x| times a codebook entry could leave
+#   fp16's range, as the additive kernel does), so 16 groups' tables fit beside the codebooks (4096 main
+#   centroids; 8 groups with 8192, the codebooks then read through L1).
+# - Group g's entries sit only in banks 2g and 2g + 1 (four fp16 entries in two words of each 128-byte
+#   row; with 8 groups, eight entries in four banks).
+# - At slot i of a step, lane l looks up group (i + l / 2) mod 16, so each bank pair serves two lanes: about
+#   two passes a lookup instead of three and a half. That needs each row's fields in a lane-dependent
+#   order, so the layer's words are stored skewed: within every run of 16 vectors, row r's fields are rotated
+#   by (r mod 32) / 2 (`trapetum.residual.skew_indices`, made once when a layer first uses a banked plan).
+# - The tables are built on the tensor cores with x as the A operand (16 groups x 8 dimensions) and the
+#   codebooks as B (8 entries a tile), so each lane's part of the product is two adjacent entries of one
+#   group: one 4-byte store.
+# - A step of 16 groups needs twice the words a row of the 8-group step; to stay within 128 registers a
+#   thread, a row's second half of words loads as soon as its first half has been looked up.
+#
+# Each address now costs a few more integer instructions (the entry index splits around the group's
+# bits), so the kernel issues more instructions for fewer shared-memory passes. It was checked against
+# float64 on the GPU first (the probe's checks in brackets, outputs poisoned), then timed beside v3 and the
+# split kernel in one process. Random weights, real shapes:
+
+# %%
+report.styled(report.residual_bank_trial(folder))
+
+# %% mystnb={"figure": {"caption": "One launch at 4096 x 28672 (4096+256, H200): the v3 tensor-core table at the current commit, and the banked fp16 table (v6) with row-groups of 4096 and 3584 rows. Colours as in the figure above. Instrumented launches with the words partly L2-resident. Random weights.", "name": "fig-residual-bank-timeline"}}
+report.fig_residual_timeline(folder, timelines=report.residual_bank_timelines(folder))
+
+# %% [markdown]
+# The banked table shortens the steps at every large layer and loses at the smallest ones the probe timed,
+# where a step of 16 groups leaves fewer K-slices to fill the GPU; the tuner times both and keeps the faster
+# a layer. Nsight Compute's view of one launch of each at 4096 x 28672 agrees with the count on the
+# conflicts: fewer ways a shared load, more instructions, shorter waits between a warp's instructions. Its
+# durations, though, are nearly equal, where the CUDA-graph timings above differ clearly; ncu launches the
+# kernel alone with its caches flushed between passes, and why that hides the difference is not yet known:
+
+# %%
+report.styled(report.residual_bank_ncu(folder))
 
 # %% [markdown]
 # The full grid in the seed's table format. *VPTQ speedup* columns are the seeds' torch time

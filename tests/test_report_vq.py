@@ -5,6 +5,7 @@ import csv
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from trapetum import bench, report, results
@@ -717,3 +718,59 @@ def test_residual_finish_runs_put_the_runs_side_by_side(tmp_path):
     assert np.isnan(t.loc["1024 x 14336", "ours, 57969e4 09:54 (us)"])  # not measured by that run
     assert np.isclose(t.loc["4096 x 28672", "ours, a1128cf 10:25 (us)"] * 2, t.loc["4096 x 28672", "ours, 57969e4 09:54 (us)"])
     assert report.residual_finish_runs(tmp_path, gpu="NVIDIA H100").empty
+
+
+def test_residual_bank_trial_timelines_and_ncu_read_their_files(tmp_path):
+    import json
+
+    def t(us, build, RB=8, fanin=0, variant="table", **kw):
+        return {"kind": "time", "Nm": 4096, "Nr": 256, "n_in": 4096, "n_out": 28672, "fp16_us": 56.0, "us": us, "variant": variant,
+                "build": build, "RB": RB, "fanin": fanin} | kw
+
+    blocks = {"block_x": [0, 0], "block_y": [0, 1], "sm": [3, 4], "start": [0, 100], "prologue": [2000, 2100],
+              "steps": [20000, 21000], "finish": [21000, 30000], "sums": [0, 2]}
+    recs = [{"kind": "check", "passed": True}, {"kind": "check", "passed": True},
+            t(37.0, "mma"), t(35.0, "mma", RB=7), t(31.5, "banked"), t(30.0, "banked", RB=7), t(34.0, "banked", fanin=4),
+            t(44.0, "", RB=1, variant="split"), t(20.0, "banked", n_in=4096, n_out=4096), t(21.0, "mma", n_in=4096, n_out=4096),
+            {"kind": "timeline", "Nm": 4096, "Nr": 256, "n_in": 4096, "n_out": 28672, "build": "mma", "plan": "{'RB': 8}", "blocks": blocks},
+            {"kind": "timeline", "Nm": 4096, "Nr": 256, "n_in": 4096, "n_out": 28672, "build": "banked", "plan": "{'RB': 7}", "blocks": blocks},
+            {"kind": "timeline", "Nm": 4096, "Nr": 512, "n_in": 4096, "n_out": 28672, "build": "banked", "plan": "{'RB': 7}", "blocks": blocks}]
+    (tmp_path / "_runs" / "ncu").mkdir(parents=True)
+    prov = {"gpu": "NVIDIA H200", "git_commit": "63f9440abc", "date": "2026-11-30T12:00"}
+    (tmp_path / "_runs" / "residual-bank-probe-x-h200.json").write_text(json.dumps({"provenance": prov, "records": recs}))
+    d = report.residual_bank_trial(tmp_path)
+    assert d["probe"].tolist() == ["63f9440 (2/2 checks)"] * 2 and d["in x out"].tolist() == ["4096 x 28672", "4096 x 4096"]
+    a = d.iloc[0]
+    assert (a["v3 tensor-core table"], a["v3 tensor-core table, RB 7"], a["v6 banked fp16 table, RB 7"], a["split"]) == (37.0, 35.0, 30.0, 44.0)
+    assert a["v6 banked fp16 table, two levels"] == 34.0
+    assert np.isclose(a["fastest v6 / fastest v3"], 30.0 / 35.0) and np.isclose(a["fastest v6 x fp16"], 56.0 / 30.0)
+    assert np.isclose(d.iloc[1]["fastest v6 / fastest v3"], 20.0 / 21.0)
+    tl = report.residual_bank_timelines(tmp_path)
+    assert [label for label, _ in tl] == ["v3 tensor-core table (63f9440)", "v6 banked fp16 table, RB 7 (63f9440)"]
+    assert tl[1][1]["finish"].tolist() == [21.0, 30.0]
+    fig = report.fig_residual_timeline(tmp_path, timelines=tl)
+    assert len(fig.axes) == 2 and fig.axes[1].get_title(loc="left").startswith("v6 banked")
+    ncu = """    Duration                         us        35.23
+    Executed Instructions                           inst   13,701,776
+    Warp Cycles Per Issued Instruction             cycle         8.25
+          The memory access pattern for shared loads might not be optimal and causes on average a 1.9 - way bank
+          conflict across all 1067008 shared load requests.This results in 917490 bank conflicts,  which represent
+          The memory access pattern for shared stores might not be optimal and causes on average a 2.4 - way bank
+          conflict across all 349312 shared store requests.This results in 496202 bank conflicts,  which represent
+"""
+    (tmp_path / "_runs" / "ncu" / "residual-banked-63f9440-h200.txt").write_text(ncu)
+    n = report.residual_bank_ncu(tmp_path)
+    assert len(n) == 1 and n["kernel"][0] == "v6 banked fp16 table, RB 7"
+    assert (n["duration (us)"][0], n["executed instructions"][0], n["warp cycles per issued instruction"][0]) == (35.23, 13701776.0, 8.25)
+    assert (n["load bank conflict (ways)"][0], n["shared load requests"][0], n["store bank conflict (ways)"][0]) == (1.9, 1067008, 2.4)
+    assert report.residual_bank_trial(tmp_path / "nothing").empty and report.residual_bank_ncu(tmp_path / "nothing").empty
+
+
+def test_residual_choices_and_versions_name_the_banked_table():
+    df = pd.DataFrame([{"grid": "residual", "time_ms": 0.03, "speedup": 1.9, "in_features": 4096, "out_features": n, "main_centroids": 4096,
+                        "residual_centroids": 256, "variant": v, "build": b, "main_placement": "shared", "gpu": "NVIDIA H200"}
+                       for n, v, b in ((28672, "table", "banked"), (14336, "table", "mma"), (1024, "split", None))])
+    c = report.residual_choices(df).set_index("kernel chosen")
+    assert c.loc["table, banked fp16 (v6), codebook in shared", "out 28672"] == 1
+    assert c.loc["table, built on tensor cores, codebook in shared", "out 14336"] == 1
+    assert report._residual_kernel_label(df) == "per shape: split or table (tensor-core or banked fp16), tuned"

@@ -1483,7 +1483,9 @@ def _residual_kernel_label(g: pd.DataFrame) -> str:
     variants = set(g["variant"].dropna()) if "variant" in g else set()
     if not variants:
         return "gather (v1): codebook vectors rebuilt a group"
-    if "build" in g and (g["build"] == "mma").any():
+    if "build" in g and (g["build"] == "banked").any():
+        variants = (variants - {"table"}) | {"table (tensor-core or banked fp16)"}
+    elif "build" in g and (g["build"] == "mma").any():
         variants = (variants - {"table"}) | {"table (fma or tensor-core build)"}
     elif variants == {"table"}:
         return "table (v2): dot-product tables, 4096 rows a table"
@@ -1519,7 +1521,8 @@ def residual_choices(df: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     placement = d["main_placement"] if "main_placement" in d else pd.Series(np.nan, index=d.index)
     build = d["build"] if "build" in d else pd.Series(np.nan, index=d.index)
-    built = np.where(build.astype(object) == "mma", ", built on tensor cores", "")
+    b = build.astype(object)
+    built = np.where(b == "mma", ", built on tensor cores", np.where(b == "banked", ", banked fp16 (v6)", ""))
     d["kernel chosen"] = d["variant"].fillna("gather") + built + ", codebook in " + placement.fillna("(not recorded)").astype(str)
     d["GPU"] = d["gpu"].map(gpu_label) if "gpu" in d else "(not recorded)"
     t = d.pivot_table(index=["GPU", "kernel chosen"], columns="out_features", values="speedup", aggfunc="size", fill_value=0)
@@ -2598,11 +2601,87 @@ def residual_finish_runs(folder=None, gpu: str = "NVIDIA H200", commits=("57969e
     return out.reset_index().rename(columns={"shape": "in x out"})
 
 
-def fig_residual_timeline(folder=None, shape=(4096, 28672), codebooks=(4096, 256)) -> Figure:
+RESIDUAL_BANK_PROBES = "_runs/residual-bank-probe-*.json"  # the banked table (v6) against v3 and split, session 66
+
+
+def _bank_variant(r: dict) -> str:
+    if r.get("variant") == "split":
+        return "split"
+    what = {"mma": "v3 tensor-core table", "banked": "v6 banked fp16 table"}[r["build"]]
+    return what + (", RB 7" if int(r["RB"]) == 7 else "") + (", two levels" if r.get("fanin") else "")
+
+
+def residual_bank_trial(folder=None) -> pd.DataFrame:
+    """The banked fp16 table (v6) beside the v3 table and the split kernel's plan, one row a probe, codebook
+    pair and shape, all timed in the probe's process (CUDA-graph replays over L2-rotated words, each layout
+    its own copies; median of three interleaved rounds), in us; torch fp16 of that process, and the fastest
+    v6 plan's time over the fastest v3 plan's."""
+    rows = []
+    for prov, label, t in _probe_runs(folder, RESIDUAL_BANK_PROBES, short=True):
+        if t.empty:
+            continue
+        t["what"] = [_bank_variant(r) for r in t.to_dict("records")]
+        for (Nm, Nr, n_in, n_out), g in t.groupby(["Nm", "Nr", "n_in", "n_out"], sort=False):
+            best = g.groupby("what", sort=False)["us"].min()
+            v3 = best[[w for w in best.index if w.startswith("v3")]].min()
+            v6 = best[[w for w in best.index if w.startswith("v6")]].min()
+            rows.append({"probe": label, "GPU": gpu_label(prov.get("gpu", "")), "codebooks": f"{int(Nm)}+{int(Nr)}",
+                         "in x out": shape_label((int(n_in), int(n_out))), "torch fp16 (us)": float(g["fp16_us"].iloc[0])}
+                        | {w: float(v) for w, v in best.items()}
+                        | {"fastest v6 / fastest v3": v6 / v3, "fastest v6 x fp16": float(g["fp16_us"].iloc[0]) / v6})
+    return pd.DataFrame(rows)
+
+
+def residual_bank_timelines(folder=None, shape=(4096, 28672), codebooks=(4096, 256)) -> list[tuple[str, pd.DataFrame]]:
+    """The banked-table probes' block timelines of one shape and codebook pair (as :func:`residual_timelines`)."""
+    out = []
+    for _, label, t in _probe_runs(folder, RESIDUAL_BANK_PROBES, short=True, kind="timeline"):
+        for r in t.to_dict("records"):
+            if (r["n_in"], r["n_out"]) != tuple(shape) or (r["Nm"], r["Nr"]) != tuple(codebooks):
+                continue
+            b = pd.DataFrame(r["blocks"])
+            for c in ("start", "prologue", "steps", "finish"):
+                b[c] = b[c] / 1e3
+            rb = ", RB 7" if "'RB': 7" in r["plan"] else ""
+            out.append((f"{'v6 banked fp16 table' if r['build'] == 'banked' else 'v3 tensor-core table'}{rb} ({label.split()[0]})", b))
+    return out
+
+
+NCU_RESIDUAL_BANK = {"v3 tensor-core table, RB 7": "_runs/ncu/residual-v3rb7-*-h200.txt",
+                     "v6 banked fp16 table, RB 7": "_runs/ncu/residual-banked-*-h200.txt"}
+
+
+def residual_bank_ncu(folder=None) -> pd.DataFrame:
+    """Nsight Compute's summary of one launch of each table at 4096 x 28672 (4096+256, H200; a standalone launch,
+    caches flushed between ncu's passes): duration, instructions, cycles between a warp's instructions, and the
+    bank conflicts ncu reports for shared loads and stores (the average ways a request)."""
+    rows = []
+    for what, pattern in NCU_RESIDUAL_BANK.items():
+        for f in sorted(_root(folder).glob(pattern)):
+            txt = f.read_text()
+
+            def num(label):
+                m = re.search(rf"{label}\s+\S+\s+([\d,.]+)", txt)
+                return float(m.group(1).replace(",", "")) if m else np.nan
+
+            def ways(kind):
+                m = re.search(rf"on average a ([\d.]+) - way bank\s+conflict across all (\d+) shared {kind} requests", txt.replace("\n", " "))
+                return (float(m.group(1)), int(m.group(2))) if m else (np.nan, np.nan)
+
+            (lw, lr), (sw, sr) = ways("load"), ways("store")
+            rows.append({"kernel": what, "file": f.name, "duration (us)": num("Duration"),
+                         "executed instructions": num("Executed Instructions"),
+                         "warp cycles per issued instruction": num("Warp Cycles Per Issued Instruction"),
+                         "shared load requests": lr, "load bank conflict (ways)": lw,
+                         "shared store requests": sr, "store bank conflict (ways)": sw})
+    return pd.DataFrame(rows)
+
+
+def fig_residual_timeline(folder=None, shape=(4096, 28672), codebooks=(4096, 256), timelines=None) -> Figure:
     """One launch of the tensor-core table kernel, a bar a block (sorted by start): the prologue (codebooks
     and x staged), the table steps, and the finish, coloured by what the block summed. One panel a probe's
-    timeline (:func:`residual_timelines`), all on one time axis."""
-    tl = residual_timelines(folder, shape, codebooks)
+    timeline (``timelines``, by default :func:`residual_timelines`), all on one time axis."""
+    tl = residual_timelines(folder, shape, codebooks) if timelines is None else timelines
     colours = {0: "#bbbbbb", 1: "#f0a030", 2: "#d62728"}
     with _style():
         fig = Figure(figsize=(9, 1.5 + 1.45 * max(1, len(tl))), layout="constrained")
