@@ -1213,15 +1213,28 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
                         tab[uint32(CBW + (bb * G + g) * TS + Nm + c)] = dot8(cbr[4 * k], cbr[4 * k + 1], cbr[4 * k + 2], cbr[4 * k + 3], xv, g)
 
     @cuda.jit(device=True, **INLINE)
+    def fragment_lane(tid):
+        # (g, t, warp) of an mma fragment: g = lane / 4, t = lane % 4
+        lane = uint32(tid) & uint32(31)
+        return lane >> uint32(2), lane & uint32(3), uint32(tid) >> uint32(5)
+
+    @cuda.jit(device=True, **INLINE)
+    def codebook_word(tabi, mainq, resq, e, t):
+        # Word t (dimensions 2t, 2t + 1) of codebook entry e (main, then residual), from shared memory or,
+        # with CBG, global memory (the caller keeps the branch warp-uniform).
+        if not CBG:
+            return tabi[uint32(4) * e + t]
+        if e < uint32(Nm):
+            return mainq[uint32(4) * e + t]
+        return resq[uint32(4) * (e - uint32(Nm)) + t]
+
+    @cuda.jit(device=True, **INLINE)
     def build_mma(tab, tabi, cbm, cbr, xv, xo, ncols, tid, mainq, resq, cbexp):
         # Lane (g, t) = (lane / 4, lane % 4). B fragment of N-tile n: column c = 8n + g, i.e. batch
         # row c / G, group c % G of the step, dimensions 2t and 2t + 1 (zero past the last column).
         # 32-bit unsigned arithmetic throughout: with int64 (numba's default) ptxas kept 64-bit
         # loop counters and recomputed the loop-invariant store predicates every tile.
-        lane = uint32(tid) & uint32(31)
-        gl = lane >> uint32(2)
-        t = lane & uint32(3)
-        warp = uint32(tid) >> uint32(5)
+        gl, t, warp = fragment_lane(tid)
         bx = cuda.local.array(NT, int32)
         for n in range(NT):
             c = uint32(8 * n) + gl
@@ -1232,15 +1245,9 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         e = uint32(16) * warp + gl
         for k in range(TPW):
             if e < uint32(Nm + Nr):  # the same for the whole warp (e - gl is a multiple of 16): mma needs all 32 lanes
-                if not CBG:
-                    a0 = tabi[uint32(4) * e + t]
-                    a1 = tabi[uint32(4) * e + uint32(32) + t]
-                elif e < uint32(Nm):  # also warp-uniform (Nm is a multiple of 16)
-                    a0 = mainq[uint32(4) * e + t]
-                    a1 = mainq[uint32(4) * e + uint32(32) + t]
-                else:
-                    a0 = resq[uint32(4) * (e - uint32(Nm)) + t]
-                    a1 = resq[uint32(4) * (e - uint32(Nm)) + uint32(32) + t]
+                # (main or residual: also warp-uniform, Nm is a multiple of 16)
+                a0 = codebook_word(tabi, mainq, resq, e, t)
+                a1 = codebook_word(tabi, mainq, resq, e + uint32(8), t)
                 mma_tile(tab, uint32(CBW), e, t, a0, a1, bx, float32(1.0))
             e += uint32(16 * warps)
 
@@ -1248,11 +1255,8 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     def build_banked(tab, tabi, cbm, cbr, xv, xo, ncols, tid, mainq, resq, cbexp):
         # Lane (g, t): A fragments = dimensions 2t, 2t + 1 of groups g and g + 8 of the step; B fragment
         # of N-tile n = word t of entry 8n + g; D = groups g, g + 8 x entries 8n + 2t, 8n + 2t + 1, the
-        # adjacent halves of word (n / 2 + ...) in the group's two banks. Returns the sums' factor 2**s.
-        lane = uint32(tid) & uint32(31)
-        gl = lane >> uint32(2)
-        t = lane & uint32(3)
-        warp = uint32(tid) >> uint32(5)
+        # adjacent halves of one word in the group's banks. Returns the sums' factor 2**s.
+        gl, t, warp = fragment_lane(tid)
         o = uint32(XOFF) + uint32(xo) + uint32(8) * gl + uint32(2) * t
         a0 = float2_to_half2(tab[o], tab[o + uint32(1)])
         a1 = float2_to_half2(tab[o + uint32(64)], tab[o + uint32(65)]) if G == 16 else int32(0)
@@ -1268,15 +1272,8 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
             down = float32(1.0) / up
         n = warp
         for k in range(TPWB):
-            if n < uint32(NTB):  # warp-uniform: mma needs all 32 lanes
-                e = uint32(8) * n + gl
-                if not CBG:
-                    bw = tabi[uint32(4) * e + t]
-                elif n < uint32(Nm // 8):  # also warp-uniform
-                    bw = mainq[uint32(4) * e + t]
-                else:
-                    bw = resq[uint32(4) * (e - uint32(Nm)) + t]
-                d0, d1, d2, d3 = mma_m16n8k8(a0, a1, bw)
+            if n < uint32(NTB):  # warp-uniform: mma needs all 32 lanes (and main or residual: Nm is a multiple of 8)
+                d0, d1, d2, d3 = mma_m16n8k8(a0, a1, codebook_word(tabi, mainq, resq, uint32(8) * n + gl, t))
                 if G == 16:  # word (e / 4) * 32 + 2 g + (e / 2) % 2 of entry e = 8n + 2t, group g = gl and gl + 8
                     w = uint32(CBW) + (uint32(2) * n + (t >> uint32(1))) * uint32(32) + uint32(2) * gl + (t & uint32(1))
                     tabi[w] = float2_to_half2(d0 * down, d1 * down)
