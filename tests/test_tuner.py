@@ -55,3 +55,16 @@ def test_candidates_that_cannot_launch_are_skipped_or_raised(timings):
     with pytest.raises(RuntimeError, match="shared memory"):
         bench.pick_fastest(list("abc"), launchers, "cuda")
     assert bench.pick_fastest(["b"], launchers, "cuda", on_error=lambda p, e: None) is None
+
+
+def test_tune_log_prints_each_timing(timings, monkeypatch, capsys):
+    script, _ = timings
+    script.update(a=[2.0, 2.0], b=[1.0, 1.0])
+    bench.pick_fastest(list("ab"), lambda p: [p], "cuda")
+    assert capsys.readouterr().err == ""  # off unless asked for
+    script.update(a=[2.0, 2.0], b=[1.0, 1.0])
+    monkeypatch.setenv("TRAPETUM_TUNE_LOG", "1")
+    assert bench.pick_fastest(list("ab"), lambda p: [p], "cuda") == "b"
+    lines = capsys.readouterr().err.splitlines()
+    assert [ln.split(":")[1].strip() for ln in lines] == ["a", "b", "a", "b"]  # both, then the rechecks, fastest last
+    assert lines[0].startswith("tune: a: 2000.00 us, ") and lines[0].endswith(" s")

@@ -6,7 +6,9 @@ Every timing of a Trapetum kernel is taken in the same process and run as torch 
 from __future__ import annotations
 
 import math
+import os
 import statistics
+import sys
 import time
 from typing import Callable
 
@@ -80,11 +82,15 @@ def pick_fastest(cands: list, launchers_of: Callable, device, on_error: Callable
     time fastest, or None if none launches. After one pass over all candidates the ``recheck``
     fastest are timed again in reverse order, each keeping its faster median, so drift during
     tuning (clocks, another process) cannot crown a candidate by one lucky or unlucky timing.
-    ``on_error(plan, exc)``: skip a candidate that cannot launch (re-raised without it)."""
+    ``on_error(plan, exc)``: skip a candidate that cannot launch (re-raised without it).
+    With TRAPETUM_TUNE_LOG set, each timing prints a line to stderr: the candidate, its time, and
+    the wall seconds it took (the first timing of a kernel includes its compilation)."""
     warm_gpu(device)
     best: dict[int, float] = {}
+    log = bool(os.environ.get("TRAPETUM_TUNE_LOG"))
 
     def time_one(k):
+        t0 = time.perf_counter()
         try:
             launchers = launchers_of(cands[k])  # rebuilt per timing: one candidate's workspace at a time
             ms = time_graph(launchers, launches=max(10, len(launchers)), replays=5, warmup=1)
@@ -94,6 +100,8 @@ def pick_fastest(cands: list, launchers_of: Callable, device, on_error: Callable
             on_error(cands[k], e)
             ms = math.inf
         best[k] = min(best.get(k, math.inf), ms)
+        if log:
+            print(f"tune: {cands[k]}: {ms * 1e3:.2f} us, {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
     for k in range(len(cands)):
         time_one(k)
