@@ -1407,7 +1407,7 @@ class ResidualPlan:
     static_bytes: int
     kind: str = "gather"
     G: int = 0  # table: groups a step
-    build: str = ""  # table: "fma" (scalar multiply-adds) or "mma" (tensor cores, v3)
+    build: str = ""  # table: "fma" (scalar multiply-adds), "mma" (tensor cores, v3) or "banked" (fp16, bank-partitioned, v6)
     fanin: int = 0  # table: K-slices a level-one sum of the finish (0: one level; see _common_device_functions)
     blocks: int = 0  # split: blocks along the rows, each walking row-groups (0: one a row-group)
     rc: int = 1  # split: copies of the residual codebook in shared memory (see residual_kernel)
