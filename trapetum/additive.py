@@ -60,8 +60,10 @@ from .gemv import (
     copy16_async,
     float2_to_half2,
     float_bits,
+    fp16_table_scale,
     fused_operands,
     fused_tuning_operands,
+    half2_abs_bits,
     half2_to_float2,
     half_sum4,
     inv_rms,
@@ -989,12 +991,8 @@ def additive_kernel(M: int, B: int, bt: int, warps: int, RB: int, cps: int, mma:
             # Every warp holds the whole slice of x in its fragments, so each finds the same s alone.
             hx = uint32(0)
             for n in range(NT):
-                w = uint32(bx[n])
-                hx = max(hx, max(w & uint32(0x7FFF), (w >> uint32(16)) & uint32(0x7FFF)))
-            s = int32(warp_max_u32(hx) >> uint32(10)) + int32(cbexp) - int32(FP16_HEADROOM)
-            if s > 0:
-                up = float32(int64(1) << int64(s))
-                down = float32(1.0) / up
+                hx = half2_abs_bits(hx, bx[n])
+            up, down = fp16_table_scale(hx, cbexp, FP16_HEADROOM)
         e = uint32(16) * (uint32(tid) >> uint32(5)) + gl
         for k in range(TPW):
             if e < uint32(pairs):  # warp-uniform: mma needs all 32 lanes
@@ -1240,14 +1238,10 @@ def _stream_parts(warps: int, tables: int, pre: str, post: str, defer_rms: bool 
             a[2 * p] = sm[xo + uint32(32 * p)]
             a[2 * p + 1] = sm[xo + uint32(128 + 32 * p)]
         for k in range(8):
-            w = uint32(a[k])
-            hx = max(hx, max(w & uint32(0x7FFF), (w >> uint32(16)) & uint32(0x7FFF)))
+            hx = half2_abs_bits(hx, a[k])
         # Every warp holds the whole chunk of x in its A fragments, so each finds the same s alone.
-        s = int32(warp_max_u32(hx) >> uint32(10)) + int32(cbexp) - int32(STREAM_FP16_HEADROOM)
-        up = float32(1.0)
-        if s > 0:
-            up = float32(int64(1) << int64(s))
-            down = float32(1.0) / up
+        up, down = fp16_table_scale(hx, cbexp, STREAM_FP16_HEADROOM)
+        if up > float32(1.0):
             for k in range(8):
                 lo, hi = half2_to_float2(a[k])
                 a[k] = float2_to_half2(lo * down, hi * down)

@@ -853,6 +853,27 @@ def codebook_exponent(codebooks: torch.Tensor) -> int:
     return math.frexp(l1)[1] if l1 > 0 else 0
 
 
+@cuda.jit(device=True, **INLINE)
+def half2_abs_bits(hx, w):
+    """max(hx, the bits of |h| for both fp16 halves h of the word w): larger fp16 magnitudes have larger bits."""
+    u = uint32(w)
+    return max(hx, max(u & uint32(0x7FFF), (u >> uint32(16)) & uint32(0x7FFF)))
+
+
+@cuda.jit(device=True, **INLINE)
+def fp16_table_scale(hx, cbexp, headroom):
+    """(2**s, 2**-s) for an fp16 table: s = the biased exponent of the warp's largest |x| (``hx``, from
+    :func:`half2_abs_bits` over the lane's x fragments) + ``cbexp`` (:func:`codebook_exponent`) - ``headroom``,
+    or (1, 1) where s <= 0. Warp-wide: all 32 lanes call it together."""
+    s = int32(warp_max_u32(hx) >> uint32(10)) + int32(cbexp) - int32(headroom)
+    up = float32(1.0)
+    down = float32(1.0)
+    if s > 0:
+        up = float32(int64(1) << int64(s))
+        down = float32(1.0) / up
+    return up, down
+
+
 def mma_table_tile(NT: int, BG: int, PS: int, half: bool = False):
     """The tensor-core table builds' shared step (residual and additive kernels): one M-tile of 16
     table entries (A fragments ``a0``, ``a1``) times the ``NT`` N-tiles of x (B fragments ``bx``),

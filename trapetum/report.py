@@ -2567,13 +2567,18 @@ def residual_timelines(folder=None, shape=(4096, 28672), codebooks=(4096, 256)) 
             what = _finish_variant(r)
             if (r["n_in"], r["n_out"]) != tuple(shape) or (r["Nm"], r["Nr"]) != tuple(codebooks) or what is None:
                 continue
-            b = pd.DataFrame(r["blocks"])
-            if "summed" in b:  # the first probe's: a block summed its row-group's K-slices or not
-                b["sums"] = np.where(b.pop("summed"), 2, 0)
-            for c in ("start", "prologue", "steps", "finish"):
-                b[c] = b[c] / 1e3
-            out.append((f"{what} ({label.split()[0]})", b))
+            out.append((f"{what} ({label.split()[0]})", _timeline_blocks(r)))
     return out
+
+
+def _timeline_blocks(r: dict) -> pd.DataFrame:
+    """A timeline record's blocks, a row a block, times in us."""
+    b = pd.DataFrame(r["blocks"])
+    if "summed" in b:  # the first probe's: a block summed its row-group's K-slices or not
+        b["sums"] = np.where(b.pop("summed"), 2, 0)
+    for c in ("start", "prologue", "steps", "finish"):
+        b[c] = b[c] / 1e3
+    return b
 
 
 def residual_finish_runs(folder=None, gpu: str = "NVIDIA H200", commits=("57969e4", "3ef86cc", "a1128cf"), Nm: int = 4096,
@@ -2639,11 +2644,8 @@ def residual_bank_timelines(folder=None, shape=(4096, 28672), codebooks=(4096, 2
         for r in t.to_dict("records"):
             if (r["n_in"], r["n_out"]) != tuple(shape) or (r["Nm"], r["Nr"]) != tuple(codebooks):
                 continue
-            b = pd.DataFrame(r["blocks"])
-            for c in ("start", "prologue", "steps", "finish"):
-                b[c] = b[c] / 1e3
-            rb = ", RB 7" if "'RB': 7" in r["plan"] else ""
-            out.append((f"{'v6 banked fp16 table' if r['build'] == 'banked' else 'v3 tensor-core table'}{rb} ({label.split()[0]})", b))
+            what = _bank_variant(r | {"RB": 7 if "'RB': 7" in r["plan"] else 8})  # (a timeline record names its plan only)
+            out.append((f"{what} ({label.split()[0]})", _timeline_blocks(r)))
     return out
 
 

@@ -44,13 +44,13 @@ import torch
 
 from .codebook import ROW_BLOCK, CodebookFormatError, check_rows, read_layer_file
 from .gemv import (FP16_HEADROOM, INLINE, SIM, _as_kernel_array, async_wait_all, check_activation, check_output, codebook_exponent,
-                   copy16_async, float2_to_half2, global_timer_lo, hadd2_to_float2, half2_to_float2, kernel_device, load16,
-                   load_byte_offset, load_half_byte_offset, max_shared_bytes, mma_m16n8k8, mma_table_tile, sload4, sm_count, sm_id,
-                   tuning_enabled, tuning_inputs, warp_max_u32, with_shared_limit)
+                   copy16_async, float2_to_half2, fp16_table_scale, global_timer_lo, hadd2_to_float2, half2_abs_bits, half2_to_float2,
+                   kernel_device, load16, load_byte_offset, load_half_byte_offset, max_shared_bytes, mma_m16n8k8, mma_table_tile,
+                   sload4, sm_count, sm_id, tuning_enabled, tuning_inputs, with_shared_limit)
 from .kmeans import check_finite
 from .tuning import PlanCache
 
-from numba import cuda, float32, int32, int64, uint32  # noqa: E402  (gemv set numba's environment first)
+from numba import cuda, float32, int32, uint32  # noqa: E402  (gemv set numba's environment first)
 
 FORMAT_VERSION = 1
 KIND = "residual-vector-codebook"
@@ -1009,17 +1009,24 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     return kernel
 
 
+def _step_head(nsteps: int, s: int, w_lo: int, nw: int, result: str = "") -> list[str]:
+    """The generated chunk_steps' lines that open table step s of a chunk's ``nsteps``: its words
+    w_lo .. w_lo + nw - 1 loaded (their latency behind the build), the table built between barriers;
+    ``result``: what the build's return value is assigned to ("up = "), if anything."""
+    return [f"    q = j * {nsteps} + {s}",
+            "    if q >= q0 and q < q1:",
+            f"        load_words(wreg, 0, WS, tiled, rb0, rbs, nchunks, j, int32({w_lo}), int32({nw}), True)",
+            "        cuda.syncthreads()",
+            f"        {result}build(tab, tabi, cbm, cbr, xv, (q - q0) * G8, ncols, tid, mainq, resq, cbexp)",
+            "        cuda.syncthreads()"]
+
+
 def _table_source(b: int, G: int) -> str:
     """chunk_steps: the table steps of one chunk, every word index and bit offset a constant (as int32(...):
     see :func:`_chunk_source`)."""
     lines = [CHUNK_STEPS_DEF]
     for s, (w_lo, nw, fields) in enumerate(_step_layout(b, G)):
-        lines += [f"    q = j * {VECS_PER_CHUNK // G} + {s}",
-                  "    if q >= q0 and q < q1:",
-                  f"        load_words(wreg, 0, WS, tiled, rb0, rbs, nchunks, j, int32({w_lo}), int32({nw}), True)",
-                  "        cuda.syncthreads()",
-                  "        build(tab, tabi, cbm, cbr, xv, (q - q0) * G8, ncols, tid, mainq, resq, cbexp)",
-                  "        cuda.syncthreads()"]
+        lines += _step_head(VECS_PER_CHUNK // G, s, w_lo, nw)
         lines += [f"        look(wreg, int32({rel}), int32({sh}), int32({int(st)}), int32({gi}), tab, acc)"
                   for gi, (rel, sh, st) in enumerate(fields)]
     return "\n".join(lines) + "\n"
@@ -1029,40 +1036,32 @@ CHUNK_STEPS_DEF = "def chunk_steps(j, q0, q1, ncols, wreg, tiled, rb0, rbs, nchu
 
 
 def _banked_source(b: int, RB: int, G: int) -> str:
-    """chunk_steps of the banked table (v6): steps of G vectors; at G = 16 their fields are looked up
-    in two halves (the words of G = 8 steps), so a row holds no more words than at G = 8: each row's
-    second-half words load, into the first half's registers, as soon as that row's first half is
-    looked up, behind the other rows' lookups."""
+    """chunk_steps of the banked table (v6): steps of G vectors, every row's lookups unrolled (acc and wreg
+    stay in registers); at G = 16 a step's fields are looked up in two halves (the words of G = 8 steps),
+    so a row holds no more words than at G = 8: each row's second-half words load, into the first half's
+    registers, as soon as that row's first half is looked up, behind the other rows' lookups."""
+
+    def looks(r, fields, i0=0):
+        return [f"        look_row(wreg, {r}, int32({rel}), int32({sh}), int32({int(st)}), uint32({i0 + i}), tabi, acc, up)"
+                for i, (rel, sh, st) in enumerate(fields)]
+
+    lines = [CHUNK_STEPS_DEF]
     if G == 8:
-        lines = [CHUNK_STEPS_DEF]
         for s, (w_lo, nw, fields) in enumerate(_step_layout(b, 8)):
-            lines += [f"    q = j * {VECS_PER_CHUNK // 8} + {s}",
-                      "    if q >= q0 and q < q1:",
-                      f"        load_words(wreg, 0, WS, tiled, rb0, rbs, nchunks, j, int32({w_lo}), int32({nw}), True)",
-                      "        cuda.syncthreads()",
-                      "        up = build(tab, tabi, cbm, cbr, xv, (q - q0) * G8, ncols, tid, mainq, resq, cbexp)",
-                      "        cuda.syncthreads()"]
+            lines += _step_head(VECS_PER_CHUNK // 8, s, w_lo, nw, "up = ")
             for r in range(RB):
-                lines += [f"        look_row(wreg, {r}, int32({rel}), int32({sh}), int32({int(st)}), uint32({i}), tabi, acc, up)"
-                          for i, (rel, sh, st) in enumerate(fields)]
+                lines += looks(r, fields)
         return "\n".join(lines) + "\n"
     halves = _step_layout(b, G // 2)
-    lines = [CHUNK_STEPS_DEF, "    lane = uint32(cuda.laneid)"]
+    lines.append("    lane = uint32(cuda.laneid)")
     for s in range(VECS_PER_CHUNK // G):
         (wa, na, fa), (wb, nb, fb) = halves[2 * s], halves[2 * s + 1]
-        lines += [f"    q = j * {VECS_PER_CHUNK // G} + {s}",
-                  "    if q >= q0 and q < q1:",
-                  f"        load_words(wreg, 0, WS, tiled, rb0, rbs, nchunks, j, int32({wa}), int32({na}), True)",
-                  "        cuda.syncthreads()",
-                  "        up = build(tab, tabi, cbm, cbr, xv, (q - q0) * G8, ncols, tid, mainq, resq, cbexp)",
-                  "        cuda.syncthreads()"]
-        for r in range(RB):  # unrolled here: acc and wreg stay in registers
-            lines += [f"        look_row(wreg, {r}, int32({rel}), int32({sh}), int32({int(st)}), uint32({i}), tabi, acc, up)"
-                      for i, (rel, sh, st) in enumerate(fa)]
+        lines += _step_head(VECS_PER_CHUNK // G, s, wa, na, "up = ")
+        for r in range(RB):
+            lines += looks(r, fa)
             lines += [f"        load_row(wreg, {r} * WS, tiled, rb0 + {r}, lane, rb0 + {r} < rbs, nchunks, j, int32({wb}), int32({nb}))"]
         for r in range(RB):
-            lines += [f"        look_row(wreg, {r}, int32({rel}), int32({sh}), int32({int(st)}), uint32({len(fa) + i}), tabi, acc, up)"
-                      for i, (rel, sh, st) in enumerate(fb)]
+            lines += looks(r, fb, len(fa))
     return "\n".join(lines) + "\n"
 
 
@@ -1261,15 +1260,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         a0 = float2_to_half2(tab[o], tab[o + uint32(1)])
         a1 = float2_to_half2(tab[o + uint32(64)], tab[o + uint32(65)]) if G == 16 else int32(0)
         # Every warp holds the step's whole x, so each finds the same s alone.
-        h0, h1 = uint32(a0), uint32(a1)
-        hx = max(max(h0 & uint32(0x7FFF), (h0 >> uint32(16)) & uint32(0x7FFF)),
-                 max(h1 & uint32(0x7FFF), (h1 >> uint32(16)) & uint32(0x7FFF)))
-        s = int32(warp_max_u32(hx) >> uint32(10)) + int32(cbexp) - int32(FP16_HEADROOM)
-        up = float32(1.0)
-        down = float32(1.0)
-        if s > 0:
-            up = float32(int64(1) << int64(s))
-            down = float32(1.0) / up
+        up, down = fp16_table_scale(half2_abs_bits(half2_abs_bits(uint32(0), a0), a1), cbexp, FP16_HEADROOM)
         n = warp
         for k in range(TPWB):
             if n < uint32(NTB):  # warp-uniform: mma needs all 32 lanes (and main or residual: Nm is a multiple of 8)
@@ -1717,6 +1708,18 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
             seen.add(k)
             out.append(p)
 
+    def tensor_core_variants(h: ResidualPlan):
+        # A tensor-core table's heuristic plan h with one and two waves of K-slices, at RB = 7 too, and with
+        # the finish in two levels where a plan has more than 8 K-slices.
+        for ks in (h.ksplit, 2 * h.ksplit):
+            add(kind="table", RB=h.RB, G=h.G, main=h.main, warps=h.warps, ksplit=ks, build=h.build)
+        for RB in (h.RB, 7) if h.RB == 8 else (h.RB,):
+            p = plan_or_none(kind="table", RB=RB, G=h.G, main=h.main, warps=h.warps, build=h.build)
+            if p is not None and RB != h.RB:
+                add(**p.overrides())
+            if p is not None and p.ksplit > 8:
+                add(**p.overrides(), fanin=FINISH_FANIN)
+
     if B <= TABLE_MAX_BATCH:
         # Measured (H100): the shared-codebook table with 4096 rows a table wins only at the largest
         # layers; the register-codebook table at RB = 2 (no 64 KiB staging a block) and the gather
@@ -1734,28 +1737,14 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
                     add(kind="table", RB=r.RB, G=r.G, main="registers", warps=r.warps, ksplit=ks)
         m = plan_or_none(kind="table", build="mma")  # v3: the table built on the tensor cores, as many groups a step as fit
         if m is not None:
-            for ks in (m.ksplit, 2 * m.ksplit):
-                add(kind="table", RB=m.RB, G=m.G, main="shared", warps=m.warps, ksplit=ks, build="mma")
-            for RB in (m.RB, 7) if m.RB == 8 else (m.RB,):
-                p = plan_or_none(kind="table", RB=RB, G=m.G, main="shared", warps=m.warps, build="mma")
-                if p is not None and RB != m.RB:
-                    add(**p.overrides())
-                if p is not None and p.ksplit > 8:  # the finish in two levels
-                    add(**p.overrides(), fanin=FINISH_FANIN)
+            tensor_core_variants(m)
             # (Not timed: two 8-warp blocks an SM with the codebooks read through L1, main="global".
             # Measured at 64be687 it ran 1.6-2.6x slower than this plan at every shape probed.)
-        # v6, the banked table: the same variants as v3's (codebooks in global memory where shared cannot
-        # hold them beside 8 groups' tables: 8192 centroids)
+        # v6, the banked table (codebooks in global memory where shared cannot hold them beside 8 groups'
+        # tables: 8192 centroids)
         k = (plan_or_none(kind="table", build="banked") or plan_or_none(kind="table", build="banked", main="global")) if B == 1 else None
         if k is not None:
-            for ks in (k.ksplit, 2 * k.ksplit):
-                add(kind="table", RB=k.RB, G=k.G, main=k.main, warps=k.warps, ksplit=ks, build="banked")
-            for RB in (k.RB, 7) if k.RB == 8 else (k.RB,):
-                p = plan_or_none(kind="table", RB=RB, G=k.G, main=k.main, warps=k.warps, build="banked")
-                if p is not None and RB != k.RB:
-                    add(**p.overrides())
-                if p is not None and p.ksplit > 8:
-                    add(**p.overrides(), fanin=FINISH_FANIN)
+            tensor_core_variants(k)
         add(kind="gather")
         g = plan_or_none(kind="gather")
         if g is not None and -(-rbs // (g.warps * g.RB)) * g.ksplit < sms:
@@ -1865,7 +1854,10 @@ class ResidualGemv:
         return self._skewed[plan.G][0]
 
     def _words_view(self, plan: ResidualPlan):
-        return self._skewed[plan.G][1] if self.words(plan) is not self._tiled_t else self._tiled
+        if plan.build != "banked":
+            return self._tiled
+        self.words(plan)
+        return self._skewed[plan.G][1]
 
     @property
     def bytes_read(self) -> int:
