@@ -120,7 +120,7 @@ def test_banked_table_matches_float64_reference(Nm, Nr, norm, n_out, n_in, plan,
     codebooks = 0 if plan.get("main") == "global" else 16 * (Nm + Nr)
     assert p.shared_bytes == codebooks + 2 * G * (Nm + Nr) + 4 * p.cps * 8 * G
     x = (x_for(n_in, 1, seed=n_out).float() * xscale).half()
-    # past the headroom (gemv.FP16_HEADROOM): the kernel scales this layer's entries by 2**-1
+    # past the headroom (gemv.FP16_HEADROOM, less a bit for the fp16 pair sums): the kernel scales this layer's x down
     assert xscale < 10 or float(x.abs().max()) * float(torch.cat([t.main, t.res]).float().abs().sum(-1).max()) > 2**14
     check(g, t, x)
     assert torch.equal(g.t.indices, t.indices)  # the natural words, not the skewed ones
@@ -157,8 +157,10 @@ def test_banked_plans_are_batch_1_with_16_or_8_groups():
     assert plan_residual(28672, 16, 8192, 512, 1, build="banked", main="global", **kw).G == 8
     banked = {(c.RB, c.ksplit, c.fanin) for c in candidate_plans(28672, 16, 4096, 256, 1, 132, False, 227 * 1024) if c.build == "banked"}
     assert banked == {(8, 16, 0), (8, 32, 0), (7, 16, 0), (8, 16, 4), (7, 16, 4)}, banked
-    big = {(c.G, c.main) for c in candidate_plans(28672, 16, 8192, 512, 1, 132, False, 227 * 1024) if c.build == "banked"}
-    assert big == {(8, "global")}, big
+    # not timed at 8192 main centroids (slower than split everywhere measured), but still a plan to force
+    assert not [c for c in candidate_plans(28672, 16, 8192, 512, 1, 132, False, 227 * 1024) if c.build == "banked"]
+    small = {(c.G, c.main) for c in candidate_plans(28672, 16, 4096, 256, 1, 132, False, 100 * 1024) if c.build == "banked"}
+    assert small == {(8, "global")}, small
     assert not [c for c in candidate_plans(28672, 16, 4096, 256, 2, 132, False, 227 * 1024) if c.build == "banked"]
 
 
