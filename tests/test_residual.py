@@ -120,7 +120,7 @@ def test_banked_table_matches_float64_reference(Nm, Nr, norm, n_out, n_in, plan,
     codebooks = 0 if plan.get("main") == "global" else 16 * (Nm + Nr)
     assert p.shared_bytes == codebooks + 2 * G * (Nm + Nr) + 4 * p.cps * 8 * G
     x = (x_for(n_in, 1, seed=n_out).float() * xscale).half()
-    # past the headroom (gemv.FP16_HEADROOM, less a bit for the fp16 pair sums): the kernel scales this layer's x down
+    # past the headroom (gemv.FP16_HEADROOM): the kernel scales this layer's entries by 2**-1
     assert xscale < 10 or float(x.abs().max()) * float(torch.cat([t.main, t.res]).float().abs().sum(-1).max()) > 2**14
     check(g, t, x)
     assert torch.equal(g.t.indices, t.indices)  # the natural words, not the skewed ones

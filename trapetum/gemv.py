@@ -141,11 +141,6 @@ if SIM:
         return np.float32(np.array([h], dtype=np.uint16).view(np.float16)[0])
 
     @cuda.jit(device=True)
-    def half_pair_sum(a, ca, oa, cb, ob):
-        h0, h1 = np.float16(load_half_byte_offset(a, ca + oa)), np.float16(load_half_byte_offset(a, cb + ob))
-        return np.float32(h0 + h1)
-
-    @cuda.jit(device=True)
     def half_sum4(a, o0, o1, o2, o3):
         h = [np.float16(load_half_byte_offset(a, o)) for o in (o0, o1, o2, o3)]  # (exact: fp16 values)
         return np.float32(((h[0] + h[1]) + h[2]) + h[3])
@@ -404,29 +399,6 @@ else:
         def codegen(context, builder, sig, args):
             h = builder.load(_byte_pointer(context, builder, sig.args[0], *args, ir.HalfType()), align=2)
             return builder.fpext(h, ir.FloatType())
-
-        return sig, codegen
-
-    @intrinsic
-    def half_pair_sum(typingctx, arr, ca, oa, cb, ob):
-        """h0 + h1 in fp16, as fp32: h0 the fp16 value at byte offset ``ca + oa`` of ``arr``, h1 at ``cb + ob``,
-        ``ca`` and ``cb`` constants. One fp16 add and one conversion where two widened cost three; and the
-        constants stay outside the 32-bit offsets, so ptxas folds them into the loads' immediates (an
-        ``IADD`` a lookup less: ``zext(c + o)`` cannot be split, since c + o may wrap). The caller keeps
-        |h0|, |h1| below 2**14."""
-        sig = types.float32(arr, ca, oa, cb, ob)
-
-        def codegen(context, builder, sig, args):
-            ary = context.make_array(sig.args[0])(context, builder, value=args[0])
-            i8p = builder.bitcast(ary.data, ir.IntType(8).as_pointer())
-            i64 = ir.IntType(64)
-
-            def load(c, o):
-                c, o = (v if v.type.width == 64 else builder.zext(v, i64) for v in (c, o))
-                p = builder.gep(builder.gep(i8p, [c]), [o])
-                return builder.load(builder.bitcast(p, ir.HalfType().as_pointer()), align=2)
-
-            return builder.fpext(builder.fadd(load(args[1], args[2]), load(args[3], args[4])), ir.FloatType())
 
         return sig, codegen
 

@@ -44,7 +44,7 @@ import torch
 
 from .codebook import ROW_BLOCK, CodebookFormatError, check_rows, read_layer_file
 from .gemv import (FP16_HEADROOM, INLINE, SIM, _as_kernel_array, async_wait_all, check_activation, check_output, codebook_exponent,
-                   copy16_async, float2_to_half2, fp16_table_scale, global_timer_lo, hadd2_to_float2, half2_abs_bits, half_pair_sum, half2_to_float2,
+                   copy16_async, float2_to_half2, fp16_table_scale, global_timer_lo, hadd2_to_float2, half2_abs_bits, half2_to_float2,
                    kernel_device, load16, load_byte_offset, load_half_byte_offset, max_shared_bytes, mma_m16n8k8, mma_table_tile,
                    sload4, sm_count, sm_id, tuning_enabled, tuning_inputs, with_shared_limit)
 from .kmeans import check_finite
@@ -1259,24 +1259,18 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         o = uint32(XOFF) + uint32(xo) + uint32(8) * gl + uint32(2) * t
         a0 = float2_to_half2(tab[o], tab[o + uint32(1)])
         a1 = float2_to_half2(tab[o + uint32(64)], tab[o + uint32(65)]) if G == 16 else int32(0)
-        # Every warp holds the step's whole x, so each finds the same s alone. A lookup sums two entries in
-        # fp16 (half_pair_sum): one bit more headroom. x is scaled by 2**-s before the mma, not the entries
-        # after it (four multiplies a tile less; exact in fp16 but for x far below the step's largest).
-        up, down = fp16_table_scale(half2_abs_bits(half2_abs_bits(uint32(0), a0), a1), cbexp, FP16_HEADROOM - 1)
-        if down != float32(1.0):
-            a0 = float2_to_half2(tab[o] * down, tab[o + uint32(1)] * down)
-            if G == 16:
-                a1 = float2_to_half2(tab[o + uint32(64)] * down, tab[o + uint32(65)] * down)
+        # Every warp holds the step's whole x, so each finds the same s alone.
+        up, down = fp16_table_scale(half2_abs_bits(half2_abs_bits(uint32(0), a0), a1), cbexp, FP16_HEADROOM)
         n = warp
         for k in range(TPWB):
             if n < uint32(NTB):  # warp-uniform: mma needs all 32 lanes (and main or residual: Nm is a multiple of 8)
                 d0, d1, d2, d3 = mma_m16n8k8(a0, a1, codebook_word(tabi, mainq, resq, uint32(8) * n + gl, t))
                 if G == 16:  # word (e / 4) * 32 + 2 g + (e / 2) % 2 of entry e = 8n + 2t, group g = gl and gl + 8
                     w = uint32(CBW) + (uint32(2) * n + (t >> uint32(1))) * uint32(32) + uint32(2) * gl + (t & uint32(1))
-                    tabi[w] = float2_to_half2(d0, d1)
-                    tabi[w + uint32(16)] = float2_to_half2(d2, d3)
+                    tabi[w] = float2_to_half2(d0 * down, d1 * down)
+                    tabi[w + uint32(16)] = float2_to_half2(d2 * down, d3 * down)
                 else:  # word (e / 8) * 32 + 4 g + (e / 2) % 4: a warp's 32 stores, 32 consecutive words
-                    tabi[uint32(CBW) + n * uint32(32) + uint32(4) * gl + t] = float2_to_half2(d0, d1)
+                    tabi[uint32(CBW) + n * uint32(32) + uint32(4) * gl + t] = float2_to_half2(d0 * down, d1 * down)
             n += uint32(warps)
         return up
 
@@ -1292,7 +1286,8 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         # (uint32 after each shift: numba widens uint32 arithmetic to 64 bits, and ptxas kept it)
         om = (uint32(f << uint32(LS)) & BHI_M) | (uint32(f << uint32(1)) & ELO) | gb
         orr = (uint32(f >> uint32(bm - LS)) & BHI_R) | (uint32(f >> uint32(bm - 1)) & ELO) | gb
-        acc[r] = cuda.fma(half_pair_sum(tabi, TB, om, TBR, orr), up, acc[r])
+        v = load_half_byte_offset(tabi, uint32(TB) + om) + load_half_byte_offset(tabi, uint32(TBR) + orr)
+        acc[r] = cuda.fma(v, up, acc[r])
 
     @cuda.jit(device=True, **INLINE)
     def look(wreg, q, sh, straddle, gi, tab, acc):
