@@ -1261,16 +1261,20 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         a1 = float2_to_half2(tab[o + uint32(64)], tab[o + uint32(65)]) if G == 16 else int32(0)
         # Every warp holds the step's whole x, so each finds the same s alone.
         up, down = fp16_table_scale(half2_abs_bits(half2_abs_bits(uint32(0), a0), a1), cbexp, FP16_HEADROOM)
+        if down != float32(1.0):
+            a0 = float2_to_half2(tab[o] * down, tab[o + uint32(1)] * down)
+            if G == 16:
+                a1 = float2_to_half2(tab[o + uint32(64)] * down, tab[o + uint32(65)] * down)
         n = warp
         for k in range(TPWB):
             if n < uint32(NTB):  # warp-uniform: mma needs all 32 lanes (and main or residual: Nm is a multiple of 8)
                 d0, d1, d2, d3 = mma_m16n8k8(a0, a1, codebook_word(tabi, mainq, resq, uint32(8) * n + gl, t))
                 if G == 16:  # word (e / 4) * 32 + 2 g + (e / 2) % 2 of entry e = 8n + 2t, group g = gl and gl + 8
                     w = uint32(CBW) + (uint32(2) * n + (t >> uint32(1))) * uint32(32) + uint32(2) * gl + (t & uint32(1))
-                    tabi[w] = float2_to_half2(d0 * down, d1 * down)
-                    tabi[w + uint32(16)] = float2_to_half2(d2 * down, d3 * down)
+                    tabi[w] = float2_to_half2(d0, d1)
+                    tabi[w + uint32(16)] = float2_to_half2(d2, d3)
                 else:  # word (e / 8) * 32 + 4 g + (e / 2) % 4: a warp's 32 stores, 32 consecutive words
-                    tabi[uint32(CBW) + n * uint32(32) + uint32(4) * gl + t] = float2_to_half2(d0 * down, d1 * down)
+                    tabi[uint32(CBW) + n * uint32(32) + uint32(4) * gl + t] = float2_to_half2(d0, d1)
             n += uint32(warps)
         return up
 
