@@ -292,6 +292,33 @@ report.fig_residual_timeline(folder, timelines=report.residual_bank_timelines(fo
 report.styled(report.residual_bank_ncu(folder))
 
 # %% [markdown]
+# Where do v6's warps wait? Nsight Compute's stall reasons for the same launch of each kernel, as warps
+# stalled per issued instruction. v3 waits on the shared-memory pipe (*mio throttle*: the conflicted
+# lookups queue up); v6 has almost none of that left. Its largest waits are now an issue slot taken by
+# another warp (*not selected*), fixed-latency dependencies (*wait*), and *no instruction*: the warp's next
+# instructions were not in the instruction cache. Every row's lookups of a chunk are unrolled, so the
+# kernel's hot code is long, and the sixteen warps of a block run different parts of it:
+
+# %%
+report.styled(report.residual_bank_stalls(folder))
+
+# %% [markdown]
+# Two changes to v6 were timed against it in one process (each with its own rotated copies of the skewed
+# words), after checks against float64. *v7* summed a lookup's main and residual entries in fp16 before one
+# conversion to fp32 (a conversion and an add a lookup fewer; the tables keep one more bit of headroom so
+# the sum stays in fp16) and scaled x by the step's power of two before the table build instead of scaling
+# every entry after it. It was slower at every plan, and it was reverted; CUDA 13's ptxas, compiling it
+# for sm_90, spilled two registers to the stack that v6 does not (why that costs this much is not known). The second change is v7's prescaling alone, which
+# saves four multiplies per tensor-core tile of the build: it was faster at every plan, and it is kept.
+# The tuner no longer times the banked table at 8192 main centroids: there, with 8 groups a step and the
+# codebooks read through L1, its best plan was slower than the best of the others at every layer the
+# tuner timed it (`data/_runs/residual-tune-log-s67-h200.txt`), and compiling its variants only
+# lengthened the tuning.
+
+# %%
+report.styled(report.residual_bank_variants(folder))
+
+# %% [markdown]
 # The full grid in the seed's table format. *VPTQ speedup* columns are the seeds' torch time
 # over VPTQ time (the inverse of their *ratio*): seed 000 on an H100, seed 001 on another, slower
 # GPU whose table gives shapes but not codebook sizes, so its number is repeated across them.

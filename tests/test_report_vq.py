@@ -766,6 +766,37 @@ def test_residual_bank_trial_timelines_and_ncu_read_their_files(tmp_path):
     assert report.residual_bank_trial(tmp_path / "nothing").empty and report.residual_bank_ncu(tmp_path / "nothing").empty
 
 
+def test_residual_bank_variants_and_stalls_read_their_files(tmp_path):
+    import json
+
+    def t(version, us, RB=8, n_out=28672):
+        return {"kind": "time", "version": version, "Nm": 4096, "Nr": 256, "n_in": 4096, "n_out": n_out, "RB": RB, "ksplit": 16,
+                "fp16_us": 56.0, "us": us}
+
+    (tmp_path / "_runs" / "ncu").mkdir(parents=True)
+    for name, commit, recs in (("v7-687cf73", "687cf73abc", [t("v7", 33.0), t("v6", 31.0), t("v7", 31.5, RB=7), t("v6", 30.0, RB=7)]),
+                               ("prescale-a4d1c1b", "a4d1c1bdef", [t("pre", 29.4, RB=7), t("v6", 30.0, RB=7), t("pre", 10.0, n_out=4096), t("v6", 10.5, n_out=4096)])):
+        recs = [{"kind": "check", "passed": True}] + recs
+        prov = {"gpu": "NVIDIA H200", "git_commit": commit, "date": f"2026-11-30T1{len(name) % 3}:00"}
+        (tmp_path / "_runs" / f"residual-banked-variant-probe-{name}-h200.json").write_text(json.dumps({"provenance": prov, "records": recs}))
+    d = report.residual_bank_variants(tmp_path)
+    assert len(d) == 4 and set(d["probe"]) == {"687cf73 (1/1 checks)", "a4d1c1b (1/1 checks)"}
+    v7 = d[d["change"].str.startswith("v7")].set_index("plan")
+    assert np.isclose(v7.loc["RB 8, K-split 16", "changed / v6"], 33.0 / 31.0) and v7.loc["RB 7, K-split 16", "v6 (us)"] == 30.0
+    pre = d[d["change"].str.contains("kept")].set_index("in x out")
+    assert np.isclose(pre.loc["4096 x 4096", "changed / v6"], 10.0 / 10.5) and (pre["changed / v6"] < 1).all()
+
+    def ncu(vals):
+        return "".join(f"    smsp__average_warps_issue_stalled_{k}_per_issue_active.ratio      inst     {v}\n" for k, v in vals.items())
+
+    (tmp_path / "_runs" / "ncu" / "residual-stalls-banked-x-h200.txt").write_text(ncu({"mio_throttle": 0.33, "no_instruction": 1.10, "wait": 1.25, "gmma": 0}))
+    (tmp_path / "_runs" / "ncu" / "residual-stalls-v3rb7-x-h200.txt").write_text(ncu({"mio_throttle": 2.88, "no_instruction": 0.09, "wait": 1.19, "gmma": 0}))
+    s = report.residual_bank_stalls(tmp_path, top=3)
+    assert s.index.tolist() == ["mio throttle", "wait", "no instruction"]
+    assert (s.loc["no instruction", "v6 banked fp16 table, RB 7"], s.loc["mio throttle", "v3 tensor-core table, RB 7"]) == (1.10, 2.88)
+    assert report.residual_bank_variants(tmp_path / "nothing").empty and report.residual_bank_stalls(tmp_path / "nothing").empty
+
+
 def test_residual_choices_and_versions_name_the_banked_table():
     df = pd.DataFrame([{"grid": "residual", "time_ms": 0.03, "speedup": 1.9, "in_features": 4096, "out_features": n, "main_centroids": 4096,
                         "residual_centroids": 256, "variant": v, "build": b, "main_placement": "shared", "gpu": "NVIDIA H200"}

@@ -2679,6 +2679,51 @@ def residual_bank_ncu(folder=None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+RESIDUAL_BANK_VARIANT_PROBES = "_runs/residual-banked-variant-probe-*.json"  # changes to v6 timed against it, session 67
+BANK_VARIANTS = {"v7": "v7: fp16 pair sums, x prescaled (reverted)", "pre": "x prescaled before the build (kept)"}
+
+
+def residual_bank_variants(folder=None) -> pd.DataFrame:
+    """Changes to the banked table (v6) timed against v6 itself in one process (each its own L2-rotated copies of
+    the skewed words, CUDA-graph replays, interleaved rounds, median), one row a probe, shape and plan: both
+    times in us and their ratio (below 1: the change is faster), with torch fp16 of that process."""
+    rows = []
+    for prov, label, t in _probe_runs(folder, RESIDUAL_BANK_VARIANT_PROBES, short=True):
+        if t.empty:
+            continue
+        for (Nm, Nr, n_in, n_out, RB, ks), g in t.groupby(["Nm", "Nr", "n_in", "n_out", "RB", "ksplit"], sort=False):
+            us = g.set_index("version")["us"]
+            change = next(v for v in us.index if v != "v6")
+            rows.append({"probe": label, "GPU": gpu_label(prov.get("gpu", "")), "change": BANK_VARIANTS.get(change, change),
+                         "codebooks": f"{int(Nm)}+{int(Nr)}", "in x out": shape_label((int(n_in), int(n_out))),
+                         "plan": f"RB {int(RB)}, K-split {int(ks)}", "torch fp16 (us)": float(g["fp16_us"].iloc[0]),
+                         "v6 (us)": float(us["v6"]), "changed (us)": float(us[change]), "changed / v6": float(us[change] / us["v6"])})
+    return pd.DataFrame(rows)
+
+
+NCU_RESIDUAL_STALLS = {"v3 tensor-core table, RB 7": "_runs/ncu/residual-stalls-v3rb7-*-h200.txt",
+                       "v6 banked fp16 table, RB 7": "_runs/ncu/residual-stalls-banked-*-h200.txt"}
+
+
+def residual_bank_stalls(folder=None, top: int = 8) -> pd.DataFrame:
+    """Why the table kernels' warps wait (Nsight Compute, one launch at 4096 x 28672, 4096+256, H200): per kernel,
+    the average number of warps stalled for each reason per issued instruction (``smsp__average_warps_issue_stalled_
+    <reason>_per_issue_active``; "selected" is the warp that issued). The ``top`` reasons of either kernel, largest
+    first; a column a kernel."""
+    cols = {}
+    for what, pattern in NCU_RESIDUAL_STALLS.items():
+        for f in sorted(_root(folder).glob(pattern)):
+            found = re.findall(r"smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio\s+inst\s+([\d.]+)", f.read_text())
+            cols[what] = {reason.replace("_", " "): float(v) for reason, v in found}
+    if not cols:
+        return pd.DataFrame()
+    d = pd.DataFrame(cols)
+    keep = d.max(axis=1).sort_values(ascending=False).index[:top]
+    out = d.loc[keep]
+    out.index.name = "stall reason (warps per issued instruction)"
+    return out
+
+
 def fig_residual_timeline(folder=None, shape=(4096, 28672), codebooks=(4096, 256), timelines=None) -> Figure:
     """One launch of the tensor-core table kernel, a bar a block (sorted by start): the prologue (codebooks
     and x staged), the table steps, and the finish, coloured by what the block summed. One panel a probe's
