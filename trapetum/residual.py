@@ -1109,7 +1109,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     G = 8 the second 8 rows are zero) and the codebooks as B (8 entries a tile), so a lane's D fragment
     holds two adjacent entries of one group: one 4-byte store each. Entries are scaled by 2**-s where |x| times a codebook entry's L1 norm could
     leave fp16 (s from the step's max |x| and ``cbexp``, as in the additive kernel; 0 for ordinary
-    activations), and the sums by 2**s.
+    activations), and the sums by 2**s; the scaling is applied to x before the mma, not to each entry after it.
 
     The K-split finish is the wide one of :func:`_common_device_functions`, in runs of ``fanin``.
     ``stamps`` (a timeline, see :meth:`ResidualGemv.timeline`): thread 0 of each block writes its
