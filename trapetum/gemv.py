@@ -119,6 +119,10 @@ if SIM:
         return a[off // a.itemsize]
 
     @cuda.jit(device=True)
+    def store_byte_offset(a, off, v):
+        a[off // a.itemsize] = v
+
+    @cuda.jit(device=True)
     def shared_address(a):
         return np.uint32(0)  # the simulator's addresses are byte offsets into the array itself
 
@@ -344,6 +348,20 @@ else:
         ary = context.make_array(aty)(context, builder, value=arr)
         i8p = builder.bitcast(ary.data, ir.IntType(8).as_pointer())
         return builder.bitcast(builder.gep(i8p, [builder.zext(off, ir.IntType(64))]), ety.as_pointer())
+
+    @intrinsic
+    def store_byte_offset(typingctx, arr, off, v):
+        """arr's element at byte offset ``off`` = v, as :func:`load_byte_offset` (32-bit offset arithmetic: an
+        index makes numba's 64-bit element arithmetic, which ptxas kept in loops)."""
+        sig = types.none(arr, off, v)
+
+        def codegen(context, builder, sig, args):
+            ety = context.get_data_type(sig.args[0].dtype)
+            val = context.cast(builder, args[2], sig.args[2], sig.args[0].dtype)
+            builder.store(val, _byte_pointer(context, builder, sig.args[0], args[0], args[1], ety), align=context.get_abi_sizeof(ety))
+            return context.get_dummy_value()
+
+        return sig, codegen
 
     @intrinsic
     def load_byte_offset(typingctx, arr, off):

@@ -45,7 +45,7 @@ import torch
 from .codebook import ROW_BLOCK, CodebookFormatError, check_rows, read_layer_file
 from .gemv import (FP16_HEADROOM, INLINE, SIM, _as_kernel_array, async_wait_all, check_activation, check_output, codebook_exponent,
                    copy16_async, float2_to_half2, fp16_table_scale, global_timer_lo, hadd2_to_float2, half2_abs_bits, half2_to_float2,
-                   kernel_device, load16, load_byte_offset, load_half_byte_offset, max_shared_bytes, mma_m16n8k8, mma_table_tile,
+                   kernel_device, load16, load_byte_offset, load_half_byte_offset, store_byte_offset, max_shared_bytes, mma_m16n8k8, mma_table_tile,
                    sload4, sm_count, sm_id, tuning_enabled, tuning_inputs, with_shared_limit)
 from .kmeans import check_finite
 from .tuning import PlanCache
@@ -1154,7 +1154,6 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     GSH = uint32(5 - (G.bit_length() - 1)) if banked else uint32(1)  # lane >> GSH: the lane's group offset
     TB, TBR = CBW * 4, CBW * 4 + 2 * G * Nm  # the main and residual entries' first bytes
     NTB = (Nm + Nr) // 8  # banked: mma N-tiles of 8 entries
-    TPWB = -(-NTB // warps)
     load_row = _row_loader(WPC)
     BG = B * G  # table columns
     NT = -(-BG // 8)  # mma N-tiles (8 columns each)
@@ -1268,17 +1267,27 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
             a0 = float2_to_half2(tab[o] * down, tab[o + uint32(1)] * down)
             if G == 16:
                 a1 = float2_to_half2(tab[o + uint32(64)] * down, tab[o + uint32(65)] * down)
+        # Byte offsets of this lane's codebook word and table word for its warp's first N-tile, each advanced by a
+        # constant a tile, in 32-bit arithmetic: indexing (64-bit in numba) and recomputing them from n made
+        # ptxas spend ~38 instructions a tile (sm_90), the lane's fragment position recomputed every tile.
         n = warp
-        for k in range(TPWB):
-            if n < uint32(NTB):  # warp-uniform: mma needs all 32 lanes (and main or residual: Nm is a multiple of 8)
-                d0, d1, d2, d3 = mma_m16n8k8(a0, a1, codebook_word(tabi, mainq, resq, uint32(8) * n + gl, t))
-                if G == 16:  # word (e / 4) * 32 + 2 g + (e / 2) % 2 of entry e = 8n + 2t, group g = gl and gl + 8
-                    w = uint32(CBW) + (uint32(2) * n + (t >> uint32(1))) * uint32(32) + uint32(2) * gl + (t & uint32(1))
-                    tabi[w] = float2_to_half2(d0, d1)
-                    tabi[w + uint32(16)] = float2_to_half2(d2, d3)
-                else:  # word (e / 8) * 32 + 4 g + (e / 2) % 4: a warp's 32 stores, 32 consecutive words
-                    tabi[uint32(CBW) + n * uint32(32) + uint32(4) * gl + t] = float2_to_half2(d0, d1)
+        cb = (uint32(32) * warp + uint32(4) * gl + t) * uint32(4)  # word t of entry 8n + g (codebooks in shared)
+        if G == 16:  # word (e / 4) * 32 + 2 g + (e / 2) % 2 of entry e = 8n + 2t, group g = gl and gl + 8
+            w = (uint32(CBW) + (uint32(2) * warp + (t >> uint32(1))) * uint32(32) + uint32(2) * gl + (t & uint32(1))) * uint32(4)
+        else:  # word (e / 8) * 32 + 4 g + (e / 2) % 4: a warp's 32 stores, 32 consecutive words
+            w = (uint32(CBW) + warp * uint32(32) + uint32(4) * gl + t) * uint32(4)
+        while n < uint32(NTB):  # warp-uniform: mma needs all 32 lanes (and main or residual: Nm is a multiple of 8)
+            if CBG:
+                b = codebook_word(tabi, mainq, resq, uint32(8) * n + gl, t)
+            else:
+                b = load_byte_offset(tabi, cb)
+            d0, d1, d2, d3 = mma_m16n8k8(a0, a1, b)
+            store_byte_offset(tabi, w, float2_to_half2(d0, d1))
+            if G == 16:
+                store_byte_offset(tabi, w + uint32(64), float2_to_half2(d2, d3))
             n += uint32(warps)
+            cb += uint32(128 * warps)
+            w += uint32(256 * warps if G == 16 else 128 * warps)
         return up
 
     @cuda.jit(device=True, **INLINE)
