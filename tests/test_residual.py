@@ -157,8 +157,9 @@ def test_banked_plans_are_batch_1_with_16_or_8_groups():
     assert plan_residual(28672, 16, 8192, 512, 1, build="banked", main="global", **kw).G == 8
     banked = {(c.RB, c.ksplit, c.fanin) for c in candidate_plans(28672, 16, 4096, 256, 1, 132, False, 227 * 1024) if c.build == "banked"}
     assert banked == {(8, 16, 0), (8, 32, 0), (7, 16, 0), (8, 16, 4), (7, 16, 4)}, banked
-    # not timed at 8192 main centroids (slower than split everywhere measured), but still a plan to force
-    assert not [c for c in candidate_plans(28672, 16, 8192, 512, 1, 132, False, 227 * 1024) if c.build == "banked"]
+    # the tuner times it at 8192 main centroids too: G = 8, codebooks through L1
+    banked = [c for c in candidate_plans(28672, 16, 8192, 512, 1, 132, False, 227 * 1024) if c.build == "banked"]
+    assert banked and {(c.G, c.main) for c in banked} == {(8, "global")}
     small = {(c.G, c.main) for c in candidate_plans(28672, 16, 4096, 256, 1, 132, False, 100 * 1024) if c.build == "banked"}
     assert small == {(8, "global")}, small
     assert not [c for c in candidate_plans(28672, 16, 4096, 256, 2, 132, False, 227 * 1024) if c.build == "banked"]

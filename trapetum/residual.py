@@ -1250,6 +1250,20 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
             e += uint32(16 * warps)
 
     @cuda.jit(device=True, **INLINE)
+    def build_tiles(cbw, tabi, n, n1, cb, w, a0, a1):
+        # The banked build's N-tiles n, n + warps, ... below n1: B = the codebook word at byte cb of cbw (shared
+        # or global), D's two fp16 pairs stored at byte w of the table (and w + 64: G = 16, groups g + 8).
+        while n < n1:  # warp-uniform: mma needs all 32 lanes
+            d0, d1, d2, d3 = mma_m16n8k8(a0, a1, load_byte_offset(cbw, cb))
+            store_byte_offset(tabi, w, float2_to_half2(d0, d1))
+            if G == 16:
+                store_byte_offset(tabi, w + uint32(64), float2_to_half2(d2, d3))
+            n += uint32(warps)
+            cb += uint32(128 * warps)
+            w += uint32(256 * warps if G == 16 else 128 * warps)
+        return n, cb, w
+
+    @cuda.jit(device=True, **INLINE)
     def build_banked(tab, tabi, cbm, cbr, xv, xo, ncols, tid, mainq, resq, cbexp):
         # Lane (g, t): A fragments = dimensions 2t, 2t + 1 of groups g and g + 8 of the step; B fragment
         # of N-tile n = word t of entry 8n + g; D = groups g, g + 8 x entries 8n + 2t, 8n + 2t + 1, the
@@ -1270,24 +1284,16 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         # Byte offsets of this lane's codebook word and table word for its warp's first N-tile, each advanced by a
         # constant a tile, in 32-bit arithmetic: indexing (64-bit in numba) and recomputing them from n made
         # ptxas spend ~38 instructions a tile (sm_90), the lane's fragment position recomputed every tile.
-        n = warp
-        cb = (uint32(32) * warp + uint32(4) * gl + t) * uint32(4)  # word t of entry 8n + g (codebooks in shared)
+        cb = (uint32(32) * warp + uint32(4) * gl + t) * uint32(4)  # word t of entry 8n + g of the codebooks' words
         if G == 16:  # word (e / 4) * 32 + 2 g + (e / 2) % 2 of entry e = 8n + 2t, group g = gl and gl + 8
             w = (uint32(CBW) + (uint32(2) * warp + (t >> uint32(1))) * uint32(32) + uint32(2) * gl + (t & uint32(1))) * uint32(4)
         else:  # word (e / 8) * 32 + 4 g + (e / 2) % 4: a warp's 32 stores, 32 consecutive words
             w = (uint32(CBW) + warp * uint32(32) + uint32(4) * gl + t) * uint32(4)
-        while n < uint32(NTB):  # warp-uniform: mma needs all 32 lanes (and main or residual: Nm is a multiple of 8)
-            if CBG:
-                b = codebook_word(tabi, mainq, resq, uint32(8) * n + gl, t)
-            else:
-                b = load_byte_offset(tabi, cb)
-            d0, d1, d2, d3 = mma_m16n8k8(a0, a1, b)
-            store_byte_offset(tabi, w, float2_to_half2(d0, d1))
-            if G == 16:
-                store_byte_offset(tabi, w + uint32(64), float2_to_half2(d2, d3))
-            n += uint32(warps)
-            cb += uint32(128 * warps)
-            w += uint32(256 * warps if G == 16 else 128 * warps)
+        if not CBG:
+            build_tiles(tabi, tabi, warp, uint32(NTB), cb, w, a0, a1)
+        else:  # codebooks in global memory: the main tiles, then the residual ones (a loop each: no pointer select a tile)
+            n, cb, w = build_tiles(mainq, tabi, warp, uint32(Nm // 8), cb, w, a0, a1)
+            build_tiles(resq, tabi, n, uint32(NTB), cb - uint32(16 * Nm), w, a0, a1)
         return up
 
     @cuda.jit(device=True, **INLINE)
@@ -1756,12 +1762,12 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
             tensor_core_variants(m)
             # (Not timed: two 8-warp blocks an SM with the codebooks read through L1, main="global".
             # Measured at 64be687 it ran 1.6-2.6x slower than this plan at every shape probed.)
-        # v6, the banked table (codebooks in global memory where shared cannot hold them beside the tables).
-        # Not at 8192 main centroids (8 groups a step, codebooks through L1): measured on the H200 (session
-        # 67, 8192 + 256 and + 512, 15 layers) its best plan ran 1.6-4.9x slower than the best other one
-        # at every layer (about 2x at the 12 largest), and its compiles cost the tuner ~30 s a process.
+        # v6, the banked table (codebooks in global memory where shared cannot hold them beside the tables:
+        # 8192 main centroids, 8 groups a step). Left out at 8192 centroids in session 67 (1.6-4.9x slower than
+        # the best other plan); timed again since the build's loop went from 94 SASS instructions for 4 tiles
+        # to 33 (NOTES "Session 68").
         k = None
-        if B == 1 and Nm <= 4096:
+        if B == 1:
             k = plan_or_none(kind="table", build="banked") or plan_or_none(kind="table", build="banked", main="global")
         if k is not None:
             tensor_core_variants(k)
