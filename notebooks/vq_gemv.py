@@ -151,8 +151,10 @@ report.styled(report.fp16_baseline_inversions(df))
 # the H200's newest runs each measured one or two codebook pairs, some only the layers of 14336 outputs and more,
 # as the table kernel's K-split finish changed (described below); the newest four (H200) came with the banked
 # table (v6, below): both 4096-main pairs in full, then the 8192-main pairs' smallest layers only, since those
-# two runs stopped at their time limit (their tuning took several times as long as before, not yet explained);
-# the book takes each configuration from the newest run that measured it):
+# two runs stopped at their time limit (most of their time was compiling the tuner's candidates, below); the
+# runs after them re-measured the layers each later change touched: the 8192-main pairs, then the 4096-main
+# layers where the banked table runs (its cheaper build), then the large 8192-main layers (the banked table
+# of 8 groups timed again); the book takes each configuration from the newest run that measured it):
 #
 
 # %%
@@ -171,6 +173,8 @@ report.styled(report.residual_versions(folder))
 # the largest with 4096 main centroids. On the H200, since the table kernel's finish was reworked (below),
 # the table takes most layers of 14336 outputs and more with 4096 main centroids, and split the rest; since
 # the banked table (v6, below) it is that table at nearly all of them, and at some of 4096 and 8192 outputs.
+# With 8192 main centroids the split kernel held every layer until the banked table's build got cheaper
+# (below); since then the banked table of 8 groups a step takes many of the large layers.
 # NOTES.md has each version's prediction and why it missed.
 #
 
@@ -297,7 +301,11 @@ report.styled(report.residual_bank_ncu(folder))
 # lookups queue up); v6 has almost none of that left. Its largest waits are now an issue slot taken by
 # another warp (*not selected*), fixed-latency dependencies (*wait*), and *no instruction*: the warp's next
 # instructions were not in the instruction cache. Every row's lookups of a chunk are unrolled, so the
-# kernel's hot code is long, and the sixteen warps of a block run different parts of it:
+# kernel's hot code is long, and the sixteen warps of a block run different parts of it. The third column
+# is the same launch after the build's change described below: fewer instructions executed, with much the
+# same waits per instruction, the instruction-cache misses among them (the v3 and v6 columns are of
+# 3021222, before the prescaled build; the last row, where the report has it, is the launch's executed
+# warp instructions):
 
 # %%
 report.styled(report.residual_bank_stalls(folder))
@@ -310,13 +318,30 @@ report.styled(report.residual_bank_stalls(folder))
 # every entry after it. It was slower at every plan, and it was reverted; CUDA 13's ptxas, compiling it
 # for sm_90, spilled two registers to the stack that v6 does not (why that costs this much is not known). The second change is v7's prescaling alone, which
 # saves four multiplies per tensor-core tile of the build: it was faster at every plan, and it is kept.
-# The tuner no longer times the banked table at 8192 main centroids: there, with 8 groups a step and the
-# codebooks read through L1, its best plan was slower than the best of the others at every layer the
-# tuner timed it (`data/_runs/residual-tune-log-s67-h200.txt`), and compiling its variants only
-# lengthened the tuning.
+# The third change is in the build's loop itself. Compiled for sm_90 (CUDA 13), every tensor-core tile of
+# the build recomputed the lane's place in the table and 64-bit element indices, and spent several times
+# the instructions a tile needs (a load, an mma, two conversions, two stores). The build now keeps 32-bit
+# byte offsets of its codebook word and table word and advances each by a constant a tile
+# (`trapetum.gemv.store_byte_offset` beside `load_byte_offset`). It was faster at every plan, most at the
+# row-groups of 3584 rows (RB 7), and it is kept; the grid's 4096-main layers where the banked table runs
+# were measured again with it.
 
 # %%
 report.styled(report.residual_bank_variants(folder))
+
+# %% [markdown]
+# With 8192 main centroids only 8 groups' fp16 tables fit a block, and the codebooks are read from global
+# memory through L1 while the tables are built. In session 67 its best plan was slower than the best of
+# the others at every layer the tuner timed it (`data/_runs/residual-tune-log-s67-h200.txt`), so the tuner
+# left it out. The build's change above helped it too, but less: its codebook loads still chose between
+# the main and residual codebook each tile. Now the tile loop is one device function that runs over the
+# main codebook and then the residual one, with no choice inside. With that, the banked table of 8 groups
+# beats the split kernel's heuristic plan at most of the large layers probed; the tuner times it again,
+# and it took many of the large 8192-main layers of the grid (the table of choices above).
+# Timed in one process, after checks against float64 (outputs poisoned). Random weights, real shapes:
+
+# %%
+report.styled(report.residual_bank_g8(folder))
 
 # %% [markdown]
 # The full grid in the seed's table format. *VPTQ speedup* columns are the seeds' torch time

@@ -775,26 +775,53 @@ def test_residual_bank_variants_and_stalls_read_their_files(tmp_path):
 
     (tmp_path / "_runs" / "ncu").mkdir(parents=True)
     for name, commit, recs in (("v7-687cf73", "687cf73abc", [t("v7", 33.0), t("v6", 31.0), t("v7", 31.5, RB=7), t("v6", 30.0, RB=7)]),
-                               ("prescale-a4d1c1b", "a4d1c1bdef", [t("pre", 29.4, RB=7), t("v6", 30.0, RB=7), t("pre", 10.0, n_out=4096), t("v6", 10.5, n_out=4096)])):
+                               ("prescale-a4d1c1b", "a4d1c1bdef", [t("pre", 29.4, RB=7), t("v6", 30.0, RB=7), t("pre", 10.0, n_out=4096), t("v6", 10.5, n_out=4096)]),
+                               ("b32-633f9e1", "633f9e1abc", [t("b32", 25.6, RB=7), t("main", 29.5, RB=7)])):
         recs = [{"kind": "check", "passed": True}] + recs
         prov = {"gpu": "NVIDIA H200", "git_commit": commit, "date": f"2026-11-30T1{len(name) % 3}:00"}
         (tmp_path / "_runs" / f"residual-banked-variant-probe-{name}-h200.json").write_text(json.dumps({"provenance": prov, "records": recs}))
     d = report.residual_bank_variants(tmp_path)
-    assert len(d) == 4 and set(d["probe"]) == {"687cf73 (1/1 checks)", "a4d1c1b (1/1 checks)"}
+    assert len(d) == 5 and set(d["probe"]) == {"687cf73 (1/1 checks)", "a4d1c1b (1/1 checks)", "633f9e1 (1/1 checks)"}
     v7 = d[d["change"].str.startswith("v7")].set_index("plan")
-    assert np.isclose(v7.loc["RB 8, K-split 16", "changed / v6"], 33.0 / 31.0) and v7.loc["RB 7, K-split 16", "v6 (us)"] == 30.0
-    pre = d[d["change"].str.contains("kept")].set_index("in x out")
-    assert np.isclose(pre.loc["4096 x 4096", "changed / v6"], 10.0 / 10.5) and (pre["changed / v6"] < 1).all()
+    assert np.isclose(v7.loc["RB 8, K-split 16", "changed / before"], 33.0 / 31.0) and v7.loc["RB 7, K-split 16", "before (us)"] == 30.0
+    pre = d[d["change"].str.startswith("x prescaled")].set_index("in x out")
+    assert np.isclose(pre.loc["4096 x 4096", "changed / before"], 10.0 / 10.5) and (pre["changed / before"] < 1).all()
+    b32 = d[d["change"].str.startswith("build")].iloc[0]  # timed against the main branch of its day, not v6 by name
+    assert (b32["before (us)"], b32["changed (us)"]) == (29.5, 25.6)
 
     def ncu(vals):
         return "".join(f"    smsp__average_warps_issue_stalled_{k}_per_issue_active.ratio      inst     {v}\n" for k, v in vals.items())
 
     (tmp_path / "_runs" / "ncu" / "residual-stalls-banked-x-h200.txt").write_text(ncu({"mio_throttle": 0.33, "no_instruction": 1.10, "wait": 1.25, "gmma": 0}))
     (tmp_path / "_runs" / "ncu" / "residual-stalls-v3rb7-x-h200.txt").write_text(ncu({"mio_throttle": 2.88, "no_instruction": 0.09, "wait": 1.19, "gmma": 0}))
+    (tmp_path / "_runs" / "ncu" / "residual-stalls-b32build-x-h200.txt").write_text(
+        ncu({"mio_throttle": 0.28, "no_instruction": 1.18, "wait": 1.05, "gmma": 0}) + "    Executed Instructions                           inst   10,502,800\n")
     s = report.residual_bank_stalls(tmp_path, top=3)
-    assert s.index.tolist() == ["mio throttle", "wait", "no instruction"]
+    assert s.index.tolist() == ["mio throttle", "wait", "no instruction", report.EXECUTED]
     assert (s.loc["no instruction", "v6 banked fp16 table, RB 7"], s.loc["mio throttle", "v3 tensor-core table, RB 7"]) == (1.10, 2.88)
+    assert s.loc[report.EXECUTED, "v6, 32-bit build offsets, RB 7"] == 10.5028 and np.isnan(s.loc[report.EXECUTED, "v6 banked fp16 table, RB 7"])
     assert report.residual_bank_variants(tmp_path / "nothing").empty and report.residual_bank_stalls(tmp_path / "nothing").empty
+
+
+def test_residual_bank_g8_sets_the_new_build_beside_the_old_and_split(tmp_path):
+    import json
+
+    def t(version, us, build="banked", RB=8):
+        return {"kind": "time", "version": version, "Nm": 8192, "Nr": 512, "n_in": 16384, "n_out": 14336, "variant": "split" if build is None else "table",
+                "build": build, "G": 8 if build else 0, "RB": RB, "ksplit": 32, "fp16_us": 117.8, "us": us}
+
+    recs = [{"kind": "check", "passed": True}, {"kind": "check", "passed": False},
+            t("new", 86.4), t("new", 83.7, RB=7), t("3be045b", 108.6), t("new", 106.0, build=None, RB=1)]
+    (tmp_path / "_runs").mkdir()
+    (tmp_path / "_runs" / "residual-banked-g8-build-probe-4577014-h200.json").write_text(
+        json.dumps({"provenance": {"gpu": "NVIDIA H200", "git_commit": "4577014abc", "date": "2026-11-30T18:20"}, "records": recs}))
+    d = report.residual_bank_g8(tmp_path)
+    assert len(d) == 1
+    r = d.iloc[0]
+    assert r["probe"] == "4577014 (1/2 checks)" and r["its RB"] == 7 and r["G = 8 at 4577014, best RB (us)"] == 83.7
+    assert r["G = 8 before, 3be045b, RB 8 (us)"] == 108.6 and r["split, heuristic plan (us)"] == 106.0
+    assert np.isclose(r["G = 8 at 4577014 x fp16"], 117.8 / 83.7) and np.isclose(r["split x fp16"], 117.8 / 106.0)
+    assert report.residual_bank_g8(tmp_path / "nothing").empty
 
 
 def test_residual_choices_and_versions_name_the_banked_table():

@@ -2679,47 +2679,86 @@ def residual_bank_ncu(folder=None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-RESIDUAL_BANK_VARIANT_PROBES = "_runs/residual-banked-variant-probe-*.json"  # changes to v6 timed against it, session 67
-BANK_VARIANTS = {"v7": "v7: fp16 pair sums, x prescaled (reverted)", "pre": "x prescaled before the build (kept)"}
+RESIDUAL_BANK_VARIANT_PROBES = "_runs/residual-banked-variant-probe-*.json"  # changes to v6 timed against it, sessions 67-68
+BANK_VARIANTS = {"v7": "v7: fp16 pair sums, x prescaled (reverted)", "pre": "x prescaled before the build (kept)",
+                 "b32": "build: 32-bit byte offsets, advanced a tile (kept)"}
+BANK_BASELINES = ("v6", "main")  # the version a probe's change was timed against
 
 
 def residual_bank_variants(folder=None) -> pd.DataFrame:
-    """Changes to the banked table (v6) timed against v6 itself in one process (each its own L2-rotated copies of
-    the skewed words, CUDA-graph replays, interleaved rounds, median), one row a probe, shape and plan: both
-    times in us and their ratio (below 1: the change is faster), with torch fp16 of that process."""
+    """Changes to the banked table (v6) timed against the kernel before them in one process (each its own L2-rotated
+    copies of the skewed words, CUDA-graph replays, interleaved rounds, median), one row a probe, shape and plan:
+    both times in us and their ratio (below 1: the change is faster), with torch fp16 of that process."""
     rows = []
     for prov, label, t in _probe_runs(folder, RESIDUAL_BANK_VARIANT_PROBES, short=True):
         if t.empty:
             continue
         for (Nm, Nr, n_in, n_out, RB, ks), g in t.groupby(["Nm", "Nr", "n_in", "n_out", "RB", "ksplit"], sort=False):
             us = g.set_index("version")["us"]
-            change = next(v for v in us.index if v != "v6")
+            base = next(v for v in us.index if v in BANK_BASELINES)
+            change = next(v for v in us.index if v != base)
             rows.append({"probe": label, "GPU": gpu_label(prov.get("gpu", "")), "change": BANK_VARIANTS.get(change, change),
                          "codebooks": f"{int(Nm)}+{int(Nr)}", "in x out": shape_label((int(n_in), int(n_out))),
                          "plan": f"RB {int(RB)}, K-split {int(ks)}", "torch fp16 (us)": float(g["fp16_us"].iloc[0]),
-                         "v6 (us)": float(us["v6"]), "changed (us)": float(us[change]), "changed / v6": float(us[change] / us["v6"])})
+                         "before (us)": float(us[base]), "changed (us)": float(us[change]), "changed / before": float(us[change] / us[base])})
+    return pd.DataFrame(rows)
+
+
+RESIDUAL_BANK_G8_PROBES = "_runs/residual-banked-g8-build-probe-*.json"
+
+
+def residual_bank_g8(folder=None) -> pd.DataFrame:
+    """The banked table with 8 groups a step (8192 main centroids, codebooks read through L1) before and after its
+    build's change, beside the split kernel's heuristic plan, one process (interleaved rounds, median, L2-rotated
+    copies): one row a probe and layer, times in us, and each kernel's speedup over torch fp16 of that process."""
+    rows = []
+    for prov, label, t in _probe_runs(folder, RESIDUAL_BANK_G8_PROBES, short=True):
+        if t.empty:
+            continue
+        commit = str(prov.get("git_commit"))[:7]
+        for (Nm, Nr, n_in, n_out), g in t.groupby(["Nm", "Nr", "n_in", "n_out"], sort=False):
+            b, split = g[g["build"] == "banked"], g[g["variant"] == "split"]
+            new, old = b[b["version"] == "new"], b[b["version"] != "new"]
+            if new.empty or old.empty or split.empty:
+                continue
+            best = new.loc[new["us"].idxmin()]
+            fp16 = float(g["fp16_us"].iloc[0])
+            rows.append({"probe": label, "GPU": gpu_label(prov.get("gpu", "")), "codebooks": f"{int(Nm)}+{int(Nr)}",
+                         "in x out": shape_label((int(n_in), int(n_out))), "torch fp16 (us)": fp16,
+                         f"G = 8 before, {old['version'].iloc[0]}, RB {int(old['RB'].iloc[0])} (us)": float(old["us"].iloc[0]),
+                         f"G = 8 at {commit}, best RB (us)": float(best["us"]), "its RB": int(best["RB"]),
+                         "split, heuristic plan (us)": float(split["us"].iloc[0]),
+                         f"G = 8 at {commit} x fp16": fp16 / float(best["us"]), "split x fp16": fp16 / float(split["us"].iloc[0])})
     return pd.DataFrame(rows)
 
 
 NCU_RESIDUAL_STALLS = {"v3 tensor-core table, RB 7": "_runs/ncu/residual-stalls-v3rb7-*-h200.txt",
-                       "v6 banked fp16 table, RB 7": "_runs/ncu/residual-stalls-banked-*-h200.txt"}
+                       "v6 banked fp16 table, RB 7": "_runs/ncu/residual-stalls-banked-*-h200.txt",
+                       "v6, 32-bit build offsets, RB 7": "_runs/ncu/residual-stalls-b32build-*-h200.txt"}
+EXECUTED = "executed warp instructions (millions)"
 
 
 def residual_bank_stalls(folder=None, top: int = 8) -> pd.DataFrame:
     """Why the table kernels' warps wait (Nsight Compute, one launch at 4096 x 28672, 4096+256, H200): per kernel,
     the average number of warps stalled for each reason per issued instruction (``smsp__average_warps_issue_stalled_
     <reason>_per_issue_active``; "selected" is the warp that issued). The ``top`` reasons of either kernel, largest
-    first; a column a kernel."""
-    cols = {}
+    first; a column a kernel; then, where the report has it, the launch's executed warp instructions."""
+    cols, executed = {}, {}
     for what, pattern in NCU_RESIDUAL_STALLS.items():
         for f in sorted(_root(folder).glob(pattern)):
-            found = re.findall(r"smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio\s+inst\s+([\d.]+)", f.read_text())
+            text = f.read_text()
+            found = re.findall(r"smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio\s+inst\s+([\d.]+)", text)
             cols[what] = {reason.replace("_", " "): float(v) for reason, v in found}
+            n = re.search(r"^\s*Executed Instructions\s+inst\s+([\d,]+)", text, re.M)
+            if n:
+                executed[what] = int(n.group(1).replace(",", "")) / 1e6
     if not cols:
         return pd.DataFrame()
     d = pd.DataFrame(cols)
     keep = d.max(axis=1).sort_values(ascending=False).index[:top]
     out = d.loc[keep]
+    if executed:
+        out = pd.concat([out, pd.DataFrame(executed, index=[EXECUTED])])
     out.index.name = "stall reason (warps per issued instruction)"
     return out
 
