@@ -311,7 +311,7 @@ report.styled(report.residual_bank_ncu(folder))
 report.styled(report.residual_bank_stalls(folder))
 
 # %% [markdown]
-# Two changes to v6 were timed against it in one process (each with its own rotated copies of the skewed
+# Three changes to v6 were timed against the kernel before them in one process (each with its own rotated copies of the skewed
 # words), after checks against float64. *v7* summed a lookup's main and residual entries in fp16 before one
 # conversion to fp32 (a conversion and an add a lookup fewer; the tables keep one more bit of headroom so
 # the sum stays in fp16) and scaled x by the step's power of two before the table build instead of scaling

@@ -155,6 +155,13 @@ def test_styled_microseconds_get_one_decimal():
     assert "18.5<" in html and "42.1<" in html and "18.507" not in html and "42.076" not in html
 
 
+def test_styled_other_floats_get_four_significant_digits():
+    t = pd.DataFrame({"no instruction": [1.1, 0.091234], "executed instructions": [13701776.0, np.nan], "count": [3, 4]})
+    html = report.styled(t).to_html()
+    assert "1.1<" in html and "0.09123<" in html and "13,701,776<" in html and "–" in html and ">3<" in html
+    assert "1.100000" not in html and "0.091234" not in html
+
+
 def test_styled_ratios_of_two_measurements_get_two_decimals():
     t = pd.DataFrame({"numba / C++ mma": [0.914076], "tried / committed": [1.195847]})
     html = report.styled(t).to_html()

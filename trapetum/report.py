@@ -368,6 +368,10 @@ def _flat(c) -> str:
     return " ".join(str(x) for x in c) if isinstance(c, tuple) else str(c)
 
 
+def _plain_float(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 1e4 else f"{v:.4g}"
+
+
 def styled(table: pd.DataFrame, caption: str | None = None):
     """A display form of a table: fixed decimals, "x" on speedups, "–" for missing, no index.
 
@@ -403,6 +407,8 @@ def styled(table: pd.DataFrame, caption: str | None = None):
             fmt[c] = "{:.2f}"
         elif " / " in lc:  # a ratio of two measurements ("numba / C++", "tried / committed")
             fmt[c] = "{:.2f}x"
+        elif pd.api.types.is_float_dtype(table[c]):  # anything else: 4 significant digits, not pandas' 6 decimals
+            fmt[c] = _plain_float
     s = table.style.format(fmt, na_rep="–").hide(axis="index")
     s = s.set_table_styles([
         {"selector": "", "props": [("font-size", "0.88em")]},
@@ -2676,7 +2682,12 @@ def residual_bank_ncu(folder=None) -> pd.DataFrame:
                          "warp cycles per issued instruction": num("Warp Cycles Per Issued Instruction"),
                          "shared load requests": lr, "load bank conflict (ways)": lw,
                          "shared store requests": sr, "store bank conflict (ways)": sw})
-    return pd.DataFrame(rows)
+    d = pd.DataFrame(rows)
+    # counts as whole numbers and ratios to two places (styled shows other columns as they come)
+    for c in ("executed instructions", "shared load requests", "shared store requests"):
+        if c in d:
+            d[c] = d[c].astype("Int64")
+    return d.round(2)
 
 
 RESIDUAL_BANK_VARIANT_PROBES = "_runs/residual-banked-variant-probe-*.json"  # changes to v6 timed against it, sessions 67-68
@@ -2728,7 +2739,8 @@ def residual_bank_g8(folder=None) -> pd.DataFrame:
                          f"G = 8 before, {old['version'].iloc[0]}, RB {int(old['RB'].iloc[0])} (us)": float(old["us"].iloc[0]),
                          f"G = 8 at {commit}, best RB (us)": float(best["us"]), "its RB": int(best["RB"]),
                          "split, heuristic plan (us)": float(split["us"].iloc[0]),
-                         f"G = 8 at {commit} x fp16": fp16 / float(best["us"]), "split x fp16": fp16 / float(split["us"].iloc[0])})
+                         f"G = 8 at {commit}: speedup over fp16": fp16 / float(best["us"]),
+                         "split: speedup over fp16": fp16 / float(split["us"].iloc[0])})
     return pd.DataFrame(rows)
 
 
@@ -2736,13 +2748,15 @@ NCU_RESIDUAL_STALLS = {"v3 tensor-core table, RB 7": "_runs/ncu/residual-stalls-
                        "v6 banked fp16 table, RB 7": "_runs/ncu/residual-stalls-banked-*-h200.txt",
                        "v6, 32-bit build offsets, RB 7": "_runs/ncu/residual-stalls-b32build-*-h200.txt"}
 EXECUTED = "executed warp instructions (millions)"
+STALL_REASON = "stall reason (warps per issued instruction)"
 
 
 def residual_bank_stalls(folder=None, top: int = 8) -> pd.DataFrame:
     """Why the table kernels' warps wait (Nsight Compute, one launch at 4096 x 28672, 4096+256, H200): per kernel,
     the average number of warps stalled for each reason per issued instruction (``smsp__average_warps_issue_stalled_
     <reason>_per_issue_active``; "selected" is the warp that issued). The ``top`` reasons of either kernel, largest
-    first; a column a kernel; then, where the report has it, the launch's executed warp instructions."""
+    first, a row each (the reason in the first column), a column a kernel; then, where the report has it, the
+    launch's executed warp instructions in millions."""
     cols, executed = {}, {}
     for what, pattern in NCU_RESIDUAL_STALLS.items():
         for f in sorted(_root(folder).glob(pattern)):
@@ -2759,8 +2773,8 @@ def residual_bank_stalls(folder=None, top: int = 8) -> pd.DataFrame:
     out = d.loc[keep]
     if executed:
         out = pd.concat([out, pd.DataFrame(executed, index=[EXECUTED])])
-    out.index.name = "stall reason (warps per issued instruction)"
-    return out
+    out.index.name = STALL_REASON
+    return out.round(2).reset_index()  # the reasons a column: styled tables hide the index
 
 
 def fig_residual_timeline(folder=None, shape=(4096, 28672), codebooks=(4096, 256), timelines=None) -> Figure:
