@@ -2682,12 +2682,7 @@ def residual_bank_ncu(folder=None) -> pd.DataFrame:
                          "warp cycles per issued instruction": num("Warp Cycles Per Issued Instruction"),
                          "shared load requests": lr, "load bank conflict (ways)": lw,
                          "shared store requests": sr, "store bank conflict (ways)": sw})
-    d = pd.DataFrame(rows)
-    # counts as whole numbers and ratios to two places (styled shows other columns as they come)
-    for c in ("executed instructions", "shared load requests", "shared store requests"):
-        if c in d:
-            d[c] = d[c].astype("Int64")
-    return d.round(2)
+    return pd.DataFrame(rows)
 
 
 RESIDUAL_BANK_VARIANT_PROBES = "_runs/residual-banked-variant-probe-*.json"  # changes to v6 timed against it, sessions 67-68

@@ -45,8 +45,8 @@ import torch
 from .codebook import ROW_BLOCK, CodebookFormatError, check_rows, read_layer_file
 from .gemv import (FP16_HEADROOM, INLINE, SIM, _as_kernel_array, async_wait_all, check_activation, check_output, codebook_exponent,
                    copy16_async, float2_to_half2, fp16_table_scale, global_timer_lo, hadd2_to_float2, half2_abs_bits, half2_to_float2,
-                   kernel_device, load16, load_byte_offset, load_half_byte_offset, store_byte_offset, max_shared_bytes, mma_m16n8k8, mma_table_tile,
-                   sload4, sm_count, sm_id, tuning_enabled, tuning_inputs, with_shared_limit)
+                   kernel_device, load16, load_byte_offset, load_half_byte_offset, max_shared_bytes, mma_m16n8k8, mma_table_tile,
+                   sload4, sm_count, sm_id, store_byte_offset, tuning_enabled, tuning_inputs, with_shared_limit)
 from .kmeans import check_finite
 from .tuning import PlanCache
 
