@@ -533,3 +533,22 @@ def test_plans_fit_a_99_kib_block(B, Nm, Nr):
         plan_residual(28672, 64, 8192, 256, 4, kind="gather", ksplit=1, **kw)
     with pytest.raises(ValueError, match="both codebooks"):  # 128 KiB of main codebook cannot fit at any K-split
         plan_residual(28672, 64, 8192, 256, 1, kind="split", **kw)
+
+
+def test_banked_steps_loop_where_their_field_layouts_repeat():
+    from trapetum import residual as R
+
+    def steps(b, G):
+        if G == 8:
+            return R._step_layout(b, 8)
+        h = R._step_layout(b, G // 2)
+        return [h[2 * s] + h[2 * s + 1] for s in range(R.VECS_PER_CHUNK // G)]
+
+    # 20-bit fields (4096 + 256): 8 fields are 5 whole words, so every step of 16 is laid out alike, 10 words on;
+    # 22-bit (8192 + 512) at G = 8: every second step; 21-bit (4096 + 512, 8192 + 256): never within a chunk
+    assert R._step_period(steps(20, 16)) == (1, 10) and R._step_period(steps(22, 8)) == (2, 11)
+    assert R._step_period(steps(21, 16)) == (2, 0) and R._step_period(steps(21, 8)) == (4, 0)
+    src = R._banked_source(20, 2, 16)
+    assert "for p in range(2):" in src and src.count("look_row(") == 2 * 16 and "int32(5 + 10 * p)" in src
+    src = R._banked_source(21, 2, 16)  # unrolled as before: each step's words and bit offsets constants
+    assert "for p in" not in src and src.count("look_row(") == 2 * 2 * 16

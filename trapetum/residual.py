@@ -1035,33 +1035,64 @@ def _table_source(b: int, G: int) -> str:
 CHUNK_STEPS_DEF = "def chunk_steps(j, q0, q1, ncols, wreg, tiled, rb0, rbs, nchunks, tab, tabi, cbm, cbr, xv, acc, tid, mainq, resq, cbexp):"
 
 
+def _step_period(steps: list) -> tuple[int, int]:
+    """The fewest steps P after which a chunk's step layouts repeat (the same fields and word counts, the
+    words shifted by D each period), as (P, D); (len(steps), 0) when they do not repeat within the chunk.
+    ``steps``: a step's (first word, words, fields) triples (:func:`_step_layout`) concatenated, one tuple a step."""
+    n = len(steps)
+    for P in range(1, n):
+        if n % P:
+            continue
+        D = steps[P][0] - steps[0][0]
+        if all(steps[i + P][k] - steps[i][k] == (D if k % 3 == 0 else 0) if k % 3 < 2 else steps[i + P][k] == steps[i][k]
+               for i in range(n - P) for k in range(len(steps[i]))):
+            return P, D
+    return n, 0
+
+
 def _banked_source(b: int, RB: int, G: int) -> str:
     """chunk_steps of the banked table (v6): steps of G vectors, every row's lookups unrolled (acc and wreg
     stay in registers); at G = 16 a step's fields are looked up in two halves (the words of G = 8 steps),
     so a row holds no more words than at G = 8: each row's second-half words load, into the first half's
-    registers, as soon as that row's first half is looked up, behind the other rows' lookups."""
+    registers, as soon as that row's first half is looked up, behind the other rows' lookups.
+    Where the steps' field layouts repeat (20-bit fields at G = 16: every step's words alike; 22-bit at
+    G = 8: every second step's), the steps of one period are written once, in a loop over the periods:
+    the unrolled lookups were long enough that ncu counted ~1.1 warps a issued instruction waiting on the
+    instruction cache (NOTES "Session 67")."""
 
     def looks(r, fields, i0=0):
         return [f"        look_row(wreg, {r}, int32({rel}), int32({sh}), int32({int(st)}), uint32({i0 + i}), tabi, acc, up)"
                 for i, (rel, sh, st) in enumerate(fields)]
 
-    lines = [CHUNK_STEPS_DEF]
+    nsteps = VECS_PER_CHUNK // G
     if G == 8:
-        for s, (w_lo, nw, fields) in enumerate(_step_layout(b, 8)):
-            lines += _step_head(VECS_PER_CHUNK // 8, s, w_lo, nw, "up = ")
+        steps = [(w, n, f) for w, n, f in _step_layout(b, 8)]
+    else:
+        halves = _step_layout(b, G // 2)
+        steps = [halves[2 * s] + halves[2 * s + 1] for s in range(nsteps)]
+    P, D = _step_period(steps)
+    body = []
+    for s in range(P):
+        w = (lambda c: f"{c} + {D} * p") if P < nsteps else str  # word offsets: constants, or shifted each period
+        q = f"p * {P} + {s}" if P < nsteps else s
+        if G == 8:
+            w_lo, nw, fields = steps[s]
+            body += _step_head(nsteps, q, w(w_lo), nw, "up = ")
             for r in range(RB):
-                lines += looks(r, fields)
-        return "\n".join(lines) + "\n"
-    halves = _step_layout(b, G // 2)
-    lines.append("    lane = uint32(cuda.laneid)")
-    for s in range(VECS_PER_CHUNK // G):
-        (wa, na, fa), (wb, nb, fb) = halves[2 * s], halves[2 * s + 1]
-        lines += _step_head(VECS_PER_CHUNK // G, s, wa, na, "up = ")
+                body += looks(r, fields)
+            continue
+        wa, na, fa, wb, nb, fb = steps[s]
+        body += _step_head(nsteps, q, w(wa), na, "up = ")
         for r in range(RB):
-            lines += looks(r, fa)
-            lines += [f"        load_row(wreg, {r} * WS, tiled, rb0 + {r}, lane, rb0 + {r} < rbs, nchunks, j, int32({wb}), int32({nb}))"]
+            body += looks(r, fa)
+            body += [f"        load_row(wreg, {r} * WS, tiled, rb0 + {r}, lane, rb0 + {r} < rbs, nchunks, j, int32({w(wb)}), int32({nb}))"]
         for r in range(RB):
-            lines += looks(r, fb, len(fa))
+            body += looks(r, fb, len(fa))
+    lines = [CHUNK_STEPS_DEF] + (["    lane = uint32(cuda.laneid)"] if G != 8 else [])
+    if P < nsteps:
+        lines += [f"    for p in range({nsteps // P}):"] + ["    " + line for line in body]
+    else:
+        lines += body
     return "\n".join(lines) + "\n"
 
 
