@@ -552,3 +552,4 @@ def test_banked_steps_loop_where_their_field_layouts_repeat():
     assert "for p in range(2):" in src and src.count("look_row(") == 2 * 16 and "int32(5 + 10 * p)" in src
     src = R._banked_source(21, 2, 16)  # unrolled as before: each step's words and bit offsets constants
     assert "for p in" not in src and src.count("look_row(") == 2 * 2 * 16
+    assert "for p in" not in R._banked_source(22, 2, 8)  # G = 8 stays unrolled (measured no faster as a loop)

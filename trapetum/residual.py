@@ -1055,10 +1055,11 @@ def _banked_source(b: int, RB: int, G: int) -> str:
     stay in registers); at G = 16 a step's fields are looked up in two halves (the words of G = 8 steps),
     so a row holds no more words than at G = 8: each row's second-half words load, into the first half's
     registers, as soon as that row's first half is looked up, behind the other rows' lookups.
-    Where the steps' field layouts repeat (20-bit fields at G = 16: every step's words alike; 22-bit at
-    G = 8: every second step's), the steps of one period are written once, in a loop over the periods:
-    the unrolled lookups were long enough that ncu counted ~1.1 warps a issued instruction waiting on the
-    instruction cache (NOTES "Session 67")."""
+    At G = 16, where the steps' field layouts repeat (20-bit fields: every step's words alike), one period's
+    steps are written once, in a loop over the periods: half the SASS, and ncu's no-instruction stalls
+    1.18 -> 0.06 a issued instruction, yet RB 7 as fast as unrolled and RB 8 1-3 % faster (H200, NOTES
+    "Session 69"). G = 8 (22-bit fields repeat every second step) stays unrolled: its loop measured 0.2-0.6 %
+    slower at RB 7, the plan the tuner picks there."""
 
     def looks(r, fields, i0=0):
         return [f"        look_row(wreg, {r}, int32({rel}), int32({sh}), int32({int(st)}), uint32({i0 + i}), tabi, acc, up)"
@@ -1070,7 +1071,7 @@ def _banked_source(b: int, RB: int, G: int) -> str:
     else:
         halves = _step_layout(b, G // 2)
         steps = [halves[2 * s] + halves[2 * s + 1] for s in range(nsteps)]
-    P, D = _step_period(steps)
+    P, D = _step_period(steps) if G == 16 else (nsteps, 0)
     body = []
     for s in range(P):
         w = (lambda c: f"{c} + {D} * p") if P < nsteps else str  # word offsets: constants, or shifted each period
