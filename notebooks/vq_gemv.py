@@ -303,15 +303,17 @@ report.styled(report.residual_bank_ncu(folder))
 # instructions were not in the instruction cache. Every row's lookups of a chunk are unrolled, so the
 # kernel's hot code is long, and the sixteen warps of a block run different parts of it. The third column
 # is the same launch after the build's change described below: fewer instructions executed, with much the
-# same waits per instruction, the instruction-cache misses among them (the v3 and v6 columns are of
-# 3021222, before the prescaled build; the last row, where the report has it, is the launch's executed
-# warp instructions):
+# same waits per instruction, the instruction-cache misses among them. The fourth is after the last change
+# below, which writes the lookups of one step once, in a loop over the steps: the instruction-cache misses
+# all but vanish, and the other waits take their place, so that the kernel issues no faster (the v3 and v6
+# columns are of 3021222, before the prescaled build; the last row, where the report has it, is the
+# launch's executed warp instructions):
 
 # %%
 report.styled(report.residual_bank_stalls(folder))
 
 # %% [markdown]
-# Three changes to v6 were timed against the kernel before them in one process (each with its own rotated copies of the skewed
+# Four changes to v6 were timed against the kernel before them in one process (each with its own rotated copies of the skewed
 # words), after checks against float64. *v7* summed a lookup's main and residual entries in fp16 before one
 # conversion to fp32 (a conversion and an add a lookup fewer; the tables keep one more bit of headroom so
 # the sum stays in fp16) and scaled x by the step's power of two before the table build instead of scaling
@@ -324,7 +326,13 @@ report.styled(report.residual_bank_stalls(folder))
 # byte offsets of its codebook word and table word and advances each by a constant a tile
 # (`trapetum.gemv.store_byte_offset` beside `load_byte_offset`). It was faster at every plan, most at the
 # row-groups of 3584 rows (RB 7), and it is kept; the grid's 4096-main layers where the banked table runs
-# were measured again with it.
+# were measured again with it. The fourth change asked whether the instruction-cache misses cost time.
+# With 4096 + 256 codebooks a step's 16 index fields are 20 bits, 10 whole words, so every step of a chunk
+# has the same layout and the kernel source can write one step in a loop instead of eight unrolled; with
+# 8192 + 512 at 8 groups the layout repeats every second step. Half the SASS, the same instructions a
+# step. At 16 groups it was as fast at row-groups of 3584 rows (RB 7) and a little faster at 4096 (RB 8),
+# and it is kept; at 8 groups it was a little slower at RB 7, the plan the tuner picks there, and those
+# steps stay unrolled.
 
 # %%
 report.styled(report.residual_bank_variants(folder))

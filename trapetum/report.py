@@ -2687,7 +2687,8 @@ def residual_bank_ncu(folder=None) -> pd.DataFrame:
 
 RESIDUAL_BANK_VARIANT_PROBES = "_runs/residual-banked-variant-probe-*.json"  # changes to v6 timed against it, sessions 67-68
 BANK_VARIANTS = {"v7": "v7: fp16 pair sums, x prescaled (reverted)", "pre": "x prescaled before the build (kept)",
-                 "b32": "build: 32-bit byte offsets, advanced a tile (kept)"}
+                 "b32": "build: 32-bit byte offsets, advanced a tile (kept)",
+                 "loop": "steps in a loop over their fields' period (kept at G = 16; G = 8 stays unrolled)"}
 BANK_BASELINES = ("v6", "main")  # the version a probe's change was timed against
 
 
@@ -2741,7 +2742,8 @@ def residual_bank_g8(folder=None) -> pd.DataFrame:
 
 NCU_RESIDUAL_STALLS = {"v3 tensor-core table, RB 7": "_runs/ncu/residual-stalls-v3rb7-*-h200.txt",
                        "v6 banked fp16 table, RB 7": "_runs/ncu/residual-stalls-banked-*-h200.txt",
-                       "v6, 32-bit build offsets, RB 7": "_runs/ncu/residual-stalls-b32build-*-h200.txt"}
+                       "v6, 32-bit build offsets, RB 7": "_runs/ncu/residual-stalls-b32build-*-h200.txt",
+                       "v6, steps in a loop, RB 7": "_runs/ncu/residual-stalls-loop-*-h200.txt"}
 EXECUTED = "executed warp instructions (millions)"
 STALL_REASON = "stall reason (warps per issued instruction)"
 
