@@ -553,3 +553,16 @@ def test_banked_steps_loop_where_their_field_layouts_repeat():
     src = R._banked_source(21, 2, 16)  # unrolled as before: each step's words and bit offsets constants
     assert "for p in" not in src and src.count("look_row(") == 2 * 2 * 16
     assert "for p in" not in R._banked_source(22, 2, 8)  # G = 8 stays unrolled (measured no faster as a loop)
+
+
+def test_tuner_times_smaller_banked_row_groups_where_the_grid_is_short_of_blocks():
+    from trapetum import residual as R
+
+    def banked(n_out, n_in, Nm=4096, Nr=256):
+        return {p.RB: p for p in R.candidate_plans(n_out, n_in // R.CHUNK, Nm, Nr, 1, 132, False, 227 * 1024) if p.build == "banked"}
+
+    small = banked(14336, 1024)  # 4 row-groups x 8 K-slices at RB 7-8: 32 blocks on 132 SMs
+    assert {1, 2, 4, 7, 8} <= set(small)
+    assert all(p.grid(448)[0] * p.grid(448)[1] <= 132 for p in small.values())  # each at most one wave
+    assert small[2].grid(448) == (14, 8)
+    assert set(banked(28672, 4096)) == {7, 8}  # 128 blocks already: no smaller row-groups to time

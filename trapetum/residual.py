@@ -1803,6 +1803,13 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
             k = plan_or_none(kind="table", build="banked") or plan_or_none(kind="table", build="banked", main="global")
         if k is not None:
             tensor_core_variants(k)
+            gx, gy = k.grid(rbs)
+            if 2 * gx * gy <= sms:
+                # Few rows (1024 x 14336: 4 row-groups of 3584-4096 rows x 8 K-slices, 32 blocks on 132 SMs): smaller
+                # row-groups fill the GPU, each block paying its step's table build over fewer rows.
+                for RB in (4, 2, 1):
+                    if RB < k.RB:
+                        add(kind="table", build="banked", RB=RB, G=k.G, main=k.main, warps=k.warps)
         add(kind="gather")
         g = plan_or_none(kind="gather")
         if g is not None and -(-rbs // (g.warps * g.RB)) * g.ksplit < sms:
