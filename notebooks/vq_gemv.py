@@ -437,6 +437,16 @@ report.styled(report.residual_cluster_trial(folder))
 report.styled(report.residual_lanes_trial(folder))
 
 # %% [markdown]
+# The banked table (v6) reaches the small layers too, but its own plan leaves most of the GPU idle there:
+# a row-group of 3584 or 4096 rows and a K-slice of one step make 1024 x 14336 four row-groups of eight
+# K-slices, 32 blocks. Where that plan fills at most half the SMs, the tuner also times it with row-groups
+# of 2048, 1024 and 512 rows (each block then pays its step's table build over fewer rows). At 1024 x 14336
+# with 4096 main centroids a row-group of 1024 rows became the fastest plan of the grid's run, though on the
+# H200 still not faster than fp16 (the table of choices above). At 8192 main centroids, where the 8-group
+# table reads both codebooks from global memory at every step, it lost to the split kernel at every small
+# layer timed (the tuner's log of each candidate is in `data/_runs/residual-tune-log-s69-*`).
+
+# %% [markdown]
 # ## Additive codebooks
 #
 # 2-bit (M = 2) and 4-bit (M = 4) additive codebooks at the seed's 4096 x 4096, Llama-2-7B's MLP
