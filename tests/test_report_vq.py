@@ -832,3 +832,28 @@ def test_residual_choices_and_versions_name_the_banked_table():
     assert c.loc["table, banked fp16 (v6), codebook in shared", "out 28672"] == 1
     assert c.loc["table, built on tensor cores, codebook in shared", "out 14336"] == 1
     assert report._residual_kernel_label(df) == "per shape: split or table (tensor-core or banked fp16), tuned"
+
+
+def test_fp16_run_spread_counts_verdicts_against_every_recorded_fp16_time(tmp_path):
+    prov = {"gpu": "NVIDIA H200", "driver": "1", "cuda": "12", "torch": "2", "numba": "0", "numba_cuda": "0",
+            "git_commit": "a", "date": "2026-01-01T00:00:00+00:00", "command": "trapetum vq", "copy_gbps": 4000.0}
+
+    def run(fp16_small, ours_small, date, commit):
+        recs = []
+        for n_in, n_out, f, ms in ((1024, 4096, fp16_small, ours_small), (4096, 28672, 50e-3, 20e-3)):
+            for m, r in ((4096, 256), (8192, 512)):
+                recs.append(_rec("residual", n_in, n_out, ms, f, "residual", 1e6, 4000.0, main_centroids=m, residual_centroids=r,
+                                 vector_len=8, bits_per_weight=2.5))
+        results.save(report.VQ, recs, dict(prov, date=date, git_commit=commit), folder=tmp_path)
+
+    run(5.0e-3, 5.1e-3, "2026-01-01T00:00:00+00:00", "old")  # slower than its fp16
+    run(5.5e-3, 5.2e-3, "2026-01-02T00:00:00+00:00", "new")  # the newest: faster than its own fp16, not than the old run's
+    summary, detail = report.fp16_run_spread(report.load_vq(tmp_path), tmp_path)
+    r = summary.iloc[0]
+    assert r["configs"] == 4 and r["faster than fp16 of its own run"] == 4
+    assert r["faster than the fastest fp16 recorded"] == 2 and r["faster than the slowest fp16 recorded"] == 4
+    assert r["fp16 timings a shape"] == "2-2"
+    assert len(detail) == 2 and set(detail["in x out"]) == {"1024 x 4096"}
+    assert detail["speedup range over the runs"].tolist() == ["0.96-1.06"] * 2
+    # no run files in the folder: both empty, not an error
+    assert all(t.empty for t in report.fp16_run_spread(report.load_vq(tmp_path), tmp_path / "none"))

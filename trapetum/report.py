@@ -1458,6 +1458,42 @@ def fp16_baseline_inversions(df: pd.DataFrame, margin: float = 1.1) -> pd.DataFr
     return pd.DataFrame(rows)
 
 
+def fp16_run_spread(df: pd.DataFrame, folder=None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """How far the grid's verdicts (faster or slower than fp16) rest on one run's fp16 time. Each configuration
+    shown (``df``, :func:`load_vq`) keeps its own run's fp16 time, the issue's ratio; but torch fp16 of one shape
+    varies from run to run. Against every fp16 time recorded for its shape on its GPU (one a process, from every
+    run of the grid, :func:`load_vq_runs`), a configuration is faster than the slowest of them, the fastest, or
+    in between. Returns (a row a GPU: the counts, the fp16 timings a shape and their spread; the configurations
+    whose verdict depends on the run)."""
+    cur = _residual(df)
+    runs = load_vq_runs(folder)
+    if cur.empty or runs.empty:
+        return pd.DataFrame(), pd.DataFrame()
+    # one timing a process: a run's configurations of one shape share their process's fp16 time (a run of two
+    # processes, the second resuming the first, has two)
+    runs = runs[runs["fp16_ms"].notna()].drop_duplicates(["gpu", "file", "in_features", "out_features", "fp16_ms"])
+    for c in ("in_features", "out_features"):
+        runs[c] = runs[c].astype(int)
+    f = runs.groupby(["gpu", "in_features", "out_features"])["fp16_ms"].agg(["min", "median", "max", "size"]).reset_index()
+    m = cur.merge(f, on=["gpu", "in_features", "out_features"], how="inner")
+    m["lo"], m["hi"] = m["min"] / m["time_ms"], m["max"] / m["time_ms"]
+    rows, detail = [], []
+    for gpu, g in m.groupby("gpu"):
+        rows.append({"GPU": gpu_label(gpu), "configs": len(g), "faster than fp16 of its own run": int((g["speedup"] > 1).sum()),
+                     "faster than the fastest fp16 recorded": int((g["lo"] > 1).sum()),
+                     "faster than the slowest fp16 recorded": int((g["hi"] > 1).sum()),
+                     "fp16 timings a shape": f"{int(g['size'].min())}-{int(g['size'].max())}",
+                     "fp16 spread a shape, median (max - min over median, %)": float((100 * (g["max"] - g["min"]) / g["median"]).median())})
+        d = g[(g["lo"] <= 1) & (g["hi"] > 1)].sort_values(["in_features", "out_features", "main_centroids", "residual_centroids"])
+        for _, r in d.iterrows():
+            detail.append({"GPU": gpu_label(gpu), "in x out": shape_label((int(r["in_features"]), int(r["out_features"]))),
+                           "codebooks": f"{int(r['main_centroids'])}+{int(r['residual_centroids'])}", "ours (us)": 1e3 * r["time_ms"],
+                           "fp16, its run (us)": 1e3 * r["fp16_ms"], "fp16, fastest run (us)": 1e3 * r["min"],
+                           "fp16, slowest run (us)": 1e3 * r["max"], "speedup, its run": r["speedup"],
+                           "speedup range over the runs": f"{r['lo']:.2f}-{r['hi']:.2f}"})
+    return pd.DataFrame(rows), pd.DataFrame(detail)
+
+
 def residual_summary(df: pd.DataFrame) -> pd.DataFrame:
     """Per GPU, the issue's three measures of the grid, with seed 000's VPTQ kernel as reported."""
     d = _residual(df)
