@@ -369,6 +369,22 @@ report.styled(report.residual_bank_variants(folder))
 report.styled(report.residual_bank_g8(folder))
 
 # %% [markdown]
+# #### Tried and dropped: walking blocks
+#
+# A block builds a step's table for one row-group of 3584 or 4096 rows, and with 8192 main centroids each
+# build also reads both codebooks again through L2 (a pass of 139 KiB a step, for every row-group). So we
+# let a block build the table of one step and walk several row-groups over it: the K-split is then every
+# step, and its many partial sums meet in two levels (runs of 8 or 4 K-slices). Each build and codebook pass
+# then serves two to eight row-groups. Checked against float64 first (outputs poisoned), then timed beside the
+# plans without walking in one process. It lost at every layer and row-group size timed. We read the loss
+# as two costs the count left out: the partial sums of every step travel through global memory, and a walking
+# block's later row-groups have no build to hide their index words' load behind, so the whole block waits
+# for it. The code is on the branch `banked-walk`:
+
+# %%
+report.styled(report.residual_bank_walk(folder))
+
+# %% [markdown]
 # The full grid in the seed's table format. *VPTQ speedup* columns are the seeds' torch time
 # over VPTQ time (the inverse of their *ratio*): seed 000 on an H100, seed 001 on another, slower
 # GPU whose table gives shapes but not codebook sizes, so its number is repeated across them.

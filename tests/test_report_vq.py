@@ -857,3 +857,24 @@ def test_fp16_run_spread_counts_verdicts_against_every_recorded_fp16_time(tmp_pa
     assert detail["speedup range over the runs"].tolist() == ["0.96-1.06"] * 2
     # no run files in the folder: both empty, not an error
     assert all(t.empty for t in report.fp16_run_spread(report.load_vq(tmp_path), tmp_path / "none"))
+
+
+def test_residual_bank_walk_pairs_each_layer_and_rb_with_its_faster_walking_finish(tmp_path):
+    import json
+
+    def t(version, us, RB=7, ksplit=16, blocks=0, fanin=0):
+        return {"kind": "time", "version": version, "Nm": 8192, "Nr": 512, "n_in": 4096, "n_out": 28672, "RB": RB, "ksplit": ksplit,
+                "blocks": blocks, "fanin": fanin, "fp16_us": 56.8, "us": us}
+
+    (tmp_path / "_runs").mkdir()
+    recs = [{"kind": "check", "passed": True}, {"kind": "check", "passed": False},
+            t("one", 44.7), t("walk8", 51.8, ksplit=64, blocks=2, fanin=8), t("walk4", 52.3, ksplit=64, blocks=2, fanin=4),
+            t("one", 46.5, RB=8), t("walk4", 55.0, RB=8, ksplit=64, blocks=2, fanin=4)]
+    prov = {"gpu": "NVIDIA H200", "git_commit": "e1925ffabc", "date": "2026-11-30T22:00"}
+    (tmp_path / "_runs" / "residual-banked-walk-probe-x-h200.json").write_text(json.dumps({"provenance": prov, "records": recs}))
+    d = report.residual_bank_walk(tmp_path).set_index("RB")
+    assert d["probe"].unique().tolist() == ["e1925ff (1/2 checks)"]
+    assert (d.loc[7, "walking (us)"], d.loc[7, "finish runs of"], d.loc[7, "its K-split"]) == (51.8, 8, 16)
+    assert d.loc[7, "row-groups a block"] == 4  # 896 row-blocks of 32 rows, 112 a row-group at RB 7: 8, over 2 blocks
+    assert np.isclose(d.loc[8, "walking / a block a row-group"], 55.0 / 46.5) and d.loc[8, "finish runs of"] == 4
+    assert report.residual_bank_walk(tmp_path / "nothing").empty

@@ -2747,6 +2747,31 @@ def residual_bank_variants(folder=None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+RESIDUAL_BANK_WALK_PROBES = "_runs/residual-banked-walk-probe-*.json"  # session 69, tried and reverted (branch banked-walk)
+
+
+def residual_bank_walk(folder=None) -> pd.DataFrame:
+    """Walking banked blocks (a block builds one step's table and walks several row-groups over it; the K-split
+    is then every step, its partials summed in two levels), tried and reverted: one row a probe process, layer
+    and RB, the plan without walking beside the walking one with the faster of its finishes, both timed in that
+    process (interleaved rounds, median, L2-rotated copies), with torch fp16 of that process."""
+    rows = []
+    for prov, label, t in _probe_runs(folder, RESIDUAL_BANK_WALK_PROBES, short=True):
+        if t.empty:
+            continue
+        for (Nm, Nr, n_in, n_out, RB), g in t.groupby(["Nm", "Nr", "n_in", "n_out", "RB"], sort=False):
+            one, walk = g[g["version"] == "one"], g[g["version"] != "one"]
+            if one.empty or walk.empty:
+                continue
+            w = walk.loc[walk["us"].idxmin()]
+            rows.append({"probe": label, "GPU": gpu_label(prov.get("gpu", "")), "codebooks": f"{int(Nm)}+{int(Nr)}",
+                         "in x out": shape_label((int(n_in), int(n_out))), "RB": int(RB), "torch fp16 (us)": float(g["fp16_us"].iloc[0]),
+                         "a block a row-group (us)": float(one["us"].iloc[0]), "its K-split": int(one["ksplit"].iloc[0]),
+                         "walking (us)": float(w["us"]), "row-groups a block": -(-(-(-int(n_out) // 32) // (16 * int(RB))) // int(w["blocks"])),
+                         "finish runs of": int(w["fanin"]), "walking / a block a row-group": float(w["us"] / one["us"].iloc[0])})
+    return pd.DataFrame(rows)
+
+
 RESIDUAL_BANK_G8_PROBES = "_runs/residual-banked-g8-build-probe-*.json"
 
 
