@@ -330,6 +330,17 @@ report.styled(report.residual_bank_ncu(folder))
 report.styled(report.residual_bank_stalls(folder))
 
 # %% [markdown]
+# Those readings were taken as Nsight Compute takes them by default: it flushes the caches before each of its
+# passes, the instruction caches too. A kernel timed over CUDA-graph replays runs with its code warm, so the
+# *no instruction* row above likely measures mostly the profiler's flush (removing those stalls bought nothing;
+# the launch at 4096 x 28672 was not profiled warm).
+# The same stall reasons for two kernels at a small layer (1024 x 14336), each launch profiled both ways, show
+# how much (the split kernel runs one warp a scheduler, so a miss stalls its scheduler outright):
+
+# %%
+report.styled(report.residual_bank_stalls(folder, top=6, files=report.NCU_SMALL_STALLS))
+
+# %% [markdown]
 # Four changes to v6 were timed against the kernel before them in one process (each with its own rotated copies of the skewed
 # words), after checks against float64. *v7* summed a lookup's main and residual entries in fp16 before one
 # conversion to fp32 (a conversion and an add a lookup fewer; the tables keep one more bit of headroom so
@@ -473,11 +484,12 @@ report.styled(report.residual_lanes_trial(folder))
 # The banked table (v6) reaches the small layers too, but its own plan leaves most of the GPU idle there:
 # a row-group of 3584 or 4096 rows and a K-slice of one step make 1024 x 14336 four row-groups of eight
 # K-slices, 32 blocks. Where that plan fills at most half the SMs, the tuner also times it with row-groups
-# of 2048, 1024 and 512 rows (each block then pays its step's table build over fewer rows). At 1024 x 14336
-# with 4096 main centroids a row-group of 1024 rows became the fastest plan of the grid's run, though on the
-# H200 still not faster than fp16 (the table of choices above). At 8192 main centroids, where the 8-group
-# table reads both codebooks from global memory at every step, it lost to the split kernel at every small
-# layer timed (the tuner's log of each candidate is in `data/_runs/residual-tune-log-s69-*`).
+# of 2048, 1024 and 512 rows (each block then pays its step's table build over fewer rows). With 4096 main
+# centroids a row-group of 1024 rows became the fastest plan at 1024 x 14336 and one of 2048 rows at
+# 2048 x 14336 (the grid above), the first close enough to fp16 that its verdict depends on the run (the
+# fp16 spread table above). At 8192 main centroids, where the 8-group table reads both codebooks from global
+# memory at every step, it lost to the split kernel at every small layer timed (the tuner's log of each
+# candidate is in `data/_runs/residual-tune-log-s69-*`).
 
 # %% [markdown]
 # ## Additive codebooks

@@ -801,6 +801,12 @@ def test_residual_bank_variants_and_stalls_read_their_files(tmp_path):
     assert (s.loc["no instruction", "v6 banked fp16 table, RB 7"], s.loc["mio throttle", "v3 tensor-core table, RB 7"]) == (1.10, 2.88)
     assert s.loc[report.EXECUTED, "v6, 32-bit build offsets, RB 7"] == 10.5 and np.isnan(s.loc[report.EXECUTED, "v6 banked fp16 table, RB 7"])
     assert report.residual_bank_variants(tmp_path / "nothing").empty and report.residual_bank_stalls(tmp_path / "nothing").empty
+    # other reports by a name -> glob mapping (the small layer's, flushed and warm)
+    (tmp_path / "_runs" / "ncu" / "residual-small-split-8192-512-1024x14336-warm-c-h200.txt").write_text(ncu({"no_instruction": 0.14, "wait": 0.62}))
+    (tmp_path / "_runs" / "ncu" / "residual-small-split-8192-512-1024x14336-flushed-c-h200.txt").write_text(ncu({"no_instruction": 2.63, "wait": 0.62}))
+    small = report.residual_bank_stalls(tmp_path, files=report.NCU_SMALL_STALLS).set_index(report.STALL_REASON)
+    assert small.columns.tolist() == ["split (8192+512), caches flushed", "split (8192+512), caches warm"]
+    assert small.loc["no instruction"].tolist() == [2.63, 0.14]
 
 
 def test_residual_bank_g8_sets_the_new_build_beside_the_old_and_split(tmp_path):

@@ -2809,14 +2809,20 @@ EXECUTED = "executed warp instructions (millions)"
 STALL_REASON = "stall reason (warps per issued instruction)"
 
 
-def residual_bank_stalls(folder=None, top: int = 8) -> pd.DataFrame:
+NCU_SMALL_STALLS = {f"{kernel}, caches {mode}": f"_runs/ncu/residual-small-{tag}-1024x14336-{mode}-*-h200.txt"
+                    for kernel, tag in (("split (8192+512)", "split-8192-512"), ("banked RB 2 (4096+256)", "banked-4096-256"))
+                    for mode in ("flushed", "warm")}
+
+
+def residual_bank_stalls(folder=None, top: int = 8, files: dict | None = None) -> pd.DataFrame:
     """Why the table kernels' warps wait (Nsight Compute, one launch at 4096 x 28672, 4096+256, H200): per kernel,
     the average number of warps stalled for each reason per issued instruction (``smsp__average_warps_issue_stalled_
     <reason>_per_issue_active``; "selected" is the warp that issued). The ``top`` reasons of either kernel, largest
     first, a row each (the reason in the first column), a column a kernel; then, where the report has it, the
-    launch's executed warp instructions in millions."""
+    launch's executed warp instructions in millions. ``files``: other reports, a column name to a glob
+    (:data:`NCU_SMALL_STALLS`: the small layer's kernels with ncu's cache flush and without)."""
     cols, executed = {}, {}
-    for what, pattern in NCU_RESIDUAL_STALLS.items():
+    for what, pattern in (files or NCU_RESIDUAL_STALLS).items():
         for f in sorted(_root(folder).glob(pattern)):
             text = f.read_text()
             found = re.findall(r"smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio\s+inst\s+([\d.]+)", text)
