@@ -2764,10 +2764,11 @@ def residual_bank_walk(folder=None) -> pd.DataFrame:
             if one.empty or walk.empty:
                 continue
             w = walk.loc[walk["us"].idxmin()]
+            groups = math.ceil(math.ceil(int(n_out) / 32) / (16 * int(RB)))  # 32-row blocks, 16 warps of RB each a row-group
             rows.append({"probe": label, "GPU": gpu_label(prov.get("gpu", "")), "codebooks": f"{int(Nm)}+{int(Nr)}",
                          "in x out": shape_label((int(n_in), int(n_out))), "RB": int(RB), "torch fp16 (us)": float(g["fp16_us"].iloc[0]),
                          "a block a row-group (us)": float(one["us"].iloc[0]), "its K-split": int(one["ksplit"].iloc[0]),
-                         "walking (us)": float(w["us"]), "row-groups a block": -(-(-(-int(n_out) // 32) // (16 * int(RB))) // int(w["blocks"])),
+                         "walking (us)": float(w["us"]), "row-groups a block": math.ceil(groups / int(w["blocks"])),
                          "finish runs of": int(w["fanin"]), "walking / a block a row-group": float(w["us"] / one["us"].iloc[0])})
     return pd.DataFrame(rows)
 

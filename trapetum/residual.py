@@ -1039,13 +1039,13 @@ def _step_period(steps: list) -> tuple[int, int]:
     """The fewest steps P after which a chunk's step layouts repeat (the same fields and word counts, the
     words shifted by D each period), as (P, D); (len(steps), 0) when they do not repeat within the chunk.
     ``steps``: a step's (first word, words, fields) triples (:func:`_step_layout`) concatenated, one tuple a step."""
+    def shifted(step, d):  # the step with every triple's first word d words on
+        return tuple(v + d if k % 3 == 0 else v for k, v in enumerate(step))
+
     n = len(steps)
     for P in range(1, n):
-        if n % P:
-            continue
         D = steps[P][0] - steps[0][0]
-        if all(steps[i + P][k] - steps[i][k] == (D if k % 3 == 0 else 0) if k % 3 < 2 else steps[i + P][k] == steps[i][k]
-               for i in range(n - P) for k in range(len(steps[i]))):
+        if n % P == 0 and all(steps[i + P] == shifted(steps[i], D) for i in range(n - P)):
             return P, D
     return n, 0
 
@@ -1067,14 +1067,14 @@ def _banked_source(b: int, RB: int, G: int) -> str:
 
     nsteps = VECS_PER_CHUNK // G
     if G == 8:
-        steps = [(w, n, f) for w, n, f in _step_layout(b, 8)]
+        steps = _step_layout(b, 8)
     else:
         halves = _step_layout(b, G // 2)
         steps = [halves[2 * s] + halves[2 * s + 1] for s in range(nsteps)]
     P, D = _step_period(steps) if G == 16 else (nsteps, 0)
+    w = (lambda c: f"{c} + {D} * p") if P < nsteps else str  # word offsets: constants, or shifted each period
     body = []
     for s in range(P):
-        w = (lambda c: f"{c} + {D} * p") if P < nsteps else str  # word offsets: constants, or shifted each period
         q = f"p * {P} + {s}" if P < nsteps else s
         if G == 8:
             w_lo, nw, fields = steps[s]
