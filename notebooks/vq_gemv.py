@@ -332,13 +332,25 @@ report.styled(report.residual_bank_stalls(folder))
 # %% [markdown]
 # Those readings were taken as Nsight Compute takes them by default: it flushes the caches before each of its
 # passes, the instruction caches too. A kernel timed over CUDA-graph replays runs with its code warm, so the
-# *no instruction* row above likely measures mostly the profiler's flush (removing those stalls bought nothing;
-# the launch at 4096 x 28672 was not profiled warm).
+# *no instruction* row above likely measures mostly the profiler's flush (removing those stalls bought nothing).
 # The same stall reasons for two kernels at a small layer (1024 x 14336), each launch profiled both ways, show
 # how much (the split kernel runs one warp a scheduler, so a miss stalls its scheduler outright):
 
 # %%
 report.styled(report.residual_bank_stalls(folder, top=6, files=report.NCU_SMALL_STALLS))
+
+# %% [markdown]
+# And the launch at 4096 x 28672 both ways, for the two banked plans the grid uses there: 16 groups a step
+# with 4096 main centroids, and 8 groups a step with 8192, whose configurations hold the grid's minimum
+# at the largest layers. The 16-group kernel (its steps in a loop) has few instruction-cache misses either
+# way; what is left are issue slots taken by other warps and fixed-latency waits. The 8-group kernel (its
+# steps unrolled) shows the flush's misses only when flushed, and warm it waits mostly on *long scoreboard*:
+# global memory. Its tables (8192 + 512 entries for each of 8 groups, fp16) leave no room in shared memory
+# for the codebooks, so every step's build reads them again through the L2, and the lookups cannot start
+# before it ends:
+
+# %%
+report.styled(report.residual_bank_stalls(folder, top=6, files=report.NCU_LARGE_STALLS))
 
 # %% [markdown]
 # Four changes to v6 were timed against the kernel before them in one process (each with its own rotated copies of the skewed
@@ -486,10 +498,10 @@ report.styled(report.residual_lanes_trial(folder))
 # K-slices, 32 blocks. Where that plan fills at most half the SMs, the tuner also times it with row-groups
 # of 2048, 1024 and 512 rows (each block then pays its step's table build over fewer rows). With 4096 main
 # centroids a row-group of 1024 rows became the fastest plan at 1024 x 14336 and one of 2048 rows at
-# 2048 x 14336 (the grid above), the first close enough to fp16 that its verdict depends on the run (the
-# fp16 spread table above). At 8192 main centroids, where the 8-group table reads both codebooks from global
-# memory at every step, it lost to the split kernel at every small layer timed (the tuner's log of each
-# candidate is in `data/_runs/residual-tune-log-s69-*`).
+# 2048 x 14336 and at 1024 x 28672 (the grid above), the first close enough to fp16 that its verdict depends
+# on the run (the fp16 spread table above). At 8192 main centroids, where the 8-group table reads both
+# codebooks from global memory at every step, it lost to the split kernel at every small layer timed (the
+# tuner's log of each candidate is in `data/_runs/residual-tune-log-s69-*` and `-s70-*`).
 
 # %% [markdown]
 # ## Additive codebooks

@@ -807,6 +807,13 @@ def test_residual_bank_variants_and_stalls_read_their_files(tmp_path):
     small = report.residual_bank_stalls(tmp_path, files=report.NCU_SMALL_STALLS).set_index(report.STALL_REASON)
     assert small.columns.tolist() == ["split (8192+512), caches flushed", "split (8192+512), caches warm"]
     assert small.loc["no instruction"].tolist() == [2.63, 0.14]
+    # and the large layer's two banked plans, each both ways
+    for tag, mode, v in (("banked16-4096-256", "warm", 0.33), ("banked8-8192-512", "warm", 2.69), ("banked8-8192-512", "flushed", 3.90)):
+        (tmp_path / "_runs" / "ncu" / f"residual-large-{tag}-4096x28672-{mode}-c-h200.txt").write_text(ncu({"long_scoreboard": v, "wait": 1.0}))
+    large = report.residual_bank_stalls(tmp_path, files=report.NCU_LARGE_STALLS).set_index(report.STALL_REASON)
+    assert large.columns.tolist() == ["banked G = 16 (4096+256), caches warm", "banked G = 8 (8192+512), caches flushed",
+                                      "banked G = 8 (8192+512), caches warm"]
+    assert large.loc["long scoreboard"].tolist() == [0.33, 3.90, 2.69]
 
 
 def test_residual_bank_g8_sets_the_new_build_beside_the_old_and_split(tmp_path):

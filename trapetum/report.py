@@ -2813,6 +2813,10 @@ STALL_REASON = "stall reason (warps per issued instruction)"
 NCU_SMALL_STALLS = {f"{kernel}, caches {mode}": f"_runs/ncu/residual-small-{tag}-1024x14336-{mode}-*-h200.txt"
                     for kernel, tag in (("split (8192+512)", "split-8192-512"), ("banked RB 2 (4096+256)", "banked-4096-256"))
                     for mode in ("flushed", "warm")}
+# The large layer's two banked plans (4096 x 28672, RB 7), profiled both ways at one commit (session 70)
+NCU_LARGE_STALLS = {f"{kernel}, caches {mode}": f"_runs/ncu/residual-large-{tag}-4096x28672-{mode}-*-h200.txt"
+                    for kernel, tag in (("banked G = 16 (4096+256)", "banked16-4096-256"), ("banked G = 8 (8192+512)", "banked8-8192-512"))
+                    for mode in ("flushed", "warm")}
 
 
 def residual_bank_stalls(folder=None, top: int = 8, files: dict | None = None) -> pd.DataFrame:
