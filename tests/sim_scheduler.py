@@ -23,6 +23,18 @@ import warnings
 import numpy as np
 
 
+def _block_cpu() -> set[int] | None:
+    """The one CPU this process's block threads run on. Under pytest-xdist each worker takes its own
+    (worker gwN gets the N-th allowed CPU, wrapping): pinned all to the first, two workers ran their
+    simulator tests on one core between them, slower than one process."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    n = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    return {cpus[n % len(cpus)]}
+
+
 def install() -> bool:
     """Replace the simulator's scheduler; False (with a warning) where numba-cuda's internals differ."""
     from numba.cuda.simulator import kernel as simk
@@ -34,7 +46,7 @@ def install() -> bool:
     if getattr(manager_cls, "_trapetum_patched", False):
         return True
     original_thread_run = thread_cls.run
-    cpu = {min(os.sched_getaffinity(0))} if hasattr(os, "sched_getaffinity") else None
+    cpu = _block_cpu()
 
     def thread_run(self):
         if cpu is not None:

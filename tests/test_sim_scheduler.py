@@ -66,3 +66,13 @@ def test_threads_that_exit_early_do_not_hang_the_block():
     out = np.zeros(32, dtype=np.float32)
     _early_exit[1, 32](out)
     assert (out[:16] == 2).all() and (out[16:] == 0).all()
+
+
+@pytest.mark.parametrize("worker, cpu", [(None, 3), ("gw0", 3), ("gw1", 5), ("gw2", 3), ("master", 3)])
+def test_each_xdist_worker_runs_its_block_threads_on_a_cpu_of_its_own(monkeypatch, worker, cpu):
+    monkeypatch.setattr(sim_scheduler.os, "sched_getaffinity", lambda pid: {5, 3})
+    if worker is None:
+        monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    else:
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+    assert sim_scheduler._block_cpu() == {cpu}
