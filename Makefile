@@ -25,8 +25,10 @@ book: setup
 	rm -rf book/_build
 	TRAPETUM_RENDER_ONLY=1 $(BIN)/jupyter-book build book -W --keep-going
 
+# One worker a core (at most 4: each imports torch), whole test files to a worker (a file's fixtures, such as
+# the book's build, run once). The simulator tests are CPU-bound: two workers halved the suite's time on 2 cores.
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
 
 clean:
 	rm -rf book/_build $(VENV)
