@@ -171,7 +171,9 @@ report.styled(spread_detail)
 # two runs stopped at their time limit (most of their time was compiling the tuner's candidates, below); the
 # runs after them re-measured the layers each later change touched: the 8192-main pairs, then the 4096-main
 # layers where the banked table runs (its cheaper build), then the large 8192-main layers (the banked table
-# of 8 groups timed again); the book takes each configuration from the newest run that measured it):
+# of 8 groups timed again), and the newest ones the layers whose newest run predated the tuner's current
+# candidates (the smaller banked row-groups, the banked table of 8 groups), as many as their calls reached;
+# the book takes each configuration from the newest run that measured it):
 #
 
 # %%
@@ -191,7 +193,8 @@ report.styled(report.residual_versions(folder))
 # the table takes most layers of 14336 outputs and more with 4096 main centroids, and split the rest; since
 # the banked table (v6, below) it is that table at nearly all of them, and at some of 4096 and 8192 outputs.
 # With 8192 main centroids the split kernel held every layer until the banked table's build got cheaper
-# (below); since then the banked table of 8 groups a step takes many of the large layers.
+# (below); since then the banked table of 8 groups a step takes many of the large layers, and some of
+# 1024 inputs and 28672 or more outputs.
 # NOTES.md has each version's prediction and why it missed.
 #
 
