@@ -2810,13 +2810,18 @@ EXECUTED = "executed warp instructions (millions)"
 STALL_REASON = "stall reason (warps per issued instruction)"
 
 
-NCU_SMALL_STALLS = {f"{kernel}, caches {mode}": f"_runs/ncu/residual-small-{tag}-1024x14336-{mode}-*-h200.txt"
-                    for kernel, tag in (("split (8192+512)", "split-8192-512"), ("banked RB 2 (4096+256)", "banked-4096-256"))
-                    for mode in ("flushed", "warm")}
-# The large layer's two banked plans (4096 x 28672, RB 7), profiled both ways at one commit (session 70)
-NCU_LARGE_STALLS = {f"{kernel}, caches {mode}": f"_runs/ncu/residual-large-{tag}-4096x28672-{mode}-*-h200.txt"
-                    for kernel, tag in (("banked G = 16 (4096+256)", "banked16-4096-256"), ("banked G = 8 (8192+512)", "banked8-8192-512"))
-                    for mode in ("flushed", "warm")}
+def _flushed_and_warm(layer: str, shape: str, kernels: tuple) -> dict:
+    """Column names to globs of ncu reports of each (name, file tag) kernel at one layer, read with ncu's cache
+    flush and without: ``_runs/ncu/residual-<layer>-<tag>-<shape>-<flushed|warm>-<commit>-h200.txt``."""
+    return {f"{kernel}, caches {mode}": f"_runs/ncu/residual-{layer}-{tag}-{shape}-{mode}-*-h200.txt"
+            for kernel, tag in kernels for mode in ("flushed", "warm")}
+
+
+NCU_SMALL_STALLS = _flushed_and_warm("small", "1024x14336", (("split (8192+512)", "split-8192-512"),
+                                                             ("banked RB 2 (4096+256)", "banked-4096-256")))
+# The large layer's two banked plans (RB 7), profiled both ways at one commit (session 70)
+NCU_LARGE_STALLS = _flushed_and_warm("large", "4096x28672", (("banked G = 16 (4096+256)", "banked16-4096-256"),
+                                                             ("banked G = 8 (8192+512)", "banked8-8192-512")))
 
 
 def residual_bank_stalls(folder=None, top: int = 8, files: dict | None = None) -> pd.DataFrame:
@@ -2825,7 +2830,8 @@ def residual_bank_stalls(folder=None, top: int = 8, files: dict | None = None) -
     <reason>_per_issue_active``; "selected" is the warp that issued). The ``top`` reasons of either kernel, largest
     first, a row each (the reason in the first column), a column a kernel; then, where the report has it, the
     launch's executed warp instructions in millions. ``files``: other reports, a column name to a glob
-    (:data:`NCU_SMALL_STALLS`: the small layer's kernels with ncu's cache flush and without)."""
+    (:data:`NCU_SMALL_STALLS`, :data:`NCU_LARGE_STALLS`: a small and a large layer's kernels with ncu's cache
+    flush and without)."""
     cols, executed = {}, {}
     for what, pattern in (files or NCU_RESIDUAL_STALLS).items():
         for f in sorted(_root(folder).glob(pattern)):
