@@ -1186,6 +1186,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     GSH = uint32(5 - (G.bit_length() - 1)) if banked else uint32(1)  # lane >> GSH: the lane's group offset
     TB, TBR = CBW * 4, CBW * 4 + 2 * G * Nm  # the main and residual entries' first bytes
     NTB = (Nm + Nr) // 8  # banked: mma N-tiles of 8 entries
+    WTILE = 256 * warps if G == 16 else 128 * warps  # banked: table bytes between a warp's consecutive N-tiles
     load_row = _row_loader(WPC)
     BG = B * G  # table columns
     NT = -(-BG // 8)  # mma N-tiles (8 columns each)
@@ -1292,8 +1293,27 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
                 store_byte_offset(tabi, w + uint32(64), float2_to_half2(d2, d3))
             n += uint32(warps)
             cb += uint32(128 * warps)
-            w += uint32(256 * warps if G == 16 else 128 * warps)
+            w += uint32(WTILE)
         return n, cb, w
+
+    @cuda.jit(device=True, **INLINE)
+    def build_tiles_global(cbw, tabi, n, n1, cb, w, a0, a1):
+        # As build_tiles, with cbw in global memory (the 8-group table at 8192 centroids): each tile's B word is an
+        # L2 round trip, and ptxas's own unroll of build_tiles kept 4 of them in flight a warp (ncu, warm: long
+        # scoreboard 2.69 stalls a issued instruction). So BUILD_UNROLL tiles' loads go out before their mmas.
+        while n + uint32((BUILD_UNROLL - 1) * warps) < n1:
+            b = cuda.local.array(BUILD_UNROLL, int32)
+            for u in range(BUILD_UNROLL):
+                b[u] = load_byte_offset(cbw, cb + uint32(u * 128 * warps))
+            for u in range(BUILD_UNROLL):
+                d0, d1, d2, d3 = mma_m16n8k8(a0, a1, b[u])
+                store_byte_offset(tabi, w + uint32(u * WTILE), float2_to_half2(d0, d1))
+                if G == 16:
+                    store_byte_offset(tabi, w + uint32(u * WTILE + 64), float2_to_half2(d2, d3))
+            n += uint32(BUILD_UNROLL * warps)
+            cb += uint32(BUILD_UNROLL * 128 * warps)
+            w += uint32(BUILD_UNROLL * WTILE)
+        return build_tiles(cbw, tabi, n, n1, cb, w, a0, a1)
 
     @cuda.jit(device=True, **INLINE)
     def build_banked(tab, tabi, cbm, cbr, xv, xo, ncols, tid, mainq, resq, cbexp):
@@ -1324,8 +1344,8 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         if not CBG:
             build_tiles(tabi, tabi, warp, uint32(NTB), cb, w, a0, a1)
         else:  # codebooks in global memory: the main tiles, then the residual ones (a loop each: no pointer select a tile)
-            n, cb, w = build_tiles(mainq, tabi, warp, uint32(Nm // 8), cb, w, a0, a1)
-            build_tiles(resq, tabi, n, uint32(NTB), cb - uint32(16 * Nm), w, a0, a1)
+            n, cb, w = build_tiles_global(mainq, tabi, warp, uint32(Nm // 8), cb, w, a0, a1)
+            build_tiles_global(resq, tabi, n, uint32(NTB), cb - uint32(16 * Nm), w, a0, a1)
         return up
 
     @cuda.jit(device=True, **INLINE)
@@ -1646,6 +1666,7 @@ TABLE_PLACEMENTS = ("registers", "shared")  # where the table kernel keeps the m
 # residual_table_kernel), batch 1 only. G = 8 where 16 groups' tables do not fit (8192 centroids).
 TABLE_BUILDS = ("fma", "mma", "banked")
 BANKED_GS = (16, 8)
+BUILD_UNROLL = 8  # banked build from global memory: the tiles whose codebook loads a warp has in flight at once (16 spilled)
 
 
 def table_stride(Nm: int, Nr: int, mma: bool) -> int:
