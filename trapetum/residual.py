@@ -1283,14 +1283,19 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
             e += uint32(16 * warps)
 
     @cuda.jit(device=True, **INLINE)
+    def build_tile(tabi, w, a0, a1, b):
+        # One N-tile of the banked build: D's two fp16 pairs stored at byte w of the table (and w + 64: G = 16, groups g + 8).
+        d0, d1, d2, d3 = mma_m16n8k8(a0, a1, b)
+        store_byte_offset(tabi, w, float2_to_half2(d0, d1))
+        if G == 16:
+            store_byte_offset(tabi, w + uint32(64), float2_to_half2(d2, d3))
+
+    @cuda.jit(device=True, **INLINE)
     def build_tiles(cbw, tabi, n, n1, cb, w, a0, a1):
         # The banked build's N-tiles n, n + warps, ... below n1: B = the codebook word at byte cb of cbw (shared
-        # or global), D's two fp16 pairs stored at byte w of the table (and w + 64: G = 16, groups g + 8).
+        # or global), stored at byte w of the table.
         while n < n1:  # warp-uniform: mma needs all 32 lanes
-            d0, d1, d2, d3 = mma_m16n8k8(a0, a1, load_byte_offset(cbw, cb))
-            store_byte_offset(tabi, w, float2_to_half2(d0, d1))
-            if G == 16:
-                store_byte_offset(tabi, w + uint32(64), float2_to_half2(d2, d3))
+            build_tile(tabi, w, a0, a1, load_byte_offset(cbw, cb))
             n += uint32(warps)
             cb += uint32(128 * warps)
             w += uint32(WTILE)
@@ -1306,10 +1311,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
             for u in range(BUILD_UNROLL):
                 b[u] = load_byte_offset(cbw, cb + uint32(u * 128 * warps))
             for u in range(BUILD_UNROLL):
-                d0, d1, d2, d3 = mma_m16n8k8(a0, a1, b[u])
-                store_byte_offset(tabi, w + uint32(u * WTILE), float2_to_half2(d0, d1))
-                if G == 16:
-                    store_byte_offset(tabi, w + uint32(u * WTILE + 64), float2_to_half2(d2, d3))
+                build_tile(tabi, w + uint32(u * WTILE), a0, a1, b[u])
             n += uint32(BUILD_UNROLL * warps)
             cb += uint32(BUILD_UNROLL * 128 * warps)
             w += uint32(BUILD_UNROLL * WTILE)
