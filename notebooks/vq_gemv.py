@@ -172,7 +172,9 @@ report.styled(spread_detail)
 # runs after them re-measured the layers each later change touched: the 8192-main pairs, then the 4096-main
 # layers where the banked table runs (its cheaper build), then the large 8192-main layers (the banked table
 # of 8 groups timed again), and the newest ones the layers whose newest run predated the tuner's current
-# candidates (the smaller banked row-groups, the banked table of 8 groups), as many as their calls reached;
+# candidates (the smaller banked row-groups, the banked table of 8 groups), as many as their calls reached,
+# and the newest (H200, three processes continuing one file) the 8192-main layers after the banked table of
+# 8 groups issued more of its codebook loads at once (below);
 # the book takes each configuration from the newest run that measured it):
 #
 
@@ -194,7 +196,8 @@ report.styled(report.residual_versions(folder))
 # the banked table (v6, below) it is that table at nearly all of them, and at some of 4096 and 8192 outputs.
 # With 8192 main centroids the split kernel held every layer until the banked table's build got cheaper
 # (below); since then the banked table of 8 groups a step takes many of the large layers, and some of
-# 1024 inputs and 28672 or more outputs.
+# 1024 inputs and 28672 or more outputs; since its build issued more codebook loads at once (below),
+# it takes every 8192-main layer of 14336 outputs or more but those of 1024 inputs and 14336 outputs.
 # NOTES.md has each version's prediction and why it missed.
 #
 
@@ -389,6 +392,14 @@ report.styled(report.residual_bank_variants(folder))
 # main codebook and then the residual one, with no choice inside. With that, the banked table of 8 groups
 # beats the split kernel's heuristic plan at most of the large layers probed; the tuner times it again,
 # and it took many of the large 8192-main layers of the grid (the table of choices above).
+# The warm stall reading above (mostly *long scoreboard*) led to one more change to that build. In ptxas's
+# code (sm_90, read on the CPU) its own unroll kept four tiles' codebook loads in flight a warp, so a step
+# was a chain of serial round trips to the L2. The build now issues eight tiles' loads before their
+# tensor-core products (sixteen spilled registers); one tile's product and stores are one device function,
+# shared with the build from shared memory. The second probe below times it against the build before it
+# at the same row-group size. It was faster at every layer probed. The grid's 8192-main layers with 14336
+# outputs or more, and those with 8192 outputs from 2048 inputs up, were measured again with it (the run
+# history names them).
 # Timed in one process, after checks against float64 (outputs poisoned). Random weights, real shapes:
 
 # %%

@@ -819,21 +819,29 @@ def test_residual_bank_variants_and_stalls_read_their_files(tmp_path):
 def test_residual_bank_g8_sets_the_new_build_beside_the_old_and_split(tmp_path):
     import json
 
-    def t(version, us, build="banked", RB=8):
-        return {"kind": "time", "version": version, "Nm": 8192, "Nr": 512, "n_in": 16384, "n_out": 14336, "variant": "split" if build is None else "table",
+    def t(version, us, build="banked", RB=8, n_out=14336):
+        return {"kind": "time", "version": version, "Nm": 8192, "Nr": 512, "n_in": 16384, "n_out": n_out, "variant": "split" if build is None else "table",
                 "build": build, "G": 8 if build else 0, "RB": RB, "ksplit": 32, "fp16_us": 117.8, "us": us}
 
     recs = [{"kind": "check", "passed": True}, {"kind": "check", "passed": False},
             t("new", 86.4), t("new", 83.7, RB=7), t("3be045b", 108.6), t("new", 106.0, build=None, RB=1)]
+    # a later probe that timed the older build at both RBs: before is read at the RB where after was best
+    recs2 = [t("new", 80.0, n_out=28672), t("new", 75.0, RB=7, n_out=28672), t("main", 85.0, n_out=28672), t("main", 83.0, RB=7, n_out=28672),
+             t("new", 90.0, build=None, RB=1, n_out=28672)]
     (tmp_path / "_runs").mkdir()
-    (tmp_path / "_runs" / "residual-banked-g8-build-probe-4577014-h200.json").write_text(
-        json.dumps({"provenance": {"gpu": "NVIDIA H200", "git_commit": "4577014abc", "date": "2026-11-30T18:20"}, "records": recs}))
+    for name, commit, date, rr in (("4577014", "4577014abc", "2026-11-30T18:20", recs), ("unroll-b9661d7", "b9661d7abc", "2026-12-01T03:00", recs2)):
+        (tmp_path / "_runs" / f"residual-banked-g8-build-probe-{name}-h200.json").write_text(
+            json.dumps({"provenance": {"gpu": "NVIDIA H200", "git_commit": commit, "date": date}, "records": rr}))
     d = report.residual_bank_g8(tmp_path)
-    assert len(d) == 1
+    assert len(d) == 2
     r = d.iloc[0]
-    assert r["probe"] == "4577014 (1/2 checks)" and r["its RB"] == 7 and r["G = 8 at 4577014, best RB (us)"] == 83.7
-    assert r["G = 8 before, 3be045b, RB 8 (us)"] == 108.6 and r["split, heuristic plan (us)"] == 106.0
-    assert np.isclose(r["G = 8 at 4577014: speedup over fp16"], 117.8 / 83.7) and np.isclose(r["split: speedup over fp16"], 117.8 / 106.0)
+    assert r["probe"] == "4577014 (1/2 checks)" and r["its RB"] == 7 and r["after, best RB (us)"] == 83.7
+    assert r["before (us)"] == 108.6 and r["before: build, RB"] == "3be045b, RB 8" and r["split, heuristic plan (us)"] == 106.0
+    assert np.isclose(r["after: speedup over fp16"], 117.8 / 83.7) and np.isclose(r["split: speedup over fp16"], 117.8 / 106.0)
+    assert np.isclose(r["after / before"], 83.7 / 108.6)
+    r = d.iloc[1]
+    assert r["probe"] == "b9661d7 (0/0 checks)" and r["before (us)"] == 83.0 and r["before: build, RB"] == "main, RB 7"
+    assert np.isclose(r["after / before"], 75.0 / 83.0)
     assert report.residual_bank_g8(tmp_path / "nothing").empty
 
 

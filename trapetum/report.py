@@ -2777,28 +2777,29 @@ RESIDUAL_BANK_G8_PROBES = "_runs/residual-banked-g8-build-probe-*.json"
 
 
 def residual_bank_g8(folder=None) -> pd.DataFrame:
-    """The banked table with 8 groups a step (8192 main centroids, codebooks read through L1) before and after its
-    build's change, beside the split kernel's heuristic plan, one process (interleaved rounds, median, L2-rotated
-    copies): one row a probe and layer, times in us, and each kernel's speedup over torch fp16 of that process."""
+    """The banked table with 8 groups a step (8192 main centroids, codebooks read through L1) before and after a
+    change to its build, beside the split kernel's heuristic plan, one process (interleaved rounds, median, L2-rotated
+    copies): one row a probe and layer. *after* is the probe's commit at its best RB; *before* the older build at
+    that RB where the probe timed it there (else its first plan); times in us, speedups over torch fp16 of that process."""
     rows = []
     for prov, label, t in _probe_runs(folder, RESIDUAL_BANK_G8_PROBES, short=True):
         if t.empty:
             continue
-        commit = str(prov.get("git_commit"))[:7]
         for (Nm, Nr, n_in, n_out), g in t.groupby(["Nm", "Nr", "n_in", "n_out"], sort=False):
             b, split = g[g["build"] == "banked"], g[g["variant"] == "split"]
             new, old = b[b["version"] == "new"], b[b["version"] != "new"]
             if new.empty or old.empty or split.empty:
                 continue
             best = new.loc[new["us"].idxmin()]
-            fp16 = float(g["fp16_us"].iloc[0])
+            same = old[old["RB"] == best["RB"]]
+            before = (same if len(same) else old).iloc[0]
+            fp16, split_us = float(g["fp16_us"].iloc[0]), float(split["us"].iloc[0])
             rows.append({"probe": label, "GPU": gpu_label(prov.get("gpu", "")), "codebooks": f"{int(Nm)}+{int(Nr)}",
                          "in x out": shape_label((int(n_in), int(n_out))), "torch fp16 (us)": fp16,
-                         f"G = 8 before, {old['version'].iloc[0]}, RB {int(old['RB'].iloc[0])} (us)": float(old["us"].iloc[0]),
-                         f"G = 8 at {commit}, best RB (us)": float(best["us"]), "its RB": int(best["RB"]),
-                         "split, heuristic plan (us)": float(split["us"].iloc[0]),
-                         f"G = 8 at {commit}: speedup over fp16": fp16 / float(best["us"]),
-                         "split: speedup over fp16": fp16 / float(split["us"].iloc[0])})
+                         "before (us)": float(before["us"]), "before: build, RB": f"{before['version']}, RB {int(before['RB'])}",
+                         "after, best RB (us)": float(best["us"]), "its RB": int(best["RB"]),
+                         "after / before": float(best["us"]) / float(before["us"]), "split, heuristic plan (us)": split_us,
+                         "after: speedup over fp16": fp16 / float(best["us"]), "split: speedup over fp16": fp16 / split_us})
     return pd.DataFrame(rows)
 
 
