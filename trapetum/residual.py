@@ -1187,6 +1187,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     TB, TBR = CBW * 4, CBW * 4 + 2 * G * Nm  # the main and residual entries' first bytes
     NTB = (Nm + Nr) // 8  # banked: mma N-tiles of 8 entries
     WTILE = 256 * warps if G == 16 else 128 * warps  # banked: table bytes between a warp's consecutive N-tiles
+    CTILE = 128 * warps  # banked: codebook bytes between them (8 entries of 16 bytes a tile)
     load_row = _row_loader(WPC)
     BG = B * G  # table columns
     NT = -(-BG // 8)  # mma N-tiles (8 columns each)
@@ -1297,7 +1298,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         while n < n1:  # warp-uniform: mma needs all 32 lanes
             build_tile(tabi, w, a0, a1, load_byte_offset(cbw, cb))
             n += uint32(warps)
-            cb += uint32(128 * warps)
+            cb += uint32(CTILE)
             w += uint32(WTILE)
         return n, cb, w
 
@@ -1309,11 +1310,11 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         while n + uint32((BUILD_UNROLL - 1) * warps) < n1:
             b = cuda.local.array(BUILD_UNROLL, int32)
             for u in range(BUILD_UNROLL):
-                b[u] = load_byte_offset(cbw, cb + uint32(u * 128 * warps))
+                b[u] = load_byte_offset(cbw, cb + uint32(u * CTILE))
             for u in range(BUILD_UNROLL):
                 build_tile(tabi, w + uint32(u * WTILE), a0, a1, b[u])
             n += uint32(BUILD_UNROLL * warps)
-            cb += uint32(BUILD_UNROLL * 128 * warps)
+            cb += uint32(BUILD_UNROLL * CTILE)
             w += uint32(BUILD_UNROLL * WTILE)
         return build_tiles(cbw, tabi, n, n1, cb, w, a0, a1)
 
