@@ -126,6 +126,62 @@ def test_banked_table_matches_float64_reference(Nm, Nr, norm, n_out, n_in, plan,
     assert torch.equal(g.t.indices, t.indices)  # the natural words, not the skewed ones
 
 
+@pytest.mark.parametrize(
+    "Nm, Nr, norm, n_out, n_in, plan, sms",
+    [
+        # two row-groups of 32 rows, each over 2 K-slices: a block sums 4 of its group's 8 row quads
+        (4096, 256, False, 64, 512, dict(kind="table", warps=1, RB=1, build="banked", ksplit=2), 4),
+        # one row-group (64 rows, 40 used) over 4 K-slices, under a norm: 4 quads a block, the last two blocks'
+        # rows past the layer summed but not written
+        (4096, 512, True, 40, 512, dict(kind="table", warps=1, RB=2, build="banked", ksplit=4, main="global"), 4),
+        # 16 K-slices of one G = 8 step: two threads a quad (8 slices each, added in shared memory in slice order),
+        # half the blocks with no rows to sum
+        (8192, 256, False, 32, 512, dict(kind="table", warps=1, RB=1, build="banked", G=8, ksplit=8, main="global"), 16),
+    ],
+)
+def test_spread_finish_matches_float64_reference(Nm, Nr, norm, n_out, n_in, plan, sms, monkeypatch):
+    import sim_scheduler
+
+    from trapetum import residual
+
+    monkeypatch.setattr(residual, "sm_count", lambda device: sms)
+    t = random_residual_tensor(n_out, n_in, Nm, Nr, seed=n_out + sms, with_norm=norm)
+    g = ResidualGemv(t, plan=plan | {"spread": True})
+    p = g.plan(1)
+    assert (p.spread, p.ksplit, p.fanin) == (True, plan["ksplit"], 0)
+    with sim_scheduler.concurrent_grid():
+        y1 = check(g, t, x_for(n_in, 1, seed=1))
+        assert not g._plans[1][2][1].any(), "the counters were not reset: a replay would not wait"
+        y2 = check(g, t, x_for(n_in, 1, seed=2))  # the launch again, on the reset counters
+    assert not torch.equal(y1, y2)
+
+
+def test_spread_finish_refuses_what_it_cannot_run():
+    kw = dict(sms=132, budget=227 * 1024, build="banked", spread=True)
+    assert plan_residual(28672, 16, 4096, 256, 1, RB=7, **kw).overrides()["spread"] is True
+    for bad, match in ((dict(ksplit=1), "at least 2 K-slices"), (dict(fanin=4), "no fanin"),
+                       (dict(RB=8, ksplit=32), "one wave")):
+        with pytest.raises(ValueError, match=match):
+            plan_residual(28672, 16, 4096, 256, 1, **(kw | bad))
+    with pytest.raises(ValueError, match="table-kernel options"):
+        plan_residual(28672, 16, 4096, 256, 1, kind="split", spread=True, sms=132)
+    # the tuner times each banked one-level K-split plan's spread twin where its grid is one wave
+    cands = candidate_plans(28672, 16, 4096, 256, 1, 132, False, 227 * 1024)
+    twins = {(c.RB, c.ksplit) for c in cands if c.spread}
+    assert twins == {(8, 16), (7, 16)}, twins
+    assert all(c.build == "banked" and not c.fanin and c.groups(896) * c.ksplit <= 132 for c in cands if c.spread)
+
+
+def test_a_spread_finish_outside_a_concurrent_grid_fails_instead_of_hanging(monkeypatch):
+    from trapetum import gemv as gemv_mod
+
+    monkeypatch.setattr(gemv_mod, "SPIN_LIMIT_S", 0.05)
+    t = random_residual_tensor(32, 512, 4096, 256, seed=9)
+    g = ResidualGemv(t, plan=dict(kind="table", warps=1, RB=1, build="banked", ksplit=2, spread=True))
+    with pytest.raises(RuntimeError, match="concurrent_grid"):
+        g(x_for(512, 1))
+
+
 def test_skewed_words_rotate_each_lanes_fields_and_come_back():
     t = random_residual_tensor(64, 512, 4096, 512, seed=3)
     s = skew_indices(t.indices, 4096, 512, rows=24)  # slabs that do not align with the 32-row blocks

@@ -76,3 +76,30 @@ def test_each_xdist_worker_runs_its_block_threads_on_a_cpu_of_its_own(monkeypatc
     else:
         monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
     assert sim_scheduler._block_cpu() == {cpu}
+
+
+@cuda.jit
+def _wait_for_each_other(out, counter):
+    buf = cuda.shared.array(1, dtype=np.int32)
+    if cuda.threadIdx.x == 0:
+        buf[0] = cuda.blockIdx.x  # a block's own shared memory: another block's store would show here
+        cuda.atomic.add(counter, 0, 1)
+        while counter[0] < cuda.gridDim.x:  # every block must be running for this to end
+            pass
+    cuda.syncthreads()
+    out[cuda.blockIdx.x, cuda.threadIdx.x] = buf[0]
+
+
+def test_concurrent_grid_runs_blocks_at_once_each_with_its_own_shared_memory():
+    out = np.full((3, 4), -1, dtype=np.int32)
+    counter = np.zeros(1, dtype=np.int32)
+    with sim_scheduler.concurrent_grid():
+        _wait_for_each_other[3, 4](out, counter)
+    np.testing.assert_array_equal(out, np.repeat(np.arange(3, dtype=np.int32)[:, None], 4, axis=1))
+    assert counter[0] == 3
+
+
+def test_concurrent_grid_raises_a_blocks_error():
+    out = np.zeros(32, dtype=np.float32)
+    with sim_scheduler.concurrent_grid(), pytest.raises(IndexError):
+        _fails_in_one_thread[2, 32](out)

@@ -22,6 +22,7 @@ import itertools
 import math
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -237,6 +238,21 @@ if SIM:
     @cuda.jit(device=True)
     def count_acq_rel(counters, i):
         return cuda.atomic.add(counters, i, 1)
+
+    @cuda.jit(device=True)
+    def load_acquire(counters, i):
+        return counters[i]
+
+    SPIN_LIMIT_S = 300.0  # a simulated wait on blocks that never come fails after this, instead of hanging
+
+    @cuda.jit(device=True)
+    def spin_pause(k):
+        # k: the waiting loop's count. The simulator's blocks are Python threads: let the others run.
+        time.sleep(1e-3)
+        if k * 1e-3 > SPIN_LIMIT_S:
+            raise RuntimeError("a block waited over 300 s for the other K-slices of its row-group: in the simulator "
+                               "a spread finish runs only under tests/sim_scheduler.concurrent_grid(), which runs a "
+                               "launch's blocks at once (it otherwise runs them one after another)")
 
     @cuda.jit(device=True)
     def await_predecessor():
@@ -661,25 +677,55 @@ else:
 
         return sig, codegen
 
-    @intrinsic
-    def count_acq_rel(typingctx, counters, i):
+    def _counter_op(ptx, doc):
+        """An int32 counter's PTX operation ``ptx`` (``$0``: the value read, ``$1``: the address) as an intrinsic
+        ``f(counters, i)``; a memory clobber, so the compiler moves no load or store across it."""
+
+        def op(typingctx, counters, i):
+            sig = types.int32(counters, i)
+
+            def codegen(context, builder, sig, args):
+                aty, _ = sig.args
+                ptr = cgutils.get_item_pointer(context, builder, aty, context.make_array(aty)(context, builder, value=args[0]),
+                                               [args[1]], wraparound=False)
+                i32, i64 = ir.IntType(32), ir.IntType(64)
+                asm = ir.InlineAsm(ir.FunctionType(i32, [i64]), ptx, "=r,l,~{memory}", side_effect=True)
+                return builder.call(asm, [builder.ptrtoint(ptr, i64)])
+
+            return sig, codegen
+
+        op.__doc__ = doc
+        return intrinsic(op)
+
+    count_acq_rel = _counter_op(
+        "atom.acq_rel.gpu.add.u32 $0, [$1], 1;",
         """counters[i] += 1 as ``atom.acq_rel.gpu`` (returns the old count): the release makes the
         partials this block wrote before its barrier visible with the count (cumulativity through
         bar.sync, as CUTLASS's split-K semaphore relies on), the acquire makes the other blocks' visible
         to the block that counts last. One thread's atomic instead of a sequentially consistent fence
-        (``membar.gl``, MEMBAR.SC.GPU) in every thread."""
-        sig = types.int32(counters, i)
+        (``membar.gl``, MEMBAR.SC.GPU) in every thread.""")
+
+    load_acquire = _counter_op(
+        "ld.acquire.gpu.u32 $0, [$1];",
+        """counters[i] read with ``ld.acquire.gpu``: what the blocks that counted it wrote before their release
+        is visible to this thread (and, through the barrier after it, to its block) once it sees their counts.""")
+
+    @intrinsic
+    def _nanosleep(typingctx, ns):
+        sig = types.void(ns)
 
         def codegen(context, builder, sig, args):
-            aty, _ = sig.args
-            ptr = cgutils.get_item_pointer(context, builder, aty, context.make_array(aty)(context, builder, value=args[0]),
-                                           [args[1]], wraparound=False)
-            i32, i64 = ir.IntType(32), ir.IntType(64)
-            asm = ir.InlineAsm(ir.FunctionType(i32, [i64]), "atom.acq_rel.gpu.add.u32 $0, [$1], 1;", "=r,l,~{memory}",
-                               side_effect=True)
-            return builder.call(asm, [builder.ptrtoint(ptr, i64)])
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ir.IntType(32)]), "nanosleep.u32 $0;", "r", side_effect=True)
+            builder.call(asm, [_u32(builder, args[0])])
+            return context.get_dummy_value()
 
         return sig, codegen
+
+    @cuda.jit(device=True)
+    def spin_pause(k):
+        # A short sleep between polls: the SM's other warps (none here: one block an SM) and the L2 are spared
+        # a read every few cycles; the wake-up costs up to ~2 x the time asked.
+        _nanosleep(int32(64))
 
     def _special_register(name, doc):
         @intrinsic
@@ -1056,6 +1102,33 @@ def last_to_finish(counters, idx, nsplit, last, tid) -> bool:
             counters[idx] = 0
     cuda.syncthreads()
     return last[0] == 1
+
+
+@cuda.jit(device=True, **INLINE)
+def arrive_and_wait(counters, idx, n, tid):
+    """Count this block in at counter ``idx`` and wait until ``n`` blocks have: afterwards what those blocks
+    wrote before they arrived is visible to every thread of this block. Every thread of the block must call
+    it (barriers). Only for grids whose blocks all run at once (one wave): a block waiting on a block that
+    has no SM to start on waits forever. :func:`depart` resets the counter."""
+    cuda.syncthreads()
+    if tid == 0:
+        count_acq_rel(counters, idx)
+        k = 0
+        while load_acquire(counters, idx) < n:
+            k += 1
+            spin_pause(k)
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True, **INLINE)
+def depart(counters, idx, out, n, tid):
+    """After :func:`arrive_and_wait` at ``idx``: count out at counter ``out``; the last of the ``n`` blocks
+    out resets both counters (every block's thread 0 has stopped reading ``idx``), so the launch replays in a
+    CUDA graph. No barrier: only thread 0 reads the counters."""
+    if tid == 0:
+        if count_acq_rel(counters, out) == n - 1:
+            counters[idx] = 0
+            counters[out] = 0
 
 
 @cuda.jit(device=True, **INLINE)

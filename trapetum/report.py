@@ -2858,7 +2858,7 @@ def fig_residual_timeline(folder=None, shape=(4096, 28672), codebooks=(4096, 256
     and x staged), the table steps, and the finish, coloured by what the block summed. One panel a probe's
     timeline (``timelines``, by default :func:`residual_timelines`), all on one time axis."""
     tl = residual_timelines(folder, shape, codebooks) if timelines is None else timelines
-    colours = {0: "#bbbbbb", 1: "#f0a030", 2: "#d62728"}
+    colours = {0: "#bbbbbb", 1: "#f0a030", 2: "#d62728", 3: "#2ca02c"}
     with _style():
         fig = Figure(figsize=(9, 1.5 + 1.45 * max(1, len(tl))), layout="constrained")
         axes = np.atleast_1d(fig.subplots(max(1, len(tl)), 1, sharex=True))
@@ -2876,6 +2876,8 @@ def fig_residual_timeline(folder=None, shape=(4096, 28672), codebooks=(4096, 256
         handles = [mpl.patches.Patch(color=c, label=t) for c, t in
                    (("#8c8c8c", "prologue"), ("#4c72b0", "table steps"), (colours[0], "finish: partial written"),
                     (colours[1], "finish: summed a run of K-slices"), (colours[2], "finish: summed the partials into y"))]
+        if any((b["sums"] == 3).any() for _, b in tl):
+            handles.append(mpl.patches.Patch(color=colours[3], label="finish (spread): waited, summed a share of the rows"))
         fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
     return fig
 

@@ -78,11 +78,12 @@ def _finish_runs(nsplit, fanin):
     return (nsplit + fanin - 1) // fanin if 0 < fanin < nsplit else 0
 
 
-def finish_sizes(ksplit: int, groups: int, fanin: int = 0) -> tuple[int, int]:
+def finish_sizes(ksplit: int, groups: int, fanin: int = 0, spread: bool = False) -> tuple[int, int]:
     """(slices of ws, counters) a table-kernel launch needs: the K-slices' partials and the level-one
-    sums' slots; a counter a row-group and a counter a row-group's run of ``fanin`` K-slices."""
+    sums' slots; a counter a row-group and a counter a row-group's run of ``fanin`` K-slices, or under
+    ``spread`` a second counter a row-group (its blocks counting out)."""
     runs = _finish_runs(ksplit, fanin)
-    return ksplit + runs, groups * (1 + runs)
+    return ksplit + runs, groups * (1 + runs + bool(spread))
 
 
 finish_runs = cuda.jit(device=True, **INLINE)(_finish_runs)
@@ -608,7 +609,7 @@ def _word_loader(RB: int, WPC: int, lanes: int = 1):
 
 
 def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0, wide: bool = False,
-                             fanin: int = 0):
+                             fanin: int = 0, spread: bool = False):
     """What both residual kernels share: staging a K-slice of x, and writing the rows out.
 
     ``stage_x`` puts x[:, col0:col0+ncols] in shared memory as fp32 (times scale under a norm), ``pad``
@@ -628,13 +629,52 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0,
     handshake (on the H200 it won at 32 K-slices and lost at 16 or fewer, so the tuner times both;
     NOTES.md, session 65). Every sum runs in slice order: deterministic. ``finish`` returns 2 for the block that wrote y from the partials, 1 for a
     level-one summer, 0 otherwise (the timeline's ``sums``).
+
+    With ``spread`` (wide only) ``finish`` only writes the partial, and ``spread_finish`` (the caller's, after
+    it) sums the K-split over all the row-group's blocks instead of its last one: the one summing block read
+    nsplit x nt x RB x 4 bytes (229 KiB at 4096 x 28672, RB 7, K-split 16, ~3 us at the ~72 GB/s an SM
+    draws from the L2) while the other SMs idled. Each block counts in, waits for the row-group's
+    K-slices (:func:`trapetum.gemv.arrive_and_wait`: only where every block runs at once), and sums
+    1 / nsplit of the rows. :func:`finish_sizes`: a second counter a row-group (:func:`trapetum.gemv.depart`).
     """
-    from .gemv import last_to_finish, load_cg, load_cg4
+    from .gemv import arrive_and_wait, depart, last_to_finish, load_cg, load_cg4
+
+    def slice_summer(NV, SR):
+        """add_slices(ws, lo, hi, row0, lim, tot): tot += ws[lo:hi] (slice order) at a thread's NV row quads,
+        rows row0 + 4 nt v (clamped below lim: the rows past it are summed, never written), SR K-slices a round."""
+        TOT = NV * B * 4  # (local array sizes must be literals)
+        BUF = SR * TOT
+
+        @cuda.jit(device=True, **INLINE)
+        def add_slices(ws, lo, hi, row0, lim, tot):
+            buf = cuda.local.array(BUF, float32)
+            sp0 = lo
+            while sp0 < hi:
+                # A round's loads first, unconditional (indices clamped into ws), then its adds: issue is
+                # in order, so a load behind an add waits for the add's operand. (With each load and its
+                # adds under their own branch, the loads went out one after another: ~0.1 us each.)
+                for k in range(SR):
+                    sp = min(sp0 + k, hi - 1)
+                    for v in range(NV):
+                        row = min(row0 + 4 * nt * v, lim - 4)
+                        for bb in range(B):
+                            o = ((k * NV + v) * B + bb) * 4
+                            buf[o], buf[o + 1], buf[o + 2], buf[o + 3] = load_cg4(ws, sp, bb, row)
+                for k in range(SR):
+                    if sp0 + k < hi:  # the same for the whole block
+                        for i in range(TOT):
+                            tot[i] += buf[k * TOT + i]
+                sp0 += SR
+
+        return add_slices
 
     NV = -(-RB // 4)  # 16-byte row quads a thread
-    SR = max(1, FINISH_LOADS // (NV * B))  # K-slices a round
-    TOT = NV * B * 4  # (local array sizes must be literals)
-    BUF = SR * TOT
+    TOT = NV * B * 4
+    add_slices = slice_summer(NV, max(1, FINISH_LOADS // (NV * B)))
+    SSR = max(1, FINISH_LOADS // B)  # spread: K-slices a round of a thread's one quad
+    add_quad_slices = slice_summer(1, SSR)
+    QB = 4 * B
+    GROUP_QUADS = nt * RB // 4  # a row-group's 16-byte row quads
 
     @cuda.jit(device=True, **INLINE)
     def sum_slices(ws, lo, hi, dst, y, grp, rbs, n_out, tid):
@@ -642,26 +682,9 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0,
         r0 = grp * (nt * RB)
         lim = min(r0 + nt * RB, rbs * 32)  # ws rows (a multiple of 4, past r0)
         tot = cuda.local.array(TOT, float32)
-        buf = cuda.local.array(BUF, float32)
         for i in range(TOT):
             tot[i] = 0.0
-        sp0 = lo
-        while sp0 < hi:
-            # A round's loads first, unconditional (indices clamped into ws), then its adds: issue is
-            # in order, so a load behind an add waits for the add's operand. (With each load and its
-            # adds under their own branch, the loads went out one after another: ~0.1 us each.)
-            for k in range(SR):
-                sp = min(sp0 + k, hi - 1)
-                for v in range(NV):
-                    row = min(r0 + 4 * (tid + v * nt), lim - 4)
-                    for bb in range(B):
-                        o = ((k * NV + v) * B + bb) * 4
-                        buf[o], buf[o + 1], buf[o + 2], buf[o + 3] = load_cg4(ws, sp, bb, row)
-            for k in range(SR):
-                if sp0 + k < hi:  # the same for the whole block (rows past lim are summed, never written)
-                    for i in range(TOT):
-                        tot[i] += buf[k * TOT + i]
-            sp0 += SR
+        add_slices(ws, lo, hi, r0 + 4 * tid, lim, tot)
         for v in range(NV):
             row = r0 + 4 * (tid + v * nt)
             if row < lim:
@@ -674,6 +697,48 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0,
                         for i in range(4):
                             if row + i < n_out:
                                 y[bb, row + i] = tot[o + i]
+
+    @cuda.jit(device=True, **INLINE)
+    def spread_finish(ws, y, counters, scratch, grp, rbs, n_out, tid):
+        # Every block of the row-group: wait for all its K-slices' partials, sum a 1 / nsplit share of the
+        # rows into y, P threads a quad (each over a run of the slices, in one round where P allows), their
+        # sums added in shared memory (``scratch``: the table's, free after the walk) in slice order.
+        # Every thread calls it (barriers). Returns 3 (the timeline's ``sums``).
+        split = cuda.blockIdx.y
+        nsplit = cuda.gridDim.y
+        arrive_and_wait(counters, grp, nsplit, tid)
+        r0 = grp * (nt * RB)
+        lim = min(r0 + nt * RB, rbs * 32)
+        share = (GROUP_QUADS + nsplit - 1) // nsplit  # quads a block: at most nt (RB <= 8 <= 4 x K-split)
+        q0 = split * share
+        nq = min(share, (lim - r0) // 4 - q0)  # this block's quads (none past the rows)
+        P = max(1, min(nt // share, (nsplit + SSR - 1) // SSR))  # threads a quad
+        per = (nsplit + P - 1) // P  # K-slices a thread
+        lq = tid // P
+        part = tid - lq * P
+        active = lq < nq
+        row = r0 + 4 * (q0 + lq)
+        tot = cuda.local.array(QB, float32)
+        for i in range(QB):
+            tot[i] = 0.0
+        if active:
+            add_quad_slices(ws, part * per, min(part * per + per, nsplit), row, lim, tot)
+        if P > 1:  # (the same for the whole block)
+            if active:
+                for i in range(QB):
+                    scratch[tid * QB + i] = tot[i]
+            cuda.syncthreads()
+            if active and part == 0:
+                for pp in range(1, P):
+                    for i in range(QB):
+                        tot[i] += scratch[(tid + pp) * QB + i]
+        if active and part == 0:
+            for bb in range(B):
+                for i in range(4):
+                    if row + i < n_out:
+                        y[bb, row + i] = tot[bb * 4 + i]
+        depart(counters, grp, cuda.gridDim.x + grp, nsplit, tid)
+        return 3
 
     @cuda.jit(device=True, **INLINE)
     def stage_x(x32, sc32, bi32, xs, xoff, col0, ncols, pb, tid):
@@ -747,7 +812,9 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0,
                 elif own and rb < rbs:
                     ws[split, bb, row] = acc[r * B + bb]
         level = 0
-        if wide and nsplit > 1:
+        if wide and nsplit > 1 and spread:
+            pass  # the caller's spread_finish, after this (it needs the table's shared memory)
+        elif wide and nsplit > 1:
             nsub = finish_runs(nsplit, fanin)
             if nsub == 0:
                 if last_to_finish(counters, grp, nsplit, last, tid):
@@ -781,7 +848,7 @@ def _common_device_functions(B: int, nt: int, RB: int, norm: bool, pad: int = 0,
                         y[bb, row] = acc[r * B + bb]
         return level
 
-    return stage_x, finish, add_bias_dot
+    return stage_x, finish, add_bias_dot, spread_finish
 
 
 def _chunk_source(b: int) -> str:
@@ -856,7 +923,7 @@ def residual_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, main_shared: 
     bpart_size = B * nt if norm else 1
     bred_size = B * 32 if norm else 1
     ring_size, wv_size = 2 * nreg, 8 * RB  # local array sizes must be literals
-    stage_x, finish, add_bias_dot = _common_device_functions(B, nt, RB, norm, PAD)
+    stage_x, finish, add_bias_dot, _ = _common_device_functions(B, nt, RB, norm, PAD)
 
     @cuda.jit(device=True, **INLINE)
     def vec(ring, s, j, sh, straddle, i, mainq, dyn_i, xs, xo, ncols, acc, wv):
@@ -1098,7 +1165,7 @@ def _banked_source(b: int, RB: int, G: int) -> str:
 
 
 def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int, norm: bool, cb_shared: bool = False,
-                          mma: bool = False, stamps: bool = False, fanin: int = 0, banked: bool = False):
+                          mma: bool = False, stamps: bool = False, fanin: int = 0, banked: bool = False, spread: bool = False):
     """The "table" residual-VQ GEMV (v2): lookups of dot products instead of codebook vectors.
 
     The K-slice of a block is walked in steps of G vectors (8G input columns). Each step, every
@@ -1143,12 +1210,14 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     leave fp16 (s from the step's max |x| and ``cbexp``, as in the additive kernel; 0 for ordinary
     activations), and the sums by 2**s; the scaling is applied to x before the mma, not to each entry after it.
 
-    The K-split finish is the wide one of :func:`_common_device_functions`, in runs of ``fanin``.
+    The K-split finish is the wide one of :func:`_common_device_functions`, in runs of ``fanin``, or with
+    ``spread`` (one-wave grids only), spread over the row-group's blocks: each waits for all the K-slices'
+    partials, then sums a 1 / K-split share of the rows (``spread_finish`` there).
     ``stamps`` (a timeline, see :meth:`ResidualGemv.timeline`): thread 0 of each block writes its
     SM, the GPU clock at its start, after its prologue (codebooks and x staged), after its last
     step and after its finish, and what it summed, into ``counters`` after the finish's counters.
     """
-    key = ("residual-table", Nm, Nr, B, warps, RB, G, norm, cb_shared, mma, stamps, fanin, banked)
+    key = ("residual-table", Nm, Nr, B, warps, RB, G, norm, cb_shared, mma, stamps, fanin, banked, spread)
     if key in _kernel_cache:
         return _kernel_cache[key]
     if banked and (B != 1 or G not in BANKED_GS or mma):
@@ -1194,7 +1263,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     NTILES = (Nm + Nr) // 16  # mma M-tiles (16 entries each)
     TPW = -(-NTILES // warps)  # M-tiles a warp
     mma_tile = mma_table_tile(NT, BG, TS)
-    stage_x, finish, _ = _common_device_functions(B, nt, RB, norm, wide=True, fanin=fanin)
+    stage_x, finish, _, spread_finish = _common_device_functions(B, nt, RB, norm, wide=True, fanin=fanin, spread=spread)
 
     load_words = _word_loader(RB, WPC)
 
@@ -1448,6 +1517,8 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
         if stamps:
             stamp(counters, 3, global_timer_lo())
         level = finish(acc, pb, bpart, bred, last, y, ws, counters, cuda.blockIdx.x, True, rb0, rbs, n_out, tid)
+        if spread and cuda.gridDim.y > 1:
+            level = spread_finish(ws, y, counters, tab, cuda.blockIdx.x, rbs, n_out, tid)
         if stamps:
             stamp(counters, 4, global_timer_lo())
             stamp(counters, 0, sm_id())
@@ -1480,11 +1551,13 @@ class ResidualPlan:
     blocks: int = 0  # split: blocks along the rows, each walking row-groups (0: one a row-group)
     rc: int = 1  # split: copies of the residual codebook in shared memory (see residual_kernel)
     lanes: int = 1  # split: lane groups a warp (row-groups of 32 / lanes rows; see residual_kernel)
+    spread: bool = False  # table: the K-split finish spread over a row-group's blocks (see _common_device_functions)
 
     def overrides(self) -> dict:
         """The keyword arguments of :func:`plan_residual` that rebuild this plan (for ``ResidualGemv(plan=...)``)."""
         d = dict(kind=self.kind, warps=self.warps, RB=self.RB, ksplit=self.ksplit, main=self.main)
-        return d | ({"G": self.G, "build": self.build} | ({"fanin": self.fanin} if self.fanin else {}) if self.kind == "table" else {}) | (
+        return d | ({"G": self.G, "build": self.build} | ({"fanin": self.fanin} if self.fanin else {})
+                    | ({"spread": True} if self.spread else {}) if self.kind == "table" else {}) | (
             {"blocks": self.blocks, "rc": self.rc} | ({"lanes": self.lanes} if self.lanes > 1 else {}) if self.kind == "split" else {})
 
     def groups(self, rbs: int) -> int:
@@ -1523,7 +1596,7 @@ def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, 
                   warps: int | None = None, RB: int | None = None, ksplit: int | None = None, main: str | None = None,
                   kind: str | None = None, G: int | None = None, build: str | None = None,
                   blocks: int | None = None, rc: int | None = None, lanes: int | None = None,
-                  fanin: int | None = None) -> ResidualPlan:
+                  fanin: int | None = None, spread: bool | None = None) -> ResidualPlan:
     """Grid shape for one layer. ``kind`` picks the kernel: "table" (:func:`residual_table_kernel`,
     the default up to batch :data:`TABLE_MAX_BATCH`) or "gather" (:func:`residual_kernel`).
 
@@ -1544,9 +1617,9 @@ def plan_residual(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, 
         raise ValueError("blocks, rc and lanes are split-kernel options")
     if kind == "table":
         return plan_table(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ksplit, G=G, main=main,
-                          build=build, fanin=fanin)
-    if G is not None or build is not None or fanin is not None:
-        raise ValueError("G (groups a table step), build and fanin are table-kernel options")
+                          build=build, fanin=fanin, spread=spread)
+    if G is not None or build is not None or fanin is not None or spread is not None:
+        raise ValueError("G (groups a table step), build, fanin and spread are table-kernel options")
     if kind == "split":
         return plan_split(n_out, nchunks, Nm, Nr, B, sms, norm, budget, warps=warps, RB=RB, ksplit=ksplit, blocks=blocks, rc=rc, lanes=lanes,
                           main=main)
@@ -1690,7 +1763,8 @@ def table_bytes(Nm: int, Nr: int, B: int, G: int, steps: int, main: str = "regis
 
 def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool = False, budget: int = OPTIN_SIM,
                warps: int | None = None, RB: int | None = None, ksplit: int | None = None, G: int | None = None,
-               main: str | None = None, build: str | None = None, fanin: int | None = None) -> ResidualPlan:
+               main: str | None = None, build: str | None = None, fanin: int | None = None,
+               spread: bool | None = None) -> ResidualPlan:
     """Table-kernel plan. Without overrides: 16 warps, the main codebook in shared memory, RB up to
     8 row-blocks a warp (4096 rows a block share each table: building a table costs (Nm + Nr) x 8
     multiply-adds a step, so a vector-row pays (Nm + Nr) x 8 / rows of them; at RB = 2 that was 34,
@@ -1702,7 +1776,10 @@ def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
     by default the largest G up to 8 whose tables fit (an mma makes 8 table columns, B x G of them
     a step, so small G wastes most of it). ``fanin``: the K-split finish in two levels (see
     :func:`_common_device_functions`); by default one. ``build="banked"`` (v6, batch 1): fp16 tables of
-    16 groups a step, bank-partitioned, on the tensor cores (see :func:`residual_table_kernel`)."""
+    16 groups a step, bank-partitioned, on the tensor cores (see :func:`residual_table_kernel`).
+    ``spread``: the finish spread over the row-group's blocks, which wait for one another, so only
+    where the grid is one wave (row-groups x K-slices <= ``sms``), with at least 2 K-slices and one level
+    (no ``fanin``)."""
     warps = warps or 16
     if warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"warps must be a power of two from 1 to 32, got {warps}")
@@ -1754,14 +1831,22 @@ def plan_table(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, nor
     fanin = fanin or 0
     if fanin < 0 or fanin == 1:
         raise ValueError(f"fanin (K-slices a level-one sum of the finish) must be 0 (one level) or at least 2, got {fanin}")
-    return ResidualPlan(warps, ksplit, sps, RB, main, dyn, static, kind="table", G=G, build=build, fanin=fanin)
+    spread = bool(spread)
+    if spread:
+        why = ("it needs at least 2 K-slices" if ksplit < 2 else "it is one level: no fanin" if fanin
+               else f"its grid, {groups} row-groups x {ksplit} K-slices, is more than one wave on {sms} SMs "
+                    "(its blocks wait for one another, so all must run at once)" if groups * ksplit > sms else "")
+        if why:
+            raise ValueError(f"the spread finish does not fit this plan: {why}")
+    return ResidualPlan(warps, ksplit, sps, RB, main, dyn, static, kind="table", G=G, build=build, fanin=fanin, spread=spread)
 
 
 def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int, norm: bool, budget: int) -> list[ResidualPlan]:
     """What the tuner times. Batches up to :data:`TABLE_MAX_BATCH`: the table kernel's heuristic plan
     with one, two and four waves of K-slices, its register-codebook variant at RB <= 2, its
     tensor-core build (v3) with one and two waves (and at RB = 7, and with the finish in two levels
-    where a plan has more than 8 K-slices), and the
+    where a plan has more than 8 K-slices), each banked one-level plan with a K-split also with its finish
+    spread (where its grid is one wave), and the
     gather kernel's heuristic plan (three kernels: each takes seconds to compile), and where that
     plan leaves SMs idle, gather blocks of 2 and 1 warps over every chunk, and the split kernel's
     heuristic plan. Gather kernel (larger
@@ -1781,10 +1866,12 @@ def candidate_plans(n_out: int, nchunks: int, Nm: int, Nr: int, B: int, sms: int
             return
         gx, gy = p.grid(rbs)
         blocks = gx * gy
-        k = (p.kind, p.warps, p.RB, p.main, p.ksplit, p.G, p.build, p.blocks, p.rc, p.lanes, p.fanin)
+        k = (p.kind, p.warps, p.RB, p.main, p.ksplit, p.G, p.build, p.blocks, p.rc, p.lanes, p.fanin, p.spread)
         if k not in seen and blocks <= 16 * sms:
             seen.add(k)
             out.append(p)
+            if p.build == "banked" and p.ksplit > 1 and not p.fanin and not p.spread:
+                add(**p.overrides(), spread=True)  # its twin with the finish spread, where the grid is one wave
 
     def tensor_core_variants(h: ResidualPlan):
         # A tensor-core table's heuristic plan h with one and two waves of K-slices, at RB = 7 too, and with
@@ -1964,12 +2051,13 @@ class ResidualGemv:
         # stamps (table plans: see timeline): the instrumented kernel, and room for its stamps after the counters
         if plan.kind == "table":
             kern = residual_table_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.G, self.norm, plan.main == "shared",
-                                         plan.build == "mma", stamps=stamps, fanin=plan.fanin, banked=plan.build == "banked")
+                                         plan.build == "mma", stamps=stamps, fanin=plan.fanin, banked=plan.build == "banked",
+                                         spread=plan.spread)
         else:
             kern = residual_kernel(self.Nm, self.Nr, B, plan.warps, plan.RB, plan.main == "shared", self.norm,
                                    split=plan.kind == "split", rc=plan.rc, lanes=plan.lanes)
         ngroups = plan.groups(self.rbs)
-        slices, ncount = finish_sizes(plan.ksplit, ngroups, plan.fanin) if plan.kind == "table" else (plan.ksplit, ngroups)
+        slices, ncount = finish_sizes(plan.ksplit, ngroups, plan.fanin, plan.spread) if plan.kind == "table" else (plan.ksplit, ngroups)
         ws = torch.empty(slices, B, self.rbs * ROW_BLOCK, dtype=torch.float32, device=self.device)
         gx, gy = plan.grid(self.rbs)
         counters = torch.zeros(ncount + (STAMPS * gx * gy if stamps else 0), dtype=torch.int32, device=self.device)
@@ -2065,7 +2153,7 @@ class ResidualGemv:
         A DataFrame, a row a block: block_x (row-group), block_y (K-slice), sm, start, prologue,
         steps, finish (ns after the first block's start; in the simulator, a count of clock reads)
         and sums (2: the block summed its row-group's partials into y; 1: it summed a run of
-        K-slices, the first level of the finish; 0: neither). ``plan``: overrides, as for
+        K-slices, the first level of the finish; 3: a spread finish's share of the rows; 0: none). ``plan``: overrides, as for
         the constructor (by default this layer's plan, which must be a table plan). A diagnostic:
         the clock reads and their stores make the launch a little slower than an uninstrumented one."""
         import numpy as np
@@ -2139,6 +2227,9 @@ FORCED_PLANS = (dict(main="shared", ksplit=1, RB=2, warps=4), dict(main="global"
                 dict(kind="table", build="banked", RB=7, warps=16, ksplit=3, main="shared"),
                 dict(kind="table", build="banked", RB=2, warps=8, ksplit=6, main="global", fanin=4),
                 dict(kind="table", build="banked", G=8, RB=4, warps=16, ksplit=3, main="global"),  # (8192 centroids too)
+                # the finish spread over a row-group's blocks: 11-12 K-slices, two threads a row quad, the last block's
+                # share short (one wave only: where the layer has more than 132 / 11 row-groups the sweep skips it)
+                dict(kind="table", build="banked", RB=2, warps=8, ksplit=12, main="global", spread=True),
                 # the split kernel's lane splits: groups of 16 rows over two warps; of 8 rows, one warp, walking blocks
                 dict(kind="split", lanes=2, warps=2, rc=2), dict(kind="split", lanes=4, warps=1, blocks=5))
 
