@@ -156,6 +156,24 @@ def test_spread_finish_matches_float64_reference(Nm, Nr, norm, n_out, n_in, plan
     assert not torch.equal(y1, y2)
 
 
+def test_spread_finish_timeline_stamps_after_both_counters(monkeypatch):
+    import sim_scheduler
+
+    from trapetum import residual
+
+    monkeypatch.setattr(residual, "sm_count", lambda device: 4)
+    t = random_residual_tensor(64, 512, 4096, 256, seed=4)
+    g = ResidualGemv(t, plan=dict(kind="table", warps=1, RB=1, build="banked", ksplit=2, spread=True))
+    x = x_for(512, 1)
+    with sim_scheduler.concurrent_grid():
+        df = g.timeline(x, launches=2)  # the second launch waits only if the first reset the counters
+        y = check(g, t, x)
+    assert sorted(zip(df.block_x, df.block_y)) == [(bx, by) for bx in range(2) for by in range(2)]
+    assert (df.sums == 3).all(), df
+    assert ((df.start < df.prologue) & (df.prologue < df.steps) & (df.steps < df.finish)).all(), df
+    assert not g._plans[1][2][1].any() and torch.isfinite(y).all()
+
+
 def test_spread_finish_refuses_what_it_cannot_run():
     kw = dict(sms=132, budget=227 * 1024, build="banked", spread=True)
     assert plan_residual(28672, 16, 4096, 256, 1, RB=7, **kw).overrides()["spread"] is True

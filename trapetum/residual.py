@@ -1270,7 +1270,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     @cuda.jit(device=True, **INLINE)
     def stamp(counters, k, v):
         if cuda.threadIdx.x == 0:  # after the finish's counters (see finish_sizes)
-            base = cuda.gridDim.x * (1 + finish_runs(cuda.gridDim.y, fanin))
+            base = cuda.gridDim.x * (1 + finish_runs(cuda.gridDim.y, fanin) + (1 if spread else 0))
             counters[base + STAMPS * (cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x) + k] = int32(v)
 
     @cuda.jit(device=True, **INLINE)
