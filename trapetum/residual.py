@@ -2301,4 +2301,5 @@ def time_residual(n_in: int, n_out: int, Nm: int, Nr: int, batch: int, fp16_ms: 
                        bits_per_weight=(nbytes - 2 * batch * (n_in + n_out)) * 8 / (n_in * n_out), norm=with_norm,
                        ksplit=p.ksplit, warps=p.warps, rb=p.RB, main_placement=p.main, variant=p.kind, G=p.G,
                        build=p.build or None, rc=p.rc if p.kind == "split" else None,
-                       lanes=p.lanes if p.kind == "split" else None, fanin=p.fanin if p.kind == "table" else None)
+                       lanes=p.lanes if p.kind == "split" else None, fanin=p.fanin if p.kind == "table" else None,
+                       spread=p.spread if p.kind == "table" else None)
