@@ -253,6 +253,20 @@ report.styled(report.residual_buffers_trial(folder))
 # (the last table below). So the serial loads were
 # not what holds the summing block back; what does is still open. The first panel of the next section's
 # figure is the current kernel's timeline: its summing blocks still finish well after everyone's steps.
+#
+# The newest probe (the table's last rows) spreads the finish over the row-group instead of leaving it to
+# one block while the other SMs idle. Every block of a row-group counts itself in at a counter, waits until
+# all the row-group's K-slices have counted (one thread polls with an acquire load, sleeping briefly between
+# reads), sums its own share of the rows (1 / K-split of them; several threads a row quad where there are
+# many K-slices, their sums added in shared memory in slice order), and counts out; the last block out
+# resets both counters, so the launch replays in a CUDA graph. A block that waits for others needs them
+# all to be running, so the planner offers it only where the grid is one wave (row-groups x K-slices at
+# most the SM count) and the tuner times it beside the one-block and two-level finishes. The probe checked
+# its spread plans against float64 first, including three launches in a row of one layer (a later launch
+# waits only if the counters reset), then timed the finishes interleaved (five rounds). The spread finish
+# won at every 8192-main layer it timed with 14336 or 8192 outputs, most where the K-split is widest, and
+# lost at 1024 x 14336 and at 4096 x 28672 with 4096+256. Why it lost there is not yet known: at the
+# latter the one summing block reads as many bytes as at the 8192+512 layer of that shape, where spreading won.
 
 # %% mystnb={"figure": {"caption": "One launch of the tensor-core table kernel at 4096 x 28672 (4096+256, H200), a bar a block, for each finish the probes timed (the probe's commit in brackets). Grey: prologue; blue: table steps; then the finish: light grey where the block only wrote its partial, orange where it summed a run of K-slices, red where it summed the partials into y. Instrumented launches with the words partly L2-resident, so shorter than the CUDA-graph timings. Random weights.", "name": "fig-residual-timeline"}}
 report.fig_residual_timeline(folder)

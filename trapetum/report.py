@@ -2536,12 +2536,14 @@ def residual_buffers_trial(folder=None) -> pd.DataFrame:
 
 
 # The residual table kernel's K-split finish (session 65): three probes, each timing its variants in one process.
-RESIDUAL_FINISH_PROBES = ("_runs/residual-fin-probe-*.json", "_runs/residual-rb-probe-*.json", "_runs/residual-fan-probe-*.json")
+RESIDUAL_FINISH_PROBES = ("_runs/residual-fin-probe-*.json", "_runs/residual-rb-probe-*.json", "_runs/residual-fan-probe-*.json",
+                          "_runs/residual-spread-probe-*.json")
 TABLE_FINISH_V3 = "v3: 4-byte loads, 1 slice a round"
 TABLE_FINISH_WIDE = "16-byte loads, 4 slices a round"
 TABLE_FINISH_WIDE8 = "16-byte loads, 8 slices a round"
 TABLE_FINISH_TWO = "two levels (runs of 4)"
-TABLE_FINISHES = (TABLE_FINISH_V3, TABLE_FINISH_WIDE, TABLE_FINISH_WIDE8, TABLE_FINISH_TWO)
+TABLE_FINISH_SPREAD = "spread over the row-group's blocks"
+TABLE_FINISHES = (TABLE_FINISH_V3, TABLE_FINISH_WIDE, TABLE_FINISH_WIDE8, TABLE_FINISH_TWO, TABLE_FINISH_SPREAD)
 
 
 def _finish_variant(r: dict) -> str | None:
@@ -2556,6 +2558,8 @@ def _finish_variant(r: dict) -> str | None:
     finish = r.get("finish", {True: "wide", False: "rows"}.get(r.get("wide")))  # (the first probe's timelines say "wide")
     if finish == "rows":
         v = TABLE_FINISH_V3
+    elif finish == "spread":
+        v = TABLE_FINISH_SPREAD
     elif finish == "wide" or r.get("finish_loads") == 8 or r.get("fanin") == 64:
         v = TABLE_FINISH_WIDE  # (fanin 64: one level for every K-split the probe timed)
     elif r.get("finish_loads") == 16:
