@@ -13,7 +13,7 @@ from trapetum import gemv
 from trapetum.bench import TOLERANCE
 from trapetum.codebook import CodebookFormatError
 from trapetum.gemv import max_rel_err
-from trapetum.residual import (ResidualGemv, ResidualTensor, candidate_plans, pack_indices, plan_residual, quantize_residual,
+from trapetum.residual import (FORCED_PLANS, ResidualGemv, ResidualTensor, candidate_plans, pack_indices, plan_residual, quantize_residual,
                                random_residual_tensor, reference, skew_indices, unpack_indices)
 
 pytestmark = pytest.mark.skipif(
@@ -392,6 +392,13 @@ def test_the_planner_picks_the_table_kernel_where_its_table_fits():
     from trapetum.residual import _fits
     assert _fits(dict(kind="table", build="mma", G=8, main="shared"), 1024, 1000, 4096, 256, 1, False)
     assert not _fits(dict(kind="table", build="mma", G=8, main="shared"), 1024, 1000, 8192, 512, 1, False)
+    # the sweep's forced plans on the GPU it runs on: the spread plan (2 row-groups x 8 K-slices at 1024 x 1000)
+    # skipped where that grid is more than one wave, a banked plan with both codebooks in shared memory where a
+    # block has 99 KiB (sm_86)
+    spread = next(p for p in FORCED_PLANS if p.get("spread"))
+    assert _fits(spread, 1024, 1000, 4096, 256, 1, False) and not _fits(spread, 1024, 1000, 4096, 256, 1, False, sms=12)
+    banked = next(p for p in FORCED_PLANS if p.get("build") == "banked" and p.get("main") == "shared")
+    assert _fits(banked, 1024, 1000, 4096, 256, 1, False) and not _fits(banked, 1024, 1000, 4096, 256, 1, False, budget=99 * 1024)
     for bad, match in ((dict(build="mma", main="registers"), "shared memory"), (dict(build="wmma"), "build")):
         with pytest.raises(ValueError, match=match):
             plan_residual(4096, 16, 4096, 256, 1, **bad, **kw)

@@ -2227,18 +2227,20 @@ FORCED_PLANS = (dict(main="shared", ksplit=1, RB=2, warps=4), dict(main="global"
                 dict(kind="table", build="banked", RB=7, warps=16, ksplit=3, main="shared"),
                 dict(kind="table", build="banked", RB=2, warps=8, ksplit=6, main="global", fanin=4),
                 dict(kind="table", build="banked", G=8, RB=4, warps=16, ksplit=3, main="global"),  # (8192 centroids too)
-                # the finish spread over a row-group's blocks: 11-12 K-slices, two threads a row quad, the last block's
-                # share short (one wave only: where the layer has more than 132 / 11 row-groups the sweep skips it)
+                # the finish spread over a row-group's blocks: up to 12 K-slices (two threads a row quad past 8), the last
+                # block's share short (one wave only: the sweep skips it where the grid is more than one wave)
                 dict(kind="table", build="banked", RB=2, warps=8, ksplit=12, main="global", spread=True),
                 # the split kernel's lane splits: groups of 16 rows over two warps; of 8 rows, one warp, walking blocks
                 dict(kind="split", lanes=2, warps=2, rc=2), dict(kind="split", lanes=4, warps=1, blocks=5))
 
 
-def _fits(plan: dict, n_in: int, n_out: int, Nm: int, Nr: int, B: int, norm: bool) -> bool:
-    """Whether a forced plan can be made for this layer on an H100-sized block (G = 8 tables do not
-    fit beside 8192 centroids: that is the planner's refusal, not a kernel failure)."""
+def _fits(plan: dict, n_in: int, n_out: int, Nm: int, Nr: int, B: int, norm: bool, sms: int = 132,
+          budget: int = OPTIN_SIM) -> bool:
+    """Whether a forced plan can be made for this layer on a GPU of ``sms`` SMs and ``budget`` bytes of
+    shared memory a block (by default an H100's): G = 8 tables do not fit beside 8192 centroids, and a
+    spread finish needs a one-wave grid; that is the planner's refusal, not a kernel failure."""
     try:
-        plan_residual(n_out, n_in // CHUNK, Nm, Nr, B, 132, norm, OPTIN_SIM, **plan)
+        plan_residual(n_out, n_in // CHUNK, Nm, Nr, B, sms, norm, budget, **plan)
         return True
     except ValueError:
         return False
@@ -2256,7 +2258,8 @@ def correctness_sweep(shapes, configs=((4096, 256), (8192, 512)), batches=(1, 2,
     if forced:  # every plan knob, each one a kernel to compile
         forced_jobs = [(shapes[0], c, 1 if p.get("kind") == "table" else 3, bool(k % 2) if len(norms) > 1 else norms[0], p)
                        for c in configs for k, p in enumerate(FORCED_PLANS)]
-        jobs += [(s, c, b, nm, p) for s, c, b, nm, p in forced_jobs if _fits(p, *s, *c, b, nm)]
+        where = (OPTIN_SIM, 132) if SIM else (shared_budget(torch.device(device)), sm_count(torch.device(device)))
+        jobs += [(s, c, b, nm, p) for s, c, b, nm, p in forced_jobs if _fits(p, *s, *c, b, nm, sms=where[1], budget=where[0])]
     recs, failures = [], []
     for i, ((n_in, n_out), (Nm, Nr), b, nm, plan) in enumerate(tqdm(jobs, desc="residual correctness", disable=not progress)):
         try:
