@@ -848,9 +848,13 @@ def test_residual_bank_g8_sets_the_new_build_beside_the_old_and_split(tmp_path):
 def test_residual_choices_and_versions_name_the_banked_table():
     df = pd.DataFrame([{"grid": "residual", "time_ms": 0.03, "speedup": 1.9, "in_features": 4096, "out_features": n, "main_centroids": 4096,
                         "residual_centroids": 256, "variant": v, "build": b, "main_placement": "shared", "gpu": "NVIDIA H200"}
-                       for n, v, b in ((28672, "table", "banked"), (14336, "table", "mma"), (1024, "split", None))])
+                       | ({"spread": sp} if sp is not None else {})
+                       for n, v, b, sp in ((28672, "table", "banked", None), (14336, "table", "mma", None), (1024, "split", None, None),
+                                           (8192, "table", "banked", True), (4096, "table", "banked", False))])
     c = report.residual_choices(df).set_index("kernel chosen")
-    assert c.loc["table, banked fp16 (v6), codebook in shared", "out 28672"] == 1
+    assert c.loc["table, banked fp16 (v6), codebook in shared", "out 28672"] == 1  # (a record from before spread was recorded)
+    assert c.loc["table, banked fp16 (v6), codebook in shared", "out 4096"] == 1
+    assert c.loc["table, banked fp16 (v6), finish spread, codebook in shared", "out 8192"] == 1
     assert c.loc["table, built on tensor cores, codebook in shared", "out 14336"] == 1
     assert report._residual_kernel_label(df) == "per shape: split or table (tensor-core or banked fp16), tuned"
 
