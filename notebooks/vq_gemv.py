@@ -199,7 +199,7 @@ report.styled(report.residual_versions(folder))
 # 1024 inputs and 28672 or more outputs; since its build issued more codebook loads at once (below),
 # it takes every 8192-main layer of 14336 outputs or more but those of 1024 inputs and 14336 outputs.
 # Since the K-split finish could be spread over a row-group's blocks (below), the 8192-main layers re-run
-# with it mostly pick that finish ("finish spread" in the table), and it also took most of their 8192-output
+# with it mostly pick that finish ("finish spread" in the table), and it took some of their 8192-output
 # layers from the split kernel.
 # NOTES.md has each version's prediction and why it missed.
 #
