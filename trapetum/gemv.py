@@ -250,7 +250,7 @@ if SIM:
         # k: the waiting loop's count. The simulator's blocks are Python threads: let the others run.
         time.sleep(1e-3)
         if k * 1e-3 > SPIN_LIMIT_S:
-            raise RuntimeError("a block waited over 300 s for the other K-slices of its row-group: in the simulator "
+            raise RuntimeError(f"a block waited over {SPIN_LIMIT_S:.0f} s for the other K-slices of its row-group: in the simulator "
                                "a spread finish runs only under tests/sim_scheduler.concurrent_grid(), which runs a "
                                "launch's blocks at once (it otherwise runs them one after another)")
 

@@ -1566,7 +1566,7 @@ def residual_choices(df: pd.DataFrame) -> pd.DataFrame:
     b = build.astype(object)
     built = np.where(b == "mma", ", built on tensor cores", np.where(b == "banked", ", banked fp16 (v6)", ""))
     spread = d["spread"] if "spread" in d else pd.Series(np.nan, index=d.index)
-    built = built + np.where(spread.astype(object) == True, ", finish spread", "")  # noqa: E712 (NaN where not recorded)
+    built = built + np.where(spread.eq(True), ", finish spread", "")  # (NaN where not recorded)
     d["kernel chosen"] = d["variant"].fillna("gather") + built + ", codebook in " + placement.fillna("(not recorded)").astype(str)
     d["GPU"] = d["gpu"].map(gpu_label) if "gpu" in d else "(not recorded)"
     t = d.pivot_table(index=["GPU", "kernel chosen"], columns="out_features", values="speedup", aggfunc="size", fill_value=0)

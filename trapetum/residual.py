@@ -78,15 +78,21 @@ def _finish_runs(nsplit, fanin):
     return (nsplit + fanin - 1) // fanin if 0 < fanin < nsplit else 0
 
 
+def _finish_counters(groups, nsplit, fanin, spread):
+    """Counters of a table-kernel launch's finish: one a row-group, then one a row-group's run of ``fanin``
+    K-slices, or under ``spread`` a second one a row-group (its blocks counting out). The kernel's timeline
+    stamps follow them."""
+    return groups * (1 + _finish_runs(nsplit, fanin) + (1 if spread else 0))
+
+
 def finish_sizes(ksplit: int, groups: int, fanin: int = 0, spread: bool = False) -> tuple[int, int]:
     """(slices of ws, counters) a table-kernel launch needs: the K-slices' partials and the level-one
-    sums' slots; a counter a row-group and a counter a row-group's run of ``fanin`` K-slices, or under
-    ``spread`` a second counter a row-group (its blocks counting out)."""
-    runs = _finish_runs(ksplit, fanin)
-    return ksplit + runs, groups * (1 + runs + bool(spread))
+    sums' slots, and :func:`_finish_counters`."""
+    return ksplit + _finish_runs(ksplit, fanin), _finish_counters(groups, ksplit, fanin, spread)
 
 
 finish_runs = cuda.jit(device=True, **INLINE)(_finish_runs)
+finish_counters = cuda.jit(device=True, **INLINE)(_finish_counters)
 
 
 def index_bits(Nm: int, Nr: int) -> tuple[int, int]:
@@ -1270,7 +1276,7 @@ def residual_table_kernel(Nm: int, Nr: int, B: int, warps: int, RB: int, G: int,
     @cuda.jit(device=True, **INLINE)
     def stamp(counters, k, v):
         if cuda.threadIdx.x == 0:  # after the finish's counters (see finish_sizes)
-            base = cuda.gridDim.x * (1 + finish_runs(cuda.gridDim.y, fanin) + (1 if spread else 0))
+            base = finish_counters(cuda.gridDim.x, cuda.gridDim.y, fanin, spread)
             counters[base + STAMPS * (cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x) + k] = int32(v)
 
     @cuda.jit(device=True, **INLINE)
@@ -2258,8 +2264,9 @@ def correctness_sweep(shapes, configs=((4096, 256), (8192, 512)), batches=(1, 2,
     if forced:  # every plan knob, each one a kernel to compile
         forced_jobs = [(shapes[0], c, 1 if p.get("kind") == "table" else 3, bool(k % 2) if len(norms) > 1 else norms[0], p)
                        for c in configs for k, p in enumerate(FORCED_PLANS)]
-        where = (OPTIN_SIM, 132) if SIM else (shared_budget(torch.device(device)), sm_count(torch.device(device)))
-        jobs += [(s, c, b, nm, p) for s, c, b, nm, p in forced_jobs if _fits(p, *s, *c, b, nm, sms=where[1], budget=where[0])]
+        dev = torch.device(device)
+        sms, budget = 132 if SIM else sm_count(dev), shared_budget(dev)  # (the simulator plans as an H100)
+        jobs += [(s, c, b, nm, p) for s, c, b, nm, p in forced_jobs if _fits(p, *s, *c, b, nm, sms=sms, budget=budget)]
     recs, failures = [], []
     for i, ((n_in, n_out), (Nm, Nr), b, nm, plan) in enumerate(tqdm(jobs, desc="residual correctness", disable=not progress)):
         try:
